@@ -1,0 +1,32 @@
+"""Gateway settings: one immutable object handed to the app factory (no globals)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from streams.definitions import DEFAULT_TOPOLOGY, Topology
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    nats_url: str
+    redis_url: str
+    models: tuple[str, ...] = ("sim-8b",)
+    embedding_models: tuple[str, ...] = ("sim-embed",)
+    gateway_id: str = field(default_factory=lambda: f"gw{uuid.uuid4().hex[:10]}")
+    default_timeout_s: float = 120.0
+    max_timeout_s: float = 600.0
+    # After the first token, this long without a frame (tokens or heartbeats)
+    # means the worker is gone: the client gets ``stream_interrupted``.
+    heartbeat_timeout_s: float = 3.0
+    # A streaming response is committed (200 + headers) at the first frame, or
+    # after this long in the queue; from then on errors arrive as SSE events.
+    commit_after_s: float = 5.0
+    keepalive_s: float = 10.0
+    default_max_tokens: int = 512  # worst case for admission when the body sets none
+    # Engine-facing request headers passed through to workers (route policy).
+    # Off by default; ``jetserve up`` and the tests allow the simulator's ``x-sim-``.
+    forward_header_prefixes: tuple[str, ...] = ()
+    key_cache_s: float = 1.0  # a revoked key dies on every replica within this
+    topology: Topology = DEFAULT_TOPOLOGY

@@ -1,0 +1,117 @@
+"""OpenAI-compatible HTTP routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.dispatch import Event, error_from_frame
+from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.service import Admitted, Gateway
+from gateway.sse import (
+    ClientGone,
+    EventStreamResponse,
+    client_events,
+    race_disconnect,
+    sse_body,
+)
+from streams.wire import ErrorFrame, Op
+
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(body), status, headers, media_type="application/json")
+
+
+def error_response(exc: GatewayError) -> Response:
+    return json_response(exc.body(), exc.status, exc.headers())
+
+
+def gateway_of(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def _first_event(gw: Gateway, adm: Admitted) -> Event | None:
+    """The event that commits a streaming response, or None when the commit
+    timer fires first (then keep-alives hold the connection open)."""
+    try:
+        return await adm.stream.next_event(gw.cfg.heartbeat_timeout_s, gw.cfg.commit_after_s)
+    except TimeoutError:
+        return None
+
+
+async def _serve(request: Request, op: Op) -> Response:
+    gw = gateway_of(request)
+    adm = await gw.admit(op, await request.body(), request.headers)
+    headers = {"X-Request-Id": adm.request_id}
+    try:
+        if not adm.wants_stream or op == "embedding":
+            result = await race_disconnect(request.receive, gw.collect(adm))
+            return json_response(gw.render(adm, result), headers=headers)
+        first = await race_disconnect(request.receive, _first_event(gw, adm))
+        if isinstance(first, ErrorFrame):
+            raise error_from_frame(first)
+    except ClientGone:
+        await gw.abandon(adm)
+        return Response(status_code=499)  # nobody reads it; for the access log
+    except GatewayError as exc:
+        gw.fail(adm, exc)
+        return error_response(exc)
+    body = sse_body(client_events(gw, adm, first))
+    return EventStreamResponse(body, lambda: gw.abandon(adm), headers)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completion")
+
+
+async def embeddings(request: Request) -> Response:
+    return await _serve(request, "embedding")
+
+
+async def list_models(request: Request) -> Response:
+    gw = gateway_of(request)
+    await gw.keys.authenticate(request.headers.get("authorization"))
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "jetserve"} for m in gw.models()]
+    return json_response({"object": "list", "data": data})
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    checks: dict[str, bool] = await request.app.state.readiness()
+    ok = all(checks.values())
+    return json_response({"ready": ok, "checks": checks}, 200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    await request.app.state.refresh_queue_depth()
+    gw = gateway_of(request)
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def on_gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"Unknown path {request.url.path}", code="not_found"))
+    err = BadRequest(str(exc.detail), code="method_not_allowed", status=exc.status_code)
+    return error_response(err)

@@ -1,0 +1,259 @@
+"""OpenAI request validation and response rendering.
+
+Bodies are validated with msgspec against the fields jetserve reads; fields it
+does not know pass through untouched to the engine (as vLLM accepts them).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from gateway.errors import BadRequest
+from streams.wire import Usage
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _Common(msgspec.Struct):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1  # one choice per request, as our frames carry
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] = []
+    max_completion_tokens: PositiveInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    # A string, a batch of strings, token ids, or a batch of token-id lists.
+    prompt: str | list[str | int | list[int]] = ""
+
+
+class EmbeddingRequest(msgspec.Struct):
+    model: str
+    input: str | list[str | int | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+
+
+Parsed = ChatRequest | CompletionRequest | EmbeddingRequest
+ParsedType = type[ChatRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+
+
+def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
+    """Decode and validate; returns the typed view and the raw dict to forward."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object.")
+    try:
+        typed: Parsed = msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise BadRequest(f"Invalid request: {text}", param=param) from exc
+    if isinstance(typed, ChatRequest) and not typed.messages:
+        raise BadRequest("'messages' must contain at least one message.", param="messages")
+    return typed, body
+
+
+def _text_len(content: object) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(_text_len(part.get("text", "")) for part in content if isinstance(part, dict))
+    return 0
+
+
+def _input_len(inp: str | list[str | int | list[int]]) -> int:
+    if isinstance(inp, str):
+        return len(inp)
+    return sum(
+        len(x) if isinstance(x, str) else 4 * len(x) if isinstance(x, list) else 4 for x in inp
+    )
+
+
+def estimate_prompt_tokens(req: Parsed) -> int:
+    """A cheap upper-ish estimate (4 chars/token) for KV admission only, never for billing."""
+    if isinstance(req, ChatRequest):
+        chars = sum(_text_len(m.content) + 8 for m in req.messages)
+    elif isinstance(req, CompletionRequest):
+        chars = len(req.prompt) if isinstance(req.prompt, str) else 4 * len(req.prompt)
+    else:
+        inp = req.input
+        chars = (
+            len(inp)
+            if isinstance(inp, str)
+            else sum(len(x) if isinstance(x, str) else 4 for x in inp)
+        )
+    return chars // 4 + 1
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def merge_tool_calls(acc: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Fold streamed tool-call deltas (by index) into complete tool calls."""
+    for d in deltas:
+        idx = int(d.get("index", len(acc)))
+        while len(acc) <= idx:
+            acc.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call = acc[idx]
+        if d.get("id"):
+            call["id"] = d["id"]
+        if d.get("type"):
+            call["type"] = d["type"]
+        fn = d.get("function") or {}
+        if fn.get("name"):
+            call["function"]["name"] += fn["name"]
+        if fn.get("arguments"):
+            call["function"]["arguments"] += fn["arguments"]
+
+
+class ChunkWriter:
+    """Renders OpenAI stream chunks for one request (chat or completion)."""
+
+    def __init__(self, op: str, request_id: str, model: str) -> None:
+        self.chat = op == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.model = model
+        self.created = int(time.time())
+        self._role_sent = False
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def delta(
+        self, text: str, tool_calls: list[dict[str, Any]] | None, finish_reason: str | None
+    ) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not self.chat:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return [self._chunk([choice])]
+        if not self._role_sent:
+            self._role_sent = True
+            role = {"role": "assistant", "content": ""}
+            out.append(
+                self._chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
+            )
+        delta: dict[str, Any] = {}
+        if text:
+            delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        out.append(
+            self._chunk(
+                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            )
+        )
+        return out
+
+    def finish(self, finish_reason: str) -> dict[str, Any]:
+        """A closing chunk, when the last token frame did not carry the reason."""
+        if self.chat:
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return self._chunk([], usage=usage_json(usage))
+
+
+def completion_response(
+    op: str,
+    request_id: str,
+    model: str,
+    text: str,
+    tool_calls: list[dict[str, Any]],
+    finish_reason: str,
+    usage: Usage,
+) -> dict[str, Any]:
+    created = int(time.time())
+    if op == "chat":
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if text or not tool_calls else None,
+        }
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(usage),
+    }
+
+
+def _base64_floats(vector: list[float]) -> str:
+    """OpenAI's base64 encoding: little-endian float32 (what the SDK asks for by default)."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+def embeddings_response(
+    model: str, vectors: list[list[float]], usage: Usage, encoding: str = "float"
+) -> dict[str, Any]:
+    data: list[dict[str, Any]] = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": _base64_floats(v) if encoding == "base64" else v,
+        }
+        for i, v in enumerate(vectors)
+    ]
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+    }

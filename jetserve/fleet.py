@@ -1,0 +1,247 @@
+"""A whole jetserve fleet as real processes on loopback: nats-server,
+redis-server, the engine simulator, a gateway and N workers.
+
+``jetserve up`` runs one for people; the connected test tier runs them for
+tests (killing and restarting members to prove the failure rules).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import redis.asyncio as aioredis
+
+from gateway.keys import KeyStore
+from jetserve.services import Service, ServiceError, free_port, start_nats, start_redis, wait_port
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.subjects import RequestClass
+
+T = TypeVar("T")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from sync code, even under a running loop
+    (a fleet is driven from async tests too): on a thread of its own."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+@dataclass
+class FleetSpec:
+    workers: int = 2
+    gateway_port: int = 0
+    profile: str = "fast"
+    api_key: str | None = None
+    tenant: str = "demo"
+    model: str = "sim-8b"
+    sim_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    # The simulator's fault hooks (X-Sim-*) pass through: demos and tests only.
+    forward_header_prefix: str = "x-sim-"
+    log_level: str = "warning"
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    proc: subprocess.Popen[bytes]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Fleet:
+    def __init__(self, spec: FleetSpec | None = None) -> None:
+        self.spec = spec or FleetSpec()
+        self.workdir = Path(tempfile.mkdtemp(prefix="jetserve-fleet-"))
+        self.nats: Service | None = None
+        self.redis: Service | None = None
+        self.sim: Proc | None = None
+        self.gateway: Proc | None = None
+        self.workers: list[Proc] = []
+        self.sim_port = 0
+        self.gateway_port = 0
+        self.api_key = ""
+
+    # -- addresses ---------------------------------------------------------
+    @property
+    def nats_url(self) -> str:
+        assert self.nats is not None
+        return f"nats://127.0.0.1:{self.nats.port}"
+
+    @property
+    def redis_url(self) -> str:
+        assert self.redis is not None
+        return f"redis://127.0.0.1:{self.redis.port}/0"
+
+    @property
+    def sim_url(self) -> str:
+        return f"http://127.0.0.1:{self.sim_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    # -- lifecycle ---------------------------------------------------------
+    def _spawn(self, name: str, *args: str) -> Proc:
+        cmd = [sys.executable, "-m", "jetserve", "--log-level", self.spec.log_level, *args]
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            log.close()
+        return Proc(name, cmd, proc)
+
+    def start(self) -> Fleet:
+        try:
+            self.nats = start_nats(self.workdir / "nats")
+            self.redis = start_redis(self.workdir / "redis")
+            self.start_sim()
+            self.start_gateway()
+            self.api_key = _run(self._create_key())
+            for _ in range(self.spec.workers):
+                self.start_worker(wait=False)
+            self.wait_workers(self.spec.workers)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_sim(self) -> None:
+        self.sim_port = self.sim_port or free_port()
+        self.sim = self._spawn(
+            "sim",
+            "sim",
+            "--port",
+            str(self.sim_port),
+            "--profile",
+            self.spec.profile,
+            "--model",
+            self.spec.model,
+            *self.spec.sim_args,
+        )
+        wait_port(self.sim_port, 20.0, self.sim.proc)
+
+    def start_gateway(self) -> None:
+        self.gateway_port = self.gateway_port or self.spec.gateway_port or free_port()
+        self.gateway = self._spawn(
+            "gateway",
+            "gateway",
+            "--nats",
+            self.nats_url,
+            "--redis",
+            self.redis_url,
+            "--port",
+            str(self.gateway_port),
+            "--models",
+            self.spec.model,
+            "--forward-header-prefix",
+            self.spec.forward_header_prefix,
+            *self.spec.gateway_args,
+        )
+        self._wait_ready(self.gateway)
+
+    def _wait_ready(self, gw: Proc, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if gw.proc.poll() is not None:
+                raise ServiceError(f"gateway exited ({gw.proc.returncode}); see {self.workdir}")
+            try:
+                if httpx.get(f"{self.base_url}/readyz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise ServiceError(f"gateway not ready after {timeout}s; see {self.workdir}")
+
+    def start_worker(self, *extra: str, wait: bool = True) -> Proc:
+        n = len(self.workers)
+        worker = self._spawn(
+            f"worker{n}",
+            "worker",
+            "--nats",
+            self.nats_url,
+            "--engine",
+            self.sim_url,
+            "--worker-id",
+            f"worker{n}-{int(time.time() * 1000) % 100000}",
+            *self.spec.worker_args,
+            *extra,
+        )
+        self.workers.append(worker)
+        if wait:
+            self.wait_workers(sum(1 for w in self.workers if w.proc.poll() is None))
+        return worker
+
+    def wait_workers(self, n: int, timeout: float = 30.0) -> None:
+        """Until n pull requests wait on the interactive consumer: workers are live."""
+        _run(self._wait_pulls(n, limit_s=timeout))
+
+    async def _wait_pulls(self, n: int, limit_s: float) -> None:
+        nc = await connect(self.nats_url, "fleet-probe")
+        try:
+            js = nc.jetstream()
+            end = time.monotonic() + limit_s
+            name = DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE)
+            while time.monotonic() < end:
+                try:
+                    info = await js.consumer_info(DEFAULT_TOPOLOGY.stream, name)
+                    if (info.num_waiting or 0) >= n:
+                        return
+                except Exception:  # noqa: BLE001 - not provisioned yet: keep polling
+                    pass
+                await asyncio.sleep(0.05)
+            raise ServiceError(f"{n} workers not pulling after {limit_s}s; see {self.workdir}")
+        finally:
+            await nc.close()
+
+    async def _create_key(self) -> str:
+        rds = aioredis.Redis.from_url(self.redis_url)
+        try:
+            key, _ = await KeyStore(rds).create(self.spec.tenant, self.spec.api_key)
+        finally:
+            await rds.aclose()
+        return key
+
+    def stop(self) -> None:
+        # Workers first (they drain), then the gateway, then the engine and the bus.
+        for w in self.workers:
+            w.stop()
+        for p in (self.gateway, self.sim):
+            if p is not None:
+                p.stop()
+        for s in (self.redis, self.nats):
+            if s is not None:
+                s.stop()
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

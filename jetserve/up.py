@@ -1,0 +1,80 @@
+"""``jetserve up``: the embedded default fleet on loopback, for people."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+
+import httpx
+
+from jetserve.fleet import Fleet, FleetSpec
+
+
+def self_check(fleet: Fleet) -> str:
+    """One real request through gateway -> NATS -> worker -> simulator."""
+    response = httpx.post(
+        f"{fleet.base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {fleet.api_key}"},
+        json={
+            "model": fleet.spec.model,
+            "messages": [{"role": "user", "content": "Say hello to jetserve."}],
+            "max_tokens": 24,
+        },
+        timeout=30.0,
+    )
+    response.raise_for_status()
+    body = response.json()
+    text: str = body["choices"][0]["message"]["content"]
+    u = body["usage"]
+    return f"{text!r}  (usage: {u['prompt_tokens']} prompt + {u['completion_tokens']} completion)"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    spec = FleetSpec(
+        workers=args.workers, gateway_port=args.port, profile=args.profile, api_key=args.api_key
+    )
+    print(
+        "jetserve up: starting nats-server, redis-server, simulator, gateway and "
+        f"{spec.workers} workers on 127.0.0.1 ...",
+        flush=True,
+    )
+    started = time.monotonic()
+    fleet = Fleet(spec).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        print(f"ready in {time.monotonic() - started:.1f}s (logs: {fleet.workdir})\n")
+        print(f"  base URL : {fleet.base_url}/v1")
+        print(f"  API key  : {fleet.api_key}")
+        print(f"  model    : {spec.model} (simulated, profile {spec.profile})")
+        print(f"  NATS     : {fleet.nats_url}    Redis: {fleet.redis_url}")
+        print(f"  metrics  : {fleet.base_url}/metrics\n")
+        print("try:\n")
+        print(
+            f"  curl -sN {fleet.base_url}/v1/chat/completions \\\n"
+            f"    -H 'Authorization: Bearer {fleet.api_key}' \\\n"
+            "    -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{spec.model}", "stream": true, '
+            f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
+        )
+        print(f"self-check: {self_check(fleet)}\n", flush=True)
+        if args.check:
+            return 0
+        print("serving; Ctrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            dead = [
+                p.name
+                for p in (fleet.gateway, fleet.sim, *fleet.workers)
+                if p is not None and p.proc.poll() is not None
+            ]
+            if dead:
+                print(f"stopping: {', '.join(dead)} exited (logs: {fleet.workdir})")
+                return 1
+        return 0
+    finally:
+        print("stopping ...", flush=True)
+        fleet.stop()
+        print("stopped.")

@@ -1,0 +1,27 @@
+"""NATS connection helper shared by every process."""
+
+from __future__ import annotations
+
+import logging
+
+import nats
+from nats.aio.client import Client
+
+log = logging.getLogger(__name__)
+
+
+async def connect(url: str, name: str) -> Client:
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats %s: %s", name, exc)
+
+    async def on_disconnect() -> None:
+        log.warning("nats %s: disconnected", name)
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,  # ride out a nats-server restart
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+    )

@@ -1,0 +1,15 @@
+"""NATS header names that jetserve reads or writes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Header(StrEnum):
+    MSG_ID = "Nats-Msg-Id"  # JetStream dedupe key: the request id
+    TRACEPARENT = "traceparent"
+    TRACESTATE = "tracestate"
+    DEADLINE = "Jetserve-Deadline"  # absolute unix seconds, mirrors the payload for routing
+    TENANT = "Jetserve-Tenant"
+    API_KEY = "Authorization"  # NATS-native ingress: "Bearer sk-..."
+    CONTENT_TYPE = "Content-Type"

@@ -1,0 +1,29 @@
+"""Idempotent provisioning: every process calls ``ensure_topology`` at start-up;
+the first creates, the rest find what they need (or update it in place)."""
+
+from __future__ import annotations
+
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.errors import ProvisioningError
+
+
+async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> None:
+    want = topo.stream_config()
+    try:
+        await js.stream_info(topo.stream)
+    except NotFoundError:
+        try:
+            await js.add_stream(want)
+        except APIError as exc:  # a concurrent creator may have won the race
+            try:
+                await js.stream_info(topo.stream)
+            except NotFoundError:
+                raise ProvisioningError(f"cannot create stream {topo.stream}: {exc}") from exc
+    else:
+        await js.update_stream(want)
+    for cls in topo.classes:
+        # Creating a durable with a config is create-or-update on nats-server >= 2.10.
+        await js.add_consumer(topo.stream, topo.consumer_config(cls))

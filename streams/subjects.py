@@ -1,0 +1,43 @@
+"""Subject names: the one place that spells them.
+
+Request classes map to subjects of one work-queue stream; replies, cancels and
+the NATS-native ingress have their own (core NATS) subject spaces.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+PREFIX = "jetserve"
+
+
+class RequestClass(StrEnum):
+    """Request classes, each a subject (and a durable consumer) of the work-queue stream."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+    EMBED = "embed"
+
+
+def request_subject(cls: RequestClass | str) -> str:
+    return f"{PREFIX}.req.{RequestClass(cls).value}"
+
+
+def reply_subject(gateway_id: str, request_id: str) -> str:
+    """Where a worker sends frames for one request: one gateway subscription covers all."""
+    return f"{PREFIX}.reply.{gateway_id}.{request_id}"
+
+
+def reply_wildcard(gateway_id: str) -> str:
+    return f"{PREFIX}.reply.{gateway_id}.*"
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"{PREFIX}.cancel.{request_id}"
+
+
+# NATS-native ingress: a service sends an OpenAI-shaped body as a NATS request here
+# (service API style) instead of calling the HTTP gateway.
+INGRESS_CHAT = f"{PREFIX}.api.chat"
+INGRESS_COMPLETIONS = f"{PREFIX}.api.completions"
+INGRESS_EMBEDDINGS = f"{PREFIX}.api.embeddings"

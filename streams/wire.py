@@ -1,0 +1,135 @@
+"""Wire messages: frozen, tagged msgspec Structs, JSON on the wire.
+
+Each subject space carries one type or one tagged union:
+
+- ``jetserve.req.<class>`` (JetStream work queue): :class:`InferenceRequest`
+- the reply subject named in a request: :data:`Frame` =
+  :class:`Token` | :class:`Heartbeat` | :class:`Final` | :class:`ErrorFrame`
+- ``jetserve.cancel.<id>``: :class:`Cancel`
+
+Schema evolution: a new field must have a default, so older peers keep decoding.
+Encoders and decoders are built once, here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Op = Literal["chat", "completion", "embedding"]
+
+
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults=True):
+    """One inference request as published by an ingress onto a class subject.
+
+    ``body`` is the OpenAI request body the client sent (validated by the ingress);
+    the worker hands it to its engine adapter. ``deadline`` is absolute (unix
+    seconds) and never refreshed by a retry.
+    """
+
+    id: str
+    op: Op
+    cls: str
+    model: str
+    body: dict[str, Any]
+    reply: str
+    deadline: float
+    tenant: str = ""
+    key_id: str = ""
+    traceparent: str = ""
+    prompt_tokens_est: int = 0  # the ingress' estimate, for KV admission
+    max_tokens: int = 0  # worst-case output tokens, for KV admission
+    created: float = 0.0
+    # Engine-facing headers the route allows through (e.g. simulator fault hooks).
+    headers: dict[str, str] = {}
+
+
+class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
+    """A delta of generated output. ``seq`` starts at 1 and has no gaps."""
+
+    seq: int
+    text: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    # Set on the delta that ends a choice, as vLLM does; the Final frame repeats it.
+    finish_reason: str | None = None
+    # Delivery number of the request message that produced this frame: after a
+    # redelivery the receiver keeps to the attempt that emitted the first token.
+    attempt: int = 1
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """Sent while a request is alive but quiet; ``seq`` is the last token's seq."""
+
+    seq: int
+    at: float
+    attempt: int = 1
+
+
+class Final(msgspec.Struct, frozen=True, tag="final", omit_defaults=True):
+    """The last frame of a successful request."""
+
+    seq: int
+    finish_reason: str
+    usage: Usage
+    model: str = ""
+    worker: str = ""
+    embeddings: list[list[float]] | None = None  # op == "embedding"
+    attempt: int = 1  # delivery number of the request message (1 = first try)
+    ttft_ms: float = 0.0
+    engine_ms: float = 0.0
+
+
+class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
+    """The last frame of a failed request.
+
+    ``status`` is the HTTP status the gateway should answer with (before the
+    first token); ``retryable`` tells a caller whether sending again may succeed.
+    """
+
+    seq: int
+    code: str
+    message: str
+    retryable: bool = False
+    status: int = 500
+    attempt: int = 1
+
+
+Frame = Token | Heartbeat | Final | ErrorFrame
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel", omit_defaults=True):
+    id: str
+    reason: str = "client_disconnected"
+
+
+_encoder = msgspec.json.Encoder()
+_request_decoder = msgspec.json.Decoder(InferenceRequest)
+_frame_decoder = msgspec.json.Decoder(Frame)
+_cancel_decoder = msgspec.json.Decoder(Cancel)
+
+
+def encode(msg: InferenceRequest | Token | Heartbeat | Final | ErrorFrame | Cancel) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes) -> InferenceRequest:
+    return _request_decoder.decode(data)
+
+
+def decode_frame(data: bytes) -> Frame:
+    return _frame_decoder.decode(data)
+
+
+def decode_cancel(data: bytes) -> Cancel:
+    return _cancel_decoder.decode(data)

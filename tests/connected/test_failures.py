@@ -1,0 +1,213 @@
+"""The failure rules of the served path, with real processes being killed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from jetserve.fleet import Fleet
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY
+
+pytestmark = pytest.mark.connected
+
+CHAT = {"model": "sim-8b", "messages": [{"role": "user", "content": "Stream me a long story."}]}
+
+
+def auth(fleet: Fleet, **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {fleet.api_key}", **extra}
+
+
+async def sim_record(fleet: Fleet, request_id: str) -> dict[str, object]:
+    async with httpx.AsyncClient() as c:
+        r = await c.get(f"{fleet.sim_url}/sim/requests/{request_id}")
+        return dict(r.json()) if r.status_code == 200 else {}
+
+
+async def sim_stats(fleet: Fleet) -> dict[str, int]:
+    async with httpx.AsyncClient() as c:
+        return dict((await c.get(f"{fleet.sim_url}/sim/stats")).json())
+
+
+async def wait_for(pred: Callable[[], object], limit: float, step: float = 0.01) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if await pred():  # type: ignore[misc]
+            return
+        await asyncio.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+async def test_client_disconnect_stops_engine_within_100ms(fleet: Fleet) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 2000}
+    async with (
+        httpx.AsyncClient(timeout=10) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers=auth(fleet, **{"X-Sim-Fault": "slow:20"}),
+        ) as r,
+    ):
+        assert r.status_code == 200
+        request_id = r.headers["x-request-id"]
+        lines = r.aiter_lines()
+        seen = 0
+        async for line in lines:
+            if line.startswith("data: ") and '"content"' in line:
+                seen += 1
+                if seen >= 5:
+                    break
+        closed_at = time.time()
+    # The response context is closed: the connection is gone.
+    rec: dict[str, object] = {}
+
+    async def aborted() -> bool:
+        nonlocal rec
+        rec = await sim_record(fleet, request_id)
+        return rec.get("status") == "aborted"
+
+    await wait_for(aborted, 5.0)
+    assert float(rec["aborted_at"]) - closed_at < 0.100, rec  # type: ignore[arg-type]
+    tokens = rec["generated_tokens"]
+    await asyncio.sleep(0.2)
+    assert (await sim_record(fleet, request_id))["generated_tokens"] == tokens
+
+
+async def test_worker_killed_before_first_token_is_redelivered(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1)
+    c = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0)
+    call = asyncio.create_task(
+        c.chat.completions.create(
+            **CHAT,
+            max_tokens=16,
+            extra_headers={"X-Sim-Fault": "stall:1500"},  # type: ignore[arg-type]
+        )
+    )
+
+    async def engine_busy() -> bool:
+        return (await sim_stats(fleet)).get("records", 0) >= 1  # the engine has it
+
+    await wait_for(engine_busy, 10.0)
+    fleet.workers[0].signal(signal.SIGKILL)
+    await asyncio.to_thread(fleet.start_worker)
+    resp = await asyncio.wait_for(call, 30)
+    assert resp.choices[0].message.content
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    stats = await sim_stats(fleet)
+    assert stats["started"] >= 2  # the engine saw the redelivery
+    await c.close()
+
+
+async def test_worker_killed_after_first_token_interrupts_stream(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1)
+    body = {**CHAT, "stream": True, "max_tokens": 100}
+    async with (
+        httpx.AsyncClient(timeout=30) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers=auth(fleet, **{"X-Sim-Fault": "stall"}),
+        ) as r,
+    ):
+        assert r.status_code == 200
+        killed_at = None
+        error = None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = msgspec.json.decode(line[6:])
+            if "error" in payload:
+                error = payload["error"]
+                break
+            if (
+                killed_at is None
+                and payload["choices"]
+                and payload["choices"][0]["delta"].get("content")
+            ):
+                fleet.workers[0].signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    assert error is not None and error["code"] == "stream_interrupted"
+    assert time.monotonic() - killed_at < 10.0
+
+
+async def test_expired_deadline_times_out_and_engine_is_never_called(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=0)
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json=CHAT,
+            headers=auth(fleet, **{"X-Jetserve-Timeout": "0.5"}),
+        )
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+    await asyncio.to_thread(fleet.start_worker)  # it finds the expired request in the queue
+    nc = await connect(fleet.nats_url, "test")
+    js = nc.jetstream()
+
+    async def queue_empty() -> bool:
+        info = await js.consumer_info(DEFAULT_TOPOLOGY.stream, "workers-interactive")
+        return (info.num_pending or 0) + (info.num_ack_pending or 0) == 0
+
+    await wait_for(queue_empty, 10.0)
+    await nc.close()
+    assert (await sim_stats(fleet))["started"] == 0
+
+
+async def test_200_concurrent_streams_through_two_workers(fleet: Fleet) -> None:
+    n = 200
+    bodies = [
+        {
+            "model": "sim-8b",
+            "messages": [{"role": "user", "content": f"request number {i}"}],
+            "max_tokens": 32,
+        }
+        for i in range(n)
+    ]
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as c:
+        refs = await asyncio.gather(
+            *(c.post(f"{fleet.sim_url}/v1/chat/completions", json=b) for b in bodies)
+        )
+        expected = [r.json()["choices"][0]["message"]["content"] for r in refs]
+        before = await sim_stats(fleet)
+
+        async def one(body: dict[str, object]) -> tuple[str, int]:
+            text: list[str] = []
+            dones = 0
+            async with c.stream(
+                "POST",
+                f"{fleet.base_url}/v1/chat/completions",
+                json={**body, "stream": True},
+                headers=auth(fleet),
+            ) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        dones += 1
+                    elif line.startswith("data: "):
+                        chunk = msgspec.json.decode(line[6:])
+                        assert "error" not in chunk, chunk
+                        for ch in chunk["choices"]:
+                            text.append(ch["delta"].get("content") or "")
+            return "".join(text), dones
+
+        results = await asyncio.gather(*(one(b) for b in bodies))
+    assert [t for t, _ in results] == expected
+    assert all(d == 1 for _, d in results)
+    after = await sim_stats(fleet)
+    assert after["finished"] - before["finished"] == n  # each ran exactly once on the engine

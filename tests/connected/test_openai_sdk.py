@@ -1,0 +1,146 @@
+"""The official openai SDK, unchanged, against a real fleet:
+nats-server + redis-server + simulator + gateway + 2 workers, all processes."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from jetserve.fleet import Fleet
+
+pytestmark = pytest.mark.connected
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Tell me about message queues and GPUs."},
+]
+
+
+def client(fleet: Fleet, key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{fleet.base_url}/v1", api_key=key or fleet.api_key, max_retries=0
+    )
+
+
+def engine_text(fleet: Fleet, body: dict[str, object]) -> dict[str, object]:
+    """The same request straight to the simulator: the reference answer."""
+    r = httpx.post(
+        f"{fleet.sim_url}/v1/chat/completions", json={**body, "stream": False}, timeout=10
+    )
+    r.raise_for_status()
+    out: dict[str, object] = r.json()
+    return out
+
+
+def test_chat_non_streaming(fleet: Fleet) -> None:
+    resp = client(fleet).chat.completions.create(model="sim-8b", messages=MESSAGES, max_tokens=40)
+    ref = engine_text(fleet, {"model": "sim-8b", "messages": MESSAGES, "max_tokens": 40})
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref["choices"][0]["message"]["content"]  # type: ignore[index]
+    assert choice.finish_reason == ref["choices"][0]["finish_reason"]  # type: ignore[index]
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == ref["usage"]["prompt_tokens"]  # type: ignore[index]
+    assert resp.usage.completion_tokens == ref["usage"]["completion_tokens"]  # type: ignore[index]
+    assert resp.id.startswith("chatcmpl-")
+
+
+def test_chat_streaming_reassembles_exactly(fleet: Fleet) -> None:
+    body = {"model": "sim-8b", "messages": MESSAGES, "max_tokens": 64}
+    stream = client(fleet).chat.completions.create(
+        **body,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
+    )
+    parts: list[str] = []
+    finish = None
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    ref = engine_text(fleet, body)
+    assert "".join(parts) == ref["choices"][0]["message"]["content"]  # type: ignore[index]
+    assert finish == ref["choices"][0]["finish_reason"]  # type: ignore[index]
+    assert usage is not None
+    assert usage.completion_tokens == ref["usage"]["completion_tokens"]  # type: ignore[index]
+    assert usage.prompt_tokens == ref["usage"]["prompt_tokens"]  # type: ignore[index]
+
+
+def test_completions_endpoint(fleet: Fleet) -> None:
+    resp = client(fleet).completions.create(model="sim-8b", prompt="Once upon a time", max_tokens=8)
+    assert resp.choices[0].text
+    assert resp.usage is not None and resp.usage.completion_tokens <= 8
+
+
+def test_embeddings(fleet: Fleet) -> None:
+    resp = client(fleet).embeddings.create(model="sim-embed", input=["alpha", "beta", "alpha"])
+    vecs = [d.embedding for d in resp.data]
+    assert len(vecs) == 3 and len(vecs[0]) > 0
+    assert vecs[0] == vecs[2] and vecs[0] != vecs[1]  # deterministic per input
+    assert resp.usage.prompt_tokens > 0
+
+
+def test_models_listed(fleet: Fleet) -> None:
+    ids = {m.id for m in client(fleet).models.list()}
+    assert {"sim-8b", "sim-embed"} <= ids
+
+
+def test_bad_key_is_authentication_error(fleet: Fleet) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        client(fleet, key="sk-wrong").chat.completions.create(model="sim-8b", messages=MESSAGES)
+    assert info.value.status_code == 401
+    assert info.value.code == "invalid_api_key"
+
+
+def test_bad_body_is_bad_request(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client(fleet).chat.completions.create(
+            model="sim-8b",
+            messages=[{"role": "wizard", "content": "hi"}],  # type: ignore[list-item]
+        )
+    assert info.value.status_code == 400
+    assert "role" in str(info.value)
+
+
+def test_out_of_range_parameter_is_bad_request(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client(fleet).chat.completions.create(model="sim-8b", messages=MESSAGES, temperature=7)
+
+
+def test_unknown_model_is_not_found(fleet: Fleet) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client(fleet).chat.completions.create(model="gpt-nope", messages=MESSAGES)
+
+
+def test_invalid_json_is_openai_error(fleet: Fleet) -> None:
+    r = httpx.post(
+        f"{fleet.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {fleet.api_key}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_health_ready_metrics(fleet: Fleet) -> None:
+    assert httpx.get(f"{fleet.base_url}/healthz").status_code == 200
+    ready = httpx.get(f"{fleet.base_url}/readyz").json()
+    assert ready == {"ready": True, "checks": {"nats": True, "redis": True}}
+    client(fleet).chat.completions.create(model="sim-8b", messages=MESSAGES, max_tokens=4)
+    text = httpx.get(f"{fleet.base_url}/metrics").text
+    assert 'jetserve_gateway_requests_total{cls="interactive",op="chat",outcome="ok"}' in text
+    assert "jetserve_gateway_time_to_first_token_seconds_bucket" in text
+    assert 'jetserve_queue_depth{cls="interactive"}' in text
+    assert "Tell me about" not in text  # no prompt text in metrics
+
+
+def test_embeddings_float_and_base64_agree(fleet: Fleet) -> None:
+    c = client(fleet)
+    as_float = c.embeddings.create(model="sim-embed", input="x", encoding_format="float")
+    as_default = c.embeddings.create(model="sim-embed", input="x")  # the SDK asks for base64
+    assert as_default.data[0].embedding == pytest.approx(as_float.data[0].embedding, rel=1e-6)

@@ -1,0 +1,68 @@
+"""Provisioning, dedupe and the bounded work queue against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.dispatch import Dispatcher
+from gateway.errors import RateLimited
+from jetserve.services import Service
+from streams.connect import connect
+from streams.definitions import Limits, Topology
+from streams.provision import ensure_topology
+from streams.subjects import RequestClass
+from streams.wire import InferenceRequest
+
+pytestmark = pytest.mark.connected
+
+
+def request(i: int) -> InferenceRequest:
+    return InferenceRequest(
+        id=f"req-{i}",
+        op="chat",
+        cls="batch",
+        model="m",
+        body={},
+        reply="r",
+        deadline=time.time() + 9,
+    )
+
+
+async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -> None:
+    url = f"nats://127.0.0.1:{nats_server.port}"
+    conns = [await connect(url, f"p{i}") for i in range(3)]
+    try:
+        await asyncio.gather(*(ensure_topology(nc.jetstream()) for nc in conns))
+        await ensure_topology(conns[0].jetstream())
+        js = conns[0].jetstream()
+        info = await js.stream_info("JETSERVE_REQ")
+        assert info.config.subjects == ["jetserve.req.>"]
+        for cls in RequestClass:
+            ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls.value}")
+            assert ci.config.filter_subject == f"jetserve.req.{cls.value}"
+    finally:
+        for nc in conns:
+            await nc.close()
+
+
+async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> None:
+    topo = Topology(stream="SMALL", limits=Limits(max_msgs=3))
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t")
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, topo)
+        d = Dispatcher(nc, js, "gw", topo)
+        first = await d.submit(request(0))
+        again = await d.submit(request(0))  # a gateway retry with the same request id
+        assert not first.duplicate and again.duplicate
+        await d.submit(request(1))
+        await d.submit(request(2))
+        with pytest.raises(RateLimited) as info:
+            await d.submit(request(3))
+        assert info.value.code == "queue_full" and info.value.headers()["Retry-After"] == "1"
+        assert (await js.stream_info("SMALL")).state.messages == 3
+    finally:
+        await nc.close()

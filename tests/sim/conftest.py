@@ -1,0 +1,28 @@
+"""Fixtures: `start_sim(**SimConfig fields)` and `fast` (a zero-latency simulator)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+from simkit import SimHandle, StartSim, serve
+
+from workers.sim.config import SimConfig
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[StartSim]:
+    """`await start_sim(profile="fast", max_num_seqs=2)`: a served simulator."""
+    async with AsyncExitStack() as stack:
+
+        async def start(**kw: Any) -> SimHandle:
+            return await stack.enter_async_context(serve(SimConfig(**kw)))
+
+        yield start
+
+
+@pytest.fixture
+async def fast(start_sim: StartSim) -> SimHandle:
+    return await start_sim(profile="fast")

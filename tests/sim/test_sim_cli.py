@@ -1,0 +1,64 @@
+"""The command line: a real process serving on a port, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+
+import httpx
+import pytest
+
+from workers.sim.cli import build_parser, config_from_args, main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_cli_serves_until_sigterm() -> None:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers.sim", "--port", str(port), "--profile", "fast",
+        "--model", "cli-model", "--max-num-seqs", "3", "--fault-rate", "503=0.0",
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(300):
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.02)
+            models = (await client.get("/v1/models")).json()
+            assert models["data"][0]["id"] == "cli-model"
+            stats = (await client.get("/sim/stats")).json()
+            assert stats["max_num_seqs"] == 3 and stats["profile"] == "fast"
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "cli-model", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        assert proc.stderr is not None
+        await proc.stderr.read()
+
+
+def test_cli_parses_and_rejects_bad_config() -> None:
+    ns = build_parser().parse_args(
+        ["--profile", "cpu-tiny", "--fault-rate", "429=0.1", "--fault-rate", "drop:3=0.05"]
+    )
+    cfg = config_from_args(ns)
+    assert cfg.fault_rates == {"429": 0.1, "drop:3": 0.05} and cfg.eff_max_model_len == 1024
+    assert main(["--fault-rate", "meteor=0.5"]) == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--fault-rate", "nonsense"])

@@ -1,0 +1,107 @@
+"""KV-headroom admission: how many requests this worker may hold at once.
+
+A worker pulls a message only after it has a slot. A slot exists while
+(a) in-flight requests < ``max_inflight`` (the engine's ``max_num_seqs``), and
+(b) the KV blocks reserved for in-flight requests (prompt + max output, rounded
+up to blocks), plus one typical request, stay under ``target_util`` of the
+engine's blocks, and (c) the engine itself reports no waiting queue and KV use
+under target (the correction for what our estimate misses: other clients,
+prefix sharing, preemption).
+
+Classes are ranked; a lower-ranked class leaves ``reserve`` slots for the top
+one unless it has waited longer than ``starve_after`` seconds, so interactive
+work is preferred and batch is never starved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from dataclasses import dataclass
+
+from workers.engines.base import EngineLoad
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_inflight: int = 16
+    target_util: float = 0.9
+    num_gpu_blocks: int | None = None  # None: learn from the engine's metrics
+    block_size: int = 16
+    typical_tokens: int = 1024  # expected prompt + output before the message is read
+    reserve: int = 1
+    starve_after: float = 1.0
+
+
+class Admission:
+    def __init__(self, cfg: AdmissionConfig) -> None:
+        self.cfg = cfg
+        self.num_gpu_blocks = cfg.num_gpu_blocks
+        self.block_size = cfg.block_size
+        self.held = 0  # slots held: polling fetchers and in-flight requests
+        self.reserved_blocks = 0
+        self.engine = EngineLoad()
+        self._cond = asyncio.Condition()
+        self._closed = False
+
+    def blocks_for(self, tokens: int) -> int:
+        return max(1, math.ceil(tokens / self.block_size))
+
+    def _typical_blocks(self) -> int:
+        return self.blocks_for(self.cfg.typical_tokens)
+
+    def free_slots(self) -> int:
+        free = self.cfg.max_inflight - self.held
+        if self.num_gpu_blocks:
+            budget = int(self.num_gpu_blocks * self.cfg.target_util) - self.reserved_blocks
+            free = min(free, budget // self._typical_blocks())
+        eng = self.engine
+        engine_busy = (eng.waiting or 0) > 0 or (eng.kv_usage or 0.0) >= self.cfg.target_util
+        if engine_busy and self.held > 0:
+            # The engine is queueing already: pulling more only moves the queue
+            # from JetStream (where other workers can take it) into one engine.
+            return 0
+        return max(0, free)
+
+    async def acquire(self, rank: int) -> bool:
+        """Wait for a slot; rank 0 is the top class. False once closed."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        async with self._cond:
+            while not self._closed:
+                starved = loop.time() - since >= self.cfg.starve_after
+                need = 1 if rank == 0 or starved else 1 + self.cfg.reserve
+                if self.free_slots() >= need:
+                    self.held += 1
+                    return True
+                # Wake periodically: starvation is a function of time, not events.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._cond.wait(), self.cfg.starve_after / 4)
+            return False
+
+    async def release(self, blocks: int = 0) -> None:
+        async with self._cond:
+            self.held -= 1
+            self.reserved_blocks -= blocks
+            self._cond.notify_all()
+
+    async def reserve_blocks(self, tokens: int) -> int:
+        blocks = self.blocks_for(tokens)
+        async with self._cond:
+            self.reserved_blocks += blocks
+        return blocks
+
+    async def observe(self, load: EngineLoad) -> None:
+        async with self._cond:
+            self.engine = load
+            if self.cfg.num_gpu_blocks is None and load.num_gpu_blocks:
+                self.num_gpu_blocks = load.num_gpu_blocks
+            if load.block_size:
+                self.block_size = load.block_size
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        async with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -1,0 +1,84 @@
+"""The engine adapter interface: one small async class per engine dialect.
+
+An adapter turns an OpenAI-shaped request body into a stream of
+:class:`Delta` events ending in one :class:`Done`, and raises
+``workers.errors.EngineError`` subclasses for failures. Cancelling the
+consuming task must abort the engine call (close the connection), so GPU time
+stops.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+from streams.wire import Op, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: str
+    usage: Usage
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    vectors: list[list[float]]
+    usage: Usage
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the engine says about itself (vLLM metric names), for admission."""
+
+    kv_usage: float | None = None  # vllm:kv_cache_usage_perc, 0..1
+    waiting: float | None = None  # vllm:num_requests_waiting
+    running: float | None = None  # vllm:num_requests_running
+    num_gpu_blocks: int | None = None  # vllm:cache_config_info
+    block_size: int | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class EngineAdapter(abc.ABC):
+    name = "base"
+
+    @abc.abstractmethod
+    def generate(
+        self, op: Op, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[Delta | Done]:
+        """Stream one chat or completion request."""
+
+    @abc.abstractmethod
+    async def embed(
+        self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
+    ) -> Embeddings: ...
+
+    @abc.abstractmethod
+    async def load(self) -> EngineLoad:
+        """Current engine load; fields it cannot tell are None."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

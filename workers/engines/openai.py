@@ -1,0 +1,249 @@
+"""Adapter for OpenAI-compatible engines (vLLM's server, the simulator, others).
+
+Always streams from the engine, even for a client's non-streaming request: a
+stream can be aborted mid-generation (closing the connection stops vLLM's work)
+and lets the worker emit heartbeats and frames as tokens arrive.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+import msgspec
+
+from streams.wire import Op, Usage
+from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
+from workers.errors import (
+    EngineError,
+    EngineRateLimited,
+    EngineRejected,
+    EngineStreamBroken,
+    EngineUnavailable,
+)
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = 0
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: _PromptDetails | None = None
+
+    def to_wire(self) -> Usage:
+        details = self.prompt_tokens_details
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens or 0,
+            cached_tokens=(details.cached_tokens or 0) if details else 0,
+        )
+
+
+class _DeltaIn(msgspec.Struct):
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _ChoiceIn(msgspec.Struct):
+    index: int = 0
+    delta: _DeltaIn | None = None  # chat
+    text: str | None = None  # completions
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_ChoiceIn] = []
+    usage: _Usage | None = None
+    model: str = ""
+
+
+class _EmbeddingItem(msgspec.Struct):
+    embedding: list[float]
+    index: int = 0
+
+
+class _EmbeddingResponse(msgspec.Struct):
+    data: list[_EmbeddingItem]
+    usage: _Usage | None = None
+    model: str = ""
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+_embedding_decoder = msgspec.json.Decoder(_EmbeddingResponse)
+_encoder = msgspec.json.Encoder()
+_METRIC_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_PATHS: dict[Op, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        err = msgspec.json.decode(body)
+        if isinstance(err, dict):
+            inner = err.get("error", err)
+            if isinstance(inner, dict):
+                return str(inner.get("message", body[:200]))
+            return str(err.get("message", inner))
+    except msgspec.DecodeError:
+        pass
+    return body[:200].decode("utf-8", "replace")
+
+
+def raise_for_status(status: int, body: bytes) -> None:
+    if status < 400:
+        return
+    message = _error_message(body)
+    if status == 429:
+        raise EngineRateLimited(message)
+    if status >= 500:
+        raise EngineUnavailable(message, status=503 if status == 503 else 502)
+    raise EngineRejected(message, status=status)
+
+
+class OpenAIAdapter(EngineAdapter):
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        max_connections: int = 256,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            # Reads may legitimately wait long (queued in the engine); the
+            # request's deadline bounds the whole call instead.
+            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=30.0),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def generate(
+        self, op: Op, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[Delta | Done]:
+        if op not in _PATHS:
+            raise EngineRejected(f"operation {op!r} does not stream")
+        payload = dict(body)
+        payload["stream"] = True
+        payload["stream_options"] = {"include_usage": True}
+        hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
+        request = self._client.build_request(
+            "POST", _PATHS[op], content=_encoder.encode(payload), headers=hdrs
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+        try:
+            if response.status_code >= 400:
+                raise_for_status(response.status_code, await response.aread())
+            async for event in self._events(response):
+                yield event
+        finally:
+            await response.aclose()
+
+    async def _events(self, response: httpx.Response) -> AsyncIterator[Delta | Done]:
+        finish: str | None = None
+        usage: Usage | None = None
+        model = ""
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # comments, blank separators
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = _chunk_decoder.decode(data)
+                except msgspec.DecodeError as exc:
+                    raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
+                model = chunk.model or model
+                if chunk.usage is not None:
+                    usage = chunk.usage.to_wire()
+                for choice in chunk.choices:
+                    text = choice.text or ""
+                    calls = None
+                    if choice.delta is not None:
+                        text = choice.delta.content or text
+                        calls = choice.delta.tool_calls
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+                    if text or calls or choice.finish_reason:
+                        yield Delta(text, calls, choice.finish_reason)
+        except httpx.TransportError as exc:
+            raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
+        if finish is None:
+            raise EngineStreamBroken("engine stream ended without a finish reason")
+        yield Done(finish, usage or Usage(), model)
+
+    async def embed(
+        self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
+    ) -> Embeddings:
+        hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
+        # Floats on the wire between us; the ingress re-encodes for its client.
+        payload = {**body, "encoding_format": "float"}
+        try:
+            response = await self._client.post(
+                "/v1/embeddings", content=_encoder.encode(payload), headers=hdrs
+            )
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+        raise_for_status(response.status_code, response.content)
+        try:
+            parsed = _embedding_decoder.decode(response.content)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"malformed embeddings response: {exc}") from exc
+        vectors = [item.embedding for item in sorted(parsed.data, key=lambda d: d.index)]
+        usage = parsed.usage.to_wire() if parsed.usage else Usage()
+        return Embeddings(vectors, usage, parsed.model)
+
+    async def load(self) -> EngineLoad:
+        try:
+            response = await self._client.get("/metrics", timeout=2.0)
+        except httpx.TransportError:
+            return EngineLoad()
+        if response.status_code != 200:
+            return EngineLoad()
+        return parse_vllm_metrics(response.text)
+
+
+def parse_vllm_metrics(text: str) -> EngineLoad:
+    """Sum vLLM gauges over label sets (one engine may serve several model names)."""
+    sums: dict[str, float] = {}
+    blocks: int | None = None
+    block_size: int | None = None
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        if name == "vllm:cache_config_info":
+            found = dict(_LABEL.findall(labels))
+            if found.get("num_gpu_blocks", "").isdigit():
+                blocks = int(found["num_gpu_blocks"])
+            if found.get("block_size", "").isdigit():
+                block_size = int(found["block_size"])
+            continue
+        try:
+            sums[name] = sums.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return EngineLoad(
+        kv_usage=sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc")),
+        waiting=sums.get("vllm:num_requests_waiting"),
+        running=sums.get("vllm:num_requests_running"),
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+    )

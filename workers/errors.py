@@ -1,0 +1,56 @@
+"""Errors of the worker package.
+
+WorkerError                      base: ``code``, ``status``, ``retryable``
+├── EngineError                  the engine answered with an error or broke
+│   ├── EngineRateLimited        429 (retryable before the first token)
+│   ├── EngineUnavailable        503, 5xx or connect failure (retryable before the first token)
+│   ├── EngineRejected           4xx: the request itself is bad (never retried)
+│   └── EngineStreamBroken       the stream ended without a finish (never retried)
+└── DeadlineExceeded             the request's absolute deadline passed
+"""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    code = "internal_error"
+    status = 500
+    retryable = False
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+
+class EngineError(WorkerError):
+    code = "engine_error"
+    status = 502
+
+
+class EngineRateLimited(EngineError):
+    code = "engine_rate_limited"
+    status = 429
+    retryable = True
+
+
+class EngineUnavailable(EngineError):
+    code = "engine_unavailable"
+    status = 503
+    retryable = True
+
+
+class EngineRejected(EngineError):
+    code = "invalid_request"
+    status = 400
+
+
+class EngineStreamBroken(EngineError):
+    code = "stream_interrupted"
+    status = 502
+
+
+class DeadlineExceeded(WorkerError):
+    code = "deadline_exceeded"
+    status = 504

@@ -1,0 +1,273 @@
+"""The inference worker: pulls requests from the class subjects while its engine
+has room, runs them through an engine adapter and streams frames back.
+
+Ack timing (DESIGN.md, "The request path" step 4): ``in_progress()`` while
+waiting for the first token, ack once it is sent. Before that point a crash
+means a clean redelivery; after it the receiver sees heartbeats stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.provision import ensure_topology
+from streams.subjects import RequestClass, cancel_subject
+from streams.wire import InferenceRequest, decode_request
+from workers.admission import Admission, AdmissionConfig
+from workers.engines.base import Delta, EngineAdapter
+from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
+from workers.relay import FrameSender
+
+log = logging.getLogger(__name__)
+
+# Rank order: interactive first, then embeddings, then batch.
+DEFAULT_CLASSES = (RequestClass.INTERACTIVE, RequestClass.EMBED, RequestClass.BATCH)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    nats_url: str
+    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    classes: tuple[RequestClass, ...] = DEFAULT_CLASSES
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    heartbeat_s: float = 1.0
+    poll_s: float = 1.0  # long-poll expiry of one pull request
+    load_poll_s: float = 0.5  # how often to read the engine's own metrics
+    drain_timeout_s: float = 30.0
+    retry_backoff_s: float = 0.2
+    topology: Topology = DEFAULT_TOPOLOGY
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine: EngineAdapter) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.admission = Admission(cfg.admission)
+        self._stop = asyncio.Event()
+        self._handlers: set[asyncio.Task[None]] = set()  # owned here, awaited by _drain
+        self._nc: Client | None = None
+        self.ready = asyncio.Event()
+        self.completed = 0
+
+    async def run(self) -> None:
+        """Serve until :meth:`shutdown`, then drain."""
+        nc = self._nc = await connect(self.cfg.nats_url, self.cfg.worker_id)
+        try:
+            js = nc.jetstream()
+            await ensure_topology(js, self.cfg.topology)
+            await self.admission.observe(await self.engine.load())
+            subs = []
+            for cls in self.cfg.classes:
+                subs.append(
+                    await js.pull_subscribe_bind(
+                        self.cfg.topology.consumer_name(cls), self.cfg.topology.stream
+                    )
+                )
+            async with asyncio.TaskGroup() as tg:
+                fetchers = [
+                    tg.create_task(self._fetch_loop(rank, sub)) for rank, sub in enumerate(subs)
+                ]
+                poller = tg.create_task(self._poll_engine())
+                self.ready.set()
+                log.info("worker %s serving %s", self.cfg.worker_id, list(self.cfg.classes))
+                await self._stop.wait()
+                await self.admission.close()
+                for task in (*fetchers, poller):
+                    task.cancel()
+                await self._drain()
+                log.info("worker %s drained", self.cfg.worker_id)
+        finally:
+            # Every handler has finished: flush their last frames and leave.
+            # (drain() would wait on the pull subscriptions' expired requests.)
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.flush(timeout=2)
+            await nc.close()
+            log.info("worker %s disconnected", self.cfg.worker_id)
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+
+    async def _drain(self) -> None:
+        pending = set(self._handlers)
+        if not pending:
+            return
+        log.info("draining %d in-flight requests", len(pending))
+        _, still = await asyncio.wait(pending, timeout=self.cfg.drain_timeout_s)
+        for task in still:
+            task.cancel()
+        if still:
+            await asyncio.wait(still)
+
+    async def _poll_engine(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.load_poll_s)
+            await self.admission.observe(await self.engine.load())
+
+    async def _fetch_loop(self, rank: int, sub: JetStreamContext.PullSubscription) -> None:
+        # One message per pull, and only with a slot in hand: never over-fetch
+        # (buffered, unstarted messages would age out and be redelivered).
+        while not self._stop.is_set():
+            if not await self.admission.acquire(rank):
+                return
+            try:
+                msgs = await sub.fetch(1, timeout=self.cfg.poll_s)
+            except (nats.errors.TimeoutError, TimeoutError):
+                await self.admission.release()
+                continue
+            except BaseException:
+                await self.admission.release()
+                raise
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                self._handlers.add(task)
+                task.add_done_callback(self._handlers.discard)
+
+    async def _handle(self, msg: Msg) -> None:
+        blocks = 0
+        try:
+            try:
+                req = decode_request(msg.data)
+            except msgspec.DecodeError as exc:
+                log.error("undecodable request on %s: %s", msg.subject, exc)
+                await msg.term()
+                return
+            blocks = await self.admission.reserve_blocks(req.prompt_tokens_est + req.max_tokens)
+            await self._serve(msg, req)
+        finally:
+            await self.admission.release(blocks)
+
+    async def _serve(self, msg: Msg, req: InferenceRequest) -> None:
+        nc = self._nc
+        assert nc is not None
+        attempt = msg.metadata.num_delivered or 1
+        sender = FrameSender(nc, req.reply, attempt, self.cfg.heartbeat_s)
+        if time.time() >= req.deadline:
+            # Expired in the queue: the engine is never called.
+            await sender.error(
+                "deadline_exceeded",
+                "request deadline passed before it was served",
+                status=504,
+                retryable=False,
+            )
+            await msg.term()
+            return
+        cancelled = asyncio.Event()
+
+        async def on_cancel(_: Msg) -> None:
+            cancelled.set()
+
+        cancel_sub = await nc.subscribe(cancel_subject(req.id), cb=on_cancel)
+        work = asyncio.create_task(self._run_engine(msg, req, sender))
+        beats = asyncio.create_task(sender.heartbeats())
+        waiter = asyncio.create_task(cancelled.wait())
+        try:
+            await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()  # client went away: abort the engine call now
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                if not sender.started:
+                    await msg.term()
+                log.info("request %s cancelled by client", req.id)
+            else:
+                await work
+        except asyncio.CancelledError:
+            # Drain timed out or the process is stopping.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            if sender.started:
+                await sender.error(
+                    "stream_interrupted", "worker shut down mid-stream", status=502, retryable=False
+                )
+            else:
+                await msg.nak()  # nothing emitted: another worker takes it now
+            raise
+        finally:
+            waiter.cancel()
+            beats.cancel()
+            await cancel_sub.unsubscribe()
+
+    async def _run_engine(self, msg: Msg, req: InferenceRequest, sender: FrameSender) -> None:
+        remaining = req.deadline - time.time()
+        ticker = asyncio.create_task(self._in_progress_until_started(msg, sender))
+        started_at = time.monotonic()
+        ttft = 0.0
+        try:
+            async with asyncio.timeout(remaining):
+                if req.op == "embedding":
+                    result = await self.engine.embed(req.body, req.id, req.headers)
+                    await msg.ack()
+                    await sender.final(
+                        finish_reason="stop",
+                        usage=result.usage,
+                        model=result.model or req.model,
+                        worker=self.cfg.worker_id,
+                        embeddings=result.vectors,
+                        engine_ms=(time.monotonic() - started_at) * 1000,
+                    )
+                    return
+                async for event in self.engine.generate(req.op, req.body, req.id, req.headers):
+                    if isinstance(event, Delta):
+                        await sender.token(event.text, event.tool_calls, event.finish_reason)
+                        if sender.seq == 1:
+                            ttft = (time.monotonic() - started_at) * 1000
+                            ticker.cancel()
+                            await msg.ack()
+                    else:
+                        if not sender.started:
+                            await msg.ack()
+                        await sender.final(
+                            finish_reason=event.finish_reason,
+                            usage=event.usage,
+                            model=event.model or req.model,
+                            worker=self.cfg.worker_id,
+                            ttft_ms=ttft,
+                            engine_ms=(time.monotonic() - started_at) * 1000,
+                        )
+            self.completed += 1
+        except TimeoutError:
+            await self._fail(msg, sender, DeadlineExceeded("deadline exceeded while generating"))
+        except EngineError as exc:
+            await self._fail(msg, sender, exc)
+        finally:
+            ticker.cancel()
+
+    async def _fail(
+        self, msg: Msg, sender: FrameSender, exc: EngineError | DeadlineExceeded
+    ) -> None:
+        attempt = msg.metadata.num_delivered or 1
+        if sender.started:
+            # Mid-stream failures are never retried silently (the client saw tokens).
+            err = exc
+            if not isinstance(exc, EngineStreamBroken | DeadlineExceeded):
+                err = EngineStreamBroken(exc.message)
+            await sender.error(err.code, err.message, status=err.status, retryable=False)
+            return
+        if exc.retryable and attempt < self.cfg.topology.limits.max_deliver:
+            # The one retry owner before the first token: JetStream redelivery,
+            # to any worker, inside the request's original deadline.
+            await msg.nak(delay=self.cfg.retry_backoff_s * attempt)
+            return
+        await sender.error(exc.code, exc.message, status=exc.status, retryable=exc.retryable)
+        await msg.term()
+
+    async def _in_progress_until_started(self, msg: Msg, sender: FrameSender) -> None:
+        beat = self.cfg.topology.limits.ack_wait_s / 3
+        while not sender.started:
+            await asyncio.sleep(beat)
+            if not sender.started:
+                await msg.in_progress()
