@@ -35,6 +35,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         default_timeout_s=args.timeout,
         forward_header_prefixes=_csv(args.forward_header_prefix),
         heartbeat_timeout_s=args.heartbeat_timeout,
+        keepalive_s=args.keepalive,
+        commit_after_s=args.commit_after,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -126,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--embedding-models", default="sim-embed")
     g.add_argument("--timeout", type=float, default=120.0, help="default request deadline (s)")
     g.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    g.add_argument("--keepalive", type=float, default=10.0, help="SSE keep-alive interval (s)")
+    g.add_argument(
+        "--commit-after", type=float, default=5.0, help="send stream headers after this wait (s)"
+    )
     g.add_argument("--forward-header-prefix", default="", help="engine headers allowed through")
     g.add_argument("--grace", type=float, default=30.0, help="graceful shutdown (s)")
     g.set_defaults(func=cmd_gateway)

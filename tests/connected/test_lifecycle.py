@@ -1,0 +1,72 @@
+"""Keep-alives while queued, and a worker draining on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import pytest
+
+from jetserve.fleet import Fleet
+
+pytestmark = pytest.mark.connected
+
+CHAT = {"model": "sim-8b", "messages": [{"role": "user", "content": "keep me company"}]}
+
+
+async def test_sse_keepalive_comments_while_waiting_for_first_token(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1, gateway_args=["--keepalive", "0.2", "--commit-after", "0.2"])
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "stall:1200"}
+    lines: list[str] = []
+    async with (
+        httpx.AsyncClient(timeout=10) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 5},
+            headers=headers,
+        ) as r,
+    ):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line:
+                lines.append(line)
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert lines[:first_data].count(": keep-alive") >= 2
+    assert lines[-1] == "data: [DONE]"
+
+
+async def test_sigterm_drains_in_flight_stream(make_fleet: Callable[..., Fleet]) -> None:
+    fleet = make_fleet(workers=1)
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:30"}
+    text: list[str] = []
+    finish = None
+    async with (
+        httpx.AsyncClient(timeout=20) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 40},
+            headers=headers,
+        ) as r,
+    ):
+        signalled = False
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = msgspec.json.decode(line[6:])
+            assert "error" not in chunk, chunk
+            for ch in chunk["choices"]:
+                text.append(ch["delta"].get("content") or "")
+                finish = ch["finish_reason"] or finish
+            if not signalled and "".join(text):
+                fleet.workers[0].signal(signal.SIGTERM)  # mid-stream
+                signalled = True
+    assert signalled and finish in ("stop", "length") and "".join(text)
+    # The worker finished the stream, then exited by itself.
+    assert await asyncio.to_thread(fleet.workers[0].proc.wait, 10) == 0
