@@ -42,13 +42,10 @@ async def one(c: httpx.AsyncClient, url: str, headers: dict[str, str]) -> tuple[
     async with c.stream("POST", url, json=body, headers=headers) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if (
-                ttft is None
-                and line.startswith("data: ")
-                and '"content":"' in line.replace(" ", "")
-            ):
-                if '"content":""' not in line.replace(" ", ""):
-                    ttft = time.perf_counter() - start
+            # The first chunk with non-empty content (the role chunk has "").
+            compact = line.replace(" ", "")
+            if ttft is None and '"content":"' in compact and '"content":""' not in compact:
+                ttft = time.perf_counter() - start
     end = time.perf_counter() - start
     return (ttft if ttft is not None else end), end
 
