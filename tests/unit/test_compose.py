@@ -1,0 +1,288 @@
+"""compose.yml stays in step with the code it runs.
+
+Every ``command:`` in compose.yml is a one-line JSON array (a valid YAML flow
+sequence), so each one is checked here with jetserve's own argument parsers: a
+renamed or removed flag fails this test instead of a deployment. The service
+graph (health checks, depends_on, profiles, grace periods) needs a real YAML
+loader; PyYAML is not a project dependency, so those tests use it or
+``docker compose config`` when either is present and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from jetserve import cli as jetserve_cli
+from streams.subjects import RequestClass
+from workers.sim import cli as sim_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yml"
+JETSERVE_SERVICES = ("sim", "gateway", "worker", "keys", "worker-gpu")
+# First argument of each command that is not ours: nats-server, redis-server, vLLM.
+THIRD_PARTY_HEADS = {"-js", "redis-server", "--model"}
+_COMMAND_LINE = re.compile(r"^\s+command:\s*(?P<value>.*?)\s*$")
+
+
+# -- commands: always checked --------------------------------------------------
+
+
+def _command_lines() -> list[list[str]]:
+    commands: list[list[str]] = []
+    for lineno, line in enumerate(COMPOSE.read_text().splitlines(), 1):
+        match = _COMMAND_LINE.match(line)
+        if match is None:
+            continue
+        try:
+            value = json.loads(match["value"])
+        except json.JSONDecodeError:
+            pytest.fail(f"compose.yml:{lineno}: write `command:` as a one-line JSON array")
+        assert isinstance(value, list), f"compose.yml:{lineno}: command is not a list"
+        assert all(isinstance(v, str) for v in value), f"compose.yml:{lineno}: non-string arg"
+        commands.append(value)
+    return commands
+
+
+def _subcommands() -> set[str]:
+    parser = jetserve_cli.build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    raise AssertionError("jetserve's parser has no subcommands")
+
+
+def _strip_log_level(argv: list[str]) -> list[str]:
+    # jetserve.cli.main hands everything after `sim` to the simulator only when
+    # --log-level comes first as two separate arguments.
+    return argv[2:] if argv[:1] == ["--log-level"] else argv
+
+
+def _parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """Parse a jetserve command line the way ``jetserve.cli.main`` does."""
+    head = _strip_log_level(argv)
+    try:
+        if head[:1] == ["sim"]:
+            return "sim", sim_cli.build_parser().parse_args(head[1:])
+        return head[0], jetserve_cli.build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"compose.yml command does not parse (argparse's message above): {argv}")
+
+
+def _jetserve_commands() -> list[tuple[str, argparse.Namespace, list[str]]]:
+    ours = _subcommands()
+    parsed = []
+    for argv in _command_lines():
+        head = _strip_log_level(argv)
+        if head[:1] and head[0] in ours:
+            name, ns = _parse(argv)
+            parsed.append((name, ns, argv))
+        else:
+            assert argv[:1] and argv[0] in THIRD_PARTY_HEADS, f"unrecognised command: {argv}"
+    return parsed
+
+
+def _by_name(name: str) -> list[argparse.Namespace]:
+    return [ns for n, ns, _ in _jetserve_commands() if n == name]
+
+
+def test_every_command_is_a_json_array() -> None:
+    commands = _command_lines()
+    assert len(commands) == 8  # nats, redis, sim, gateway, worker, keys, vllm, worker-gpu
+
+
+def test_every_jetserve_command_parses() -> None:
+    names = sorted(name for name, _, _ in _jetserve_commands())
+    assert names == ["gateway", "keys", "sim", "worker", "worker"]
+
+
+def test_log_levels_are_logging_levels() -> None:
+    for _, ns, argv in _jetserve_commands():
+        level = getattr(ns, "log_level", None)
+        if level is not None:
+            assert isinstance(logging.getLevelName(level.upper()), int), argv
+
+
+def test_servers_listen_beyond_loopback() -> None:
+    (sim,) = _by_name("sim")
+    (gateway,) = _by_name("gateway")
+    assert sim.host == "0.0.0.0"
+    assert gateway.host == "0.0.0.0"
+
+
+def test_workers_name_valid_classes_and_a_served_engine_port() -> None:
+    (sim,) = _by_name("sim")
+    vllm = next(argv for argv in _command_lines() if argv[:1] == ["--model"])
+    engine_ports = {sim.port, int(vllm[vllm.index("--port") + 1])}
+    workers = _by_name("worker")
+    assert len(workers) == 2
+    for ns in workers:
+        for cls in jetserve_cli._csv(ns.classes):
+            RequestClass(cls)  # what cmd_worker does at start-up
+        assert urlsplit(ns.engine).port in engine_ports
+
+
+def test_shared_addresses_agree() -> None:
+    (gateway,) = _by_name("gateway")
+    (keys,) = _by_name("keys")
+    assert {ns.nats for ns in _by_name("worker")} == {gateway.nats}
+    assert keys.redis == gateway.redis
+    assert keys.keys_cmd == "create"
+
+
+def test_engines_serve_the_gateways_models() -> None:
+    (gateway,) = _by_name("gateway")
+    (sim,) = _by_name("sim")
+    cfg = sim_cli.config_from_args(sim)
+    models = set(jetserve_cli._csv(gateway.models))
+    assert cfg.model in models
+    assert set(jetserve_cli._csv(gateway.embedding_models)) <= {cfg.model, *cfg.aliases}
+    vllm = next(argv for argv in _command_lines() if argv[:1] == ["--model"])
+    assert vllm[vllm.index("--served-model-name") + 1] in models
+
+
+# -- the service graph: needs a YAML loader ------------------------------------
+
+
+def _load_compose() -> dict[str, Any]:
+    if importlib.util.find_spec("yaml") is not None:
+        yaml = importlib.import_module("yaml")
+        loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+        return loaded
+    docker = shutil.which("docker")
+    if docker is not None:
+        cmd = [docker, "compose", "--profile", "*", "-f", str(COMPOSE), "config", "--format"]
+        proc = subprocess.run(
+            [*cmd, "json"], capture_output=True, text=True, timeout=60, check=False
+        )
+        if proc.returncode == 0:
+            rendered: dict[str, Any] = json.loads(proc.stdout)
+            return rendered
+    pytest.skip(
+        "cannot load compose.yml: PyYAML is not installed and `docker compose config` "
+        "is unavailable (no docker CLI or no compose plugin)"
+    )
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    svcs: dict[str, dict[str, Any]] = _load_compose()["services"]
+    return svcs
+
+
+def _seconds(duration: str | int | float) -> float:
+    if isinstance(duration, int | float):
+        return float(duration)
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert parts, f"not a duration: {duration!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def _parsed(svc: dict[str, Any]) -> argparse.Namespace:
+    return _parse(svc["command"])[1]
+
+
+def _depends(svc: dict[str, Any]) -> dict[str, str]:
+    deps = svc.get("depends_on", {})
+    if isinstance(deps, list):
+        return dict.fromkeys(deps, "service_started")
+    return {name: spec.get("condition", "service_started") for name, spec in deps.items()}
+
+
+def test_services_present(services: dict[str, dict[str, Any]]) -> None:
+    assert set(services) >= {"nats", "redis", *JETSERVE_SERVICES, "vllm"}
+
+
+def test_infrastructure_images(services: dict[str, dict[str, Any]]) -> None:
+    nats, redis = services["nats"], services["redis"]
+    assert nats["image"] == "nats:2.11-alpine"
+    assert "-js" in nats["command"]
+    assert "/data" in json.dumps(nats["volumes"])
+    assert "8222/healthz" in " ".join(nats["healthcheck"]["test"])
+    assert redis["image"] == "redis:7-alpine"
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+
+
+def test_one_image_for_every_jetserve_process(services: dict[str, dict[str, Any]]) -> None:
+    images = {services[name]["image"] for name in JETSERVE_SERVICES}
+    assert len(images) == 1
+    for name in JETSERVE_SERVICES:
+        assert "build" in services[name], name
+
+
+def test_restart_policies(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        if name == "keys":
+            # A one-shot: restarting it would mint a new key on every exit.
+            assert svc["restart"] == "no"
+            assert svc.get("profiles"), "keys must not start with `docker compose up`"
+        else:
+            assert svc["restart"] == "unless-stopped", name
+
+
+def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> None:
+    want = {
+        "gateway": {"nats", "redis"},
+        "worker": {"nats", "sim"},
+        "worker-gpu": {"nats", "vllm"},
+        "keys": {"redis"},
+    }
+    for name, deps in want.items():
+        got = _depends(services[name])
+        assert set(got) == deps, name
+        for dep, condition in got.items():
+            assert condition == "service_healthy", (name, dep)
+            assert "healthcheck" in services[dep], f"{name} waits on {dep}, which has none"
+
+
+def test_addresses_name_services(services: dict[str, dict[str, Any]]) -> None:
+    for name in JETSERVE_SERVICES:
+        ns = _parsed(services[name])
+        for attr in ("nats", "redis", "engine"):
+            url = getattr(ns, attr, None)
+            if url is not None:
+                assert urlsplit(url).hostname in services, (name, attr, url)
+    assert urlsplit(_parsed(services["worker"]).engine).hostname == "sim"
+    assert urlsplit(_parsed(services["worker-gpu"]).engine).hostname == "vllm"
+
+
+def test_gateway_published_and_probed_on_readyz(services: dict[str, dict[str, Any]]) -> None:
+    gw = services["gateway"]
+    port = _parsed(gw).port
+    assert str(port) in json.dumps(gw["ports"])
+    assert f"{port}/readyz" in " ".join(gw["healthcheck"]["test"])
+
+
+def test_workers_drain_before_sigkill(services: dict[str, dict[str, Any]]) -> None:
+    assert services["worker"]["deploy"]["replicas"] == 2
+    for name in ("worker", "worker-gpu", "gateway"):
+        svc = services[name]
+        grace = _parsed(svc).grace
+        assert grace < _seconds(svc["stop_grace_period"]), name
+    assert _seconds(services["worker"]["stop_grace_period"]) == 30
+
+
+def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
+    vllm = services["vllm"]
+    assert vllm["profiles"] == ["gpu"]
+    assert services["worker-gpu"]["profiles"] == ["gpu"]
+    assert vllm["image"] == "vllm/vllm-openai:latest"
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    port = int(vllm["command"][vllm["command"].index("--port") + 1])
+    assert urlsplit(_parsed(services["worker-gpu"]).engine).port == port
+    for name, svc in services.items():
+        if name not in ("vllm", "worker-gpu", "keys"):
+            assert not svc.get("profiles"), f"{name} should start by default"
