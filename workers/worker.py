@@ -122,8 +122,11 @@ class Worker:
         while not self._stop.is_set():
             if not await self.admission.acquire(rank):
                 return
+            # A polling fetcher holds its slot; lower classes poll briefly so an
+            # idle batch queue does not keep slots from interactive work.
+            poll = self.cfg.poll_s if rank == 0 else self.cfg.poll_s / 4
             try:
-                msgs = await sub.fetch(1, timeout=self.cfg.poll_s)
+                msgs = await sub.fetch(1, timeout=poll)
             except (nats.errors.TimeoutError, TimeoutError):
                 await self.admission.release()
                 continue

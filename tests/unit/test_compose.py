@@ -55,12 +55,19 @@ def _command_lines() -> list[list[str]]:
     return commands
 
 
-def _subcommands() -> set[str]:
-    parser = jetserve_cli.build_parser()
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return set(action.choices)
-    raise AssertionError("jetserve's parser has no subcommands")
+            return dict(action.choices)
+    return {}
+
+
+def _subcommands() -> set[str]:
+    return set(_subparsers(jetserve_cli.build_parser()))
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
 
 
 def _strip_log_level(argv: list[str]) -> list[str]:
@@ -69,9 +76,30 @@ def _strip_log_level(argv: list[str]) -> list[str]:
     return argv[2:] if argv[:1] == ["--log-level"] else argv
 
 
+def _exact_options(argv: list[str]) -> set[str]:
+    """The option strings of the parsers that will see ``argv``, spelled out:
+    argparse accepts unambiguous prefixes, so ``--grace`` would still parse
+    after a rename to ``--grace-s``."""
+    head = _strip_log_level(argv)
+    if head[:1] == ["sim"]:
+        return _options(sim_cli.build_parser())
+    parser: argparse.ArgumentParser | None = jetserve_cli.build_parser()
+    found: set[str] = set()
+    tokens = iter(head)
+    while parser is not None:
+        found |= _options(parser)
+        parser = _subparsers(parser).get(next(tokens, ""))
+    return found
+
+
 def _parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
     """Parse a jetserve command line the way ``jetserve.cli.main`` does."""
     head = _strip_log_level(argv)
+    exact = _exact_options(argv)
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--"):
+            assert flag in exact, f"{flag} is not an option of its command: {argv}"
     try:
         if head[:1] == ["sim"]:
             return "sim", sim_cli.build_parser().parse_args(head[1:])
