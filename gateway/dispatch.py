@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.client import Client
@@ -49,14 +48,23 @@ from streams.wire import (
 MAX_BUFFERED_FRAMES = 4096
 
 
+OVERFLOW = b"overflow"  # sentinel in a request's frame queue: the client fell too far behind
+
+
 class StreamInterrupted(UpstreamFailed):
     code = "stream_interrupted"
 
 
-@dataclass
-class Submitted:
-    request: InferenceRequest
-    duplicate: bool  # JetStream dedupe saw this Nats-Msg-Id already
+class ClientTooSlow(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "client_too_slow"
+
+
+class RequestTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
 
 
 class Dispatcher:
@@ -82,8 +90,14 @@ class Dispatcher:
 
     async def _on_frame(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
-        if queue is not None and queue.qsize() < MAX_BUFFERED_FRAMES:
+        if queue is None:
+            return
+        if queue.qsize() < MAX_BUFFERED_FRAMES:
             queue.put_nowait(msg.data)
+        elif queue.qsize() == MAX_BUFFERED_FRAMES:
+            # Never drop frames silently: the reader sees the overflow and
+            # ends the client's stream with a clear error.
+            queue.put_nowait(OVERFLOW)
 
     async def submit(self, req: InferenceRequest) -> FrameStream:
         """Register for frames, then publish; the frames can't arrive before we listen."""
@@ -92,14 +106,22 @@ class Dispatcher:
         headers = {Header.MSG_ID.value: req.id, Header.DEADLINE.value: f"{req.deadline:.3f}"}
         if req.traceparent:
             headers[Header.TRACEPARENT.value] = req.traceparent
+        payload = encode(req)
+        if len(payload) > self._nc.max_payload:
+            self._queues.pop(req.id, None)
+            raise RequestTooLarge(
+                f"Request of {len(payload)} bytes exceeds the bus limit of "
+                f"{self._nc.max_payload} bytes.",
+            )
         try:
             ack = await self._js.publish(
-                request_subject(req.cls), encode(req), headers=headers, timeout=5.0
+                request_subject(req.cls), payload, headers=headers, timeout=5.0
             )
         except APIError as exc:
             self._queues.pop(req.id, None)
-            text = f"{exc.description or ''} {exc.err_code or ''}"
-            if "maximum" in text or exc.err_code in (10077, 10047):
+            text = exc.description or ""
+            # 10077: maximum messages exceeded, 10047: maximum bytes (discard new).
+            if exc.err_code in (10077, 10047) or "maximum messages" in text:
                 raise RateLimited(
                     "The request queue is full; retry shortly.", code="queue_full", retry_after=1.0
                 ) from exc
@@ -107,15 +129,20 @@ class Dispatcher:
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             self._queues.pop(req.id, None)
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
-        return FrameStream(self, req, queue, duplicate=bool(ack.duplicate))
+        return FrameStream(self, req, queue, duplicate=bool(ack.duplicate), seq=ack.seq)
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    async def cancel(self, request_id: str, reason: str) -> None:
+    async def cancel(self, request_id: str, reason: str, seq: int | None = None) -> None:
         # If the bus is down the worker's deadline ends the work instead.
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(cancel_subject(request_id), encode(Cancel(request_id, reason)))
+        if seq is not None:
+            # Not picked up yet? Then no worker hears the cancel: remove the
+            # message itself (a no-op if a worker already holds it).
+            with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
+                await self._js.delete_msg(self.topology.stream, seq)
 
 
 Event = Token | Final | ErrorFrame
@@ -129,8 +156,10 @@ class FrameStream:
         queue: asyncio.Queue[bytes],
         *,
         duplicate: bool,
+        seq: int | None = None,
     ) -> None:
         self._d = dispatcher
+        self.stream_seq = seq  # the request message's sequence in the work queue
         self.req = req
         self._queue = queue
         self.duplicate = duplicate
@@ -164,7 +193,11 @@ class FrameStream:
         """The next token, final or error frame. Raises TimeoutError only when
         ``wait_limit`` (a caller's keep-alive tick) expires first."""
         while True:
-            frame = decode_frame(await self._next_raw(heartbeat_timeout, wait_limit))
+            raw = await self._next_raw(heartbeat_timeout, wait_limit)
+            if raw == OVERFLOW:
+                await self.cancel("client_too_slow")
+                raise ClientTooSlow("The client read the stream too slowly; it was ended.")
+            frame = decode_frame(raw)
             if self.attempt is not None and frame.attempt != self.attempt:
                 continue  # a redelivered attempt racing the one we relay
             if isinstance(frame, Heartbeat):
@@ -184,7 +217,11 @@ class FrameStream:
         """Tokens already buffered (for coalescing into one client write)."""
         out: list[Token] = []
         while not self._queue.empty():
-            frame = decode_frame(self._queue.get_nowait())
+            raw = self._queue.get_nowait()
+            if raw == OVERFLOW:
+                self._queue.put_nowait(raw)  # next_event reports it
+                break
+            frame = decode_frame(raw)
             if (
                 isinstance(frame, Token)
                 and frame.seq > self.last_seq
@@ -205,7 +242,7 @@ class FrameStream:
     async def cancel(self, reason: str = "client_disconnected") -> None:
         if not self.done:
             self.done = True
-            await self._d.cancel(self.req.id, reason)
+            await self._d.cancel(self.req.id, reason, None if self.started else self.stream_seq)
 
     def close(self) -> None:
         self._d.forget(self.req.id)

@@ -5,7 +5,7 @@ all gateway replicas). Headers: ``Authorization: Bearer <key>``, optional
 ``X-Jetserve-Class``, ``X-Jetserve-Timeout``. Body: the OpenAI request JSON.
 Non-streaming: the reply is the OpenAI response JSON. Streaming (``"stream":
 true``): each OpenAI chunk is published to the subject named in header
-``Jetserve-Stream-To``, then the reply carries ``{"done": true, "usage": ...}``.
+``Jetserve-Stream-To``, then the reply carries ``{"done": true, "id": <request id>}``.
 Errors: the reply is OpenAI error JSON with header ``Jetserve-Status``.
 """
 
@@ -84,11 +84,11 @@ class NatsIngress:
                 bad = BadRequest(f"Streaming over NATS needs a '{STREAM_TO}' header.")
                 await self._reply(msg, bad.body(), bad.status)
                 return
-            async for kind, payload in client_events(self._gw, adm, None):
+            async for kind, payload, status in client_events(self._gw, adm, None):
                 if kind == "chunk":
                     await self._nc.publish(stream_to, _encoder.encode(payload))
                 elif kind == "error":
-                    await self._reply(msg, payload, 502)
+                    await self._reply(msg, payload, status)
                     return
                 elif kind == "done":
                     await self._reply(msg, {"done": True, "id": adm.request_id})

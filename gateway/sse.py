@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -96,7 +96,10 @@ class EventStreamResponse(Response):
             raise exc
 
 
-ClientEvent = tuple[str, dict[str, Any] | None]  # ("chunk"|"error"|"keepalive"|"done", payload)
+class ClientEvent(NamedTuple):
+    kind: str  # "chunk" | "error" | "keepalive" | "done"
+    payload: dict[str, Any] | None = None
+    status: int = 200  # for "error": the status the failure maps to
 
 
 async def client_events(
@@ -117,7 +120,7 @@ async def client_events(
                 try:
                     event = await stream.next_event(gw.cfg.heartbeat_timeout_s, gw.cfg.keepalive_s)
                 except TimeoutError:
-                    yield ("keepalive", None)
+                    yield ClientEvent("keepalive")
                     continue
             if isinstance(event, Token):
                 # Coalesce whatever is already buffered into one write (slow clients).
@@ -127,25 +130,25 @@ async def client_events(
                 finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
                 finish_sent = finish_sent or finish is not None
                 for chunk in writer.delta(text, calls, finish):
-                    yield ("chunk", chunk)
+                    yield ClientEvent("chunk", chunk)
                 event = None
                 continue
             if isinstance(event, ErrorFrame):
                 raise error_from_frame(event)
             if not finish_sent:
-                yield ("chunk", writer.finish(event.finish_reason))
+                yield ClientEvent("chunk", writer.finish(event.finish_reason))
             if adm.include_usage:
-                yield ("chunk", writer.usage(event.usage))
+                yield ClientEvent("chunk", writer.usage(event.usage))
             gw.record(adm, "ok", event)
-            yield ("done", None)
+            yield ClientEvent("done")
             return
     except GatewayError as exc:  # StreamInterrupted included
         gw.fail(adm, exc)
-        yield ("error", exc.body())
+        yield ClientEvent("error", exc.body(), exc.status)
 
 
 async def sse_body(events: AsyncIterator[ClientEvent]) -> AsyncIterator[bytes]:
-    async for kind, payload in events:
+    async for kind, payload, _ in events:
         if kind == "keepalive":
             yield KEEPALIVE
         elif kind == "done":

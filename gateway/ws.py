@@ -72,14 +72,14 @@ class _Connection:
                     return
                 await self.send("response", msg.id, data=self.gw.render(adm, result))
                 return
-            async for kind, payload in client_events(self.gw, adm, None):
+            async for kind, payload, status in client_events(self.gw, adm, None):
                 if kind == "chunk":
                     await self.send("chunk", msg.id, data=payload)
                 elif kind == "done":
                     await self.send("done", msg.id)
                 elif kind == "error":
                     assert payload is not None
-                    await self.send("error", msg.id, status=502, error=payload["error"])
+                    await self.send("error", msg.id, status=status, error=payload["error"])
         finally:
             self.admitted.pop(msg.id, None)
 

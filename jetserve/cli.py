@@ -115,11 +115,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jetserve", description=__doc__)
+    p = argparse.ArgumentParser(prog="jetserve", description=__doc__, allow_abbrev=False)
     p.add_argument("--log-level", default="warning")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("gateway", help="OpenAI-compatible HTTP/SSE/WebSocket + NATS ingress")
+    g = sub.add_parser(
+        "gateway", allow_abbrev=False, help="OpenAI-compatible HTTP/SSE/WebSocket + NATS ingress"
+    )
     g.add_argument("--nats", default=DEFAULT_NATS)
     g.add_argument("--redis", default=DEFAULT_REDIS)
     g.add_argument("--host", default="127.0.0.1")
@@ -136,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grace", type=float, default=30.0, help="graceful shutdown (s)")
     g.set_defaults(func=cmd_gateway)
 
-    w = sub.add_parser("worker", help="inference worker: pulls requests, calls an engine")
+    w = sub.add_parser(
+        "worker", allow_abbrev=False, help="inference worker: pulls requests, calls an engine"
+    )
     w.add_argument("--nats", default=DEFAULT_NATS)
     w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
     w.add_argument("--engine-api-key", default=None)
@@ -148,18 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--grace", type=float, default=30.0, help="drain timeout on SIGTERM (s)")
     w.set_defaults(func=cmd_worker)
 
-    s = sub.add_parser("sim", help="the vLLM-like engine simulator", add_help=False)
+    s = sub.add_parser(
+        "sim", allow_abbrev=False, help="the vLLM-like engine simulator", add_help=False
+    )
     s.set_defaults(func=None)
 
-    k = sub.add_parser("keys", help="API keys")
+    k = sub.add_parser("keys", allow_abbrev=False, help="API keys")
     ksub = k.add_subparsers(dest="keys_cmd", required=True)
-    kc = ksub.add_parser("create", help="create a key for a tenant")
+    kc = ksub.add_parser("create", allow_abbrev=False, help="create a key for a tenant")
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--key", default=None, help="use this plaintext (demos only)")
     kc.add_argument("--redis", default=DEFAULT_REDIS)
     kc.set_defaults(func=cmd_keys)
 
-    u = sub.add_parser("up", help="run the whole fleet on loopback")
+    u = sub.add_parser("up", allow_abbrev=False, help="run the whole fleet on loopback")
     u.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     u.add_argument("--api-key", default=None, help="demo key (default: a fresh random one)")
     u.add_argument("--workers", type=int, default=2)
@@ -172,7 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `sim` owns its own flags: hand everything after it to the simulator's parser.
-    head = argv[2:] if argv[:1] == ["--log-level"] else argv
+    head = argv
+    if head[:1] == ["--log-level"]:
+        head = head[2:]
+    elif head and head[0].startswith("--log-level="):
+        head = head[1:]
     if head[:1] == ["sim"]:
         return cmd_sim(argparse.Namespace(), head[1:])
     args = build_parser().parse_args(argv)

@@ -64,6 +64,12 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
+    def kill(self) -> None:
+        """SIGKILL, and wait until it is gone (no graceful anything)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

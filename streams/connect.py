@@ -15,7 +15,11 @@ async def connect(url: str, name: str) -> Client:
         log.warning("nats %s: %s", name, exc)
 
     async def on_disconnect() -> None:
-        log.warning("nats %s: disconnected", name)
+        # Also called on a deliberate close; reconnects are what matter.
+        log.info("nats %s: disconnected", name)
+
+    async def on_reconnect() -> None:
+        log.warning("nats %s: reconnected", name)
 
     return await nats.connect(
         url,
@@ -24,4 +28,5 @@ async def connect(url: str, name: str) -> Client:
         reconnect_time_wait=0.5,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
     )

@@ -16,7 +16,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from streams.subjects import PREFIX, RequestClass, request_subject
+from streams.subjects import RequestClass, request_subject
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,9 @@ class Topology:
         lim = self.limits
         return StreamConfig(
             name=self.stream,
-            subjects=[f"{PREFIX}.req.>"],
+            # Exactly the served class subjects: a publish to anything else fails
+            # fast (no responders) instead of being stored and never consumed.
+            subjects=[request_subject(c) for c in self.classes],
             retention=RetentionPolicy.WORK_QUEUE,
             discard=DiscardPolicy.NEW,
             storage=StorageType.FILE,

@@ -98,7 +98,7 @@ async def test_worker_killed_before_first_token_is_redelivered(
         return (await sim_stats(fleet)).get("records", 0) >= 1  # the engine has it
 
     await wait_for(engine_busy, 10.0)
-    fleet.workers[0].signal(signal.SIGKILL)
+    fleet.workers[0].kill()
     await asyncio.to_thread(fleet.start_worker)
     resp = await asyncio.wait_for(call, 30)
     assert resp.choices[0].message.content
@@ -211,3 +211,36 @@ async def test_200_concurrent_streams_through_two_workers(fleet: Fleet) -> None:
     assert all(d == 1 for _, d in results)
     after = await sim_stats(fleet)
     assert after["finished"] - before["finished"] == n  # each ran exactly once on the engine
+
+
+async def test_cancel_before_pickup_removes_the_request(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=0)
+    async with httpx.AsyncClient(timeout=10) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json={**CHAT, "stream": True},
+                headers=auth(fleet),
+                timeout=httpx.Timeout(10, read=0.5),  # the client gives up while queued
+            )
+    nc = await connect(fleet.nats_url, "test")
+    js = nc.jetstream()
+
+    async def queue_empty() -> bool:
+        info = await js.consumer_info(DEFAULT_TOPOLOGY.stream, "workers-interactive")
+        return (info.num_pending or 0) + (info.num_ack_pending or 0) == 0
+
+    await wait_for(queue_empty, 5.0)  # removed from the queue, not left for a worker
+    await nc.close()
+    await asyncio.to_thread(fleet.start_worker)
+    await asyncio.sleep(0.3)
+    assert (await sim_stats(fleet))["started"] == 0
+
+
+def test_oversized_request_is_413(fleet: Fleet) -> None:
+    body = {"model": "sim-8b", "messages": [{"role": "user", "content": "x" * 1_500_000}]}
+    r = httpx.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth(fleet))
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"

@@ -39,7 +39,7 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
         await ensure_topology(conns[0].jetstream())
         js = conns[0].jetstream()
         info = await js.stream_info("JETSERVE_REQ")
-        assert info.config.subjects == ["jetserve.req.>"]
+        assert info.config.subjects == [f"jetserve.req.{c.value}" for c in RequestClass]
         for cls in RequestClass:
             ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls.value}")
             assert ci.config.filter_subject == f"jetserve.req.{cls.value}"

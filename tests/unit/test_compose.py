@@ -4,8 +4,8 @@ Every ``command:`` in compose.yml is a one-line JSON array (a valid YAML flow
 sequence), so each one is checked here with jetserve's own argument parsers: a
 renamed or removed flag fails this test instead of a deployment. The service
 graph (health checks, depends_on, profiles, grace periods) needs a real YAML
-loader; PyYAML is not a project dependency, so those tests use it or
-``docker compose config`` when either is present and are skipped otherwise.
+loader: PyYAML (a dev extra) or, failing that, ``docker compose config``; without
+either those tests are skipped, saying which is missing.
 """
 
 from __future__ import annotations
