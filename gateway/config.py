@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.pricing import PriceBook
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 
 
@@ -30,3 +31,9 @@ class GatewayConfig:
     forward_header_prefixes: tuple[str, ...] = ()
     key_cache_s: float = 1.0  # a revoked key dies on every replica within this
     topology: Topology = DEFAULT_TOPOLOGY
+    prices: PriceBook = field(default_factory=PriceBook)
+    # The control plane: its own port and credential. No token -> the admin API
+    # refuses everything (fail closed), it is never open by default.
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+    admin_token_sha256: str | None = None

@@ -13,7 +13,8 @@ from starlette.responses import Response
 
 from gateway.dispatch import Event, error_from_frame
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.service import Admitted, Gateway
+from gateway.ledger import LedgerReader
+from gateway.service import Admitted, Gateway, Replayed
 from gateway.sse import (
     ClientGone,
     EventStreamResponse,
@@ -21,6 +22,7 @@ from gateway.sse import (
     race_disconnect,
     sse_body,
 )
+from streams.ledger import encode_record
 from streams.wire import ErrorFrame, Op
 
 _encoder = msgspec.json.Encoder()
@@ -51,11 +53,16 @@ async def _first_event(gw: Gateway, adm: Admitted) -> Event | None:
 async def _serve(request: Request, op: Op) -> Response:
     gw = gateway_of(request)
     adm = await gw.admit(op, await request.body(), request.headers)
+    if isinstance(adm, Replayed):
+        headers = {"X-Request-Id": adm.request_id, "Idempotent-Replayed": "true"}
+        return json_response(adm.response, adm.status, headers)
     headers = {"X-Request-Id": adm.request_id}
     try:
         if not adm.wants_stream or op == "embedding":
             result = await race_disconnect(request.receive, gw.collect(adm))
-            return json_response(gw.render(adm, result), headers=headers)
+            body = gw.render(adm, result)
+            await gw.complete(adm, body)
+            return json_response(body, headers=headers)
         first = await race_disconnect(request.receive, _first_event(gw, adm))
         if isinstance(first, ErrorFrame):
             raise error_from_frame(first)
@@ -63,10 +70,10 @@ async def _serve(request: Request, op: Op) -> Response:
         await gw.abandon(adm)
         return Response(status_code=499)  # nobody reads it; for the access log
     except GatewayError as exc:
-        gw.fail(adm, exc)
+        await gw.fail(adm, exc)
         return error_response(exc)
-    body = sse_body(client_events(gw, adm, first))
-    return EventStreamResponse(body, lambda: gw.abandon(adm), headers)
+    stream = sse_body(client_events(gw, adm, first))
+    return EventStreamResponse(stream, lambda: gw.abandon(adm), headers)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -83,9 +90,38 @@ async def embeddings(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     gw = gateway_of(request)
-    await gw.keys.authenticate(request.headers.get("authorization"))
+    await gw.tenancy.authenticate(request.headers.get("authorization"))
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "jetserve"} for m in gw.models()]
     return json_response({"object": "list", "data": data})
+
+
+async def tenant_ledger(request: Request) -> Response:
+    """A tenant's own ledger, JSON lines. The key decides the tenant: there is no
+    parameter that could name another one."""
+    gw = gateway_of(request)
+    key = await gw.tenancy.authenticate(request.headers.get("authorization"))
+    if "tenant" in request.query_params:
+        raise BadRequest("The ledger is scoped to the key's tenant; 'tenant' is not accepted.")
+    since, until, limit = ledger_window(request)
+    reader: LedgerReader = request.app.state.ledger_reader
+    lines = [encode_record(r) async for r in reader.query(key.tenant, since, until, limit)]
+    return Response(
+        b"\n".join(lines) + (b"\n" if lines else b""), media_type="application/x-ndjson"
+    )
+
+
+def ledger_window(request: Request) -> tuple[float | None, float | None, int | None]:
+    def num(name: str) -> float | None:
+        value = request.query_params.get(name)
+        if value is None:
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise BadRequest(f"'{name}' must be a number (unix seconds).", param=name) from None
+
+    limit = num("limit")
+    return num("since"), num("until"), int(limit) if limit is not None else None
 
 
 async def healthz(request: Request) -> Response:

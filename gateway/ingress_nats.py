@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.service import Gateway
+from gateway.service import Gateway, Replayed
 from gateway.sse import client_events
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
 from streams.wire import Op
@@ -73,10 +73,15 @@ class NatsIngress:
         except GatewayError as exc:
             await self._reply(msg, exc.body(), exc.status)
             return
+        if isinstance(adm, Replayed):
+            await self._reply(msg, adm.response, adm.status)
+            return
         try:
             if not adm.wants_stream or op == "embedding":
                 result = await self._gw.collect(adm)
-                await self._reply(msg, self._gw.render(adm, result))
+                body = self._gw.render(adm, result)
+                await self._gw.complete(adm, body)
+                await self._reply(msg, body)
                 return
             stream_to = headers.get(STREAM_TO.lower())
             if not stream_to:
@@ -93,5 +98,5 @@ class NatsIngress:
                 elif kind == "done":
                     await self._reply(msg, {"done": True, "id": adm.request_id})
         except GatewayError as exc:
-            self._gw.fail(adm, exc)
+            await self._gw.fail(adm, exc)
             await self._reply(msg, exc.body(), exc.status)

@@ -1,20 +1,34 @@
 """The protocol-independent request path, shared by the HTTP, WebSocket and
-NATS ingresses: authenticate, validate, classify, publish; then collect or
-relay the frames. Every accepted request ends in exactly one recorded outcome.
+NATS ingresses:
+
+    authenticate -> validate -> authorise (scopes) -> idempotency claim
+    -> reserve budget + rate (one Redis script) -> publish -> frames
+    -> reconcile -> ledger record
+
+Every accepted request ends in exactly one terminal outcome (:meth:`Gateway.finish`):
+its reservation is reconciled to the actual usage (or released), and one ledger
+record is appended. Policy refusals (budget, rate, queue full) get a ledger
+record too. Never any prompt or completion text.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from gateway.accounting import Accountant, BudgetExceeded, RateLimited, Reservation, Scope
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, FrameStream, error_from_frame
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.keys import KeyRecord, KeyStore
+from gateway.idempotency import HEADER as IDEM_HEADER
+from gateway.idempotency import Claim, IdempotencyStore
+from gateway.ledger import LedgerWriteError, LedgerWriter
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import (
     ChatRequest,
@@ -28,8 +42,12 @@ from gateway.openai_types import (
     merge_tool_calls,
     parse_body,
 )
+from gateway.tenancy import KeyRecord, Tenancy
+from streams.ledger import LedgerRecord
 from streams.subjects import RequestClass
-from streams.wire import ErrorFrame, Final, InferenceRequest, Op, Token
+from streams.wire import ErrorFrame, Final, InferenceRequest, Op, Token, Usage
+
+log = logging.getLogger(__name__)
 
 _KINDS: dict[Op, ParsedType] = {
     "chat": ChatRequest,
@@ -48,8 +66,12 @@ class Admitted:
     parsed: Parsed
     key: KeyRecord
     stream: FrameStream
+    reservation: Reservation
+    raw: bytes
+    claim: Claim | None = None
     started: float = field(default_factory=time.monotonic)
     outcome: str | None = None
+    tokens_seen: int = 0  # token frames relayed, for a charge when no usage arrives
 
     @property
     def request_id(self) -> str:
@@ -66,6 +88,15 @@ class Admitted:
 
 
 @dataclass
+class Replayed:
+    """An Idempotency-Key retry: the stored response, nothing run or charged."""
+
+    status: int
+    response: dict[str, Any]
+    request_id: str
+
+
+@dataclass
 class Result:
     text: str
     tool_calls: list[dict[str, Any]]
@@ -74,27 +105,85 @@ class Result:
 
 class Gateway:
     def __init__(
-        self, cfg: GatewayConfig, keys: KeyStore, dispatcher: Dispatcher, metrics: GatewayMetrics
+        self,
+        cfg: GatewayConfig,
+        tenancy: Tenancy,
+        accountant: Accountant,
+        idempotency: IdempotencyStore,
+        ledger: LedgerWriter,
+        dispatcher: Dispatcher,
+        metrics: GatewayMetrics,
     ) -> None:
         self.cfg = cfg
-        self.keys = keys
+        self.tenancy = tenancy
+        self.accountant = accountant
+        self.idempotency = idempotency
+        self.ledger = ledger
         self.dispatcher = dispatcher
         self.metrics = metrics
 
     def models(self) -> list[str]:
         return [*self.cfg.models, *self.cfg.embedding_models]
 
-    async def admit(self, op: Op, raw: bytes, headers: Mapping[str, str]) -> Admitted:
+    # -- admission ---------------------------------------------------------------
+    async def admit(self, op: Op, raw: bytes, headers: Mapping[str, str]) -> Admitted | Replayed:
         try:
-            key = await self.keys.authenticate(headers.get("authorization"))
+            key = await self.tenancy.authenticate(headers.get("authorization"))
             parsed, body = parse_body(raw, _KINDS[op])
+            idem = headers.get(IDEM_HEADER)
+            if idem is not None and getattr(parsed, "stream", False):
+                raise BadRequest(
+                    "Idempotency-Key applies to non-streaming requests only.", param=IDEM_HEADER
+                )
             req = self._build(op, parsed, body, key, headers)
-            stream = await self.dispatcher.submit(req)
+            claim = None
+            if idem is not None:
+                claim = await self.idempotency.claim(key.tenant, idem, raw, req.deadline)
+                if claim.replay is not None:
+                    assert claim.replay.response is not None
+                    return Replayed(claim.replay.status, claim.replay.response, claim.request_id)
+                req = _with_id(req, claim.request_id, self.dispatcher.reply_for(claim.request_id))
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             raise
+        try:
+            return await self._reserve_and_submit(op, parsed, key, req, raw, claim)
+        except GatewayError as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            if claim is not None:
+                await self._idem_fail(claim, raw, exc)
+            raise
+
+    async def _reserve_and_submit(
+        self,
+        op: Op,
+        parsed: Parsed,
+        key: KeyRecord,
+        req: InferenceRequest,
+        raw: bytes,
+        claim: Claim | None,
+    ) -> Admitted:
+        price = self.cfg.prices.for_model(req.model)
+        worst = price.worst_case(req.prompt_tokens_est, req.max_tokens)
+        scope = Scope(key.org or key.tenant, key.tenant, key.key_id)
+        try:
+            reservation = await self.accountant.reserve(
+                scope, req.id, worst, req.prompt_tokens_est + req.max_tokens
+            )
+        except (BudgetExceeded, RateLimited) as exc:
+            kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
+            await self._append(self._refusal(req, key, f"rejected:{kind}", exc))
+            raise
+        if reservation.settled:
+            raise BadRequest("This request id was already served.", code="duplicate_request")
+        try:
+            stream = await self.dispatcher.submit(req)
+        except GatewayError as exc:
+            await self._release(req.id)
+            await self._append(self._refusal(req, key, f"rejected:{exc.code}", exc))
+            raise
         self.metrics.inflight.inc()
-        return Admitted(op, parsed, key, stream)
+        return Admitted(op, parsed, key, stream, reservation, raw, claim)
 
     def _build(
         self,
@@ -114,6 +203,7 @@ class Gateway:
             if wanted not in (RequestClass.INTERACTIVE.value, RequestClass.BATCH.value):
                 raise BadRequest(f"Unknown request class '{wanted}'.", param=CLASS_HEADER)
             cls = RequestClass(wanted)
+        key.scopes.check(model=parsed.model, cls=cls.value)
         timeout = self.cfg.default_timeout_s
         if TIMEOUT_HEADER in headers:
             try:
@@ -156,31 +246,126 @@ class Gateway:
             headers=forwarded,
         )
 
-    def record(self, adm: Admitted, outcome: str, final: Final | None = None) -> None:
+    # -- the terminal outcome --------------------------------------------------------
+    async def finish(
+        self, adm: Admitted, outcome: str, status: int, final: Final | None = None
+    ) -> None:
         """The one terminal outcome of an accepted request (idempotent)."""
         if adm.outcome is not None:
             return
         adm.outcome = outcome
         adm.stream.close()
-        cls = adm.stream.req.cls
+        req = adm.stream.req
         m = self.metrics
         m.inflight.dec()
-        m.requests.labels(adm.op, cls, outcome).inc()
-        m.e2e.labels(adm.op, cls).observe(time.monotonic() - adm.started)
+        m.requests.labels(adm.op, req.cls, "ok" if final else outcome).inc()
+        m.e2e.labels(adm.op, req.cls).observe(time.monotonic() - adm.started)
+        first_ms = None
         if adm.stream.first_token_at is not None:
-            m.ttft.labels(cls).observe(adm.stream.first_token_at - adm.started)
+            m.ttft.labels(req.cls).observe(adm.stream.first_token_at - adm.started)
+            first_ms = (adm.stream.first_token_at - adm.started) * 1000
         if final is not None:
-            m.tokens.labels(cls, "input").inc(final.usage.prompt_tokens)
-            m.tokens.labels(cls, "output").inc(final.usage.completion_tokens)
+            usage = final.usage
+            m.tokens.labels(req.cls, "input").inc(usage.prompt_tokens)
+            m.tokens.labels(req.cls, "output").inc(usage.completion_tokens)
+        else:
+            # No usage from the engine (cancelled, interrupted): charge what was
+            # evidently produced; a request that never started costs nothing.
+            usage = Usage(req.prompt_tokens_est if adm.tokens_seen else 0, adm.tokens_seen)
+        actual = self.cfg.prices.for_model(req.model).cost(usage)
+        charge = 0
+        try:
+            charge = await self.accountant.reconcile(req.id, actual)
+        except GatewayError as exc:
+            # The reservation stays held until it expires (sweep_expired): never
+            # under-held, at worst over-held for a while.
+            log.error("reconcile of %s failed: %s", req.id, exc.message)
+        await self._append(
+            LedgerRecord(
+                request_id=req.id,
+                tenant=req.tenant,
+                org=adm.key.org,
+                key_id=req.key_id,
+                op=req.op,
+                cls=req.cls,
+                model=req.model,
+                attempts=final.attempt if final else (adm.stream.attempt or 1),
+                policy="admitted",
+                usage=usage,
+                price_version=self.cfg.prices.version,
+                charge_micros=charge,
+                reserved_micros=adm.reservation.cost_micros,
+                outcome=final.finish_reason if final else outcome,
+                status=status,
+                idempotency_key_hash=adm.claim.key_hash if adm.claim else "",
+                created=req.created,
+                first_token_ms=first_ms,
+                duration_ms=(time.monotonic() - adm.started) * 1000,
+                gateway=self.cfg.gateway_id,
+            )
+        )
 
-    def fail(self, adm: Admitted, exc: GatewayError) -> None:
-        self.record(adm, exc.code)
+    async def fail(self, adm: Admitted, exc: GatewayError) -> None:
+        await self.finish(adm, exc.code, exc.status)
+        if adm.claim is not None:
+            await self._idem_fail(adm.claim, adm.raw, exc)
 
     async def abandon(self, adm: Admitted, reason: str = "client_disconnected") -> None:
         """The client went away: cancel upstream so the engine stops at once."""
         await adm.stream.cancel(reason)
-        self.record(adm, "cancelled")
+        await self.finish(adm, "cancelled", 499)
 
+    async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
+        if adm.claim is not None:
+            try:
+                await self.idempotency.complete(adm.claim, adm.raw, 200, response)
+            except GatewayError as exc:
+                log.error("storing idempotent response %s failed: %s", adm.request_id, exc)
+
+    def _refusal(
+        self, req: InferenceRequest, key: KeyRecord, policy: str, exc: GatewayError
+    ) -> LedgerRecord:
+        return LedgerRecord(
+            request_id=req.id,
+            tenant=req.tenant,
+            org=key.org,
+            key_id=req.key_id,
+            op=req.op,
+            cls=req.cls,
+            model=req.model,
+            attempts=0,
+            policy=policy,
+            usage=Usage(),
+            price_version=self.cfg.prices.version,
+            charge_micros=0,
+            reserved_micros=0,
+            outcome=exc.code,
+            status=exc.status,
+            created=req.created,
+            duration_ms=0.0,
+            gateway=self.cfg.gateway_id,
+        )
+
+    async def _append(self, record: LedgerRecord) -> None:
+        try:
+            await self.ledger.append(record)
+        except LedgerWriteError as exc:
+            self.metrics.rejected.labels("ledger_write_failed").inc()
+            log.error("ledger append for %s failed: %s", record.request_id, exc.message)
+
+    async def _release(self, request_id: str) -> None:
+        try:
+            await self.accountant.release(request_id)
+        except GatewayError as exc:
+            log.error("release of %s failed: %s", request_id, exc.message)
+
+    async def _idem_fail(self, claim: Claim, raw: bytes, exc: GatewayError) -> None:
+        try:
+            await self.idempotency.fail(claim, raw, exc)
+        except GatewayError as err:
+            log.error("idempotency release failed: %s", err.message)
+
+    # -- results -----------------------------------------------------------------
     async def collect(self, adm: Admitted) -> Result:
         """Wait for the whole result (non-streaming clients)."""
         text: list[str] = []
@@ -188,16 +373,17 @@ class Gateway:
         try:
             async for event in adm.stream.events(self.cfg.heartbeat_timeout_s):
                 if isinstance(event, Token):
+                    adm.tokens_seen += 1
                     text.append(event.text)
                     if event.tool_calls:
                         merge_tool_calls(calls, event.tool_calls)
                 elif isinstance(event, ErrorFrame):
                     raise error_from_frame(event)
                 else:
-                    self.record(adm, "ok", event)
+                    await self.finish(adm, "ok", 200, event)
                     return Result("".join(text), calls, event)
         except GatewayError as exc:
-            self.fail(adm, exc)
+            await self.fail(adm, exc)
             raise
         raise AssertionError("frame stream ended without a terminal frame")
 
@@ -219,3 +405,7 @@ class Gateway:
             result.final.finish_reason,
             result.final.usage,
         )
+
+
+def _with_id(req: InferenceRequest, request_id: str, reply: str) -> InferenceRequest:
+    return msgspec.structs.replace(req, id=request_id, reply=reply)

@@ -125,6 +125,7 @@ async def client_events(
             if isinstance(event, Token):
                 # Coalesce whatever is already buffered into one write (slow clients).
                 batch = [event, *stream.drain_tokens()]
+                adm.tokens_seen += len(batch)
                 text = "".join(t.text for t in batch)
                 calls = [c for t in batch if t.tool_calls for c in t.tool_calls] or None
                 finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
@@ -139,11 +140,11 @@ async def client_events(
                 yield ClientEvent("chunk", writer.finish(event.finish_reason))
             if adm.include_usage:
                 yield ClientEvent("chunk", writer.usage(event.usage))
-            gw.record(adm, "ok", event)
+            await gw.finish(adm, "ok", 200, event)
             yield ClientEvent("done")
             return
     except GatewayError as exc:  # StreamInterrupted included
-        gw.fail(adm, exc)
+        await gw.fail(adm, exc)
         yield ClientEvent("error", exc.body(), exc.status)
 
 

@@ -19,7 +19,7 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.service import Admitted, Gateway
+from gateway.service import Admitted, Gateway, Replayed
 from gateway.sse import client_events
 from streams.wire import Op
 
@@ -62,6 +62,9 @@ class _Connection:
         except GatewayError as exc:
             await self.error(msg.id, exc)
             return
+        if isinstance(adm, Replayed):
+            await self.send("response", msg.id, data=adm.response)
+            return
         self.admitted[msg.id] = adm
         try:
             if not adm.wants_stream or msg.op == "embedding":
@@ -70,7 +73,9 @@ class _Connection:
                 except GatewayError as exc:
                     await self.error(msg.id, exc)
                     return
-                await self.send("response", msg.id, data=self.gw.render(adm, result))
+                body = self.gw.render(adm, result)
+                await self.gw.complete(adm, body)
+                await self.send("response", msg.id, data=body)
                 return
             async for kind, payload, status in client_events(self.gw, adm, None):
                 if kind == "chunk":
@@ -132,7 +137,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         headers["authorization"] = f"Bearer {ws.query_params['api_key']}"
     await ws.accept()  # then close with a reason a browser can read (a 403 handshake has none)
     try:
-        await gw.keys.authenticate(headers.get("authorization"))
+        await gw.tenancy.authenticate(headers.get("authorization"))
     except GatewayError as exc:
         await ws.close(code=4401 if exc.status == 401 else 4503, reason=exc.message[:120])
         return

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvloop
 
+from jetserve.admin_client import AdminClient, AdminError
+
 DEFAULT_NATS = os.environ.get("JETSERVE_NATS_URL", "nats://127.0.0.1:4222")
 DEFAULT_REDIS = os.environ.get("JETSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+DEFAULT_ADMIN = os.environ.get("JETSERVE_ADMIN_URL", "http://127.0.0.1:8081")
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -22,11 +27,13 @@ def _csv(value: str) -> tuple[str, ...]:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
+    import hashlib
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
+    from gateway.pricing import PriceBook, parse_price
+    from gateway.serve import serve
 
+    token = os.environ.get("JETSERVE_ADMIN_TOKEN") or None
     cfg = GatewayConfig(
         nats_url=args.nats,
         redis_url=args.redis,
@@ -37,21 +44,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         keepalive_s=args.keepalive,
         commit_after_s=args.commit_after,
+        prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        admin_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else None,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(cfg),
-            host=args.host,
-            port=args.port,
-            loop="uvloop",
-            http="httptools",
-            ws="websockets",
-            log_level=args.log_level,
-            access_log=False,
-            timeout_graceful_shutdown=args.grace,
-        )
-    )
-    server.run()
+    uvloop.run(serve(cfg, args.host, args.port, log_level=args.log_level, grace=args.grace))
     return 0
 
 
@@ -89,23 +87,77 @@ def cmd_sim(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return sim_main(list(rest))
 
 
-async def _keys_create(args: argparse.Namespace) -> int:
-    import redis.asyncio as redis
+def _admin(args: argparse.Namespace) -> AdminClient:
+    token = args.admin_token or os.environ.get("JETSERVE_ADMIN_TOKEN")
+    if not token:
+        raise SystemExit("the admin API needs a token: --admin-token or JETSERVE_ADMIN_TOKEN")
+    return AdminClient(args.admin_url, token)
 
-    from gateway.keys import KeyStore
 
-    rds = redis.Redis.from_url(args.redis)
-    try:
-        key, record = await KeyStore(rds).create(args.tenant, args.key)
-    finally:
-        await rds.aclose()
-    print(f"key_id={record.key_id} tenant={record.tenant}")
-    print(f"api_key={key}   (shown once; only its hash is stored)")
+def _show(obj: object) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _scopes(args: argparse.Namespace) -> dict[str, list[str]]:
+    return {
+        name: list(_csv(value))
+        for name in ("models", "classes", "tools", "data_classes")
+        if (value := getattr(args, name, None))
+    }
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        what = (args.cmd, getattr(args, "action", ""))
+        if what == ("tenants", "create"):
+            _show(admin.create_tenant(args.tenant, args.org or "", args.name))
+        elif what == ("tenants", "list"):
+            _show(admin.list_tenants())
+        elif what == ("tenants", "show"):
+            _show(admin.show_tenant(args.tenant))
+        elif what == ("keys", "create"):
+            if args.create_tenant:
+                try:
+                    admin.create_tenant(args.tenant)
+                except AdminError as exc:
+                    if exc.status != 409:  # it exists already: fine
+                        raise
+            created = admin.create_key(args.tenant, args.name, _scopes(args), args.key)
+            _show(created["key"])
+            print(f"api_key: {created['api_key']}   (shown once; only its hash is stored)")
+        elif what == ("keys", "list"):
+            _show(admin.list_keys(args.tenant))
+        elif what == ("keys", "rotate"):
+            created = admin.rotate_key(args.key_id)
+            _show(created["key"])
+            print(f"api_key: {created['api_key']}   (shown once; the old key is revoked)")
+        elif what == ("keys", "revoke"):
+            _show(admin.revoke_key(args.key_id))
+        elif what == ("limits", "set"):
+            budget = None if args.budget_usd is None else round(args.budget_usd * 1_000_000)
+            _show(
+                admin.set_limits(
+                    args.level,
+                    args.id,
+                    budget_micros=budget,
+                    period=args.period,
+                    rpm=args.rpm,
+                    tpm=args.tpm,
+                )
+            )
+        elif what == ("limits", "show"):
+            _show(admin.get_limits(args.level, args.id))
+        elif args.cmd == "ledger":
+            text = admin.ledger(args.tenant, args.since, args.until)
+            if args.out:
+                with open(args.out, "w") as fh:
+                    fh.write(text)
+                print(f"wrote {text.count(chr(10))} records to {args.out}")
+            else:
+                sys.stdout.write(text)
+        else:  # pragma: no cover - argparse enforces the choices
+            raise SystemExit(f"unknown command {what}")
     return 0
-
-
-def cmd_keys(args: argparse.Namespace) -> int:
-    return uvloop.run(_keys_create(args))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -136,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--forward-header-prefix", default="", help="engine headers allowed through")
     g.add_argument("--grace", type=float, default=30.0, help="graceful shutdown (s)")
+    g.add_argument("--admin-host", default="127.0.0.1", help="admin API address (keep private)")
+    g.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="admin API port (credential: JETSERVE_ADMIN_TOKEN); off when not set",
+    )
+    g.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        help="MODEL=IN/OUT micro-USD per 1K tokens (repeatable)",
+    )
+    g.add_argument("--price-version", default="v1")
     g.set_defaults(func=cmd_gateway)
 
     w = sub.add_parser(
@@ -157,13 +223,56 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=None)
 
-    k = sub.add_parser("keys", allow_abbrev=False, help="API keys")
-    ksub = k.add_subparsers(dest="keys_cmd", required=True)
-    kc = ksub.add_parser("create", allow_abbrev=False, help="create a key for a tenant")
+    def admin_parser(name: str, help_text: str) -> argparse._SubParsersAction[Any]:
+        ap = sub.add_parser(name, allow_abbrev=False, help=help_text)
+        ap.set_defaults(func=cmd_admin)
+        return ap.add_subparsers(dest="action", required=True)
+
+    def admin_opts(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        ap.add_argument("--admin-url", default=DEFAULT_ADMIN)
+        ap.add_argument("--admin-token", default=None, help="default: $JETSERVE_ADMIN_TOKEN")
+        return ap
+
+    t = admin_parser("tenants", "tenants (admin API)")
+    tc = admin_opts(t.add_parser("create", allow_abbrev=False))
+    tc.add_argument("tenant")
+    tc.add_argument("--org", default=None, help="default: an org named like the tenant")
+    tc.add_argument("--name", default="")
+    admin_opts(t.add_parser("list", allow_abbrev=False))
+    admin_opts(t.add_parser("show", allow_abbrev=False)).add_argument("tenant")
+
+    k = admin_parser("keys", "API keys (admin API)")
+    kc = admin_opts(k.add_parser("create", allow_abbrev=False))
     kc.add_argument("--tenant", required=True)
+    kc.add_argument("--name", default="")
+    kc.add_argument("--models", default=None, help="comma-separated; default any")
+    kc.add_argument("--classes", default=None, help="comma-separated; default any")
+    kc.add_argument("--tools", default=None)
+    kc.add_argument("--data-classes", dest="data_classes", default=None)
     kc.add_argument("--key", default=None, help="use this plaintext (demos only)")
-    kc.add_argument("--redis", default=DEFAULT_REDIS)
-    kc.set_defaults(func=cmd_keys)
+    kc.add_argument("--create-tenant", action="store_true", help="create the tenant if missing")
+    admin_opts(k.add_parser("list", allow_abbrev=False)).add_argument("--tenant", required=True)
+    admin_opts(k.add_parser("rotate", allow_abbrev=False)).add_argument("key_id")
+    admin_opts(k.add_parser("revoke", allow_abbrev=False)).add_argument("key_id")
+
+    lim = admin_parser("limits", "budgets and rate limits (admin API)")
+    ls = admin_opts(lim.add_parser("set", allow_abbrev=False))
+    ls.add_argument("--level", choices=["org", "tenant", "key"], required=True)
+    ls.add_argument("--id", required=True)
+    ls.add_argument("--budget-usd", type=float, default=None)
+    ls.add_argument("--period", choices=["day", "month", "total"], default="month")
+    ls.add_argument("--rpm", type=int, default=None)
+    ls.add_argument("--tpm", type=int, default=None)
+    lsh = admin_opts(lim.add_parser("show", allow_abbrev=False))
+    lsh.add_argument("--level", choices=["org", "tenant", "key"], required=True)
+    lsh.add_argument("--id", required=True)
+
+    led = admin_opts(sub.add_parser("ledger", allow_abbrev=False, help="query/export the ledger"))
+    led.add_argument("--tenant", required=True)
+    led.add_argument("--since", type=float, default=None, help="unix seconds")
+    led.add_argument("--until", type=float, default=None, help="unix seconds")
+    led.add_argument("--out", default=None, help="write JSONL here (default: stdout)")
+    led.set_defaults(func=cmd_admin)
 
     u = sub.add_parser("up", allow_abbrev=False, help="run the whole fleet on loopback")
     u.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")

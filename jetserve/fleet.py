@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,9 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import redis.asyncio as aioredis
 
-from gateway.keys import KeyStore
+from jetserve.admin_client import AdminClient
 from jetserve.services import Service, ServiceError, free_port, start_nats, start_redis, wait_port
 from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
@@ -42,6 +43,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 class FleetSpec:
     workers: int = 2
     gateway_port: int = 0
+    gateways: int = 1  # several replicas share NATS and Redis (the multi-gateway tests)
     profile: str = "fast"
     api_key: str | None = None
     tenant: str = "demo"
@@ -87,11 +89,14 @@ class Fleet:
         self.nats: Service | None = None
         self.redis: Service | None = None
         self.sim: Proc | None = None
-        self.gateway: Proc | None = None
+        self.gateways: list[Proc] = []
+        self.gateway_ports: list[int] = []
+        self.admin_ports: list[int] = []
+        self.admin_token = secrets.token_urlsafe(24)
         self.workers: list[Proc] = []
         self.sim_port = 0
-        self.gateway_port = 0
         self.api_key = ""
+        self.key_id = ""
 
     # -- addresses ---------------------------------------------------------
     @property
@@ -109,16 +114,39 @@ class Fleet:
         return f"http://127.0.0.1:{self.sim_port}"
 
     @property
+    def gateway(self) -> Proc | None:
+        return self.gateways[0] if self.gateways else None
+
+    @property
+    def gateway_port(self) -> int:
+        return self.gateway_ports[0]
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
+    @property
+    def base_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.gateway_ports]
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_ports[0]}"
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.admin_url, self.admin_token)
+
     # -- lifecycle ---------------------------------------------------------
-    def _spawn(self, name: str, *args: str) -> Proc:
+    def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         cmd = [sys.executable, "-m", "jetserve", "--log-level", self.spec.log_level, *args]
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
         finally:
             log.close()
@@ -129,8 +157,12 @@ class Fleet:
             self.nats = start_nats(self.workdir / "nats")
             self.redis = start_redis(self.workdir / "redis")
             self.start_sim()
-            self.start_gateway()
-            self.api_key = _run(self._create_key())
+            for _ in range(self.spec.gateways):
+                self.start_gateway()
+            with self.admin() as admin:
+                admin.create_tenant(self.spec.tenant)
+                created = admin.create_key(self.spec.tenant, "fleet", api_key=self.spec.api_key)
+            self.api_key, self.key_id = created["api_key"], created["key"]["key_id"]
             for _ in range(self.spec.workers):
                 self.start_worker(wait=False)
             self.wait_workers(self.spec.workers)
@@ -154,32 +186,41 @@ class Fleet:
         )
         wait_port(self.sim_port, 20.0, self.sim.proc)
 
-    def start_gateway(self) -> None:
-        self.gateway_port = self.gateway_port or self.spec.gateway_port or free_port()
-        self.gateway = self._spawn(
-            "gateway",
+    def start_gateway(self) -> Proc:
+        n = len(self.gateways)
+        port = (self.spec.gateway_port if n == 0 else 0) or free_port()
+        admin_port = free_port()
+        gw = self._spawn(
+            f"gateway{n}",
             "gateway",
             "--nats",
             self.nats_url,
             "--redis",
             self.redis_url,
             "--port",
-            str(self.gateway_port),
+            str(port),
+            "--admin-port",
+            str(admin_port),
             "--models",
             self.spec.model,
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
             *self.spec.gateway_args,
+            env={"JETSERVE_ADMIN_TOKEN": self.admin_token},
         )
-        self._wait_ready(self.gateway)
+        self.gateways.append(gw)
+        self.gateway_ports.append(port)
+        self.admin_ports.append(admin_port)
+        self._wait_ready(gw, port)
+        return gw
 
-    def _wait_ready(self, gw: Proc, timeout: float = 30.0) -> None:
+    def _wait_ready(self, gw: Proc, port: int, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if gw.proc.poll() is not None:
                 raise ServiceError(f"gateway exited ({gw.proc.returncode}); see {self.workdir}")
             try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -227,19 +268,11 @@ class Fleet:
         finally:
             await nc.close()
 
-    async def _create_key(self) -> str:
-        rds = aioredis.Redis.from_url(self.redis_url)
-        try:
-            key, _ = await KeyStore(rds).create(self.spec.tenant, self.spec.api_key)
-        finally:
-            await rds.aclose()
-        return key
-
     def stop(self) -> None:
         # Workers first (they drain), then the gateway, then the engine and the bus.
         for w in self.workers:
             w.stop()
-        for p in (self.gateway, self.sim):
+        for p in (*self.gateways, self.sim):
             if p is not None:
                 p.stop()
         for s in (self.redis, self.nats):

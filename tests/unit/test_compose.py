@@ -165,8 +165,10 @@ def test_shared_addresses_agree() -> None:
     (gateway,) = _by_name("gateway")
     (keys,) = _by_name("keys")
     assert {ns.nats for ns in _by_name("worker")} == {gateway.nats}
-    assert keys.redis == gateway.redis
-    assert keys.keys_cmd == "create"
+    # The key tool talks to the gateway's admin API, on the port the gateway opens.
+    assert keys.action == "create" and keys.create_tenant
+    assert keys.admin_url == f"http://gateway:{gateway.admin_port}"
+    assert gateway.admin_host == "0.0.0.0"
 
 
 def test_engines_serve_the_gateways_models() -> None:
@@ -265,7 +267,7 @@ def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> Non
         "gateway": {"nats", "redis"},
         "worker": {"nats", "sim"},
         "worker-gpu": {"nats", "vllm"},
-        "keys": {"redis"},
+        "keys": {"gateway"},
     }
     for name, deps in want.items():
         got = _depends(services[name])

@@ -1,0 +1,119 @@
+"""Everything a gateway process holds open, built and torn down in one place:
+NATS (with provisioning), Redis, tenancy, accounting, idempotency, the ledger,
+the dispatcher and the NATS ingress. Both HTTP apps (public and admin) share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import redis.asyncio as redis
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import Error as JSError
+from redis.exceptions import RedisError
+
+from gateway.accounting import Accountant
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.errors import GatewayError
+from gateway.idempotency import IdempotencyStore
+from gateway.ingress_nats import NatsIngress
+from gateway.ledger import LedgerReader, LedgerWriter
+from gateway.metrics import GatewayMetrics
+from gateway.service import Gateway
+from gateway.tenancy import Tenancy
+from streams.connect import connect
+from streams.ledger import DEFAULT_LEDGER, ensure_ledger
+from streams.provision import ensure_topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    cfg: GatewayConfig
+    nc: Client
+    js: JetStreamContext
+    redis: redis.Redis
+    gateway: Gateway
+    ledger_reader: LedgerReader
+
+    async def readiness(self) -> dict[str, bool]:
+        redis_ok = True
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError):
+            redis_ok = False
+        return {"nats": self.nc.is_connected, "redis": redis_ok}
+
+    async def refresh_queue_depth(self) -> None:
+        topo = self.cfg.topology
+        for cls in topo.classes:
+            try:
+                info = await self.js.consumer_info(
+                    topo.stream, topo.consumer_name(cls), timeout=1.0
+                )
+            except (JSError, TimeoutError):
+                continue
+            depth = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            self.gateway.metrics.queue_depth.labels(cls.value).set(depth)
+
+
+async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
+    """Release holds whose gateway died before reconciling (any replica may)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            released = await accountant.sweep_expired()
+        except GatewayError as exc:
+            log.warning("reservation sweep failed: %s", exc.message)
+            continue
+        if released:
+            log.warning("released %d expired reservations", released)
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
+    nc = await connect(cfg.nats_url, f"gateway-{cfg.gateway_id}")
+    # A bounded pool: bursts queue for a connection instead of opening thousands.
+    pool = redis.BlockingConnectionPool.from_url(
+        cfg.redis_url,
+        max_connections=64,
+        timeout=2.0,
+        socket_timeout=2.0,
+        socket_connect_timeout=2.0,
+    )
+    rds = redis.Redis(connection_pool=pool)
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, cfg.topology)
+        await ensure_ledger(js, DEFAULT_LEDGER)
+        dispatcher = Dispatcher(nc, js, cfg.gateway_id, cfg.topology)
+        await dispatcher.start()
+        gw = Gateway(
+            cfg,
+            Tenancy(rds, cfg.key_cache_s),
+            Accountant(rds),
+            IdempotencyStore(rds),
+            LedgerWriter(js, DEFAULT_LEDGER),
+            dispatcher,
+            GatewayMetrics(),
+        )
+        ingress = NatsIngress(nc, gw)
+        await ingress.start()
+        sweeper = asyncio.create_task(_sweep(gw.accountant))
+        try:
+            yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, DEFAULT_LEDGER))
+        finally:
+            sweeper.cancel()
+            await ingress.stop()
+            await dispatcher.stop()
+    finally:
+        await rds.aclose()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.drain(), 5)

@@ -1,0 +1,88 @@
+"""A small client of the gateway's admin API, for the CLI, ``jetserve up`` and tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class AdminError(RuntimeError):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"admin API answered {status}: {body}")
+        self.status = status
+
+
+class AdminClient:
+    def __init__(self, base_url: str, token: str, timeout: float = 10.0) -> None:
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        r = self._http.request(method, path, **kw)
+        if r.status_code >= 400:
+            raise AdminError(r.status_code, r.text)
+        if r.headers.get("content-type", "").startswith("application/x-ndjson"):
+            return r.text
+        return r.json()
+
+    def create_tenant(self, tenant: str, org: str = "", name: str = "") -> dict[str, Any]:
+        return dict(
+            self._call("POST", "/admin/tenants", json={"id": tenant, "org": org, "name": name})
+        )
+
+    def list_tenants(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/admin/tenants")["data"])
+
+    def show_tenant(self, tenant: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/admin/tenants/{tenant}"))
+
+    def create_key(
+        self,
+        tenant: str,
+        name: str = "",
+        scopes: dict[str, list[str]] | None = None,
+        api_key: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"tenant": tenant, "name": name}
+        if scopes:
+            body["scopes"] = scopes
+        if api_key:
+            body["api_key"] = api_key
+        return dict(self._call("POST", "/admin/keys", json=body))
+
+    def list_keys(self, tenant: str) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/admin/keys", params={"tenant": tenant})["data"])
+
+    def rotate_key(self, key_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/admin/keys/{key_id}/rotate"))
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/admin/keys/{key_id}/revoke"))
+
+    def set_limits(self, level: str, ident: str, **limits: Any) -> dict[str, Any]:
+        return dict(self._call("PUT", f"/admin/limits/{level}/{ident}", json=limits))
+
+    def get_limits(self, level: str, ident: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/admin/limits/{level}/{ident}"))
+
+    def ledger(self, tenant: str, since: float | None = None, until: float | None = None) -> str:
+        params: dict[str, Any] = {"tenant": tenant}
+        if since is not None:
+            params["since"] = since
+        if until is not None:
+            params["until"] = until
+        text: str = self._call("GET", "/admin/ledger", params=params)
+        return text
