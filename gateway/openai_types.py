@@ -86,36 +86,48 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
     return typed, body
 
 
-def _text_len(content: object) -> int:
+def _text_bytes(content: object) -> int:
     if isinstance(content, str):
-        return len(content)
+        return len(content.encode())
     if isinstance(content, list):
-        return sum(_text_len(part.get("text", "")) for part in content if isinstance(part, dict))
+        return sum(_text_bytes(part.get("text", "")) for part in content if isinstance(part, dict))
     return 0
 
 
-def _input_len(inp: str | list[str | int | list[int]]) -> int:
+def _input_units(inp: str | list[str | int | list[int]]) -> tuple[int, int]:
+    """(bytes of text, token ids given directly) of a prompt or embedding input."""
     if isinstance(inp, str):
-        return len(inp)
-    return sum(
-        len(x) if isinstance(x, str) else 4 * len(x) if isinstance(x, list) else 4 for x in inp
-    )
+        return _text_bytes(inp), 0
+    text = sum(_text_bytes(x) for x in inp if isinstance(x, str))
+    ids = sum(len(x) if isinstance(x, list) else 1 for x in inp if not isinstance(x, str))
+    return text, ids
+
+
+def _prompt_units(req: Parsed) -> tuple[int, int, int]:
+    """(bytes of text, token ids, messages) that the engine will tokenize."""
+    if isinstance(req, ChatRequest):
+        text = sum(_text_bytes(m.content) for m in req.messages)
+        text += sum(len(msgspec.json.encode(m.tool_calls)) for m in req.messages if m.tool_calls)
+        if req.tools:
+            text += len(msgspec.json.encode(req.tools))  # rendered into the prompt
+        return text, 0, len(req.messages)
+    if isinstance(req, CompletionRequest):
+        return (*_input_units(req.prompt), 1)
+    return (*_input_units(req.input), 1)
 
 
 def estimate_prompt_tokens(req: Parsed) -> int:
-    """A cheap upper-ish estimate (4 chars/token) for KV admission only, never for billing."""
-    if isinstance(req, ChatRequest):
-        chars = sum(_text_len(m.content) + 8 for m in req.messages)
-    elif isinstance(req, CompletionRequest):
-        chars = len(req.prompt) if isinstance(req.prompt, str) else 4 * len(req.prompt)
-    else:
-        inp = req.input
-        chars = (
-            len(inp)
-            if isinstance(inp, str)
-            else sum(len(x) if isinstance(x, str) else 4 for x in inp)
-        )
-    return chars // 4 + 1
+    """A typical count (4 bytes/token) for KV admission; never for money."""
+    text, ids, messages = _prompt_units(req)
+    return text // 4 + ids + 8 * messages + 1
+
+
+def bound_prompt_tokens(req: Parsed) -> int:
+    """An upper bound for budget holds: a token covers at least one byte of text
+    (byte-level BPE), plus a generous allowance per message for the chat template.
+    Holding less than the real cost would let concurrent requests overrun a budget."""
+    text, ids, messages = _prompt_units(req)
+    return text + ids + 16 * messages + 16
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from gateway.openai_types import (
     ParsedType,
     completion_response,
     embeddings_response,
+    bound_prompt_tokens,
     estimate_prompt_tokens,
     merge_tool_calls,
     parse_body,
@@ -164,7 +165,7 @@ class Gateway:
         claim: Claim | None,
     ) -> Admitted:
         price = self.cfg.prices.for_model(req.model)
-        worst = price.worst_case(req.prompt_tokens_est, req.max_tokens)
+        worst = price.worst_case(bound_prompt_tokens(parsed), req.max_tokens)
         scope = Scope(key.org or key.tenant, key.tenant, key.key_id)
         try:
             reservation = await self.accountant.reserve(

@@ -130,8 +130,10 @@ def start_redis(workdir: Path | None = None, port: int | None = None) -> Service
         "127.0.0.1",
         "--save",
         "",
+        # Keys, limits and spend survive a restart of this Redis (the fault tests
+        # stop and start it): an append-only file, written on shutdown too.
         "--appendonly",
-        "no",
+        "yes",
         "--dir",
         str(workdir),
         "--protected-mode",

@@ -1,0 +1,235 @@
+"""Issue 3's guarantees through real gateway processes sharing NATS and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import pytest
+
+from gateway.pricing import Price
+from jetserve.fleet import Fleet
+
+pytestmark = pytest.mark.connected
+
+BODY = {"model": "sim-8b", "max_tokens": 8, "messages": [{"role": "user", "content": "budget me"}]}
+
+
+def ledger(fleet: Fleet, tenant: str) -> list[dict[str, object]]:
+    with fleet.admin() as admin:
+        text = admin.ledger(tenant)
+    return [msgspec.json.decode(line) for line in text.splitlines() if line]
+
+
+async def sim_started(fleet: Fleet) -> int:
+    async with httpx.AsyncClient() as c:
+        return int((await c.get(f"{fleet.sim_url}/sim/stats")).json()["started"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_budget_holds_for_1000_concurrent_requests_through_3_gateways(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Output tokens only are priced, and the simulator generates exactly max_tokens
+    # here: every request costs exactly its worst case, so the budget admits 100.
+    fleet = make_fleet(gateways=3, workers=2, gateway_args=["--price", "sim-8b=0/1000"])
+    cost = Price(0, 1000).worst_case(0, int(BODY["max_tokens"]))  # type: ignore[call-overload]
+    with fleet.admin() as admin:
+        admin.set_limits("tenant", fleet.spec.tenant, budget_micros=100 * cost, period="total")
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    # 100 clients x 10 connections: 1000 requests really in flight at once (one
+    # httpx pool with 1000 connections would serialise them client-side).
+    clients = [
+        httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=10)) for _ in range(100)
+    ]
+    try:
+        rs = await asyncio.gather(
+            *(
+                clients[i % 100].post(
+                    f"{fleet.base_urls[i % 3]}/v1/chat/completions", json=BODY, headers=headers
+                )
+                for i in range(1000)
+            )
+        )
+    finally:
+        for client in clients:
+            await client.aclose()
+    ok = [r for r in rs if r.status_code == 200]
+    refused = [r for r in rs if r.status_code == 429]
+    assert len(ok) + len(refused) == 1000, {r.status_code for r in rs}
+    assert len(ok) == 100  # at most 100 by the budget; and no hold leaked
+    assert all(r.json()["error"]["code"] == "budget_exceeded" for r in refused)
+    assert all(r.json()["error"]["type"] == "insufficient_quota" for r in refused)
+    with fleet.admin() as admin:
+        limits_now = admin.get_limits("tenant", fleet.spec.tenant)
+    records = ledger(fleet, fleet.spec.tenant)
+    admitted = [r for r in records if r["policy"] == "admitted"]
+    assert len(admitted) == len(ok)
+    assert sum(1 for r in records if r["policy"] == "rejected:budget") == len(refused)
+    charges = sum(int(r["charge_micros"]) for r in records)  # type: ignore[call-overload]
+    assert limits_now["reserved_micros"] == 0
+    assert limits_now["spent_micros"] == charges <= 100 * cost
+    print(f"\nbudget race: admitted {len(ok)}/1000, spent {charges} of {100 * cost} micro-USD")
+
+
+async def test_rate_limit_holds_within_5_percent_across_3_gateways(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(gateways=3, workers=2)
+    rpm = 1200  # 20/s; GCRA burst: 6 s worth (gateway/accounting.py)
+    with fleet.admin() as admin:
+        admin.set_limits("tenant", fleet.spec.tenant, rpm=rpm)
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    duration, offered_per_s = 8.0, 80
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as c:
+        start = time.monotonic()
+
+        async def one(i: int) -> tuple[int, float]:
+            await asyncio.sleep(i / offered_per_s)  # open loop: a fixed schedule
+            r = await c.post(
+                f"{fleet.base_urls[i % 3]}/v1/chat/completions", json=BODY, headers=headers
+            )
+            return r.status_code, time.monotonic() - start
+
+        results = await asyncio.gather(*(one(i) for i in range(int(duration * offered_per_s))))
+    admitted = sum(1 for s, _ in results if s == 200)
+    limited = sum(1 for s, _ in results if s == 429)
+    assert admitted + limited == len(results)
+    window = (len(results) - 1) / offered_per_s
+    expected = rpm / 60 * (window + 6.0)  # the GCRA bound: rate x (window + burst)
+    error = abs(admitted - expected) / expected
+    print(f"\nrate limit: admitted {admitted}, expected {expected:.0f}, error {error:.1%}")
+    assert error < 0.05
+
+
+async def test_redis_down_fails_closed_and_recovers(make_fleet: Callable[..., Fleet]) -> None:
+    fleet = make_fleet(gateways=2, workers=1)
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        for url in fleet.base_urls:
+            assert (
+                await c.post(f"{url}/v1/chat/completions", json=BODY, headers=headers)
+            ).status_code == 200
+        before = await sim_started(fleet)
+        assert fleet.redis is not None
+        fleet.redis.stop()
+        statuses = [
+            (await c.post(f"{url}/v1/chat/completions", json=BODY, headers=headers)).status_code
+            for url in fleet.base_urls
+            for _ in range(5)
+        ]
+        assert statuses == [503] * 10
+        ready = await c.get(f"{fleet.base_url}/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["redis"] is False
+        assert await sim_started(fleet) == before  # nothing was dispatched
+        await asyncio.to_thread(fleet.redis.restart)
+        for url in fleet.base_urls:
+            r = await c.post(f"{url}/v1/chat/completions", json=BODY, headers=headers)
+            assert r.status_code == 200, r.text
+
+
+async def test_tenants_cannot_see_each_others_ledger(fleet: Fleet) -> None:
+    with fleet.admin() as admin:
+        admin.create_tenant("acme")
+        admin.create_tenant("globex")
+        key_a = admin.create_key("acme")["api_key"]
+        key_b = admin.create_key("globex")["api_key"]
+    async with httpx.AsyncClient(timeout=30) as c:
+        for key in (key_a, key_b):
+            r = await c.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json=BODY,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200
+        mine = await c.get(
+            f"{fleet.base_url}/v1/ledger", headers={"Authorization": f"Bearer {key_a}"}
+        )
+        other = await c.get(
+            f"{fleet.base_url}/v1/ledger?tenant=globex",
+            headers={"Authorization": f"Bearer {key_a}"},
+        )
+        admin_view = await c.get(
+            f"{fleet.admin_url}/admin/ledger?tenant=globex",
+            headers={"Authorization": f"Bearer {key_a}"},  # a tenant key is no admin credential
+        )
+    records = [msgspec.json.decode(x) for x in mine.text.splitlines()]
+    assert records and {r["tenant"] for r in records} == {"acme"}
+    assert other.status_code == 400
+    assert admin_view.status_code == 401
+    assert "budget me" not in mine.text  # no prompt text in the ledger
+
+
+async def test_idempotency_key_sequential_and_concurrent(fleet: Fleet) -> None:
+    async with httpx.AsyncClient(timeout=30) as c:
+        for label in ("seq", "conc"):
+            headers = {"Authorization": f"Bearer {fleet.api_key}", "Idempotency-Key": f"k-{label}"}
+            url = f"{fleet.base_url}/v1/chat/completions"
+            before = await sim_started(fleet)
+            if label == "seq":
+                rs = [await c.post(url, json=BODY, headers=headers) for _ in range(2)]
+            else:
+                rs = list(
+                    await asyncio.gather(
+                        *(c.post(url, json=BODY, headers=headers) for _ in range(5))
+                    )
+                )
+            assert {r.status_code for r in rs} == {200}
+            assert len({r.content for r in rs}) == 1  # identical responses, ids included
+            assert await sim_started(fleet) - before == 1  # one engine call
+        other_body = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={**BODY, "max_tokens": 9},
+            headers={"Authorization": f"Bearer {fleet.api_key}", "Idempotency-Key": "k-seq"},
+        )
+        assert other_body.status_code == 400
+        assert other_body.json()["error"]["code"] == "idempotency_key_reused"
+    charged = [r for r in ledger(fleet, fleet.spec.tenant) if r["idempotency_key_hash"]]
+    assert len(charged) == 2  # one charge per key
+
+
+async def test_revoked_key_dies_on_every_replica_within_1s(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(gateways=3, workers=1)
+    with fleet.admin() as admin:
+        created = admin.create_key(fleet.spec.tenant, "to-revoke")
+    headers = {"Authorization": f"Bearer {created['api_key']}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        models = [f"{u}/v1/models" for u in fleet.base_urls]
+        assert [(await c.get(u, headers=headers)).status_code for u in models] == [200] * 3
+        with fleet.admin() as admin:
+            admin.revoke_key(created["key"]["key_id"])
+        revoked_at = time.monotonic()
+        pending = set(models)
+        while pending and time.monotonic() - revoked_at < 3:
+            for u in list(pending):
+                if (await c.get(u, headers=headers)).status_code == 401:
+                    pending.discard(u)
+            await asyncio.sleep(0.05)
+        elapsed = time.monotonic() - revoked_at
+    assert not pending and elapsed <= 1.2, elapsed
+
+
+async def test_key_scopes_limit_models_and_classes(fleet: Fleet) -> None:
+    with fleet.admin() as admin:
+        key = admin.create_key(
+            fleet.spec.tenant, "batch-only", scopes={"models": ["sim-8b"], "classes": ["batch"]}
+        )["api_key"]
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        url = f"{fleet.base_url}/v1/chat/completions"
+        denied = await c.post(url, json=BODY, headers=headers)  # interactive by default
+        allowed = await c.post(url, json=BODY, headers={**headers, "X-Jetserve-Class": "batch"})
+        embed = await c.post(
+            f"{fleet.base_url}/v1/embeddings",
+            json={"model": "sim-embed", "input": "x"},
+            headers=headers,
+        )
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
+    assert allowed.status_code == 200
+    assert embed.status_code == 403
