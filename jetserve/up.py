@@ -51,7 +51,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"  API key  : {fleet.api_key}")
         print(f"  model    : {spec.model} (simulated, profile {spec.profile})")
         print(f"  NATS     : {fleet.nats_url}    Redis: {fleet.redis_url}")
-        print(f"  metrics  : {fleet.base_url}/metrics\n")
+        print(f"  metrics  : {fleet.base_url}/metrics")
+        print(f"  admin API: {fleet.admin_url}   (token: {fleet.admin_token})\n")
         print("try:\n")
         print(
             f"  curl -sN {fleet.base_url}/v1/chat/completions \\\n"
@@ -59,6 +60,15 @@ def run_up(args: argparse.Namespace) -> int:
             "    -H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{spec.model}", "stream": true, '
             f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\'\n'
+        )
+        print(
+            "admin CLI:\n\n"
+            f"  export JETSERVE_ADMIN_URL={fleet.admin_url}\n"
+            f"  export JETSERVE_ADMIN_TOKEN={fleet.admin_token}\n"
+            "  jetserve tenants create acme\n"
+            "  jetserve keys create --tenant acme\n"
+            "  jetserve limits set --level tenant --id acme --budget-usd 5 --rpm 600\n"
+            f"  jetserve ledger --tenant {spec.tenant}\n"
         )
         print(f"self-check: {self_check(fleet)}\n", flush=True)
         if args.check:
