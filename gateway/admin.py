@@ -108,8 +108,8 @@ def create_admin_app(rt: Runtime, token_sha256: str | None) -> Starlette:
 
     async def create_key(request: Request) -> Response:
         body = _decode(await request.body(), NewKey)
-        if body.api_key is not None and len(body.api_key) < 8:
-            raise BadRequest("api_key must be at least 8 characters.", param="api_key")
+        if body.api_key is not None and len(body.api_key) < 6:
+            raise BadRequest("api_key must be at least 6 characters.", param="api_key")
         key, record = await tenancy.create_key(
             body.tenant, name=body.name, scopes=body.scopes, plaintext=body.api_key
         )
