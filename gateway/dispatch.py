@@ -106,6 +106,8 @@ class Dispatcher:
         headers = {Header.MSG_ID.value: req.id, Header.DEADLINE.value: f"{req.deadline:.3f}"}
         if req.traceparent:
             headers[Header.TRACEPARENT.value] = req.traceparent
+        if req.tracestate:
+            headers[Header.TRACESTATE.value] = req.tracestate
         payload = encode(req)
         if len(payload) > self._nc.max_payload:
             self._queues.pop(req.id, None)

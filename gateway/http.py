@@ -56,7 +56,7 @@ async def _serve(request: Request, op: Op) -> Response:
     if isinstance(adm, Replayed):
         headers = {"X-Request-Id": adm.request_id, "Idempotent-Replayed": "true"}
         return json_response(adm.response, adm.status, headers)
-    headers = {"X-Request-Id": adm.request_id}
+    headers = {"X-Request-Id": adm.request_id, "traceparent": adm.stream.req.traceparent}
     try:
         if not adm.wants_stream or op == "embedding":
             result = await race_disconnect(request.receive, gw.collect(adm))

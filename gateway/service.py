@@ -36,14 +36,15 @@ from gateway.openai_types import (
     EmbeddingRequest,
     Parsed,
     ParsedType,
+    bound_prompt_tokens,
     completion_response,
     embeddings_response,
-    bound_prompt_tokens,
     estimate_prompt_tokens,
     merge_tool_calls,
     parse_body,
 )
 from gateway.tenancy import KeyRecord, Tenancy
+from gateway.tracing import child_traceparent
 from streams.ledger import LedgerRecord
 from streams.subjects import RequestClass
 from streams.wire import ErrorFrame, Final, InferenceRequest, Op, Token, Usage
@@ -240,7 +241,8 @@ class Gateway:
             deadline=now + timeout,
             tenant=key.tenant,
             key_id=key.key_id,
-            traceparent=headers.get("traceparent", ""),
+            traceparent=child_traceparent(headers.get("traceparent")),
+            tracestate=headers.get("tracestate", "")[:512],
             prompt_tokens_est=estimate_prompt_tokens(parsed),
             max_tokens=max_tokens,
             created=now,

@@ -71,9 +71,22 @@ async def _run_worker(args: argparse.Namespace) -> int:
     async with OpenAIAdapter(args.engine, api_key=args.engine_api_key) as engine:
         worker = Worker(cfg, engine)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.shutdown()))
-        await worker.run()
+        http = None
+        if args.metrics_port is not None:
+            from workers.http import server
+
+            http = server(worker, args.metrics_host, args.metrics_port)
+        async with asyncio.TaskGroup() as tg:
+            http_task = tg.create_task(http.serve()) if http is not None else None
+
+            def stop() -> None:
+                tg.create_task(worker.shutdown())
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop)
+            await worker.run()
+            if http is not None and http_task is not None:
+                http.should_exit = True
     return 0
 
 
@@ -216,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--heartbeat", type=float, default=1.0)
     w.add_argument("--worker-id", default="")
     w.add_argument("--grace", type=float, default=30.0, help="drain timeout on SIGTERM (s)")
+    w.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /readyz")
+    w.add_argument("--metrics-host", default="127.0.0.1")
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser(

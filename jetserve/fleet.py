@@ -91,6 +91,7 @@ class Fleet:
         self.sim: Proc | None = None
         self.gateways: list[Proc] = []
         self.gateway_ports: list[int] = []
+        self.worker_metrics_ports: list[int] = []
         self.admin_ports: list[int] = []
         self.admin_token = secrets.token_urlsafe(24)
         self.workers: list[Proc] = []
@@ -229,6 +230,8 @@ class Fleet:
 
     def start_worker(self, *extra: str, wait: bool = True) -> Proc:
         n = len(self.workers)
+        metrics_port = free_port()
+        self.worker_metrics_ports.append(metrics_port)
         worker = self._spawn(
             f"worker{n}",
             "worker",
@@ -238,6 +241,8 @@ class Fleet:
             self.sim_url,
             "--worker-id",
             f"worker{n}-{int(time.time() * 1000) % 100000}",
+            "--metrics-port",
+            str(metrics_port),
             *self.spec.worker_args,
             *extra,
         )

@@ -47,7 +47,8 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     deadline: float
     tenant: str = ""
     key_id: str = ""
-    traceparent: str = ""
+    traceparent: str = ""  # W3C: the ingress's span; workers and engines continue it
+    tracestate: str = ""
     prompt_tokens_est: int = 0  # the ingress' estimate, for KV admission
     max_tokens: int = 0  # worst-case output tokens, for KV admission
     created: float = 0.0

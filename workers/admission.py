@@ -64,6 +64,12 @@ class Admission:
             return 0
         return max(0, free)
 
+    def headroom(self) -> float:
+        """Share of the engine's KV blocks not reserved here (1.0 when unknown)."""
+        if not self.num_gpu_blocks:
+            return 1.0
+        return max(0.0, 1 - self.reserved_blocks / self.num_gpu_blocks)
+
     async def acquire(self, rank: int) -> bool:
         """Wait for a slot; rank 0 is the top class. False once closed."""
         loop = asyncio.get_running_loop()

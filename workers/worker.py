@@ -25,10 +25,11 @@ from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, cancel_subject
-from streams.wire import InferenceRequest, decode_request
+from streams.wire import InferenceRequest, Usage, decode_request
 from workers.admission import Admission, AdmissionConfig
 from workers.engines.base import Delta, EngineAdapter
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
+from workers.metrics import WorkerMetrics
 from workers.relay import FrameSender
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Worker:
         self._nc: Client | None = None
         self.ready = asyncio.Event()
         self.completed = 0
+        self.metrics = WorkerMetrics()
+        self.engine_up = False
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -68,7 +71,7 @@ class Worker:
         try:
             js = nc.jetstream()
             await ensure_topology(js, self.cfg.topology)
-            await self.admission.observe(await self.engine.load())
+            await self._observe_engine()
             subs = []
             for cls in self.cfg.classes:
                 subs.append(
@@ -114,7 +117,21 @@ class Worker:
     async def _poll_engine(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.load_poll_s)
-            await self.admission.observe(await self.engine.load())
+            await self._observe_engine()
+
+    async def _observe_engine(self) -> None:
+        load = await self.engine.load()
+        await self.admission.observe(load)
+        self.engine_up = await self.engine.healthy()
+        m = self.metrics
+        m.engine_up.set(1 if self.engine_up else 0)
+        m.engine_waiting.set(load.waiting or 0)
+        m.engine_kv_usage.set(load.kv_usage or 0)
+        m.kv_headroom.set(self.admission.headroom())
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
 
     async def _fetch_loop(self, rank: int, sub: JetStreamContext.PullSubscription) -> None:
         # One message per pull, and only with a slot in hand: never over-fetch
@@ -148,9 +165,14 @@ class Worker:
                 await msg.term()
                 return
             blocks = await self.admission.reserve_blocks(req.prompt_tokens_est + req.max_tokens)
-            await self._serve(msg, req)
+            self.metrics.inflight.inc()
+            try:
+                await self._serve(msg, req)
+            finally:
+                self.metrics.inflight.dec()
         finally:
             await self.admission.release(blocks)
+            self.metrics.kv_headroom.set(self.admission.headroom())
 
     async def _serve(self, msg: Msg, req: InferenceRequest) -> None:
         nc = self._nc
@@ -166,6 +188,7 @@ class Worker:
                 retryable=False,
             )
             await msg.term()
+            self.metrics.requests.labels(req.cls, "deadline_exceeded").inc()
             return
         cancelled = asyncio.Event()
 
@@ -184,6 +207,7 @@ class Worker:
                     await work
                 if not sender.started:
                     await msg.term()
+                self.metrics.requests.labels(req.cls, "cancelled").inc()
                 log.info("request %s cancelled by client", req.id)
             else:
                 await work
@@ -198,6 +222,7 @@ class Worker:
                 )
             else:
                 await msg.nak()  # nothing emitted: another worker takes it now
+                self.metrics.redeliveries.labels(req.cls, "shutdown").inc()
             raise
         finally:
             waiter.cancel()
@@ -209,10 +234,15 @@ class Worker:
         ticker = asyncio.create_task(self._in_progress_until_started(msg, sender))
         started_at = time.monotonic()
         ttft = 0.0
+        headers = dict(req.headers)
+        if req.traceparent:
+            headers["traceparent"] = req.traceparent  # the engine joins the trace
+            if req.tracestate:
+                headers["tracestate"] = req.tracestate
         try:
             async with asyncio.timeout(remaining):
                 if req.op == "embedding":
-                    result = await self.engine.embed(req.body, req.id, req.headers)
+                    result = await self.engine.embed(req.body, req.id, headers)
                     await msg.ack()
                     await sender.final(
                         finish_reason="stop",
@@ -222,8 +252,9 @@ class Worker:
                         embeddings=result.vectors,
                         engine_ms=(time.monotonic() - started_at) * 1000,
                     )
+                    self._observe_done(req, started_at, 0.0, result.usage)
                     return
-                async for event in self.engine.generate(req.op, req.body, req.id, req.headers):
+                async for event in self.engine.generate(req.op, req.body, req.id, headers):
                     if isinstance(event, Delta):
                         await sender.token(event.text, event.tool_calls, event.finish_reason)
                         if sender.seq == 1:
@@ -241,6 +272,7 @@ class Worker:
                             ttft_ms=ttft,
                             engine_ms=(time.monotonic() - started_at) * 1000,
                         )
+                        self._observe_done(req, started_at, ttft / 1000, event.usage)
             self.completed += 1
         except TimeoutError:
             await self._fail(msg, sender, DeadlineExceeded("deadline exceeded while generating"))
@@ -249,24 +281,42 @@ class Worker:
         finally:
             ticker.cancel()
 
+    def _observe_done(
+        self, req: InferenceRequest, started: float, ttft_s: float, usage: Usage
+    ) -> None:
+        m = self.metrics
+        e2e = time.monotonic() - started
+        m.requests.labels(req.cls, "ok").inc()
+        m.duration.labels(req.cls).observe(e2e)
+        m.tokens.labels(req.cls, "input").inc(usage.prompt_tokens)
+        m.tokens.labels(req.cls, "output").inc(usage.completion_tokens)
+        if ttft_s:
+            m.ttft.labels(req.cls).observe(ttft_s)
+            if usage.completion_tokens > 1:
+                m.tpot.labels(req.cls).observe((e2e - ttft_s) / (usage.completion_tokens - 1))
+
     async def _fail(
         self, msg: Msg, sender: FrameSender, exc: EngineError | DeadlineExceeded
     ) -> None:
         attempt = msg.metadata.num_delivered or 1
+        cls = msg.subject.rsplit(".", 1)[-1]
         if sender.started:
             # Mid-stream failures are never retried silently (the client saw tokens).
             err = exc
             if not isinstance(exc, EngineStreamBroken | DeadlineExceeded):
                 err = EngineStreamBroken(exc.message)
             await sender.error(err.code, err.message, status=err.status, retryable=False)
+            self.metrics.requests.labels(cls, err.code).inc()
             return
         if exc.retryable and attempt < self.cfg.topology.limits.max_deliver:
             # The one retry owner before the first token: JetStream redelivery,
             # to any worker, inside the request's original deadline.
             await msg.nak(delay=self.cfg.retry_backoff_s * attempt)
+            self.metrics.redeliveries.labels(cls, exc.code).inc()
             return
         await sender.error(exc.code, exc.message, status=exc.status, retryable=exc.retryable)
         await msg.term()
+        self.metrics.requests.labels(cls, exc.code).inc()
 
     async def _in_progress_until_started(self, msg: Msg, sender: FrameSender) -> None:
         beat = self.cfg.topology.limits.ack_wait_s / 3

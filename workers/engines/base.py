@@ -69,6 +69,11 @@ class EngineAdapter(abc.ABC):
     async def load(self) -> EngineLoad:
         """Current engine load; fields it cannot tell are None."""
 
+    async def healthy(self) -> bool:
+        """Whether the engine answers its health probe (readiness)."""
+        load = await self.load()
+        return load.running is not None or load.kv_usage is not None
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -209,6 +209,13 @@ class OpenAIAdapter(EngineAdapter):
         usage = parsed.usage.to_wire() if parsed.usage else Usage()
         return Embeddings(vectors, usage, parsed.model)
 
+    async def healthy(self) -> bool:
+        try:
+            response = await self._client.get("/health", timeout=2.0)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
     async def load(self) -> EngineLoad:
         try:
             response = await self._client.get("/metrics", timeout=2.0)

@@ -89,7 +89,9 @@ def create_app(cfg: SimConfig) -> Starlette:
         if early is not None:
             return early
         plan = plan_chat(sim, req, request.headers)
-        return start(sim, new_job(sim, plan, chat=True, request_id=rid, model=model, fault=fault))
+        job = new_job(sim, plan, chat=True, request_id=rid, model=model, fault=fault)
+        job.record.traceparent = request.headers.get("traceparent")
+        return start(sim, job)
 
     @_api
     async def completions(request: Request) -> Response:
@@ -100,7 +102,9 @@ def create_app(cfg: SimConfig) -> Starlette:
         if early is not None:
             return early
         plan = plan_completion(sim, req, request.headers)
-        return start(sim, new_job(sim, plan, chat=False, request_id=rid, model=model, fault=fault))
+        job = new_job(sim, plan, chat=False, request_id=rid, model=model, fault=fault)
+        job.record.traceparent = request.headers.get("traceparent")
+        return start(sim, job)
 
     @_api
     async def embeddings(request: Request) -> Response:

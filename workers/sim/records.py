@@ -24,6 +24,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     fault: str | None = None
     preemptions: int = 0
+    traceparent: str | None = None  # as received: shows the trace crossed the gateway
 
 
 class RequestLog:

@@ -1,0 +1,72 @@
+"""Worker metrics in a per-worker registry, served on the worker's own port.
+
+Names follow the OpenTelemetry GenAI server conventions where one exists
+(``gen_ai.server.time_to_first_token`` -> ``gen_ai_server_time_to_first_token_seconds``
+in Prometheus form); the rest are ``jetserve_worker_*``. Labels are low-cardinality:
+class and outcome only; Prometheus adds the instance.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "jetserve_worker_requests",
+            "Requests by terminal outcome",
+            ["cls", "outcome"],
+            registry=r,
+        )
+        self.redeliveries = Counter(
+            "jetserve_worker_redeliveries",
+            "Requests handed back for another attempt (nak)",
+            ["cls", "reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Engine call start to first token",
+            ["cls"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Per-request (e2e - TTFT)/(out - 1)",
+            ["cls"],
+            buckets=_TPOT,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "Engine call duration",
+            ["cls"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "jetserve_worker_tokens", "Tokens by type", ["cls", "type"], registry=r
+        )
+        self.inflight = Gauge(
+            "jetserve_worker_inflight", "Requests held by this worker", registry=r
+        )
+        self.kv_headroom = Gauge(
+            "jetserve_worker_kv_headroom_ratio",
+            "Share of the engine's KV blocks not reserved by this worker's requests",
+            registry=r,
+        )
+        self.engine_waiting = Gauge(
+            "jetserve_worker_engine_waiting", "The engine's own waiting queue", registry=r
+        )
+        self.engine_kv_usage = Gauge(
+            "jetserve_worker_engine_kv_usage_ratio", "The engine's own KV cache usage", registry=r
+        )
+        self.engine_up = Gauge(
+            "jetserve_worker_engine_up", "1 when the engine answered its last probe", registry=r
+        )
