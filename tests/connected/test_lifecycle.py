@@ -70,3 +70,39 @@ async def test_sigterm_drains_in_flight_stream(make_fleet: Callable[..., Fleet])
     assert signalled and finish in ("stop", "length") and "".join(text)
     # The worker finished the stream, then exited by itself.
     assert await asyncio.to_thread(fleet.workers[0].proc.wait, 10) == 0
+
+
+async def test_gateway_sigterm_finishes_open_streams_then_exits(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1)
+    gw = fleet.gateway
+    assert gw is not None
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:30"}
+    text: list[str] = []
+    done = False
+    async with (
+        httpx.AsyncClient(timeout=20) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json={**CHAT, "stream": True, "max_tokens": 40},
+            headers=headers,
+        ) as r,
+    ):
+        signalled = False
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = msgspec.json.decode(line[6:])
+                assert "error" not in chunk, chunk
+                text.extend(ch["delta"].get("content") or "" for ch in chunk["choices"])
+                if not signalled and "".join(text):
+                    gw.signal(signal.SIGTERM)  # stop accepting; finish what is open
+                    signalled = True
+                    await asyncio.sleep(0.3)
+                    with pytest.raises(httpx.ConnectError):
+                        await c.get(f"{fleet.base_url}/healthz")  # no longer accepting
+    assert done and "".join(text)
+    assert await asyncio.to_thread(gw.proc.wait, 10) == 0
