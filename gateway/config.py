@@ -37,3 +37,4 @@ class GatewayConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None
     admin_token_sha256: str | None = None
+    metrics_tenants: tuple[str, ...] = ()  # tenants named in metrics; the rest are "other"

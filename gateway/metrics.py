@@ -1,5 +1,6 @@
 """Gateway metrics in a per-app registry (no process-global state). Labels are
-low-cardinality: operation, class, outcome. Never request ids or text."""
+low-cardinality: operation, class, outcome; tenants only from an allow-list
+(everyone else is ``other``). Never request ids or text."""
 
 from __future__ import annotations
 
@@ -9,9 +10,35 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenants: tuple[str, ...] = ()) -> None:
         self.registry = CollectorRegistry()
+        self._tenants = frozenset(tenants)
         r = self.registry
+        self.tenant_requests = Counter(
+            "jetserve_gateway_tenant_requests",
+            "Requests by tenant (allow-listed tenants; the rest are 'other') and outcome",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "jetserve_gateway_time_per_output_token_seconds",
+            "Per request (e2e - TTFT) / (output tokens - 1), as vLLM defines TPOT",
+            ["cls"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+            registry=r,
+        )
+        self.consumer_pending = Gauge(
+            "jetserve_consumer_pending",
+            "Messages not yet delivered, per class",
+            ["cls"],
+            registry=r,
+        )
+        self.consumer_ack_pending = Gauge(
+            "jetserve_consumer_ack_pending",
+            "Messages delivered to a worker and not yet acked, per class",
+            ["cls"],
+            registry=r,
+        )
         self.requests = Counter(
             "jetserve_gateway_requests",
             "Requests by terminal outcome",
@@ -45,3 +72,6 @@ class GatewayMetrics:
             ["cls"],
             registry=r,
         )
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self._tenants else "other"

@@ -60,8 +60,11 @@ class Runtime:
                 )
             except (JSError, TimeoutError):
                 continue
-            depth = (info.num_pending or 0) + (info.num_ack_pending or 0)
-            self.gateway.metrics.queue_depth.labels(cls.value).set(depth)
+            m = self.gateway.metrics
+            pending, acking = info.num_pending or 0, info.num_ack_pending or 0
+            m.queue_depth.labels(cls.value).set(pending + acking)
+            m.consumer_pending.labels(cls.value).set(pending)
+            m.consumer_ack_pending.labels(cls.value).set(acking)
 
 
 async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
@@ -102,7 +105,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             IdempotencyStore(rds),
             LedgerWriter(js, DEFAULT_LEDGER),
             dispatcher,
-            GatewayMetrics(),
+            GatewayMetrics(cfg.metrics_tenants),
         )
         ingress = NatsIngress(nc, gw)
         await ingress.start()

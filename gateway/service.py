@@ -261,12 +261,18 @@ class Gateway:
         req = adm.stream.req
         m = self.metrics
         m.inflight.dec()
-        m.requests.labels(adm.op, req.cls, "ok" if final else outcome).inc()
-        m.e2e.labels(adm.op, req.cls).observe(time.monotonic() - adm.started)
+        label = "ok" if final else outcome
+        m.requests.labels(adm.op, req.cls, label).inc()
+        m.tenant_requests.labels(m.tenant_label(req.tenant), label).inc()
+        e2e = time.monotonic() - adm.started
+        m.e2e.labels(adm.op, req.cls).observe(e2e)
         first_ms = None
         if adm.stream.first_token_at is not None:
-            m.ttft.labels(req.cls).observe(adm.stream.first_token_at - adm.started)
-            first_ms = (adm.stream.first_token_at - adm.started) * 1000
+            ttft = adm.stream.first_token_at - adm.started
+            m.ttft.labels(req.cls).observe(ttft)
+            first_ms = ttft * 1000
+            if final is not None and final.usage.completion_tokens > 1:
+                m.tpot.labels(req.cls).observe((e2e - ttft) / (final.usage.completion_tokens - 1))
         if final is not None:
             usage = final.usage
             m.tokens.labels(req.cls, "input").inc(usage.prompt_tokens)

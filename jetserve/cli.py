@@ -46,6 +46,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         commit_after_s=args.commit_after,
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
+        metrics_tenants=_csv(args.metrics_tenants),
         admin_port=args.admin_port,
         admin_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else None,
     )
@@ -215,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="MODEL=IN/OUT micro-USD per 1K tokens (repeatable)",
     )
     g.add_argument("--price-version", default="v1")
+    g.add_argument(
+        "--metrics-tenants", default="", help="tenants named in metrics (others: 'other')"
+    )
     g.set_defaults(func=cmd_gateway)
 
     w = sub.add_parser(

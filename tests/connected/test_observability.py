@@ -71,3 +71,22 @@ def test_metrics_pass_promtool(fleet: Fleet) -> None:
             [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
         )
         assert out.returncode == 0, f"{url}: {out.stdout}{out.stderr}"
+
+
+def test_gateway_metrics_cover_the_stages_with_low_cardinality(fleet: Fleet) -> None:
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    for _ in range(2):
+        httpx.post(
+            f"{fleet.base_url}/v1/chat/completions", json=BODY, headers=headers
+        ).raise_for_status()
+    text = httpx.get(f"{fleet.base_url}/metrics").text
+    for needle in (
+        'jetserve_gateway_tenant_requests_total{outcome="ok",tenant="other"}',
+        "jetserve_gateway_time_per_output_token_seconds_bucket",
+        'jetserve_consumer_pending{cls="batch"}',
+        'jetserve_consumer_ack_pending{cls="interactive"}',
+        'jetserve_queue_depth{cls="embed"}',
+    ):
+        assert needle in text, needle
+    assert fleet.spec.tenant not in text  # not allow-listed: no tenant name in metrics
+    assert "x-request-id" not in text.lower()
