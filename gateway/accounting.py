@@ -597,6 +597,13 @@ class Accountant:
         charge (``actual_micros``, charged in full even above the hold). A request
         that holds nothing (already reconciled, released, swept, never reserved)
         returns 0 and changes nothing."""
+        return (await self.settle(request_id, actual_micros))[1]
+
+    async def settle(self, request_id: str, actual_micros: int) -> tuple[bool, int]:
+        """:meth:`reconcile`, also telling whether this call settled the hold
+        (False: someone else did, or there was none). Whoever settles a request
+        writes its ledger record, so two gateways finishing one request (a resumed
+        stream) produce one record."""
         _check_ident(request_id)
         if not _is_int(actual_micros) or actual_micros < 0:
             raise ValueError("actual_micros must be a non-negative integer")
@@ -609,7 +616,7 @@ class Accountant:
             for _ in range(3):
                 counters = await self._redis.hmget(resv, ["c1", "c2", "c3"])
                 if counters[0] is None:
-                    return 0
+                    return False, 0
                 charged = int(
                     await self._reconcile(
                         keys=[
@@ -622,9 +629,9 @@ class Accountant:
                     )
                 )
                 if charged >= 0:
-                    return charged
+                    return True, charged
                 if charged == -2:
-                    return 0
+                    return False, 0
         raise AccountingUnavailable(f"Reservation {request_id} kept changing; not reconciled")
 
     async def release(self, request_id: str) -> None:

@@ -25,6 +25,9 @@ class GatewayConfig:
     # after this long in the queue; from then on errors arrive as SSE events.
     commit_after_s: float = 5.0
     keepalive_s: float = 10.0
+    # After a client disconnects, how long it has to resume (Last-Event-ID) before
+    # the upstream is cancelled. 0: cancel at once (the engine stops immediately).
+    resume_grace_s: float = 0.0
     default_max_tokens: int = 512  # worst case for admission when the body sets none
     # Engine-facing request headers passed through to workers (route policy).
     # Off by default; ``jetserve up`` and the tests allow the simulator's ``x-sim-``.

@@ -18,7 +18,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
+from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
 from gateway.errors import (
@@ -31,13 +31,21 @@ from gateway.errors import (
 )
 from streams.definitions import Topology
 from streams.headers import Header
-from streams.subjects import cancel_subject, reply_subject, reply_wildcard, request_subject
+from streams.subjects import (
+    cancel_subject,
+    frames_filter,
+    reply_subject,
+    reply_wildcard,
+    request_subject,
+    resumed_subject,
+)
 from streams.wire import (
     Cancel,
     ErrorFrame,
     Final,
     Heartbeat,
     InferenceRequest,
+    Meta,
     Token,
     decode_frame,
     encode,
@@ -77,9 +85,11 @@ class Dispatcher:
         self.topology = topology
         self._queues: dict[str, asyncio.Queue[bytes]] = {}
         self._sub: Subscription | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+        self._watches: dict[str, Subscription] = {}
 
-    def reply_for(self, request_id: str) -> str:
-        return reply_subject(self.gateway_id, request_id)
+    def reply_for(self, tenant: str, request_id: str) -> str:
+        return reply_subject(tenant, self.gateway_id, request_id)
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(reply_wildcard(self.gateway_id), cb=self._on_frame)
@@ -87,6 +97,35 @@ class Dispatcher:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=5)
+
+    async def watch_resumed(self, request_id: str) -> asyncio.Event:
+        """An event set when any replica announces a resume of this request."""
+        event = asyncio.Event()
+
+        async def on_msg(_: Msg) -> None:
+            event.set()
+
+        self._watches[request_id] = await self._nc.subscribe(resumed_subject(request_id), cb=on_msg)
+        return event
+
+    async def unwatch_resumed(self, request_id: str) -> None:
+        sub = self._watches.pop(request_id, None)
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    def defer_unsubscribe(self, sub: Subscription) -> None:
+        """Unsubscribe a resumed stream's consumer from sync code (a stream's close)."""
+
+        async def unsubscribe() -> None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+        task = asyncio.ensure_future(unsubscribe())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _on_frame(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
@@ -99,8 +138,9 @@ class Dispatcher:
             # ends the client's stream with a clear error.
             queue.put_nowait(OVERFLOW)
 
-    async def submit(self, req: InferenceRequest) -> FrameStream:
-        """Register for frames, then publish; the frames can't arrive before we listen."""
+    async def submit(self, req: InferenceRequest, meta: Meta) -> FrameStream:
+        """Register for frames, then publish; the frames can't arrive before we listen.
+        The Meta frame goes first, so the frames capture can be resumed from."""
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._queues[req.id] = queue
         headers = {Header.MSG_ID.value: req.id, Header.DEADLINE.value: f"{req.deadline:.3f}"}
@@ -116,6 +156,7 @@ class Dispatcher:
                 f"{self._nc.max_payload} bytes.",
             )
         try:
+            await self._nc.publish(req.reply, encode(meta))
             ack = await self._js.publish(
                 request_subject(req.cls), payload, headers=headers, timeout=5.0
             )
@@ -135,6 +176,50 @@ class Dispatcher:
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+
+    async def resume(self, tenant: str, request_id: str, last_seq: int) -> FrameStream | None:
+        """Replay a request's captured frames after ``last_seq``, then follow it live
+        (an ordered consumer on the frames stream). None: nothing captured for this
+        tenant and id (unknown, expired, or another tenant's)."""
+        subject = frames_filter(tenant, request_id)
+        try:
+            info = await self._js.stream_info(self.topology.frames_stream, subjects_filter=subject)
+        except (nats.errors.Error, TimeoutError, APIError) as exc:
+            raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
+        if not info.state.subjects:
+            return None
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_msg(msg: Msg) -> None:
+            if queue.qsize() < MAX_BUFFERED_FRAMES:
+                queue.put_nowait(msg.data)
+            elif queue.qsize() == MAX_BUFFERED_FRAMES:
+                queue.put_nowait(OVERFLOW)
+
+        sub = await self._js.subscribe(
+            subject, stream=self.topology.frames_stream, cb=on_msg, ordered_consumer=True
+        )
+        first = decode_frame(await asyncio.wait_for(queue.get(), 5.0))
+        if not isinstance(first, Meta):
+            await sub.unsubscribe()
+            return None  # the head of the capture expired: not resumable
+        req = InferenceRequest(
+            id=request_id,
+            op=first.op,
+            cls=first.cls,
+            model=first.model,
+            body={},
+            reply="",
+            deadline=first.deadline,
+            tenant=first.tenant,
+            key_id=first.key_id,
+            created=first.created,
+        )
+        stream = FrameStream(self, req, queue, duplicate=False, meta=first, sub=sub)
+        stream.skip_through = last_seq
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(resumed_subject(request_id), b"")
+        return stream
 
     async def cancel(self, request_id: str, reason: str, seq: int | None = None) -> None:
         # If the bus is down the worker's deadline ends the work instead.
@@ -159,8 +244,13 @@ class FrameStream:
         *,
         duplicate: bool,
         seq: int | None = None,
+        meta: Meta | None = None,
+        sub: Subscription | None = None,
     ) -> None:
         self._d = dispatcher
+        self.meta = meta
+        self._sub = sub  # a resumed stream's own subscription
+        self.skip_through = 0  # a resumed stream: tokens the client already has
         self.stream_seq = seq  # the request message's sequence in the work queue
         self.req = req
         self._queue = queue
@@ -200,12 +290,20 @@ class FrameStream:
                 await self.cancel("client_too_slow")
                 raise ClientTooSlow("The client read the stream too slowly; it was ended.")
             frame = decode_frame(raw)
+            if isinstance(frame, Meta):
+                continue
             if self.attempt is not None and frame.attempt != self.attempt:
                 continue  # a redelivered attempt racing the one we relay
             if isinstance(frame, Heartbeat):
                 continue
             if isinstance(frame, Token):
                 if frame.seq <= self.last_seq:
+                    continue
+                if frame.seq <= self.skip_through:
+                    # Replayed to a resuming client: it has these. Track them so
+                    # liveness and attempt locking behave as if relayed.
+                    self.attempt = self.attempt or frame.attempt
+                    self.last_seq = frame.seq
                     continue
                 if self.attempt is None:
                     self.attempt = frame.attempt
@@ -248,6 +346,9 @@ class FrameStream:
 
     def close(self) -> None:
         self._d.forget(self.req.id)
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            self._d.defer_unsubscribe(sub)
 
 
 def error_from_frame(frame: ErrorFrame) -> GatewayError:

@@ -76,6 +76,27 @@ async def _serve(request: Request, op: Op) -> Response:
     return EventStreamResponse(stream, lambda: gw.abandon(adm), headers)
 
 
+async def resume_stream(request: Request) -> Response:
+    """Continue a streaming request after ``Last-Event-ID`` (the last token seq the
+    client got), on any replica, from the frames capture. Tenant-scoped."""
+    gw = gateway_of(request)
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
+    try:
+        last_seq = int(raw)
+    except ValueError:
+        raise BadRequest("Last-Event-ID must be an integer.", param="Last-Event-ID") from None
+    include_usage = request.query_params.get("include_usage") in ("1", "true")
+    session = await gw.resume(
+        request.headers.get("authorization"),
+        request.path_params["request_id"],
+        last_seq,
+        include_usage,
+    )
+    headers = {"X-Request-Id": session.request_id}
+    stream = sse_body(client_events(gw, session, None))
+    return EventStreamResponse(stream, lambda: gw.abandon(session), headers)
+
+
 async def chat_completions(request: Request) -> Response:
     return await _serve(request, "chat")
 

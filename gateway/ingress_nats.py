@@ -89,7 +89,7 @@ class NatsIngress:
                 bad = BadRequest(f"Streaming over NATS needs a '{STREAM_TO}' header.")
                 await self._reply(msg, bad.body(), bad.status)
                 return
-            async for kind, payload, status in client_events(self._gw, adm, None):
+            async for kind, payload, status, _ in client_events(self._gw, adm, None):
                 if kind == "chunk":
                     await self._nc.publish(stream_to, _encoder.encode(payload))
                 elif kind == "error":

@@ -166,7 +166,7 @@ class ChunkWriter:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.model = model
         self.created = int(time.time())
-        self._role_sent = False
+        self.role_sent = False
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -185,8 +185,8 @@ class ChunkWriter:
         if not self.chat:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             return [self._chunk([choice])]
-        if not self._role_sent:
-            self._role_sent = True
+        if not self.role_sent:
+            self.role_sent = True
             role = {"role": "assistant", "content": ""}
             out.append(
                 self._chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])

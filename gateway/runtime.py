@@ -114,6 +114,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, DEFAULT_LEDGER))
         finally:
             sweeper.cancel()
+            await gw.aclose()
             await ingress.stop()
             await dispatcher.stop()
     finally:

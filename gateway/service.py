@@ -13,6 +13,8 @@ record too. Never any prompt or completion text.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -47,7 +49,7 @@ from gateway.tenancy import KeyRecord, Tenancy
 from gateway.tracing import child_traceparent
 from streams.ledger import LedgerRecord
 from streams.subjects import RequestClass
-from streams.wire import ErrorFrame, Final, InferenceRequest, Op, Token, Usage
+from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token, Usage
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,57 @@ class Admitted:
         opts = getattr(self.parsed, "stream_options", None)
         return bool(opts and opts.include_usage)
 
+    @property
+    def model(self) -> str:
+        return self.parsed.model
+
+    @property
+    def org(self) -> str:
+        return self.key.org
+
+    @property
+    def reserved_micros(self) -> int:
+        return self.reservation.cost_micros
+
+
+@dataclass
+class Resumed:
+    """A client picking up a stream from the frames capture, on any replica."""
+
+    stream: FrameStream
+    include_usage: bool = False
+    started: float = field(default_factory=time.monotonic)
+    outcome: str | None = None
+    tokens_seen: int = 0
+
+    @property
+    def meta(self) -> Meta:
+        assert self.stream.meta is not None
+        return self.stream.meta
+
+    @property
+    def op(self) -> Op:
+        return self.meta.op
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.req.id
+
+    @property
+    def model(self) -> str:
+        return self.meta.model
+
+    @property
+    def org(self) -> str:
+        return self.meta.org
+
+    @property
+    def reserved_micros(self) -> int:
+        return self.meta.reserved_micros
+
+
+Session = Admitted | Resumed
+
 
 @dataclass
 class Replayed:
@@ -123,6 +176,7 @@ class Gateway:
         self.ledger = ledger
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
 
     def models(self) -> list[str]:
         return [*self.cfg.models, *self.cfg.embedding_models]
@@ -144,7 +198,9 @@ class Gateway:
                 if claim.replay is not None:
                     assert claim.replay.response is not None
                     return Replayed(claim.replay.status, claim.replay.response, claim.request_id)
-                req = _with_id(req, claim.request_id, self.dispatcher.reply_for(claim.request_id))
+                req = _with_id(
+                    req, claim.request_id, self.dispatcher.reply_for(key.tenant, claim.request_id)
+                )
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             raise
@@ -178,8 +234,21 @@ class Gateway:
             raise
         if reservation.settled:
             raise BadRequest("This request id was already served.", code="duplicate_request")
+        meta = Meta(
+            op=req.op,
+            model=req.model,
+            cls=req.cls,
+            tenant=req.tenant,
+            deadline=req.deadline,
+            created=req.created,
+            key_id=req.key_id,
+            org=scope.org,
+            reserved_micros=reservation.cost_micros,
+            price_version=self.cfg.prices.version,
+            gateway=self.cfg.gateway_id,
+        )
         try:
-            stream = await self.dispatcher.submit(req)
+            stream = await self.dispatcher.submit(req, meta)
         except GatewayError as exc:
             await self._release(req.id)
             await self._append(self._refusal(req, key, f"rejected:{exc.code}", exc))
@@ -237,7 +306,7 @@ class Gateway:
             cls=cls.value,
             model=parsed.model,
             body=body,
-            reply=self.dispatcher.reply_for(request_id),
+            reply=self.dispatcher.reply_for(key.tenant, request_id),
             deadline=now + timeout,
             tenant=key.tenant,
             key_id=key.key_id,
@@ -251,28 +320,35 @@ class Gateway:
 
     # -- the terminal outcome --------------------------------------------------------
     async def finish(
-        self, adm: Admitted, outcome: str, status: int, final: Final | None = None
+        self, adm: Session, outcome: str, status: int, final: Final | None = None
     ) -> None:
-        """The one terminal outcome of an accepted request (idempotent)."""
+        """The one terminal outcome of a request on this gateway (idempotent).
+
+        Whoever *settles* the budget hold writes the ledger record: when a resumed
+        stream is followed by two replicas, the books still get exactly one."""
         if adm.outcome is not None:
             return
         adm.outcome = outcome
         adm.stream.close()
         req = adm.stream.req
         m = self.metrics
-        m.inflight.dec()
         label = "ok" if final else outcome
-        m.requests.labels(adm.op, req.cls, label).inc()
-        m.tenant_requests.labels(m.tenant_label(req.tenant), label).inc()
         e2e = time.monotonic() - adm.started
-        m.e2e.labels(adm.op, req.cls).observe(e2e)
         first_ms = None
-        if adm.stream.first_token_at is not None:
-            ttft = adm.stream.first_token_at - adm.started
-            m.ttft.labels(req.cls).observe(ttft)
-            first_ms = ttft * 1000
-            if final is not None and final.usage.completion_tokens > 1:
-                m.tpot.labels(req.cls).observe((e2e - ttft) / (final.usage.completion_tokens - 1))
+        if isinstance(adm, Admitted):
+            m.inflight.dec()
+            m.requests.labels(adm.op, req.cls, label).inc()
+            m.tenant_requests.labels(m.tenant_label(req.tenant), label).inc()
+            m.e2e.labels(adm.op, req.cls).observe(e2e)
+            if adm.stream.first_token_at is not None:
+                ttft = adm.stream.first_token_at - adm.started
+                m.ttft.labels(req.cls).observe(ttft)
+                first_ms = ttft * 1000
+                if final is not None and final.usage.completion_tokens > 1:
+                    tpot = (e2e - ttft) / (final.usage.completion_tokens - 1)
+                    m.tpot.labels(req.cls).observe(tpot)
+        else:
+            m.requests.labels(adm.op, req.cls, f"resumed_{label}").inc()
         if final is not None:
             usage = final.usage
             m.tokens.labels(req.cls, "input").inc(usage.prompt_tokens)
@@ -282,47 +358,108 @@ class Gateway:
             # evidently produced; a request that never started costs nothing.
             usage = Usage(req.prompt_tokens_est if adm.tokens_seen else 0, adm.tokens_seen)
         actual = self.cfg.prices.for_model(req.model).cost(usage)
-        charge = 0
         try:
-            charge = await self.accountant.reconcile(req.id, actual)
+            settled, charge = await self.accountant.settle(req.id, actual)
         except GatewayError as exc:
-            # The reservation stays held until it expires (sweep_expired): never
-            # under-held, at worst over-held for a while.
+            # The hold stays until it expires (sweep_expired): never under-held,
+            # at worst over-held for a while; this gateway writes the record.
             log.error("reconcile of %s failed: %s", req.id, exc.message)
+            settled, charge = True, 0
+        if not settled:
+            return  # another replica settled it and wrote the record
+        claim = adm.claim if isinstance(adm, Admitted) else None
         await self._append(
             LedgerRecord(
                 request_id=req.id,
                 tenant=req.tenant,
-                org=adm.key.org,
+                org=adm.org,
                 key_id=req.key_id,
                 op=req.op,
                 cls=req.cls,
                 model=req.model,
                 attempts=final.attempt if final else (adm.stream.attempt or 1),
-                policy="admitted",
+                policy="admitted" if isinstance(adm, Admitted) else "admitted:resumed",
                 usage=usage,
                 price_version=self.cfg.prices.version,
                 charge_micros=charge,
-                reserved_micros=adm.reservation.cost_micros,
+                reserved_micros=adm.reserved_micros,
                 outcome=final.finish_reason if final else outcome,
                 status=status,
-                idempotency_key_hash=adm.claim.key_hash if adm.claim else "",
+                idempotency_key_hash=claim.key_hash if claim else "",
                 created=req.created,
                 first_token_ms=first_ms,
-                duration_ms=(time.monotonic() - adm.started) * 1000,
+                duration_ms=e2e * 1000,
                 gateway=self.cfg.gateway_id,
             )
         )
 
-    async def fail(self, adm: Admitted, exc: GatewayError) -> None:
+    async def fail(self, adm: Session, exc: GatewayError) -> None:
         await self.finish(adm, exc.code, exc.status)
-        if adm.claim is not None:
+        if isinstance(adm, Admitted) and adm.claim is not None:
             await self._idem_fail(adm.claim, adm.raw, exc)
 
-    async def abandon(self, adm: Admitted, reason: str = "client_disconnected") -> None:
-        """The client went away: cancel upstream so the engine stops at once."""
+    async def abandon(self, adm: Session, reason: str = "client_disconnected") -> None:
+        """The client went away. Without a resume grace, cancel upstream so the
+        engine stops at once; with one, give the client that long to resume."""
+        grace = self.cfg.resume_grace_s
+        if isinstance(adm, Admitted) and adm.wants_stream and grace > 0 and not adm.stream.done:
+            task = asyncio.ensure_future(self._linger(adm, reason, grace))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return
+        if isinstance(adm, Resumed):
+            # A resumed client left: the original gateway (or the one that took
+            # the books) decides about the upstream; we only stop following.
+            adm.outcome = "detached"
+            adm.stream.close()
+            return
         await adm.stream.cancel(reason)
         await self.finish(adm, "cancelled", 499)
+
+    async def _linger(self, adm: Admitted, reason: str, grace: float) -> None:
+        resumed = await self.dispatcher.watch_resumed(adm.request_id)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(resumed.wait(), grace)
+            if not resumed.is_set():
+                await adm.stream.cancel(reason)
+                await self.finish(adm, "cancelled", 499)
+                return
+            # Resumed (on this replica or another): keep the books by following
+            # the stream to its end; the client reads it through the resume.
+            while True:
+                try:
+                    event = await adm.stream.next_event(self.cfg.heartbeat_timeout_s)
+                except GatewayError as exc:
+                    await self.fail(adm, exc)
+                    return
+                if isinstance(event, Token):
+                    adm.tokens_seen += 1 + len(adm.stream.drain_tokens())
+                elif isinstance(event, ErrorFrame):
+                    await self.fail(adm, error_from_frame(event))
+                    return
+                else:
+                    await self.finish(adm, "ok", 200, event)
+                    return
+        finally:
+            await self.dispatcher.unwatch_resumed(adm.request_id)
+
+    async def resume(
+        self, authorization: str | None, request_id: str, last_seq: int, include_usage: bool
+    ) -> Resumed:
+        key = await self.tenancy.authenticate(authorization)
+        stream = await self.dispatcher.resume(key.tenant, request_id, last_seq)
+        if stream is None:
+            raise NotFound(
+                f"No resumable stream '{request_id}' for this key's tenant.",
+                code="stream_not_found",
+            )
+        return Resumed(stream, include_usage)
+
+    async def aclose(self) -> None:
+        """Wait for lingering disconnected streams (bounded by their grace)."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
 
     async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
         if adm.claim is not None:

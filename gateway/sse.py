@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.dispatch import Event, error_from_frame
 from gateway.errors import GatewayError
 from gateway.openai_types import ChunkWriter
-from gateway.service import Admitted, Gateway
+from gateway.service import Gateway, Session
 from streams.wire import ErrorFrame, Token
 
 _encoder = msgspec.json.Encoder()
@@ -100,18 +100,20 @@ class ClientEvent(NamedTuple):
     kind: str  # "chunk" | "error" | "keepalive" | "done"
     payload: dict[str, Any] | None = None
     status: int = 200  # for "error": the status the failure maps to
+    seq: int = 0  # for "chunk": the last token in it, the SSE event id to resume after
 
 
 async def client_events(
-    gw: Gateway, adm: Admitted, first: Event | None
+    gw: Gateway, adm: Session, first: Event | None
 ) -> AsyncIterator[ClientEvent]:
     """OpenAI chunks for one streaming request, for any transport (SSE, WebSocket).
 
     ``first`` is the event that committed the response (None: committed by the
     keep-alive timer). Records the request's terminal outcome.
     """
-    writer = ChunkWriter(adm.op, adm.request_id, adm.parsed.model)
+    writer = ChunkWriter(adm.op, adm.request_id, adm.model)
     stream = adm.stream
+    writer.role_sent = stream.skip_through > 0  # a resume past the first token
     finish_sent = False
     event = first
     try:
@@ -131,15 +133,15 @@ async def client_events(
                 finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
                 finish_sent = finish_sent or finish is not None
                 for chunk in writer.delta(text, calls, finish):
-                    yield ClientEvent("chunk", chunk)
+                    yield ClientEvent("chunk", chunk, seq=batch[-1].seq)
                 event = None
                 continue
             if isinstance(event, ErrorFrame):
                 raise error_from_frame(event)
             if not finish_sent:
-                yield ClientEvent("chunk", writer.finish(event.finish_reason))
+                yield ClientEvent("chunk", writer.finish(event.finish_reason), seq=event.seq)
             if adm.include_usage:
-                yield ClientEvent("chunk", writer.usage(event.usage))
+                yield ClientEvent("chunk", writer.usage(event.usage), seq=event.seq)
             await gw.finish(adm, "ok", 200, event)
             yield ClientEvent("done")
             return
@@ -149,11 +151,13 @@ async def client_events(
 
 
 async def sse_body(events: AsyncIterator[ClientEvent]) -> AsyncIterator[bytes]:
-    async for kind, payload, _ in events:
+    async for kind, payload, _, seq in events:
         if kind == "keepalive":
             yield KEEPALIVE
         elif kind == "done":
             yield DONE
         else:
             assert payload is not None
-            yield sse(payload)
+            # The event id is the last token sequence number: a client that
+            # reconnects with Last-Event-ID resumes right after it.
+            yield (b"id: %d\n" % seq if seq else b"") + sse(payload)

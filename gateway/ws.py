@@ -77,7 +77,7 @@ class _Connection:
                 await self.gw.complete(adm, body)
                 await self.send("response", msg.id, data=body)
                 return
-            async for kind, payload, status in client_events(self.gw, adm, None):
+            async for kind, payload, status, _ in client_events(self.gw, adm, None):
                 if kind == "chunk":
                     await self.send("chunk", msg.id, data=payload)
                 elif kind == "done":

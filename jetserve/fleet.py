@@ -132,6 +132,10 @@ class Fleet:
 
     @property
     def admin_url(self) -> str:
+        """The admin API of the first gateway still running (tests kill replicas)."""
+        for gw, port in zip(self.gateways, self.admin_ports, strict=True):
+            if gw.proc.poll() is None:
+                return f"http://127.0.0.1:{port}"
         return f"http://127.0.0.1:{self.admin_ports[0]}"
 
     def admin(self) -> AdminClient:

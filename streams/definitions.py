@@ -16,7 +16,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from streams.subjects import RequestClass, request_subject
+from streams.subjects import PREFIX, RequestClass, request_subject
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,19 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class FramesLimits:
+    """The short-lived capture of every reply frame, for resumable streams."""
+
+    max_age_s: float = 600.0  # how long after a frame a client may still resume
+    max_bytes: int = 512 << 20
+    max_msg_size: int = 1 << 20
+
+
+@dataclass(frozen=True)
 class Topology:
     stream: str = "JETSERVE_REQ"
+    frames_stream: str = "JETSERVE_FRAMES"
+    frames: FramesLimits = field(default_factory=FramesLimits)
     classes: tuple[RequestClass, ...] = tuple(RequestClass)
     limits: Limits = field(default_factory=Limits)
 
@@ -57,6 +68,22 @@ class Topology:
             max_msg_size=lim.max_msg_size,
             max_age=lim.max_age_s,
             duplicate_window=lim.duplicate_window_s,
+            num_replicas=1,
+        )
+
+    def frames_config(self) -> StreamConfig:
+        lim = self.frames
+        # Memory storage: frames are hot and short-lived; losing them on a server
+        # restart only loses the ability to resume, never accepted work.
+        return StreamConfig(
+            name=self.frames_stream,
+            subjects=[f"{PREFIX}.reply.>"],
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD,
+            storage=StorageType.MEMORY,
+            max_age=lim.max_age_s,
+            max_bytes=lim.max_bytes,
+            max_msg_size=lim.max_msg_size,
             num_replicas=1,
         )
 

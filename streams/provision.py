@@ -4,26 +4,33 @@ the first creates, the rest find what they need (or update it in place)."""
 from __future__ import annotations
 
 from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.errors import ProvisioningError
 
 
-async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> None:
-    want = topo.stream_config()
+async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
+    """Create the stream, or update it in place; safe with concurrent callers."""
+    assert want.name is not None
     try:
-        await js.stream_info(topo.stream)
+        await js.stream_info(want.name)
     except NotFoundError:
         try:
             await js.add_stream(want)
         except APIError as exc:  # a concurrent creator may have won the race
             try:
-                await js.stream_info(topo.stream)
+                await js.stream_info(want.name)
             except NotFoundError:
-                raise ProvisioningError(f"cannot create stream {topo.stream}: {exc}") from exc
+                raise ProvisioningError(f"cannot create stream {want.name}: {exc}") from exc
     else:
         await js.update_stream(want)
+
+
+async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> None:
+    await ensure_stream(js, topo.stream_config())
+    await ensure_stream(js, topo.frames_config())
     for cls in topo.classes:
         # Creating a durable with a config is create-or-update on nats-server >= 2.10.
         await js.add_consumer(topo.stream, topo.consumer_config(cls))

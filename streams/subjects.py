@@ -23,13 +23,25 @@ def request_subject(cls: RequestClass | str) -> str:
     return f"{PREFIX}.req.{RequestClass(cls).value}"
 
 
-def reply_subject(gateway_id: str, request_id: str) -> str:
-    """Where a worker sends frames for one request: one gateway subscription covers all."""
-    return f"{PREFIX}.reply.{gateway_id}.{request_id}"
+def reply_subject(tenant: str, gateway_id: str, request_id: str) -> str:
+    """Where a worker sends frames for one request. The frames stream captures them
+    for resumption; the tenant token makes a resume tenant-scoped by construction."""
+    return f"{PREFIX}.reply.{tenant}.{gateway_id}.{request_id}"
 
 
 def reply_wildcard(gateway_id: str) -> str:
-    return f"{PREFIX}.reply.{gateway_id}.*"
+    """One gateway's subscription for all its requests' frames."""
+    return f"{PREFIX}.reply.*.{gateway_id}.*"
+
+
+def frames_filter(tenant: str, request_id: str) -> str:
+    """One request's captured frames, whichever gateway accepted it."""
+    return f"{PREFIX}.reply.{tenant}.*.{request_id}"
+
+
+def resumed_subject(request_id: str) -> str:
+    """A gateway announces here that a client resumed this request's stream."""
+    return f"{PREFIX}.resumed.{request_id}"
 
 
 def cancel_subject(request_id: str) -> str:

@@ -3,8 +3,8 @@
 Each subject space carries one type or one tagged union:
 
 - ``jetserve.req.<class>`` (JetStream work queue): :class:`InferenceRequest`
-- the reply subject named in a request: :data:`Frame` =
-  :class:`Token` | :class:`Heartbeat` | :class:`Final` | :class:`ErrorFrame`
+- the reply subject named in a request: :data:`Frame` = :class:`Token` |
+  :class:`Heartbeat` | :class:`Final` | :class:`ErrorFrame` | :class:`Meta`
 - ``jetserve.cancel.<id>``: :class:`Cancel`
 
 Schema evolution: a new field must have a default, so older peers keep decoding.
@@ -106,7 +106,24 @@ class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
     attempt: int = 1
 
 
-Frame = Token | Heartbeat | Final | ErrorFrame
+class Meta(msgspec.Struct, frozen=True, tag="meta", omit_defaults=True):
+    """Published by the ingress on the reply subject before the request is queued,
+    so a replica resuming the stream from the frames capture knows what it is."""
+
+    op: Op
+    model: str
+    cls: str
+    tenant: str
+    deadline: float
+    created: float
+    key_id: str = ""
+    org: str = ""
+    reserved_micros: int = 0
+    price_version: str = ""
+    gateway: str = ""
+
+
+Frame = Token | Heartbeat | Final | ErrorFrame | Meta
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", omit_defaults=True):
@@ -120,7 +137,7 @@ _frame_decoder = msgspec.json.Decoder(Frame)
 _cancel_decoder = msgspec.json.Decoder(Cancel)
 
 
-def encode(msg: InferenceRequest | Token | Heartbeat | Final | ErrorFrame | Cancel) -> bytes:
+def encode(msg: InferenceRequest | Token | Heartbeat | Final | ErrorFrame | Meta | Cancel) -> bytes:
     return _encoder.encode(msg)
 
 
