@@ -3,23 +3,37 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test setup lint
+.PHONY: up test setup test-setup lint
+
+# Debian packages, checked every time (cheap) and installed only when missing.
+# The fleet needs redis-server; the tests also need chromium (the /playground
+# browser test) and prometheus (promtool checks /metrics).
+define apt_ensure
+	@missing=""; for pair in $(1); do cmd=$${pair%%=*}; pkg=$${pair#*=}; \
+	  command -v $$cmd >/dev/null || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends $$missing; fi
+endef
 
 $(BIN)/jetserve: pyproject.toml
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $(BIN)/jetserve
 
 setup: $(BIN)/jetserve
+	$(call apt_ensure,redis-server=redis-server)
+
+test-setup: setup
+	$(call apt_ensure,chromium=chromium promtool=prometheus)
 
 # Run the embedded default fleet on loopback and show it answering (Ctrl-C stops it).
 up: setup
 	$(BIN)/jetserve up $(ARGS)
 
 # Lint, type-check and run the whole suite against real nats-server and redis-server.
-test: setup lint
+test: test-setup lint
 	$(BIN)/pytest -q
 
 lint: setup

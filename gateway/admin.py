@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 import msgspec
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -21,10 +22,10 @@ from starlette.routing import Route
 
 from gateway import http
 from gateway.accounting import LimitSpec
-from gateway.errors import AuthenticationFailed, BadRequest, GatewayError
+from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
 from gateway.runtime import Runtime
 from gateway.tenancy import KeyRecord, Scopes
-from streams.ledger import encode_record
+from streams.ledger import InvalidTenantError, encode_record
 
 T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -78,7 +79,12 @@ def create_admin_app(rt: Runtime, token_sha256: str | None) -> Starlette:
             )
             if not ok:
                 raise AuthenticationFailed("Admin credential required.", code="invalid_admin_token")
-            return await handler(request)
+            try:
+                return await handler(request)
+            except (RedisError, OSError) as exc:
+                raise Unavailable("The control-plane store (Redis) is unavailable.") from exc
+            except InvalidTenantError as exc:
+                raise BadRequest(str(exc), param="tenant") from exc
 
         return wrapped
 
@@ -137,6 +143,13 @@ def create_admin_app(rt: Runtime, token_sha256: str | None) -> Starlette:
 
     async def put_limits(request: Request) -> Response:
         level, ident = level_of(request)
+        # Limits for an id that does not exist would silently never apply.
+        if level == "tenant":
+            await tenancy.get_tenant(ident)
+        elif level == "org":
+            await tenancy.get_org(ident)
+        else:
+            await tenancy.get_key(ident)
         body = _decode(await request.body(), Limits)
         try:
             spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm)

@@ -6,7 +6,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import http
+from gateway import http, playground
 from gateway.errors import GatewayError
 from gateway.runtime import Runtime
 from gateway.ws import websocket_endpoint
@@ -19,9 +19,11 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/v1/embeddings", http.embeddings, methods=["POST"]),
         Route("/v1/models", http.list_models, methods=["GET"]),
         Route("/v1/ledger", http.tenant_ledger, methods=["GET"]),
+        Route("/v1/requests/{request_id}/stream", http.resume_stream, methods=["GET"]),
         Route("/healthz", http.healthz, methods=["GET"]),
         Route("/readyz", http.readyz, methods=["GET"]),
         Route("/metrics", http.metrics, methods=["GET"]),
+        Route("/playground", playground.page, methods=["GET"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
     ]
     app = Starlette(

@@ -13,6 +13,7 @@ GatewayError                 base: HTTP ``status``, OpenAI ``type`` and ``code``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -58,7 +59,8 @@ class GatewayError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
             return {}
-        return {"Retry-After": str(max(1, round(self.retry_after)))}
+        # Rounded up: a client that waits exactly this long is not refused again.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 class AuthenticationFailed(GatewayError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,10 +62,18 @@ class IdempotencyStore:
         body_hash = hashlib.sha256(body).hexdigest()
         pending = _enc.encode(Stored("pending", body_hash))
         rkey = PREFIX + kh
+        # A pending claim lives only as long as its request can: if its gateway
+        # dies, a retry takes over after that instead of waiting out the full TTL.
+        pending_ttl = max(1, math.ceil(deadline - time.time()) + 30)
         try:
             while True:
-                if await self._redis.set(rkey, pending, nx=True, ex=self._ttl):
-                    return Claim(kh[:32], kh)
+                if await self._redis.set(rkey, pending, nx=True, ex=pending_ttl):
+                    # Each run of a key gets its own request id (a retry after a
+                    # failure must not collide with the first run's settled hold);
+                    # a retry of the same run keeps it, so JetStream dedupes it.
+                    attempt = await self._redis.incr(PREFIX + "attempt:" + kh)
+                    await self._redis.expire(PREFIX + "attempt:" + kh, self._ttl)
+                    return Claim(f"{kh[:24]}{attempt:08x}", kh)
                 raw = await self._redis.get(rkey)
                 if raw is None:
                     continue  # released between our SET and GET: claim again
@@ -76,7 +85,7 @@ class IdempotencyStore:
                         param=HEADER,
                     )
                 if stored.state == "done":
-                    return Claim(kh[:32], kh, stored)
+                    return Claim(kh[:32], kh, stored)  # a replay: the id is not used
                 if time.time() >= deadline:
                     raise Timeout("A request with this Idempotency-Key is still running.")
                 await asyncio.sleep(self._poll)  # a concurrent duplicate: wait for the first

@@ -86,11 +86,24 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
     return typed, body
 
 
+# Non-text content parts (images, audio, files) cost tokens the bytes of the
+# request don't show; a generous fixed allowance keeps the hold an upper bound.
+NON_TEXT_PART_TOKENS = 4096
+
+
 def _text_bytes(content: object) -> int:
     if isinstance(content, str):
         return len(content.encode())
     if isinstance(content, list):
-        return sum(_text_bytes(part.get("text", "")) for part in content if isinstance(part, dict))
+        total = 0
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type", "text") == "text":
+                total += _text_bytes(part.get("text", ""))
+            else:
+                total += NON_TEXT_PART_TOKENS
+        return total
     return 0
 
 
@@ -106,10 +119,12 @@ def _input_units(inp: str | list[str | int | list[int]]) -> tuple[int, int]:
 def _prompt_units(req: Parsed) -> tuple[int, int, int]:
     """(bytes of text, token ids, messages) that the engine will tokenize."""
     if isinstance(req, ChatRequest):
-        text = sum(_text_bytes(m.content) for m in req.messages)
+        text = sum(_text_bytes(m.content) + len((m.name or "").encode()) for m in req.messages)
         text += sum(len(msgspec.json.encode(m.tool_calls)) for m in req.messages if m.tool_calls)
         if req.tools:
             text += len(msgspec.json.encode(req.tools))  # rendered into the prompt
+        if req.response_format:
+            text += len(msgspec.json.encode(req.response_format))
         return text, 0, len(req.messages)
     if isinstance(req, CompletionRequest):
         return (*_input_units(req.prompt), 1)

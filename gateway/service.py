@@ -60,6 +60,7 @@ _KINDS: dict[Op, ParsedType] = {
 }
 CLASS_HEADER = "x-jetserve-class"
 TIMEOUT_HEADER = "x-jetserve-timeout"
+DATA_CLASS_HEADER = "x-jetserve-data-class"  # what the request carries (e.g. pii); authorised
 
 
 @dataclass
@@ -274,7 +275,12 @@ class Gateway:
             if wanted not in (RequestClass.INTERACTIVE.value, RequestClass.BATCH.value):
                 raise BadRequest(f"Unknown request class '{wanted}'.", param=CLASS_HEADER)
             cls = RequestClass(wanted)
-        key.scopes.check(model=parsed.model, cls=cls.value)
+        tools = tuple(
+            str(t.get("function", {}).get("name", ""))
+            for t in (parsed.tools or [] if isinstance(parsed, ChatRequest) else [])
+        )
+        data_class = headers.get(DATA_CLASS_HEADER, "default")
+        key.scopes.check(model=parsed.model, cls=cls.value, tools=tools, data_class=data_class)
         timeout = self.cfg.default_timeout_s
         if TIMEOUT_HEADER in headers:
             try:
@@ -290,9 +296,14 @@ class Gateway:
                 )
         max_tokens = 0
         if isinstance(parsed, ChatRequest | CompletionRequest):
-            max_tokens = parsed.max_tokens or self.cfg.default_max_tokens
+            max_tokens = parsed.max_tokens or 0
             if isinstance(parsed, ChatRequest) and parsed.max_completion_tokens:
                 max_tokens = parsed.max_completion_tokens
+            if not max_tokens:
+                # The hold is for a bounded output, so the engine gets that bound
+                # too (OpenAI's completions default is 16 tokens).
+                max_tokens = self.cfg.default_max_tokens if isinstance(parsed, ChatRequest) else 16
+                body = {**body, "max_tokens": max_tokens}
         forwarded = {
             k: v
             for k, v in headers.items()

@@ -45,11 +45,19 @@ class Scopes(msgspec.Struct, frozen=True, omit_defaults=True):
     tools: tuple[str, ...] = ANY
     data_classes: tuple[str, ...] = ANY
 
-    def check(self, *, model: str, cls: str) -> None:
+    def check(
+        self, *, model: str, cls: str, tools: tuple[str, ...] = (), data_class: str = "default"
+    ) -> None:
         if "*" not in self.models and model not in self.models:
             raise PermissionDenied(f"This key may not use model '{model}'.", param="model")
         if "*" not in self.classes and cls not in self.classes:
             raise PermissionDenied(f"This key may not use request class '{cls}'.")
+        if "*" not in self.tools:
+            denied = [t for t in tools if t not in self.tools]
+            if denied:
+                raise PermissionDenied(f"This key may not use tools {denied}.", param="tools")
+        if "*" not in self.data_classes and data_class not in self.data_classes:
+            raise PermissionDenied(f"This key may not send data class '{data_class}'.")
 
 
 class KeyRecord(msgspec.Struct, frozen=True):
@@ -152,7 +160,8 @@ class Tenancy:
             name=name,
             created=time.time(),
             scopes=scopes or Scopes(),
-            prefix=key[:10],
+            # Enough to tell keys apart in a listing, never enough to matter.
+            prefix=key[:8] if len(key) >= 24 else "",
         )
         digest = hash_key(key)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -168,6 +177,9 @@ class Tenancy:
         if digest is None or raw is None:
             raise NotFound(f"Key '{key_id}' not found.", code="not_found")
         return _s(digest), _key_dec.decode(raw)
+
+    async def get_key(self, key_id: str) -> KeyRecord:
+        return (await self._record_by_id(key_id))[1]
 
     async def list_keys(self, tenant: str) -> list[KeyRecord]:
         ids = sorted(_s(m) for m in await self._redis.smembers(f"{P}tenantkeys:{tenant}"))

@@ -44,6 +44,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         keepalive_s=args.keepalive,
         commit_after_s=args.commit_after,
+        resume_grace_s=args.resume_grace,
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=_csv(args.metrics_tenants),
@@ -121,6 +122,14 @@ def _scopes(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
+    try:
+        return _admin_command(args)
+    except AdminError as exc:
+        print(f"jetserve {args.cmd}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _admin_command(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         what = (args.cmd, getattr(args, "action", ""))
         if what == ("tenants", "create"):
@@ -148,17 +157,15 @@ def cmd_admin(args: argparse.Namespace) -> int:
         elif what == ("keys", "revoke"):
             _show(admin.revoke_key(args.key_id))
         elif what == ("limits", "set"):
-            budget = None if args.budget_usd is None else round(args.budget_usd * 1_000_000)
-            _show(
-                admin.set_limits(
-                    args.level,
-                    args.id,
-                    budget_micros=budget,
-                    period=args.period,
-                    rpm=args.rpm,
-                    tpm=args.tpm,
-                )
-            )
+            # Only the flags given change; the others keep their current value.
+            current = admin.get_limits(args.level, args.id)
+            limits = {k: current.get(k) for k in ("budget_micros", "period", "rpm", "tpm")}
+            if args.budget_usd is not None:
+                limits["budget_micros"] = round(args.budget_usd * 1_000_000)
+            for name in ("period", "rpm", "tpm"):
+                if getattr(args, name) is not None:
+                    limits[name] = getattr(args, name)
+            _show(admin.set_limits(args.level, args.id, **limits))
         elif what == ("limits", "show"):
             _show(admin.get_limits(args.level, args.id))
         elif args.cmd == "ledger":
@@ -174,10 +181,22 @@ def cmd_admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from jetserve.scale import run_scale
+
+    return run_scale(args)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from jetserve.up import run_up
 
     return run_up(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jetserve.bench.cli import main as bench_main
+
+    return bench_main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=120.0, help="default request deadline (s)")
     g.add_argument("--heartbeat-timeout", type=float, default=3.0)
     g.add_argument("--keepalive", type=float, default=10.0, help="SSE keep-alive interval (s)")
+    g.add_argument(
+        "--resume-grace",
+        type=float,
+        default=0.0,
+        help="seconds a disconnected client has to resume before the upstream is cancelled",
+    )
     g.add_argument(
         "--commit-after", type=float, default=5.0, help="send stream headers after this wait (s)"
     )
@@ -279,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--level", choices=["org", "tenant", "key"], required=True)
     ls.add_argument("--id", required=True)
     ls.add_argument("--budget-usd", type=float, default=None)
-    ls.add_argument("--period", choices=["day", "month", "total"], default="month")
+    ls.add_argument("--period", choices=["day", "month", "total"], default=None)
     ls.add_argument("--rpm", type=int, default=None)
     ls.add_argument("--tpm", type=int, default=None)
     lsh = admin_opts(lim.add_parser("show", allow_abbrev=False))
@@ -293,6 +318,52 @@ def build_parser() -> argparse.ArgumentParser:
     led.add_argument("--out", default=None, help="write JSONL here (default: stdout)")
     led.set_defaults(func=cmd_admin)
 
+    sc = sub.add_parser(
+        "scale",
+        allow_abbrev=False,
+        help="queue lag per class and the worker count KEDA will choose",
+    )
+    sc.add_argument("--nats", default=DEFAULT_NATS, help="read the consumers through this server")
+    sc.add_argument(
+        "--monitoring",
+        default=None,
+        metavar="HOST:PORT",
+        help="read /jsz here instead, as KEDA does (its natsServerMonitoringEndpoint)",
+    )
+    sc.add_argument("--account", default="$G", help="the NATS account /jsz is asked for")
+    sc.add_argument("--classes", default="interactive,embed,batch")
+    per_class = "N or CLASS=N, comma-separated, repeatable"
+    sc.add_argument(
+        "--max-inflight", action="append", default=[], help=f"worker concurrency ({per_class})"
+    )
+    sc.add_argument(
+        "--target-per-worker",
+        action="append",
+        default=[],
+        help=f"KEDA lagThreshold; default: --max-inflight ({per_class})",
+    )
+    sc.add_argument(
+        "--activation-lag",
+        action="append",
+        default=[],
+        help=f"activationLagThreshold ({per_class})",
+    )
+    sc.add_argument(
+        "--min-replicas", action="append", default=[], help=f"minReplicaCount ({per_class})"
+    )
+    sc.add_argument(
+        "--max-replicas", action="append", default=[], help=f"maxReplicaCount ({per_class})"
+    )
+    sc.add_argument(
+        "--replicas",
+        action="append",
+        default=[],
+        help=f"current replicas, for the HPA's 10%% tolerance ({per_class})",
+    )
+    sc.add_argument("--json", action="store_true", help="print JSON (one line per refresh)")
+    sc.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh")
+    sc.set_defaults(func=cmd_scale)
+
     u = sub.add_parser("up", allow_abbrev=False, help="run the whole fleet on loopback")
     u.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     u.add_argument("--api-key", default=None, help="demo key (default: a fresh random one)")
@@ -300,6 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--profile", default="h100-8b", help="simulator latency profile")
     u.add_argument("--check", action="store_true", help="run the self-check, then stop")
     u.set_defaults(func=cmd_up)
+
+    # Every flag after `bench` belongs to jetserve.bench.cli: an unmatchable prefix
+    # char keeps argparse from reading them as this parser's options.
+    b = sub.add_parser(
+        "bench",
+        allow_abbrev=False,
+        add_help=False,
+        prefix_chars="\x00",
+        help="open-loop benchmarks, side by side (jetserve bench --help)",
+    )
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -29,7 +29,7 @@ def test_request_round_trip() -> None:
         cls="interactive",
         model="m",
         body={"messages": []},
-        reply=reply_subject("gw1", "r1"),
+        reply=reply_subject("acme", "gw1", "r1"),
         deadline=123.5,
         traceparent="00-ab-cd-01",
         headers={"x-sim-fault": "429"},

@@ -1,0 +1,386 @@
+"""/playground in a real browser: headless Chromium (Debian's package), driven over
+the Chrome DevTools Protocol with `websockets`, against a real fleet.
+
+It checks the streamed text over SSE and over the WebSocket bridge against the
+simulator's own answer, a clean Stop on both (the engine call is aborted), and
+the page's Content-Security-Policy. Set JETSERVE_PLAYGROUND_PNG=docs/playground.png
+to refresh the screenshot in the docs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import httpx
+import pytest
+import websockets
+
+from jetserve.fleet import Fleet, FleetSpec
+
+pytestmark = pytest.mark.connected
+
+MODEL = "sim-8b"
+WIDTH, HEIGHT = 900, 640
+# Chromium must not reach out on its own: the closed network refuses it, and
+# QUIC, component updates and the like would stall start-up or spam the log.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--remote-debugging-port=0",
+    f"--window-size={WIDTH},{HEIGHT}",
+]
+# Collects the page's CSP violations (CDP-injected scripts are not subject to CSP).
+CSP_PROBE = (
+    "window.__csp = [];"
+    "document.addEventListener('securitypolicyviolation',"
+    " e => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));"
+)
+PAGE_STATE = """({
+  state: document.body.dataset.state,
+  output: document.getElementById('output').textContent,
+  error: document.getElementById('error').textContent,
+  usage: document.getElementById('usage').textContent,
+  requestId: document.getElementById('request-id').textContent,
+  csp: window.__csp,
+})"""
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    # Every engine call streams at 10 ms a token unless its request says otherwise:
+    # a browser cannot put X-Sim-Fault on a WebSocket upgrade, and Stop needs a
+    # stream that is still running.
+    spec = FleetSpec(workers=1, profile="fast", sim_args=["--fault-rate", "slow:10=1.0"])
+    with Fleet(spec) as f:
+        yield f
+
+
+class Chromium:
+    def __init__(self) -> None:
+        exe = shutil.which("chromium")
+        if exe is None:
+            pytest.fail(
+                "Debian's chromium is not installed: run `make setup` "
+                "(or `apt-get install -y --no-install-recommends chromium`).",
+                pytrace=False,
+            )
+        self.profile = Path(tempfile.mkdtemp(prefix="jetserve-chromium-"))
+        self.log = self.profile.parent / f"{self.profile.name}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [exe, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.port = self._wait_port(20.0)
+
+    def _wait_port(self, limit_s: float) -> int:
+        """The port Chromium chose, from DevToolsActivePort in its profile."""
+        active = self.profile / "DevToolsActivePort"
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                self.stop()
+                pytest.fail(f"chromium exited ({self.proc.returncode}): {self.log_tail()}")
+            lines = active.read_text().splitlines() if active.exists() else []
+            if len(lines) >= 2:
+                return int(lines[0])
+            time.sleep(0.02)
+        self.stop()
+        pytest.fail(f"chromium did not open its DevTools port in {limit_s}s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # Its helpers (zygote, renderers) share the session it was started in.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        shutil.rmtree(self.profile, ignore_errors=True)
+        self.log.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Chromium]:
+    browser = Chromium()
+    yield browser
+    browser.stop()
+
+
+class CdpError(Exception):
+    pass
+
+
+class Page:
+    """One browser tab over CDP: commands by id, events ignored (state is polled)."""
+
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self.ws = ws
+        self.ids = itertools.count(1)
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for raw in self.ws:
+            msg = json.loads(raw)
+            fut = self.pending.pop(msg.get("id", -1), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+        n = next(self.ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[n] = fut
+        await self.ws.send(json.dumps({"id": n, "method": method, "params": params}))
+        msg = await asyncio.wait_for(fut, 10)
+        if "error" in msg:
+            raise CdpError(f"{method}: {msg['error']}")
+        result: dict[str, Any] = msg["result"]
+        return result
+
+    async def js(self, expression: str) -> Any:
+        res = await self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
+        if "exceptionDetails" in res:
+            raise CdpError(f"{expression!r}: {res['exceptionDetails']}")
+        return res["result"].get("value")
+
+    async def wait(self, expression: str, limit_s: float = 10.0) -> Any:
+        """Until `expression` is truthy in the page: its value."""
+        end = time.monotonic() + limit_s
+        last: Any = None
+        while time.monotonic() < end:
+            try:
+                last = await self.js(expression)
+            except CdpError:  # between documents while navigating
+                last = None
+            if last:
+                return last
+            await asyncio.sleep(0.02)
+        state = await self.js(PAGE_STATE)
+        raise AssertionError(f"not true within {limit_s}s: {expression}; page: {state}")
+
+    async def state(self) -> dict[str, Any]:
+        value: dict[str, Any] = await self.js(PAGE_STATE)
+        return value
+
+    async def open(self, url: str) -> None:
+        await self.call("Page.navigate", url=url)
+        await self.wait(
+            "document.body && document.body.dataset.ready === '1' && location.hash === ''"
+        )
+
+    async def click(self, element_id: str) -> None:
+        await self.js(f"document.getElementById({json.dumps(element_id)}).click()")
+
+
+@pytest.fixture
+async def page(chromium: Chromium) -> AsyncIterator[Page]:
+    base = f"http://127.0.0.1:{chromium.port}"
+    async with httpx.AsyncClient(timeout=10) as c:
+        target = (await c.put(f"{base}/json/new?about:blank")).json()
+        try:
+            async with websockets.connect(target["webSocketDebuggerUrl"], max_size=None) as ws:
+                p = Page(ws)
+                await p.call("Page.enable")
+                await p.call("Page.addScriptToEvaluateOnNewDocument", source=CSP_PROBE)
+                await p.call(
+                    "Emulation.setDeviceMetricsOverride",
+                    width=WIDTH,
+                    height=HEIGHT,
+                    deviceScaleFactor=1,
+                    mobile=False,
+                )
+                try:
+                    yield p
+                finally:
+                    p.reader.cancel()
+        finally:
+            await c.get(f"{base}/json/close/{target['id']}")
+
+
+def playground_url(fleet: Fleet, **opts: str | int) -> str:
+    """The page with its fields filled from the fragment (the key never reaches the server)."""
+    fields = {"key": fleet.api_key, "model": MODEL, **opts}
+    return f"{fleet.base_url}/playground#{urlencode(fields)}"
+
+
+async def reference(fleet: Fleet, prompt: str, max_tokens: int) -> str:
+    """The simulator's own text for the page's request, asked directly, not streamed."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+    }
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(
+            f"{fleet.sim_url}/v1/chat/completions", json=body, headers={"X-Sim-Fault": "none"}
+        )
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+async def sim_record(fleet: Fleet, request_id: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=5) as c:
+        r = await c.get(f"{fleet.sim_url}/sim/requests/{request_id}")
+    record: dict[str, Any] = r.json() if r.status_code == 200 else {}
+    return record
+
+
+async def sim_stats(fleet: Fleet) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=5) as c:
+        stats: dict[str, Any] = (await c.get(f"{fleet.sim_url}/sim/stats")).json()
+    return stats
+
+
+async def wait_aborted(fleet: Fleet, request_id: str, limit_s: float = 5.0) -> dict[str, Any]:
+    end = time.monotonic() + limit_s
+    rec: dict[str, Any] = {}
+    while time.monotonic() < end:
+        rec = await sim_record(fleet, request_id)
+        if rec.get("status") == "aborted":
+            return rec
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine call {request_id} not aborted: {rec}")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """Checks a PNG's structure (signature, chunk CRCs, IHDR..IEND, inflatable data)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    pos, chunks = 8, []
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"bad CRC in {kind!r}"
+        chunks.append((kind, body))
+        pos += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
+    width, height = struct.unpack(">II", chunks[0][1][:8])
+    return width, height
+
+
+def save_screenshot(png: bytes, path: Path) -> bytes:
+    """Writes it (and to $JETSERVE_PLAYGROUND_PNG, for the docs); what the file holds."""
+    path.write_bytes(png)
+    if target := os.environ.get("JETSERVE_PLAYGROUND_PNG"):
+        Path(target).write_bytes(png)
+    return path.read_bytes()
+
+
+async def test_page_is_static_and_locked_down(fleet: Fleet) -> None:
+    async with httpx.AsyncClient(timeout=5) as c:
+        r = await c.get(f"{fleet.base_url}/playground")  # no credential needed
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'sha256-" in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert fleet.api_key not in r.text and "Bearer sk-" not in r.text
+    assert "http://" not in r.text and "https://" not in r.text  # no CDN, no absolute URLs
+
+
+async def test_sse_streams_the_engine_text(fleet: Fleet, page: Page, tmp_path: Path) -> None:
+    prompt = "stream me something over SSE"
+    await page.open(playground_url(fleet, prompt=prompt, max_tokens=24))
+    assert await page.js("document.getElementById('key').value") == fleet.api_key
+    await page.click("send-sse")
+    await page.wait("['done', 'error'].includes(document.body.dataset.state)")
+    state = await page.state()
+    assert state["state"] == "done" and state["error"] == "", state
+    assert state["output"] == await reference(fleet, prompt, 24)
+    assert state["usage"].endswith("completion tokens"), state
+    assert len(state["requestId"]) == 32, state
+    assert state["csp"] == [], state
+
+    shot = await page.call("Page.captureScreenshot", format="png")
+    saved = save_screenshot(base64.b64decode(shot["data"]), tmp_path / "playground.png")
+    assert png_size(saved) == (WIDTH, HEIGHT)
+
+
+async def test_websocket_streams_the_engine_text(fleet: Fleet, page: Page) -> None:
+    prompt = "and now over the WebSocket bridge"
+    await page.open(playground_url(fleet, prompt=prompt, max_tokens=24))
+    await page.click("send-ws")
+    await page.wait("['done', 'error'].includes(document.body.dataset.state)")
+    state = await page.state()
+    assert state["state"] == "done" and state["error"] == "", state
+    assert state["output"] == await reference(fleet, prompt, 24)
+    assert state["usage"].endswith("completion tokens"), state
+    assert state["csp"] == [], state
+
+
+@pytest.mark.parametrize("transport", ["sse", "ws"])
+async def test_stop_cancels_cleanly(fleet: Fleet, page: Page, transport: str) -> None:
+    # 2000 tokens (ignore_eos) at 50 ms (SSE, the page's extra header) or 10 ms a
+    # token (WebSocket, the fleet's default): still streaming when Stop is pressed.
+    opts: dict[str, str | int] = {
+        "prompt": f"a long answer over {transport}",
+        "max_tokens": 2000,
+        "body": json.dumps({"ignore_eos": True}),
+    }
+    if transport == "sse":
+        opts["headers"] = "X-Sim-Fault: slow:50"
+    await page.open(playground_url(fleet, **opts))
+    aborted_before = (await sim_stats(fleet))["aborted"]
+    await page.click(f"send-{transport}")
+    await page.wait("document.getElementById('output').textContent.length > 0")
+    await page.click("stop")
+    state = await page.state()
+    assert state["state"] == "cancelled" and state["error"] == "", state
+    assert await page.js("document.getElementById('stop').disabled") is True
+
+    rec = await wait_aborted(fleet, state["requestId"])
+    assert 0 < rec["generated_tokens"] < 2000, rec
+    assert (await sim_stats(fleet))["aborted"] == aborted_before + 1
+    # Nothing more reaches the page, and it still reads as a clean cancel.
+    after = await page.state()
+    assert after["state"] == "cancelled" and after["error"] == "", after
+    assert after["output"] == state["output"]
+    assert after["csp"] == [], after
+
+
+async def test_csp_blocks_injected_script(fleet: Fleet, page: Page) -> None:
+    await page.open(playground_url(fleet))
+    await page.js(
+        "const s = document.createElement('script');"
+        "s.textContent = 'window.__pwned = 1'; document.body.append(s);"
+    )
+    violations = await page.wait("window.__csp.length && window.__csp")
+    assert violations[0].startswith("script-src"), violations
+    assert await page.js("window.__pwned === undefined") is True
