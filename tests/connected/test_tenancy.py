@@ -233,3 +233,45 @@ async def test_key_scopes_limit_models_and_classes(fleet: Fleet) -> None:
     assert denied.status_code == 403 and denied.json()["error"]["code"] == "permission_denied"
     assert allowed.status_code == 200
     assert embed.status_code == 403
+
+
+async def test_idempotency_key_retry_after_a_retryable_failure_runs_again(fleet: Fleet) -> None:
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "Idempotency-Key": "k-retry"}
+    url = f"{fleet.base_url}/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as c:
+        failed = await c.post(url, json=BODY, headers={**headers, "X-Sim-Fault": "503"})
+        assert failed.status_code == 503  # the engine refused every redelivery
+        retried = await c.post(url, json=BODY, headers=headers)
+        again = await c.post(url, json=BODY, headers=headers)
+    assert retried.status_code == 200, retried.text
+    assert again.content == retried.content
+    assert again.headers["idempotent-replayed"] == "true"
+
+
+async def test_tool_and_data_class_scopes(fleet: Fleet) -> None:
+    with fleet.admin() as admin:
+        key = admin.create_key(
+            fleet.spec.tenant, "scoped", scopes={"tools": ["search"], "data_classes": ["public"]}
+        )["api_key"]
+    tool = {"type": "function", "function": {"name": "transfer", "parameters": {}}}
+    url = f"{fleet.base_url}/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as c:
+        h = {"Authorization": f"Bearer {key}", "X-Jetserve-Data-Class": "public"}
+        bad_tool = await c.post(url, json={**BODY, "tools": [tool]}, headers=h)
+        bad_class = await c.post(url, json=BODY, headers={**h, "X-Jetserve-Data-Class": "pii"})
+        ok = await c.post(url, json=BODY, headers=h)
+    assert bad_tool.status_code == 403 and "transfer" in bad_tool.json()["error"]["message"]
+    assert bad_class.status_code == 403
+    assert ok.status_code == 200
+
+
+async def test_output_is_bounded_when_the_client_sets_no_max_tokens(fleet: Fleet) -> None:
+    body = {"model": "sim-8b", "messages": [{"role": "user", "content": "unbounded?"}]}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={**body, "ignore_eos": True},  # the engine would go on to its context limit
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 512  # the gateway's default hold
