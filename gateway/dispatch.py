@@ -1,6 +1,6 @@
 """Publish requests onto the work queue and receive their frames.
 
-One core-NATS subscription per gateway (``jetserve.reply.<gateway>.*``) fans
+One core-NATS subscription per gateway (``jetserve.reply.*.<gateway>.*``) fans
 frames out to per-request queues. :class:`FrameStream` turns those into the
 request's events with the liveness rules of DESIGN.md: before the first token
 the request may be redelivered, so only its deadline ends the wait; after it,
@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -29,6 +31,7 @@ from gateway.errors import (
     UpstreamFailed,
     from_frame,
 )
+from streams.deadletter import dead_letter
 from streams.definitions import Topology
 from streams.headers import Header
 from streams.subjects import (
@@ -43,6 +46,7 @@ from streams.wire import (
     Cancel,
     ErrorFrame,
     Final,
+    Frame,
     Heartbeat,
     InferenceRequest,
     Meta,
@@ -56,7 +60,12 @@ from streams.wire import (
 MAX_BUFFERED_FRAMES = 4096
 
 
-OVERFLOW = b"overflow"  # sentinel in a request's frame queue: the client fell too far behind
+class _Overflow:
+    """Sentinel in a request's frame queue: the client fell too far behind."""
+
+
+OVERFLOW = _Overflow()
+Item = Frame | _Overflow
 
 
 class StreamInterrupted(UpstreamFailed):
@@ -83,9 +92,9 @@ class Dispatcher:
         self._js = js
         self.gateway_id = gateway_id
         self.topology = topology
-        self._queues: dict[str, asyncio.Queue[bytes]] = {}
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._sub: Subscription | None = None
-        self._closing: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+        self._closing: set[asyncio.Task[object]] = set()  # owned: awaited in stop()
         self._watches: dict[str, Subscription] = {}
 
     def reply_for(self, tenant: str, request_id: str) -> str:
@@ -123,25 +132,37 @@ class Dispatcher:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-        task = asyncio.ensure_future(unsubscribe())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._own(unsubscribe())
 
     async def _on_frame(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
-        if queue is None:
+        if queue is not None:
+            self._enqueue(queue, msg)
+
+    def _enqueue(self, queue: asyncio.Queue[Item], msg: Msg) -> None:
+        """Decode once, here; a malformed frame is dead-lettered, not fatal."""
+        try:
+            frame = decode_frame(msg.data)
+        except msgspec.DecodeError as exc:
+            self._own(dead_letter(self._js, msg.subject, msg.data, f"undecodable frame: {exc}"))
             return
         if queue.qsize() < MAX_BUFFERED_FRAMES:
-            queue.put_nowait(msg.data)
+            queue.put_nowait(frame)
         elif queue.qsize() == MAX_BUFFERED_FRAMES:
             # Never drop frames silently: the reader sees the overflow and
             # ends the client's stream with a clear error.
             queue.put_nowait(OVERFLOW)
 
+    def _own(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run a background chore this dispatcher owns (awaited in stop())."""
+        task = asyncio.ensure_future(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def submit(self, req: InferenceRequest, meta: Meta) -> FrameStream:
         """Register for frames, then publish; the frames can't arrive before we listen.
         The Meta frame goes first, so the frames capture can be resumed from."""
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[req.id] = queue
         headers = {Header.MSG_ID.value: req.id, Header.DEADLINE.value: f"{req.deadline:.3f}"}
         if req.traceparent:
@@ -188,18 +209,15 @@ class Dispatcher:
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
         if not info.state.subjects:
             return None
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
 
         async def on_msg(msg: Msg) -> None:
-            if queue.qsize() < MAX_BUFFERED_FRAMES:
-                queue.put_nowait(msg.data)
-            elif queue.qsize() == MAX_BUFFERED_FRAMES:
-                queue.put_nowait(OVERFLOW)
+            self._enqueue(queue, msg)
 
         sub = await self._js.subscribe(
             subject, stream=self.topology.frames_stream, cb=on_msg, ordered_consumer=True
         )
-        first = decode_frame(await asyncio.wait_for(queue.get(), 5.0))
+        first = await asyncio.wait_for(queue.get(), 5.0)
         if not isinstance(first, Meta):
             await sub.unsubscribe()
             return None  # the head of the capture expired: not resumable
@@ -240,7 +258,7 @@ class FrameStream:
         self,
         dispatcher: Dispatcher,
         req: InferenceRequest,
-        queue: asyncio.Queue[bytes],
+        queue: asyncio.Queue[Item],
         *,
         duplicate: bool,
         seq: int | None = None,
@@ -264,7 +282,7 @@ class FrameStream:
     def started(self) -> bool:
         return self.last_seq > 0
 
-    async def _next_raw(self, heartbeat_timeout: float, wait_limit: float | None) -> bytes:
+    async def _next_raw(self, heartbeat_timeout: float, wait_limit: float | None) -> Item:
         # Before the first token only the deadline ends the wait (the worker
         # reports expiry itself; +0.5 s lets its frame win).
         timeout = heartbeat_timeout if self.started else self.req.deadline - time.time() + 0.5
@@ -285,11 +303,10 @@ class FrameStream:
         """The next token, final or error frame. Raises TimeoutError only when
         ``wait_limit`` (a caller's keep-alive tick) expires first."""
         while True:
-            raw = await self._next_raw(heartbeat_timeout, wait_limit)
-            if raw == OVERFLOW:
+            frame = await self._next_raw(heartbeat_timeout, wait_limit)
+            if isinstance(frame, _Overflow):
                 await self.cancel("client_too_slow")
                 raise ClientTooSlow("The client read the stream too slowly; it was ended.")
-            frame = decode_frame(raw)
             if isinstance(frame, Meta):
                 continue
             if self.attempt is not None and frame.attempt != self.attempt:
@@ -317,11 +334,10 @@ class FrameStream:
         """Tokens already buffered (for coalescing into one client write)."""
         out: list[Token] = []
         while not self._queue.empty():
-            raw = self._queue.get_nowait()
-            if raw == OVERFLOW:
-                self._queue.put_nowait(raw)  # next_event reports it
+            frame = self._queue.get_nowait()
+            if isinstance(frame, _Overflow):
+                self._queue.put_nowait(frame)  # next_event reports it
                 break
-            frame = decode_frame(raw)
             if (
                 isinstance(frame, Token)
                 and frame.seq > self.last_seq
@@ -331,7 +347,7 @@ class FrameStream:
                 out.append(frame)
             elif isinstance(frame, Final | ErrorFrame):
                 # Put the terminal frame back for next_event.
-                self._queue.put_nowait(encode(frame))
+                self._queue.put_nowait(frame)
                 break
         return out
 

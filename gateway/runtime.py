@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from gateway.accounting import Accountant
 from gateway.config import GatewayConfig
+from gateway.deadletters import MaxDeliveriesWatch
 from gateway.dispatch import Dispatcher
 from gateway.errors import GatewayError
 from gateway.idempotency import IdempotencyStore
@@ -109,12 +110,15 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         )
         ingress = NatsIngress(nc, gw)
         await ingress.start()
+        watch = MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics)
+        await watch.start()
         sweeper = asyncio.create_task(_sweep(gw.accountant))
         try:
             yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, DEFAULT_LEDGER))
         finally:
             sweeper.cancel()
             await gw.aclose()
+            await watch.stop()
             await ingress.stop()
             await dispatcher.stop()
     finally:

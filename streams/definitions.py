@@ -49,6 +49,8 @@ class FramesLimits:
 class Topology:
     stream: str = "JETSERVE_REQ"
     frames_stream: str = "JETSERVE_FRAMES"
+    dlq_stream: str = "JETSERVE_DLQ"
+    dlq_max_age_s: float = 7 * 24 * 3600
     frames: FramesLimits = field(default_factory=FramesLimits)
     classes: tuple[RequestClass, ...] = tuple(RequestClass)
     limits: Limits = field(default_factory=Limits)
@@ -84,6 +86,19 @@ class Topology:
             max_age=lim.max_age_s,
             max_bytes=lim.max_bytes,
             max_msg_size=lim.max_msg_size,
+            num_replicas=1,
+        )
+
+    def dlq_config(self) -> StreamConfig:
+        # Kept on disk for a week: a poison message is evidence to look at.
+        return StreamConfig(
+            name=self.dlq_stream,
+            subjects=[f"{PREFIX}.dlq.>"],
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD,
+            storage=StorageType.FILE,
+            max_age=self.dlq_max_age_s,
+            max_bytes=1 << 30,
             num_replicas=1,
         )
 

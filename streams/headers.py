@@ -13,3 +13,6 @@ class Header(StrEnum):
     TENANT = "Jetserve-Tenant"
     API_KEY = "Authorization"  # NATS-native ingress: "Bearer sk-..."
     CONTENT_TYPE = "Content-Type"
+    DLQ_REASON = "Jetserve-Dlq-Reason"  # why the message was dead-lettered
+    DLQ_SOURCE = "Jetserve-Dlq-Source"  # the subject it came on
+    DLQ_SEQ = "Jetserve-Dlq-Seq"  # its sequence in the source stream, when it had one

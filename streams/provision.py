@@ -31,6 +31,7 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
 async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> None:
     await ensure_stream(js, topo.stream_config())
     await ensure_stream(js, topo.frames_config())
+    await ensure_stream(js, topo.dlq_config())
     for cls in topo.classes:
         # Creating a durable with a config is create-or-update on nats-server >= 2.10.
         await js.add_consumer(topo.stream, topo.consumer_config(cls))

@@ -53,3 +53,10 @@ def cancel_subject(request_id: str) -> str:
 INGRESS_CHAT = f"{PREFIX}.api.chat"
 INGRESS_COMPLETIONS = f"{PREFIX}.api.completions"
 INGRESS_EMBEDDINGS = f"{PREFIX}.api.embeddings"
+
+
+def dlq_subject(source: str) -> str:
+    """Where a message that could not be processed goes, by the subject it came on
+    (``jetserve.req.batch`` -> ``jetserve.dlq.req.batch``)."""
+    tail = source[len(PREFIX) + 1 :] if source.startswith(PREFIX + ".") else source
+    return f"{PREFIX}.dlq.{tail}"

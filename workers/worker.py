@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from streams.connect import connect
+from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, cancel_subject
@@ -60,6 +61,7 @@ class Worker:
         self._stop = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()  # owned here, awaited by _drain
         self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
         self.ready = asyncio.Event()
         self.completed = 0
         self.metrics = WorkerMetrics()
@@ -69,7 +71,7 @@ class Worker:
         """Serve until :meth:`shutdown`, then drain."""
         nc = self._nc = await connect(self.cfg.nats_url, self.cfg.worker_id)
         try:
-            js = nc.jetstream()
+            js = self._js = nc.jetstream()
             await ensure_topology(js, self.cfg.topology)
             await self._observe_engine()
             subs = []
@@ -161,8 +163,13 @@ class Worker:
             try:
                 req = decode_request(msg.data)
             except msgspec.DecodeError as exc:
-                log.error("undecodable request on %s: %s", msg.subject, exc)
+                # Poison: keep it with the reason, never redeliver it, carry on.
+                js = self._js
+                assert js is not None
+                seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
+                await dead_letter(js, msg.subject, msg.data, f"undecodable request: {exc}", seq)
                 await msg.term()
+                self.metrics.requests.labels(msg.subject.rsplit(".", 1)[-1], "poison").inc()
                 return
             blocks = await self.admission.reserve_blocks(req.prompt_tokens_est + req.max_tokens)
             self.metrics.inflight.inc()

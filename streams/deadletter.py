@@ -1,0 +1,34 @@
+"""Dead letters: a message that cannot be processed is kept, with the reason,
+in the ``JETSERVE_DLQ`` stream, and the consumer carries on. Nothing is dropped
+silently."""
+
+from __future__ import annotations
+
+import logging
+
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from streams.headers import Header
+from streams.subjects import dlq_subject
+
+log = logging.getLogger(__name__)
+
+MAX_REASON = 512
+
+
+async def dead_letter(
+    js: JetStreamContext, source: str, data: bytes, reason: str, seq: int | None = None
+) -> bool:
+    """Store ``data`` for inspection; False (and a log line) if even that failed."""
+    headers = {Header.DLQ_REASON.value: reason[:MAX_REASON], Header.DLQ_SOURCE.value: source}
+    if seq is not None:
+        headers[Header.DLQ_SEQ.value] = str(seq)
+    try:
+        await js.publish(dlq_subject(source), data, headers=headers, timeout=5.0)
+    except (APIError, nats.errors.Error, TimeoutError) as exc:
+        log.error("dead-lettering a message from %s failed (%s): %s", source, reason, exc)
+        return False
+    log.warning("dead-lettered a message from %s: %s", source, reason)
+    return True
