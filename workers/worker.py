@@ -92,6 +92,7 @@ class Worker:
                 await self.admission.close()
                 for task in (*fetchers, poller):
                     task.cancel()
+                await asyncio.gather(*(self._return_strays(sub) for sub in subs))
                 await self._drain()
                 log.info("worker %s drained", self.cfg.worker_id)
         finally:
@@ -104,6 +105,22 @@ class Worker:
 
     async def shutdown(self) -> None:
         self._stop.set()
+
+    async def _return_strays(self, sub: JetStreamContext.PullSubscription) -> None:
+        """A pull request outlives a cancelled fetch until it expires: a message
+        the server hands over meanwhile would sit here unseen for ack_wait. Hand
+        each one straight back (nak) so another worker starts it now."""
+        inbox = sub._sub  # the core subscription behind the pull (nats-py has no public one)
+        end = time.monotonic() + self.cfg.poll_s + 0.2
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = await inbox.next_msg(timeout=left)
+            except (nats.errors.TimeoutError, TimeoutError):
+                return
+            if msg.headers and msg.headers.get("Status"):
+                continue  # the server's note that a pull request expired or ended
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
 
     async def _drain(self) -> None:
         pending = set(self._handlers)

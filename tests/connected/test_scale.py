@@ -1,0 +1,214 @@
+"""`jetserve scale` against real servers: the lag it reports is what was queued, its
+desired worker counts follow KEDA's formula, and it reads the same numbers through
+the JetStream API as KEDA reads from the monitoring endpoint (/jsz)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from jetserve.fleet import Fleet
+from jetserve.services import free_port, nats_server_binary, wait_port
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.provision import ensure_topology
+from streams.subjects import RequestClass, request_subject
+
+pytestmark = pytest.mark.connected
+
+TOPO = DEFAULT_TOPOLOGY
+
+
+def scale(*args: str) -> dict[str, dict[str, Any]]:
+    """Run `jetserve scale --json` as an operator would; its rows by class."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jetserve", "scale", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["stream"] == TOPO.stream
+    assert "ceil(lag / lagThreshold)" in report["formula"]
+    return {row["class"]: row for row in report["classes"]}
+
+
+async def wait_lag(nats_url: str, want: dict[RequestClass, int], limit_s: float = 10.0) -> None:
+    nc = await connect(nats_url, "test-scale")
+    try:
+        js = nc.jetstream()
+        end = time.monotonic() + limit_s
+        while True:
+            got = {}
+            for cls in want:
+                info = await js.consumer_info(TOPO.stream, TOPO.consumer_name(cls))
+                got[cls] = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            if got == want:
+                return
+            assert time.monotonic() < end, f"lag {got}, expected {want}"
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
+async def test_scale_reports_the_queued_lag_and_keda_replicas(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=0)  # nothing consumes: every request waits in the queue
+    queued = {RequestClass.INTERACTIVE: 7, RequestClass.BATCH: 5, RequestClass.EMBED: 0}
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "45"}
+
+    async def call(c: httpx.AsyncClient, cls: RequestClass, i: int) -> int:
+        body = {
+            "model": "sim-8b",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": f"{cls} request {i}"}],
+        }
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers={**headers, "X-Jetserve-Class": cls.value},
+        )
+        return r.status_code
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        calls = [
+            asyncio.create_task(call(c, cls, i)) for cls, n in queued.items() for i in range(n)
+        ]
+        await wait_lag(fleet.nats_url, queued)
+
+        policy = (
+            "--max-inflight",
+            "3",
+            "--min-replicas",
+            "0,interactive=1",
+            "--max-replicas",
+            "10",
+            "--activation-lag",
+            "batch=5",
+        )
+        rows = await asyncio.to_thread(scale, "--nats", fleet.nats_url, *policy)
+        for cls, n in queued.items():
+            row = rows[cls.value]
+            assert row["consumer"] == TOPO.consumer_name(cls)
+            assert row["consumer_found"] is True
+            assert row["lag"] == row["num_pending"] + row["num_ack_pending"] == n
+            assert row["num_ack_pending"] == 0  # no worker has fetched anything
+            assert row["max_inflight"] == row["lag_threshold"] == 3
+        # interactive: active, ceil(7 / 3) = 3 within [1, 10].
+        assert rows["interactive"]["active"] is True
+        assert rows["interactive"]["desired_replicas"] == math.ceil(7 / 3) == 3
+        # batch: lag 5 is not above activationLagThreshold 5, min 0: stays at zero.
+        assert rows["batch"]["active"] is False
+        assert rows["batch"]["desired_replicas"] == 0
+        # embed: nothing queued, min 0.
+        assert rows["embed"]["desired_replicas"] == 0
+
+        # A lower activation threshold wakes batch: ceil(5 / 2) = 3; max caps interactive.
+        rows = await asyncio.to_thread(
+            scale,
+            "--nats",
+            fleet.nats_url,
+            "--target-per-worker",
+            "2",
+            "--max-replicas",
+            "3,interactive=2",
+            "--activation-lag",
+            "batch=4",
+        )
+        assert rows["batch"]["active"] is True
+        assert rows["batch"]["desired_replicas"] == 3
+        assert rows["batch"]["max_inflight"] == 16  # the worker's default concurrency
+        assert rows["interactive"]["desired_replicas"] == 2  # ceil(7 / 2) = 4, capped
+        assert rows["embed"]["desired_replicas"] == 0
+
+        # Workers arrive: the queue drains and every request is answered.
+        await asyncio.to_thread(fleet.start_worker, wait=False)
+        statuses = await asyncio.gather(*calls)
+    assert statuses == [200] * sum(queued.values())
+    await wait_lag(fleet.nats_url, dict.fromkeys(queued, 0))
+    rows = await asyncio.to_thread(scale, "--nats", fleet.nats_url, *policy)
+    assert {cls: row["lag"] for cls, row in rows.items()} == dict.fromkeys(rows, 0)
+    assert rows["interactive"]["desired_replicas"] == 1  # minReplicaCount
+    assert rows["batch"]["desired_replicas"] == rows["embed"]["desired_replicas"] == 0
+
+
+@pytest.fixture
+def monitored_nats() -> Iterator[tuple[str, int]]:
+    """A nats-server with its monitoring port on: (client URL, monitoring port)."""
+    port, monitor = free_port(), free_port()
+    store = tempfile.mkdtemp(prefix="jetserve-scale-")
+    args = ["-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-sd", store]
+    server = subprocess.Popen(
+        [nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_port(port, 10.0, server)
+        wait_port(monitor, 10.0, server)
+        yield f"nats://127.0.0.1:{port}", monitor
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def watch_lines(url: str, n: int) -> list[str]:
+    """The first n lines of `jetserve scale --json --watch 0.2`."""
+    argv = [sys.executable, "-m", "jetserve", "scale", "--json", "--watch", "0.2", "--nats", url]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as watch:
+        try:
+            assert watch.stdout is not None
+            return [watch.stdout.readline() for _ in range(n)]
+        finally:
+            watch.terminate()
+
+
+async def test_jetstream_api_and_monitoring_endpoint_agree(
+    monitored_nats: tuple[str, int],
+) -> None:
+    """KEDA reads /jsz; `jetserve scale --monitoring` reads it the same way, and
+    `--nats` (the JetStream API) gives the same numbers, ack_pending included."""
+    url, monitor = monitored_nats
+    nc = await connect(url, "test-scale")
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, TOPO)
+        for i in range(6):
+            await js.publish(request_subject(RequestClass.BATCH), f"{i}".encode())
+        # A worker that fetched two and has not acked them yet: num_ack_pending.
+        sub = await js.pull_subscribe_bind(TOPO.consumer_name(RequestClass.BATCH), TOPO.stream)
+        assert len(await sub.fetch(2, timeout=2)) == 2
+
+        args = ("--max-inflight", "4", "--min-replicas", "interactive=1")
+        via_api = await asyncio.to_thread(scale, "--nats", url, *args)
+        via_jsz = await asyncio.to_thread(scale, "--monitoring", f"127.0.0.1:{monitor}", *args)
+    finally:
+        await nc.close()
+    for rows in (via_api, via_jsz):
+        batch = rows["batch"]
+        assert (batch["num_pending"], batch["num_ack_pending"], batch["lag"]) == (4, 2, 6)
+        assert batch["desired_replicas"] == 2  # ceil(6 / 4)
+        assert rows["interactive"]["desired_replicas"] == 1
+        assert rows["embed"]["desired_replicas"] == 0
+
+    def same(row: dict[str, Any]) -> dict[str, Any]:
+        # Pull requests come and go between the two reads.
+        return {k: v for k, v in row.items() if k != "num_waiting"}
+
+    assert [same(r) for r in via_api.values()] == [same(r) for r in via_jsz.values()]
+
+    # --watch refreshes: one JSON document per line.
+    lines = await asyncio.to_thread(watch_lines, url, 2)
+    stamps = [json.loads(line)["time"] for line in lines]
+    assert stamps[1] > stamps[0]

@@ -1,0 +1,690 @@
+"""deploy/ stays in step with the code it runs, without a cluster or kubectl.
+
+- Every YAML document under deploy/ parses, and kustomization.yaml lists every file.
+- Every KEDA ScaledObject names the stream and a consumer that jetserve really
+  creates (streams.definitions.DEFAULT_TOPOLOGY), scales a Deployment defined here
+  whose worker serves exactly that consumer's class, and its lagThreshold is that
+  worker's --max-inflight.
+- Every jetserve command line parses with jetserve's own parsers, with exact option
+  names (argparse would accept abbreviations: a renamed flag must fail here).
+- The Grafana dashboard parses, and its queries name only metrics that exist: the
+  gateway's (introspected from gateway.metrics) or the documented worker metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from jetserve import cli as jetserve_cli
+from jetserve.scale import (
+    OptionError,
+    Policy,
+    ScaleError,
+    desired_replicas,
+    jsz_url,
+    lags_from_jsz,
+    per_class,
+)
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.subjects import RequestClass
+from workers.sim import cli as sim_cli
+
+yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) parses the manifests")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "jetserve-dashboard.json"
+NAMESPACE = "jetserve"
+CLUSTER_SCOPED = {"Namespace"}
+
+# The worker's Prometheus metrics the dashboard may query, as (type, labels). The
+# worker serves them itself (workers/metrics.py); test_worker_metric_list_is_current
+# checks this list against that module. Names follow the OpenTelemetry GenAI
+# conventions where one exists (gen_ai_server_*), else jetserve_worker_*.
+WORKER_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "jetserve_worker_requests": ("counter", ("cls", "outcome")),
+    "jetserve_worker_redeliveries": ("counter", ("cls", "reason")),
+    "jetserve_worker_tokens": ("counter", ("cls", "type")),
+    "jetserve_worker_inflight": ("gauge", ()),
+    "jetserve_worker_kv_headroom_ratio": ("gauge", ()),
+    "jetserve_worker_engine_waiting": ("gauge", ()),
+    "jetserve_worker_engine_kv_usage_ratio": ("gauge", ()),
+    "jetserve_worker_engine_up": ("gauge", ()),
+    "gen_ai_server_time_to_first_token_seconds": ("histogram", ("cls",)),
+    "gen_ai_server_time_per_output_token_seconds": ("histogram", ("cls",)),
+    "gen_ai_server_request_duration_seconds": ("histogram", ("cls",)),
+}
+# Labels Prometheus attaches to every scraped series.
+TARGET_LABELS = {"instance", "job"}
+
+
+# -- loading --------------------------------------------------------------------
+
+
+def _yaml_files() -> list[Path]:
+    return sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+
+
+def _documents() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in _yaml_files():
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                assert isinstance(doc, dict), f"{path}: a document is not a mapping"
+                yield path, doc
+
+
+def _objects() -> dict[tuple[str, str], dict[str, Any]]:
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for path, doc in _documents():
+        if doc.get("kind") == "Kustomization":
+            continue
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in found, f"{path}: {key} defined twice"
+        found[key] = doc
+    return found
+
+
+OBJECTS = _objects()
+
+
+def _of_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {name: obj for (k, name), obj in OBJECTS.items() if k == kind}
+
+
+def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = _pod_spec(workload)
+    return [*spec.get("initContainers", []), *spec.get("containers", [])]
+
+
+def _is_jetserve(container: dict[str, Any]) -> bool:
+    image = str(container["image"]).rsplit("/", 1)[-1]
+    return image.split(":", 1)[0].split("@", 1)[0] == "jetserve"
+
+
+def _argv(container: dict[str, Any]) -> list[str]:
+    # The image's ENTRYPOINT is `jetserve`: `args` are its command line.
+    assert container.get("command") in (None, ["jetserve"]), container["name"]
+    args = container.get("args", [])
+    assert all(isinstance(a, str) for a in args), f"{container['name']}: non-string arg"
+    return list(args)
+
+
+# -- jetserve command lines -------------------------------------------------------
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def _head(argv: list[str]) -> list[str]:
+    # jetserve.cli.main hands everything after `sim` to the simulator's parser.
+    return argv[2:] if argv[:1] == ["--log-level"] else argv
+
+
+def _parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """Parse a jetserve command line as ``jetserve.cli.main`` does, option names exact."""
+    head = _head(argv)
+    if head[:1] == ["sim"]:
+        exact = _options(jetserve_cli.build_parser()) | _options(sim_cli.build_parser())
+    else:
+        exact, tokens = set(), iter(head)
+        parser: argparse.ArgumentParser | None = jetserve_cli.build_parser()
+        while parser is not None:
+            exact |= _options(parser)
+            parser = _subparsers(parser).get(next(tokens, ""))
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("-") and not flag.lstrip("-").isdigit():
+            assert flag in exact, f"{flag} is not an option of its command: {argv}"
+    try:
+        if head[:1] == ["sim"]:
+            return "sim", sim_cli.build_parser().parse_args(head[1:])
+        return head[0], jetserve_cli.build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"command line does not parse (argparse's message above): {argv}")
+
+
+@functools.cache
+def _commands() -> list[tuple[str, str, dict[str, Any], argparse.Namespace]]:
+    """(workload, command, container, namespace) for every jetserve container."""
+    out = []
+    for (kind, name), obj in OBJECTS.items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        for container in _containers(obj):
+            if _is_jetserve(container):
+                command, ns = _parse(_argv(container))
+                out.append((name, command, container, ns))
+    return out
+
+
+def _container(workload: str, command: str) -> tuple[dict[str, Any], argparse.Namespace]:
+    found = [(c, ns) for w, cmd, c, ns in _commands() if w == workload and cmd == command]
+    assert len(found) == 1, f"{workload}: expected one `{command}` container, got {len(found)}"
+    return found[0]
+
+
+def _workers() -> dict[str, tuple[dict[str, Any], argparse.Namespace]]:
+    return {w: (c, ns) for w, cmd, c, ns in _commands() if cmd == "worker"}
+
+
+# -- the manifests ------------------------------------------------------------------
+
+
+def test_every_yaml_file_is_a_kustomize_resource() -> None:
+    (kustomization,) = [doc for _, doc in _documents() if doc.get("kind") == "Kustomization"]
+    listed = {DEPLOY / r for r in kustomization["resources"]}
+    for path in listed:
+        assert path.is_file(), f"kustomization.yaml lists a missing file: {path}"
+    files = {p for p in _yaml_files() if p.name != "kustomization.yaml"}
+    assert files == listed, f"not in kustomization.yaml: {sorted(map(str, files - listed))}"
+    assert kustomization["namespace"] == NAMESPACE
+    for generator in kustomization.get("configMapGenerator", []):
+        for file in generator["files"]:
+            assert (DEPLOY / file.split("=", 1)[-1]).is_file(), file
+
+
+def test_every_object_is_named_and_namespaced() -> None:
+    assert len(OBJECTS) >= 15
+    for (kind, name), obj in OBJECTS.items():
+        assert obj.get("apiVersion"), (kind, name)
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), (kind, name)
+        if kind not in CLUSTER_SCOPED:
+            assert obj["metadata"].get("namespace") == NAMESPACE, (kind, name)
+    assert ("Namespace", NAMESPACE) in OBJECTS
+
+
+def test_every_jetserve_command_parses_with_exact_options() -> None:
+    commands = sorted((workload, command) for workload, command, _, _ in _commands())
+    workers = [f"worker-{cls.value}" for cls in RequestClass]
+    assert commands == sorted(
+        [("gateway", "gateway")]
+        + [(w, "worker") for w in workers]
+        + [(w, "sim") for w in workers]  # each worker's engine (a sidecar)
+    )
+
+
+def test_k8s_variable_references_are_defined() -> None:
+    for _, _, container, _ in _commands():
+        defined = {e["name"] for e in container.get("env", [])}
+        for arg in _argv(container):
+            for var in re.findall(r"\$\((\w+)\)", arg):
+                assert var in defined, f"{container['name']}: $({var}) is not in its env"
+
+
+def test_services_select_pods_and_name_their_ports() -> None:
+    workloads = {**_of_kind("Deployment"), **_of_kind("StatefulSet")}
+    for name, svc in _of_kind("Service").items():
+        selector = svc["spec"]["selector"]
+        matched = [
+            w
+            for w in workloads.values()
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert matched, f"Service {name} selects no pods"
+        for w in matched:
+            ports = {p.get("name") for c in _containers(w) for p in c.get("ports", [])}
+            ports |= {p["containerPort"] for c in _containers(w) for p in c.get("ports", [])}
+            for port in svc["spec"]["ports"]:
+                assert port.get("targetPort", port["port"]) in ports, (name, port)
+    for name, w in workloads.items():
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+
+
+def _service_port(host: str, port: int) -> None:
+    """``host`` names a Service here (short or cluster-local name) that exposes ``port``."""
+    parts = host.split(".")
+    assert parts[1:] in ([], [NAMESPACE], [NAMESPACE, "svc", "cluster", "local"]), host
+    svc = _of_kind("Service").get(parts[0])
+    assert svc is not None, f"no Service {parts[0]} in deploy/"
+    assert port in {p["port"] for p in svc["spec"]["ports"]}, (host, port)
+
+
+def test_configmap_addresses_name_services() -> None:
+    data = _of_kind("ConfigMap")["jetserve-config"]["data"]
+    for key, scheme in (
+        ("JETSERVE_NATS_URL", "nats"),
+        ("JETSERVE_REDIS_URL", "redis"),
+        ("JETSERVE_ADMIN_URL", "http"),
+    ):
+        url = urlsplit(data[key])
+        assert url.scheme == scheme and url.hostname and url.port, key
+        _service_port(url.hostname, url.port)
+    # jetserve reads these from the environment (the defaults of --nats/--redis).
+    for workload, command, container, _ in _commands():
+        if command in ("gateway", "worker"):
+            refs = [e["configMapRef"]["name"] for e in container.get("envFrom", [])]
+            assert "jetserve-config" in refs, workload
+
+
+def test_gateway_ports_probes_and_admin_secret() -> None:
+    container, ns = _container("gateway", "gateway")
+    assert ns.host == "0.0.0.0" and ns.admin_host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": ns.port, "admin": ns.admin_port}
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path and ports.get(get["port"], get["port"]) == ns.port
+    env = {e["name"]: e for e in container["env"]}
+    assert "secretKeyRef" in env["JETSERVE_ADMIN_TOKEN"]["valueFrom"]
+    # The admin API has its own ClusterIP Service; the public one does not carry it.
+    services = _of_kind("Service")
+    public, admin = services["gateway"]["spec"], services["gateway-admin"]["spec"]
+    assert {p["targetPort"] for p in public["ports"]} == {"http"}
+    assert {p["targetPort"] for p in admin["ports"]} == {"admin"}
+    assert admin["type"] == "ClusterIP"
+    # preStop (endpoints drop this pod), then --grace for open streams, before SIGKILL.
+    pod = _pod_spec(OBJECTS[("Deployment", "gateway")])
+    sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= float(sleep[1]) + ns.grace + 5
+
+
+def test_metrics_are_scraped_where_they_are_served() -> None:
+    """Prometheus annotations name the port that serves /metrics: the gateway's
+    --port, the worker's --metrics-port (bound beyond loopback)."""
+    served = {"gateway": _container("gateway", "gateway")[1].port}
+    for workload, (container, worker) in _workers().items():
+        assert worker.metrics_host == "0.0.0.0", workload
+        served[workload] = worker.metrics_port
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == worker.metrics_port, workload
+        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            get = container[probe]["httpGet"]
+            assert (get["path"], ports.get(get["port"], get["port"])) == (path, ports["metrics"])
+    for workload, port in served.items():
+        notes = OBJECTS[("Deployment", workload)]["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true", workload
+        assert notes["prometheus.io/port"] == str(port), workload
+        assert notes["prometheus.io/path"] == "/metrics", workload
+
+
+def test_workers_drain_before_sigkill() -> None:
+    for workload, (_, ns) in _workers().items():
+        pod = _pod_spec(OBJECTS[("Deployment", workload)])
+        assert pod["terminationGracePeriodSeconds"] >= ns.grace + 5, workload
+
+
+def test_each_worker_has_its_own_engine_sized_like_it() -> None:
+    """The engine is a native sidecar (starts first, stops after the worker drains),
+    and --max-inflight is its max_num_seqs."""
+    for workload, (_, worker) in _workers().items():
+        sim, ns = _container(workload, "sim")
+        assert sim in _pod_spec(OBJECTS[("Deployment", workload)])["initContainers"]
+        assert sim["restartPolicy"] == "Always"
+        assert sim["startupProbe"]["httpGet"]["port"] == ns.port
+        engine = urlsplit(worker.engine)
+        assert engine.hostname in ("127.0.0.1", "localhost") and engine.port == ns.port
+        assert sim_cli.config_from_args(ns).max_num_seqs == worker.max_inflight, workload
+
+
+def test_nats_serves_jetstream_and_monitoring() -> None:
+    (nats,) = [c for c in _containers(OBJECTS[("StatefulSet", "nats")]) if c["name"] == "nats"]
+    args = nats["args"]
+    assert "-js" in args
+    monitor = int(args[args.index("-m") + 1])
+    assert monitor in {p["containerPort"] for p in nats["ports"]}
+
+
+# -- KEDA ---------------------------------------------------------------------------
+
+
+def test_one_scaled_object_per_class_on_jetserves_consumers() -> None:
+    topo = DEFAULT_TOPOLOGY
+    consumers = {topo.consumer_name(cls): cls for cls in topo.classes}
+    scaled = _of_kind("ScaledObject")
+    seen: list[RequestClass] = []
+    for name, so in scaled.items():
+        assert so["apiVersion"] == "keda.sh/v1alpha1", name
+        spec = so["spec"]
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "nats-jetstream", name
+        meta = trigger["metadata"]
+        # KEDA's trigger metadata is a map of strings: a bare number fails to apply.
+        assert all(isinstance(v, str) for v in meta.values()), (name, meta)
+        assert meta["stream"] == topo.stream, name
+        assert meta["consumer"] in consumers, f"{name}: jetserve creates no {meta['consumer']}"
+        cls = consumers[meta["consumer"]]
+        seen.append(cls)
+
+        # It scales a Deployment defined here, whose worker serves exactly that class.
+        ref = spec["scaleTargetRef"]
+        assert ref.get("kind", "Deployment") == "Deployment", name
+        assert ref.get("apiVersion", "apps/v1") == "apps/v1", name
+        target = OBJECTS.get(("Deployment", ref["name"]))
+        assert target is not None, f"{name}: no Deployment {ref['name']} in deploy/"
+        assert "replicas" not in target["spec"], f"{ref['name']}: KEDA owns its replicas"
+        _, worker = _container(ref["name"], "worker")
+        assert jetserve_cli._csv(worker.classes) == (cls.value,), name
+        assert int(meta["lagThreshold"]) == worker.max_inflight, name
+        assert int(meta["activationLagThreshold"]) >= 0, name
+
+        low, high = spec["minReplicaCount"], spec["maxReplicaCount"]
+        assert 0 <= low <= high and high >= 1, name
+        if cls is RequestClass.INTERACTIVE:
+            assert low >= 1, "interactive requests must not wait for a cold start"
+
+        # KEDA's operator reads /jsz from its own namespace: a full Service name.
+        host, _, port = meta["natsServerMonitoringEndpoint"].partition(":")
+        assert host.endswith(".svc.cluster.local"), name
+        _service_port(host, int(port))
+        assert meta.get("account", "$G") == "$G", name
+    assert sorted(seen) == sorted(DEFAULT_TOPOLOGY.classes), "one ScaledObject per class"
+    assert _of_kind("ScaledObject")["worker-batch"]["spec"]["minReplicaCount"] == 0
+
+
+def test_kustomize_renders_when_kubectl_is_installed() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the kustomize rendering is not checked")
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(proc.stdout) if d}
+    assert rendered == set(OBJECTS) | {("ConfigMap", "jetserve-grafana-dashboard")}
+
+
+# -- the Grafana dashboard ----------------------------------------------------------
+
+
+def _families(metrics: object) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Family name -> (type, label names) of a metrics holder's collectors."""
+    out = {}
+    for value in vars(metrics).values():
+        name = getattr(value, "_name", None)
+        if isinstance(name, str) and hasattr(value, "_labelnames"):
+            out[name] = (value._type, tuple(value._labelnames))
+    return out
+
+
+def _series(families: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, set[str]]:
+    """Exposed series name -> its label names (histograms add ``le`` to _bucket)."""
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("", "_sum", "_count", "_created"),
+    }
+    out: dict[str, set[str]] = {}
+    for name, (kind, labels) in families.items():
+        for suffix in suffixes[kind]:
+            extra = {"le"} if suffix == "_bucket" else set()
+            out[name + suffix] = {*labels, *extra, *TARGET_LABELS}
+    return out
+
+
+KNOWN_SERIES = _series({**_families(GatewayMetrics()), **WORKER_METRICS})
+
+_PROMQL_WORDS = {
+    # aggregations, functions and keywords the dashboard may use
+    *("sum", "min", "max", "avg", "count", "topk", "bottomk", "quantile", "stddev"),
+    *("rate", "irate", "increase", "delta", "histogram_quantile", "clamp", "clamp_min"),
+    "clamp_max",
+    *("ceil", "floor", "round", "abs", "vector", "scalar", "time", "label_replace"),
+    *("by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"),
+    *("and", "or", "unless", "sort", "sort_desc"),
+    *("avg_over_time", "max_over_time", "min_over_time", "sum_over_time"),
+}
+
+
+def _metric_names(expr: str) -> set[str]:
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    s = re.sub(r"\$\{\w+[^}]*\}|\$\w+", "", s)  # dashboard variables
+    s = re.sub(r"\{[^}]*\}", "", s)  # label matchers
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)
+    s = re.sub(r"\[[^\]]*\]", "", s)  # range selectors
+    s = re.sub(r"(?<![\w.])\d+(\.\d+)?([eE][+-]?\d+)?", "", s)  # numbers
+    return {w for w in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", s) if w not in _PROMQL_WORDS}
+
+
+def _label_names(expr: str) -> set[str]:
+    labels: set[str] = set()
+    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+        labels |= {g.strip() for g in group.split(",") if g.strip()}
+    for matchers in re.findall(r"\{([^}]*)\}", re.sub(r"\$\{[^}]*\}", "", expr)):
+        labels |= set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+    return labels
+
+
+def _panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # panels inside collapsed rows
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
+
+
+def test_promql_name_extraction() -> None:
+    expr = (
+        'histogram_quantile(0.95, sum by (cls, le) (rate(x_bucket{cls=~"$cls"}[$__rate_interval])))'
+        ' / on (cls) group_left max(y_total{reason="a b"}) > 1e3'
+    )
+    assert _metric_names(expr) == {"x_bucket", "y_total"}
+    assert _label_names(expr) == {"cls", "le", "reason"}
+
+
+def test_dashboard_queries_only_known_metrics_and_labels(dashboard: dict[str, Any]) -> None:
+    exprs = []
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            assert target.get("expr"), f"panel {panel['title']!r}: a target without expr"
+            exprs.append((panel["title"], target["expr"]))
+    assert len(exprs) >= 15
+    for title, expr in exprs:
+        names = _metric_names(expr)
+        assert names, f"{title!r}: no metric in {expr!r}"
+        unknown = names - KNOWN_SERIES.keys()
+        assert not unknown, f"{title!r}: unknown metrics {sorted(unknown)} in {expr!r}"
+        labels = set().union(*(KNOWN_SERIES[n] for n in names))
+        assert _label_names(expr) <= labels, f"{title!r}: unknown labels in {expr!r}"
+    for var in dashboard["templating"]["list"]:
+        query = var.get("definition") or ""
+        for metric, label in re.findall(r"label_values\((\w+),\s*(\w+)\)", query):
+            assert label in KNOWN_SERIES[metric], var["name"]
+
+
+def test_dashboard_covers_the_issue(dashboard: dict[str, Any]) -> None:
+    exprs = " ".join(t["expr"] for p in _panels(dashboard) for t in p.get("targets", []))
+    for needed in (
+        "jetserve_gateway_requests_total",  # traffic by class
+        "jetserve_gateway_time_to_first_token_seconds_bucket",  # TTFT percentiles
+        "jetserve_gateway_request_duration_seconds_bucket",  # e2e percentiles
+        "jetserve_gateway_time_per_output_token_seconds_bucket",  # TPOT percentiles
+        "jetserve_queue_depth",  # queue lag
+        "jetserve_gateway_rejected_total",  # rejections, budget denials
+        "jetserve_gateway_tokens_total",
+        "jetserve_gateway_inflight",
+        "jetserve_worker_kv_headroom_ratio",  # KV headroom
+    ):
+        assert needed in exprs, needed
+    assert "budget_exceeded" in exprs
+    assert "histogram_quantile" in exprs
+
+
+def test_dashboard_desired_workers_use_the_scaled_objects(dashboard: dict[str, Any]) -> None:
+    """The "desired workers" panel spells KEDA's formula with keda.yaml's numbers."""
+    (panel,) = [p for p in _panels(dashboard) if p["title"].startswith("Desired workers")]
+    exprs = {t["legendFormat"]: t["expr"] for t in panel["targets"]}
+    scaled = _of_kind("ScaledObject")
+    assert len(exprs) == len(scaled)
+    for so in scaled.values():
+        meta = so["spec"]["triggers"][0]["metadata"]
+        cls = meta["consumer"].removeprefix("workers-")
+        lag = f'max(jetserve_queue_depth{{cls="{cls}"}})'
+        low, high = so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]
+        # With activationLagThreshold 0, KEDA's 0 <-> 1 step is the clamp at `low`.
+        assert meta["activationLagThreshold"] == "0"
+        want = f"clamp(ceil({lag} / {meta['lagThreshold']}), {low}, {high})"
+        assert exprs[cls] == want
+
+
+def test_dashboard_is_importable(dashboard: dict[str, Any]) -> None:
+    ids = [p["id"] for p in _panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    assert dashboard["uid"] and dashboard["title"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    for panel in _panels(dashboard):
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_worker_metric_list_is_current() -> None:
+    """WORKER_METRICS (above) against the worker's own metrics, once that module exists."""
+    if importlib.util.find_spec("workers.metrics") is None:
+        pytest.skip("workers/metrics.py does not exist: WORKER_METRICS is not checked")
+    module = importlib.import_module("workers.metrics")
+    actual = _families(module.WorkerMetrics())
+    for name, spec in WORKER_METRICS.items():
+        assert actual.get(name) == spec, f"{name}: documented {spec}, worker has {actual.get(name)}"
+
+
+# -- `jetserve scale`: KEDA's arithmetic, checked against the ScaledObjects --------
+
+
+def _policy(so: dict[str, Any], max_inflight: int, current: int | None = None) -> Policy:
+    meta = so["spec"]["triggers"][0]["metadata"]
+    return Policy(
+        max_inflight=max_inflight,
+        lag_threshold=int(meta["lagThreshold"]),
+        activation_lag_threshold=int(meta["activationLagThreshold"]),
+        min_replicas=so["spec"]["minReplicaCount"],
+        max_replicas=so["spec"]["maxReplicaCount"],
+        current_replicas=current,
+    )
+
+
+@pytest.mark.parametrize(
+    ("lag", "policy", "desired", "active"),
+    [
+        (0, Policy(16, 16, 0, 0, 8), 0, False),  # idle, may scale to zero
+        (1, Policy(16, 16, 0, 0, 8), 1, True),  # one request wakes it
+        (5, Policy(16, 16, 5, 0, 8), 0, False),  # not above activationLagThreshold
+        (6, Policy(16, 16, 5, 0, 8), 1, True),
+        (5, Policy(4, 1, 5, 2, 8), 5, False),  # min >= 1: the HPA runs, active or not
+        (0, Policy(16, 16, 0, 1, 8), 1, False),  # floor: minReplicaCount
+        (40, Policy(16, 16, 0, 1, 8), 3, True),  # ceil(40 / 16)
+        (48, Policy(16, 16, 0, 1, 8), 3, True),
+        (49, Policy(16, 16, 0, 1, 8), 4, True),
+        (1000, Policy(16, 16, 0, 1, 8), 8, True),  # ceiling: maxReplicaCount
+        (50, Policy(16, 10, 0, 1, 8, current_replicas=5), 5, True),  # ratio 1.0: keep
+        (54, Policy(16, 10, 0, 1, 8, current_replicas=5), 5, True),  # 1.08: within 10 %
+        (56, Policy(16, 10, 0, 1, 8, current_replicas=5), 6, True),  # 1.12: ceil(5.6)
+        (44, Policy(16, 10, 0, 1, 8, current_replicas=5), 5, True),  # 0.88: ceil(4.4)
+        (20, Policy(16, 10, 0, 1, 8, current_replicas=0), 2, True),  # from zero: no tolerance
+    ],
+)
+def test_desired_replicas(lag: int, policy: Policy, desired: int, active: bool) -> None:
+    got, is_active, why = desired_replicas(lag, policy)
+    assert (got, is_active) == (desired, active), why
+    assert str(desired) in why
+
+
+def test_scale_matches_the_scaled_objects() -> None:
+    """What `jetserve scale` computes for deploy/'s own ScaledObjects."""
+    for name, so in _of_kind("ScaledObject").items():
+        _, worker = _container(so["spec"]["scaleTargetRef"]["name"], "worker")
+        pol = _policy(so, worker.max_inflight)
+        low, high = pol.min_replicas, pol.max_replicas
+        assert desired_replicas(0, pol)[0] == low, name
+        # Each max-inflight requests waiting add one worker, up to the maximum.
+        for workers in range(max(low, 1), high + 1):
+            assert desired_replicas(workers * worker.max_inflight, pol)[0] == workers, name
+        assert desired_replicas(10**6, pol)[0] == high, name
+
+
+def test_per_class_option_values() -> None:
+    classes = ("interactive", "embed", "batch")
+    assert per_class([], 16, classes, "--x") == dict.fromkeys(classes, 16)
+    assert per_class(["0,interactive=1"], None, classes, "--x") == {
+        "interactive": 1,
+        "embed": 0,
+        "batch": 0,
+    }
+    # Repeatable; a later bare N resets every class.
+    assert per_class(["batch=3", "embed=2"], 1, classes, "--x") == {
+        "interactive": 1,
+        "embed": 2,
+        "batch": 3,
+    }
+    assert per_class(["batch=3", "7"], 1, classes, "--x") == dict.fromkeys(classes, 7)
+    for bad in ("chat=1", "batch=-1", "batch=x", "x"):
+        with pytest.raises(OptionError):
+            per_class([bad], 1, classes, "--x")
+
+
+def _jsz(consumers: list[dict[str, Any]], last_seq: int = 9) -> dict[str, Any]:
+    stream = {
+        "name": DEFAULT_TOPOLOGY.stream,
+        "state": {"messages": 3, "last_seq": last_seq},
+        "consumer_detail": consumers,
+    }
+    return {"account_details": [{"name": "$G", "stream_detail": [stream]}]}
+
+
+def test_jsz_is_read_as_keda_reads_it() -> None:
+    topo, classes = DEFAULT_TOPOLOGY, ("interactive", "batch")
+    doc = _jsz(
+        [
+            {"name": "workers-interactive", "num_pending": 5, "num_ack_pending": 2},
+            {"name": "workers-embed", "num_pending": 100, "num_ack_pending": 0},
+        ]
+    )
+    interactive, batch = lags_from_jsz(doc, "$G", topo, classes)
+    assert (interactive.consumer, interactive.lag, interactive.found) == (
+        "workers-interactive",
+        7,
+        True,
+    )
+    # A consumer KEDA cannot find reads as the stream's last sequence number.
+    assert (batch.consumer, batch.found, batch.lag) == ("workers-batch", False, 9)
+    with pytest.raises(ScaleError):
+        lags_from_jsz(doc, "OTHER", topo, classes)
+    with pytest.raises(ScaleError):
+        lags_from_jsz({"account_details": []}, "$G", topo, classes)
+    assert jsz_url("nats.jetserve.svc.cluster.local:8222", "$G") == (
+        "http://nats.jetserve.svc.cluster.local:8222/jsz?acc=$G&consumers=true&config=true"
+    )
+    assert jsz_url("https://nats:8222/", "A").startswith("https://nats:8222/jsz?acc=A&")
+
+
+def test_scale_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert jetserve_cli.main(["scale", "--min-replicas", "chat=1"]) == 2
+    assert "unknown class 'chat'" in capsys.readouterr().err
+    assert jetserve_cli.main(["scale", "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert jetserve_cli.main(["scale", "--classes", "interactive,chat"]) == 2
+    # Nothing listens on port 1: an error and status 1, not a hang.
+    assert jetserve_cli.main(["scale", "--nats", "nats://127.0.0.1:1"]) == 1
+    assert "cannot connect to NATS" in capsys.readouterr().err
