@@ -6,7 +6,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import http, playground
+from gateway import http, openapi, playground
 from gateway.errors import GatewayError
 from gateway.runtime import Runtime
 from gateway.ws import websocket_endpoint
@@ -24,6 +24,7 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/readyz", http.readyz, methods=["GET"]),
         Route("/metrics", http.metrics, methods=["GET"]),
         Route("/playground", playground.page, methods=["GET"]),
+        Route("/openapi.json", openapi.spec, methods=["GET"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
     ]
     app = Starlette(
