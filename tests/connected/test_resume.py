@@ -31,10 +31,10 @@ async def read_events(
 ) -> tuple[list[str], int, bool, dict[str, object] | None]:
     """(texts, last event id, saw [DONE], error) of an SSE response."""
     texts: list[str] = []
-    last_id, done, error = 0, False, None
+    last_id, pending_id, done, error = 0, 0, False, None
     async for line in response.aiter_lines():
         if line.startswith("id: "):
-            last_id = int(line[4:])
+            pending_id = int(line[4:])  # counts once its data arrived, as in EventSource
         elif line == "data: [DONE]":
             done = True
         elif line.startswith("data: "):
@@ -43,6 +43,7 @@ async def read_events(
                 error = chunk["error"]
                 break
             texts.extend(ch["delta"].get("content") or "" for ch in chunk["choices"])
+            last_id = pending_id
             if stop_after is not None and len([t for t in texts if t]) >= stop_after:
                 break
     return texts, last_id, done, error
@@ -107,12 +108,14 @@ async def test_resume_through_another_replica_after_a_gateway_dies(
                 "POST", f"{fleet.base_urls[0]}/v1/chat/completions", json=BODY, headers=headers
             ) as r:
                 request_id = r.headers["x-request-id"]
+                pending_id = 0
                 async for line in r.aiter_lines():
                     if line.startswith("id: "):
-                        last_id = int(line[4:])
+                        pending_id = int(line[4:])
                     elif line.startswith("data: ") and line != "data: [DONE]":
                         chunk = msgspec.json.decode(line[6:])
                         texts.extend(ch["delta"].get("content") or "" for ch in chunk["choices"])
+                        last_id = pending_id
                         if len([t for t in texts if t]) >= 5 and gw0.proc.poll() is None:
                             gw0.kill()  # the replica dies with the client attached
         async with c.stream(

@@ -49,6 +49,7 @@ class Outcome:
     text: str = ""
     error: str | None = None
     resumed: bool = False
+    last_id: int = 0  # the last SSE event id received in full (to resume after)
 
 
 @dataclass
@@ -134,7 +135,6 @@ class Load:
     async def _one(self, client: httpx.AsyncClient, prompt: int) -> Outcome:
         out = Outcome(prompt, "failed")
         headers = {**self.headers, "X-Jetserve-Timeout": str(self.timeout_s)}
-        last_id = 0
         try:
             async with client.stream(
                 "POST",
@@ -149,7 +149,7 @@ class Load:
                     out.error = str(error.get("code"))
                     out.kind = "rejected" if out.request_id is None else "failed"
                     return out
-                last_id = await self._consume(r, out)
+                await self._consume(r, out)
         except (httpx.TransportError, httpx.StreamError) as exc:
             if out.request_id is None:
                 out.kind, out.error = "rejected", type(exc).__name__
@@ -163,7 +163,7 @@ class Load:
                 async with client.stream(
                     "GET",
                     f"{self._url(prompt + 1)}/v1/requests/{out.request_id}/stream",
-                    headers={**self.headers, "Last-Event-ID": str(last_id)},
+                    headers={**self.headers, "Last-Event-ID": str(out.last_id)},
                 ) as r:
                     if r.status_code == 200:
                         await self._consume(r, out)
@@ -173,20 +173,23 @@ class Load:
                 out.error = f"resume broke: {type(exc).__name__}"
         return out
 
-    async def _consume(self, r: httpx.Response, out: Outcome) -> int:
-        last_id = 0
+    async def _consume(self, r: httpx.Response, out: Outcome) -> None:
+        # As an EventSource does: an event's id counts once its data arrived (a
+        # connection can break between the two lines). Kept on ``out``, so it
+        # survives the exception a broken connection raises here.
+        pending_id = 0
         async for line in r.aiter_lines():
             if line.startswith("id: "):
-                last_id = int(line[4:])
+                pending_id = int(line[4:])
             elif line == "data: [DONE]":
                 out.kind = "completed"
             elif line.startswith("data: "):
                 chunk = msgspec.json.decode(line[6:])
                 if "error" in chunk:
                     out.kind, out.error = "failed", str(chunk["error"].get("code"))
-                    return last_id
+                    return
                 out.text += "".join(ch["delta"].get("content") or "" for ch in chunk["choices"])
-        return last_id
+                out.last_id = pending_id
 
 
 async def references(fleet: Fleet) -> list[str]:
