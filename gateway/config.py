@@ -25,6 +25,10 @@ class GatewayConfig:
     # after this long in the queue; from then on errors arrive as SSE events.
     commit_after_s: float = 5.0
     keepalive_s: float = 10.0
+    # Frames buffered per request while its client is not reading (writes are
+    # coalesced when it reads again). Past this the client is too slow: its
+    # stream ends with ``client_too_slow`` and the upstream is cancelled.
+    max_buffered_frames: int = 1024
     # After a client disconnects, how long it has to resume (Last-Event-ID) before
     # the upstream is cancelled. 0: cancel at once (the engine stops immediately).
     resume_grace_s: float = 0.0

@@ -57,7 +57,7 @@ from streams.wire import (
 
 # Per-request frame buffer. Workers publish at engine speed; a client slower
 # than that gets coalesced deltas (the writer drains the queue in one go).
-MAX_BUFFERED_FRAMES = 4096
+MAX_BUFFERED_FRAMES = 1024
 
 
 class _Overflow:
@@ -66,6 +66,16 @@ class _Overflow:
 
 OVERFLOW = _Overflow()
 Item = Frame | _Overflow
+
+
+class FrameBuffer(asyncio.Queue[Item]):
+    """One request's frames, bounded. ``overflowed`` is set the moment the bound
+    is hit, so the response can end at once even while a write is blocked on a
+    client that stopped reading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overflowed = asyncio.Event()
 
 
 class StreamInterrupted(UpstreamFailed):
@@ -86,13 +96,19 @@ class RequestTooLarge(GatewayError):
 
 class Dispatcher:
     def __init__(
-        self, nc: Client, js: JetStreamContext, gateway_id: str, topology: Topology
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        gateway_id: str,
+        topology: Topology,
+        max_buffered_frames: int = MAX_BUFFERED_FRAMES,
     ) -> None:
+        self.max_buffered = max_buffered_frames
         self._nc = nc
         self._js = js
         self.gateway_id = gateway_id
         self.topology = topology
-        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._queues: dict[str, FrameBuffer] = {}
         self._sub: Subscription | None = None
         self._closing: set[asyncio.Task[object]] = set()  # owned: awaited in stop()
         self._watches: dict[str, Subscription] = {}
@@ -135,23 +151,26 @@ class Dispatcher:
         self._own(unsubscribe())
 
     async def _on_frame(self, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        queue = self._queues.get(request_id)
         if queue is not None:
-            self._enqueue(queue, msg)
+            self._enqueue(queue, msg, request_id)
 
-    def _enqueue(self, queue: asyncio.Queue[Item], msg: Msg) -> None:
+    def _enqueue(self, queue: FrameBuffer, msg: Msg, request_id: str) -> None:
         """Decode once, here; a malformed frame is dead-lettered, not fatal."""
         try:
             frame = decode_frame(msg.data)
         except msgspec.DecodeError as exc:
             self._own(dead_letter(self._js, msg.subject, msg.data, f"undecodable frame: {exc}"))
             return
-        if queue.qsize() < MAX_BUFFERED_FRAMES:
+        if queue.qsize() < self.max_buffered:
             queue.put_nowait(frame)
-        elif queue.qsize() == MAX_BUFFERED_FRAMES:
-            # Never drop frames silently: the reader sees the overflow and
-            # ends the client's stream with a clear error.
+        elif not queue.overflowed.is_set():
+            # Never drop frames silently: the reader sees the overflow and ends
+            # the client's stream with a clear error; the engine stops now.
             queue.put_nowait(OVERFLOW)
+            queue.overflowed.set()
+            self._own(self.cancel(request_id, "client_too_slow"))
 
     def _own(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run a background chore this dispatcher owns (awaited in stop())."""
@@ -162,7 +181,7 @@ class Dispatcher:
     async def submit(self, req: InferenceRequest, meta: Meta) -> FrameStream:
         """Register for frames, then publish; the frames can't arrive before we listen.
         The Meta frame goes first, so the frames capture can be resumed from."""
-        queue: asyncio.Queue[Item] = asyncio.Queue()
+        queue = FrameBuffer()
         self._queues[req.id] = queue
         headers = {Header.MSG_ID.value: req.id, Header.DEADLINE.value: f"{req.deadline:.3f}"}
         if req.traceparent:
@@ -209,10 +228,10 @@ class Dispatcher:
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
         if not info.state.subjects:
             return None
-        queue: asyncio.Queue[Item] = asyncio.Queue()
+        queue = FrameBuffer()
 
         async def on_msg(msg: Msg) -> None:
-            self._enqueue(queue, msg)
+            self._enqueue(queue, msg, request_id)
 
         sub = await self._js.subscribe(
             subject, stream=self.topology.frames_stream, cb=on_msg, ordered_consumer=True
@@ -258,7 +277,7 @@ class FrameStream:
         self,
         dispatcher: Dispatcher,
         req: InferenceRequest,
-        queue: asyncio.Queue[Item],
+        queue: FrameBuffer,
         *,
         duplicate: bool,
         seq: int | None = None,
@@ -281,6 +300,10 @@ class FrameStream:
     @property
     def started(self) -> bool:
         return self.last_seq > 0
+
+    @property
+    def overflowed(self) -> asyncio.Event:
+        return self._queue.overflowed
 
     async def _next_raw(self, heartbeat_timeout: float, wait_limit: float | None) -> Item:
         # Before the first token only the deadline ends the wait (the worker

@@ -73,7 +73,9 @@ async def _serve(request: Request, op: Op) -> Response:
         await gw.fail(adm, exc)
         return error_response(exc)
     stream = sse_body(client_events(gw, adm, first))
-    return EventStreamResponse(stream, lambda: gw.abandon(adm), headers)
+    return EventStreamResponse(
+        stream, lambda reason: gw.abandon(adm, reason), headers, adm.stream.overflowed
+    )
 
 
 async def resume_stream(request: Request) -> Response:
@@ -94,7 +96,9 @@ async def resume_stream(request: Request) -> Response:
     )
     headers = {"X-Request-Id": session.request_id}
     stream = sse_body(client_events(gw, session, None))
-    return EventStreamResponse(stream, lambda: gw.abandon(session), headers)
+    return EventStreamResponse(
+        stream, lambda reason: gw.abandon(session, reason), headers, session.stream.overflowed
+    )
 
 
 async def chat_completions(request: Request) -> Response:

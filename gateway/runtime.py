@@ -97,7 +97,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         js = nc.jetstream()
         await ensure_topology(js, cfg.topology)
         await ensure_ledger(js, DEFAULT_LEDGER)
-        dispatcher = Dispatcher(nc, js, cfg.gateway_id, cfg.topology)
+        dispatcher = Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
         await dispatcher.start()
         gw = Gateway(
             cfg,

@@ -413,7 +413,8 @@ class Gateway:
         """The client went away. Without a resume grace, cancel upstream so the
         engine stops at once; with one, give the client that long to resume."""
         grace = self.cfg.resume_grace_s
-        if isinstance(adm, Admitted) and adm.wants_stream and grace > 0 and not adm.stream.done:
+        lingering = reason == "client_disconnected" and grace > 0
+        if isinstance(adm, Admitted) and adm.wants_stream and lingering and not adm.stream.done:
             task = asyncio.ensure_future(self._linger(adm, reason, grace))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -425,7 +426,7 @@ class Gateway:
             adm.stream.close()
             return
         await adm.stream.cancel(reason)
-        await self.finish(adm, "cancelled", 499)
+        await self.finish(adm, "cancelled" if reason.startswith("client_d") else reason, 499)
 
     async def _linger(self, adm: Admitted, reason: str, grace: float) -> None:
         resumed = await self.dispatcher.watch_resumed(adm.request_id)

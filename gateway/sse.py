@@ -62,11 +62,13 @@ class EventStreamResponse(Response):
     def __init__(
         self,
         body: AsyncIterator[bytes],
-        on_disconnect: Callable[[], Awaitable[None]],
+        on_disconnect: Callable[[str], Awaitable[None]],
         headers: dict[str, str],
+        abort: asyncio.Event | None = None,
     ) -> None:
         self._body = body
         self._on_disconnect = on_disconnect
+        self._abort = abort  # set: end the response now (a client too slow to keep up)
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
@@ -80,20 +82,36 @@ class EventStreamResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         pump = asyncio.ensure_future(self._pump(send))
         listener = asyncio.ensure_future(wait_disconnect(receive))
+        watchers: set[asyncio.Future[Any]] = {pump, listener}
+        aborter = asyncio.ensure_future(self._abort.wait()) if self._abort else None
+        if aborter is not None:
+            watchers.add(aborter)
         try:
-            await asyncio.wait({pump, listener}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
         finally:
             listener.cancel()
+            if aborter is not None:
+                aborter.cancel()
             if not pump.done():
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
-                await self._on_disconnect()
+                too_slow = self._abort is not None and self._abort.is_set()
+                await self._on_disconnect("client_too_slow" if too_slow else "client_disconnected")
+                if too_slow:
+                    # The blocked write was abandoned mid-body: the server closes
+                    # the connection, which is the only signal left to give.
+                    raise ClientTooSlowError
         if not pump.cancelled() and (exc := pump.exception()) is not None:
             if isinstance(exc, OSError):  # the write failed: the client is gone
-                await self._on_disconnect()
+                await self._on_disconnect("client_disconnected")
                 return
             raise exc
+
+
+class ClientTooSlowError(Exception):
+    """Raised out of a response whose client stopped reading (the server then
+    closes the connection)."""
 
 
 class ClientEvent(NamedTuple):

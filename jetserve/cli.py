@@ -45,6 +45,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         keepalive_s=args.keepalive,
         commit_after_s=args.commit_after,
         resume_grace_s=args.resume_grace,
+        max_buffered_frames=args.max_buffered_frames,
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=_csv(args.metrics_tenants),
@@ -216,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=120.0, help="default request deadline (s)")
     g.add_argument("--heartbeat-timeout", type=float, default=3.0)
     g.add_argument("--keepalive", type=float, default=10.0, help="SSE keep-alive interval (s)")
+    g.add_argument(
+        "--max-buffered-frames",
+        type=int,
+        default=1024,
+        help="frames held per slow client before its stream is ended",
+    )
     g.add_argument(
         "--resume-grace",
         type=float,
