@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -96,7 +97,8 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
     try:
         js = nc.jetstream()
         await ensure_topology(js, cfg.topology)
-        await ensure_ledger(js, DEFAULT_LEDGER)
+        ledger_topo = dataclasses.replace(DEFAULT_LEDGER, replicas=cfg.topology.replicas)
+        await ensure_ledger(js, ledger_topo)
         dispatcher = Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
         await dispatcher.start()
         gw = Gateway(
@@ -104,7 +106,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             Tenancy(rds, cfg.key_cache_s),
             Accountant(rds),
             IdempotencyStore(rds),
-            LedgerWriter(js, DEFAULT_LEDGER),
+            LedgerWriter(js, ledger_topo),
             dispatcher,
             GatewayMetrics(cfg.metrics_tenants),
         )
@@ -114,7 +116,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         await watch.start()
         sweeper = asyncio.create_task(_sweep(gw.accountant))
         try:
-            yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, DEFAULT_LEDGER))
+            yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo))
         finally:
             sweeper.cancel()
             await gw.aclose()

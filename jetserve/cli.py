@@ -32,6 +32,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
     from gateway.pricing import PriceBook, parse_price
     from gateway.serve import serve
+    from streams.definitions import Topology
 
     token = os.environ.get("JETSERVE_ADMIN_TOKEN") or None
     cfg = GatewayConfig(
@@ -46,6 +47,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         commit_after_s=args.commit_after,
         resume_grace_s=args.resume_grace,
         max_buffered_frames=args.max_buffered_frames,
+        topology=Topology(replicas=args.replicas),
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=_csv(args.metrics_tenants),
@@ -57,6 +59,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
+    from streams.definitions import Topology
     from streams.subjects import RequestClass
     from workers.admission import AdmissionConfig
     from workers.engines.openai import OpenAIAdapter
@@ -69,6 +72,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
         admission=AdmissionConfig(max_inflight=args.max_inflight, target_util=args.target_util),
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.grace,
+        topology=Topology(replicas=args.replicas),
         **kwargs,
     )
     async with OpenAIAdapter(args.engine, api_key=args.engine_api_key) as engine:
@@ -211,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nats", default=DEFAULT_NATS)
     g.add_argument("--redis", default=DEFAULT_REDIS)
     g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas (3: HA)")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--models", default="sim-8b", help="comma-separated chat/completion models")
     g.add_argument("--embedding-models", default="sim-embed")
@@ -259,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--nats", default=DEFAULT_NATS)
     w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
     w.add_argument("--engine-api-key", default=None)
+    w.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas (3: HA)")
     w.add_argument("--classes", default="interactive,embed,batch", help="in priority order")
     w.add_argument("--max-inflight", type=int, default=16, help="the engine's max_num_seqs")
     w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")

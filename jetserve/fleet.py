@@ -24,7 +24,15 @@ from typing import Any, TypeVar
 import httpx
 
 from jetserve.admin_client import AdminClient
-from jetserve.services import Service, ServiceError, free_port, start_nats, start_redis, wait_port
+from jetserve.services import (
+    Service,
+    ServiceError,
+    free_port,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+    wait_port,
+)
 from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
@@ -44,6 +52,7 @@ class FleetSpec:
     workers: int = 2
     gateway_port: int = 0
     gateways: int = 1  # several replicas share NATS and Redis (the multi-gateway tests)
+    nats_nodes: int = 1  # 3: a JetStream cluster, every stream R3
     profile: str = "fast"
     api_key: str | None = None
     tenant: str = "demo"
@@ -87,6 +96,7 @@ class Fleet:
         self.spec = spec or FleetSpec()
         self.workdir = Path(tempfile.mkdtemp(prefix="jetserve-fleet-"))
         self.nats: Service | None = None
+        self.nats_nodes: list[Service] = []  # all nodes (one unless a cluster)
         self.redis: Service | None = None
         self.sim: Proc | None = None
         self.gateways: list[Proc] = []
@@ -103,7 +113,7 @@ class Fleet:
     @property
     def nats_url(self) -> str:
         assert self.nats is not None
-        return f"nats://127.0.0.1:{self.nats.port}"
+        return ",".join(f"nats://127.0.0.1:{n.port}" for n in self.nats_nodes)
 
     @property
     def redis_url(self) -> str:
@@ -159,7 +169,13 @@ class Fleet:
 
     def start(self) -> Fleet:
         try:
-            self.nats = start_nats(self.workdir / "nats")
+            if self.spec.nats_nodes > 1:
+                self.nats_nodes = start_nats_cluster(self.workdir / "nats", self.spec.nats_nodes)
+                self.nats = self.nats_nodes[0]
+                _run(self._wait_jetstream(30.0))
+            else:
+                self.nats_nodes = [start_nats(self.workdir / "nats")]
+                self.nats = self.nats_nodes[0]
             self.redis = start_redis(self.workdir / "redis")
             self.start_sim()
             for _ in range(self.spec.gateways):
@@ -210,6 +226,7 @@ class Fleet:
             self.spec.model,
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
+            *self._replica_args,
             *self.spec.gateway_args,
             env={"JETSERVE_ADMIN_TOKEN": self.admin_token},
         )
@@ -247,6 +264,7 @@ class Fleet:
             f"worker{n}-{int(time.time() * 1000) % 100000}",
             "--metrics-port",
             str(metrics_port),
+            *self._replica_args,
             *self.spec.worker_args,
             *extra,
         )
@@ -258,6 +276,27 @@ class Fleet:
     def wait_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the interactive consumer: workers are live."""
         _run(self._wait_pulls(n, limit_s=timeout))
+
+    async def _wait_jetstream(self, limit_s: float) -> None:
+        """A new cluster elects its JetStream meta leader first: wait for it."""
+        nc = await connect(self.nats_url, "fleet-probe")
+        try:
+            js = nc.jetstream()
+            end = time.monotonic() + limit_s
+            while True:
+                try:
+                    await js.account_info()
+                    return
+                except Exception:
+                    if time.monotonic() > end:
+                        raise
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    @property
+    def _replica_args(self) -> list[str]:
+        return ["--replicas", "3"] if self.spec.nats_nodes >= 3 else []
 
     async def _wait_pulls(self, n: int, limit_s: float) -> None:
         nc = await connect(self.nats_url, "fleet-probe")
@@ -284,7 +323,7 @@ class Fleet:
         for p in (*self.gateways, self.sim):
             if p is not None:
                 p.stop()
-        for s in (self.redis, self.nats):
+        for s in (self.redis, *self.nats_nodes):
             if s is not None:
                 s.stop()
 

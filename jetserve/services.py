@@ -98,7 +98,12 @@ def _spawn(args: list[str], log_path: Path | None) -> subprocess.Popen[bytes]:
             out.close()
 
 
-def start_nats(workdir: Path | None = None, port: int | None = None) -> Service:
+def start_nats(
+    workdir: Path | None = None,
+    port: int | None = None,
+    cluster: list[str] | None = None,
+) -> Service:
+    """One nats-server with JetStream; ``cluster`` = extra flags joining a cluster."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-nats-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -111,6 +116,7 @@ def start_nats(workdir: Path | None = None, port: int | None = None) -> Service:
         str(port),
         "-sd",
         str(workdir / "js"),
+        *(cluster or []),
     ]
     log_path = workdir / "nats.log"
     proc = _spawn(args, log_path)
@@ -153,3 +159,24 @@ def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     return env
+
+
+def start_nats_cluster(workdir: Path, size: int = 3) -> list[Service]:
+    """A JetStream cluster of ``size`` nodes on loopback (R3 streams need 3)."""
+    ports = [free_port() for _ in range(size)]
+    routes = [free_port() for _ in range(size)]
+    route_urls = ",".join(f"nats://127.0.0.1:{p}" for p in routes)
+    nodes = []
+    for i in range(size):
+        flags = [
+            "--server_name",
+            f"n{i}",
+            "--cluster_name",
+            "jetserve",
+            "--cluster",
+            f"nats://127.0.0.1:{routes[i]}",
+            "--routes",
+            route_urls,
+        ]
+        nodes.append(start_nats(workdir / f"n{i}", ports[i], flags))
+    return nodes

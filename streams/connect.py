@@ -21,8 +21,10 @@ async def connect(url: str, name: str) -> Client:
     async def on_reconnect() -> None:
         log.warning("nats %s: reconnected", name)
 
+    # A comma-separated list names the nodes of a cluster; any one will do.
+    servers = [u.strip() for u in url.split(",") if u.strip()]
     return await nats.connect(
-        url,
+        servers,
         name=name,
         max_reconnect_attempts=-1,  # ride out a nats-server restart
         reconnect_time_wait=0.5,

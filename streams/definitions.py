@@ -50,6 +50,8 @@ class Topology:
     stream: str = "JETSERVE_REQ"
     frames_stream: str = "JETSERVE_FRAMES"
     dlq_stream: str = "JETSERVE_DLQ"
+    # JetStream replicas of every stream (3 on a 3-node cluster: a node can die).
+    replicas: int = 1
     dlq_max_age_s: float = 7 * 24 * 3600
     frames: FramesLimits = field(default_factory=FramesLimits)
     classes: tuple[RequestClass, ...] = tuple(RequestClass)
@@ -70,7 +72,7 @@ class Topology:
             max_msg_size=lim.max_msg_size,
             max_age=lim.max_age_s,
             duplicate_window=lim.duplicate_window_s,
-            num_replicas=1,
+            num_replicas=self.replicas,
         )
 
     def frames_config(self) -> StreamConfig:
@@ -86,7 +88,7 @@ class Topology:
             max_age=lim.max_age_s,
             max_bytes=lim.max_bytes,
             max_msg_size=lim.max_msg_size,
-            num_replicas=1,
+            num_replicas=self.replicas,
         )
 
     def dlq_config(self) -> StreamConfig:
@@ -99,7 +101,7 @@ class Topology:
             storage=StorageType.FILE,
             max_age=self.dlq_max_age_s,
             max_bytes=1 << 30,
-            num_replicas=1,
+            num_replicas=self.replicas,
         )
 
     def consumer_name(self, cls: RequestClass | str) -> str:

@@ -96,6 +96,7 @@ DAY_S = 86_400.0
 @dataclass(frozen=True)
 class LedgerTopology:
     stream: str = "JETSERVE_LEDGER"
+    replicas: int = 1  # 3 on a 3-node cluster
     subject_prefix: str = f"{PREFIX}.ledger"
     max_age_s: float = 90 * DAY_S
     max_bytes: int = -1  # unlimited: with limits retention a cap would drop old records
@@ -129,7 +130,7 @@ class LedgerTopology:
             max_msg_size=self.max_msg_size,
             duplicate_window=self.duplicate_window_s,
             deny_delete=self.deny_delete,
-            num_replicas=1,
+            num_replicas=self.replicas,
         )
 
 

@@ -116,3 +116,14 @@ async def test_worker_sigterm_drains(make_fleet: Callable[..., Fleet]) -> None:
     await run(
         fleet, worker_sigterm_drain, users=10, timeout_s=10.0, headers={"X-Sim-Fault": "slow:10"}
     )
+
+
+async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> None:
+    fleet = make_fleet(workers=2, nats_nodes=3)
+
+    async def one_of_3_nats_nodes_sigkilled_r3_streams() -> None:
+        await asyncio.sleep(3.0)
+        # Kill a node that is not the first one listed, to vary who reconnects.
+        fleet.nats_nodes[1].kill()
+
+    await run(fleet, one_of_3_nats_nodes_sigkilled_r3_streams, users=10, timeout_s=10.0)
