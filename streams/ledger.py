@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, NotFoundError
 
-from streams.errors import JetserveError, ProvisioningError
+from streams.errors import JetserveError
+from streams.provision import ensure_stream
 from streams.subjects import PREFIX
 from streams.wire import Op, Usage
 
@@ -140,19 +140,4 @@ DEFAULT_LEDGER = LedgerTopology()
 async def ensure_ledger(js: JetStreamContext, topo: LedgerTopology = DEFAULT_LEDGER) -> None:
     """Create the ledger stream or bring it to ``topo``; safe to call from every
     process at start-up, concurrently."""
-    want = topo.stream_config()
-    try:
-        await js.stream_info(topo.stream)
-    except NotFoundError:
-        try:
-            await js.add_stream(want)
-            return
-        except APIError as exc:  # a concurrent creator may have won the race
-            try:
-                await js.stream_info(topo.stream)
-            except NotFoundError:
-                raise ProvisioningError(f"cannot create stream {topo.stream}: {exc}") from exc
-    try:
-        await js.update_stream(want)
-    except APIError as exc:  # e.g. a change the server refuses (storage type)
-        raise ProvisioningError(f"cannot update stream {topo.stream}: {exc}") from exc
+    await ensure_stream(js, topo.stream_config())

@@ -19,13 +19,16 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
     except NotFoundError:
         try:
             await js.add_stream(want)
+            return
         except APIError as exc:  # a concurrent creator may have won the race
             try:
                 await js.stream_info(want.name)
             except NotFoundError:
                 raise ProvisioningError(f"cannot create stream {want.name}: {exc}") from exc
-    else:
+    try:
         await js.update_stream(want)
+    except APIError as exc:  # a change the server refuses (storage type, deny_delete)
+        raise ProvisioningError(f"cannot update stream {want.name}: {exc}") from exc
 
 
 async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> None:

@@ -14,21 +14,23 @@ from streams.connect import connect
 from streams.definitions import Limits, Topology
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass
-from streams.wire import InferenceRequest
+from streams.wire import InferenceRequest, Meta
 
 pytestmark = pytest.mark.connected
 
 
-def request(i: int) -> InferenceRequest:
-    return InferenceRequest(
+def request(i: int) -> tuple[InferenceRequest, Meta]:
+    now = time.time()
+    req = InferenceRequest(
         id=f"req-{i}",
         op="chat",
         cls="batch",
         model="m",
         body={},
-        reply="r",
-        deadline=time.time() + 9,
+        reply="jetserve.reply.t.gw.r",
+        deadline=now + 9,
     )
+    return req, Meta(op="chat", model="m", cls="batch", tenant="t", deadline=now + 9, created=now)
 
 
 async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -> None:
@@ -55,13 +57,13 @@ async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> No
         js = nc.jetstream()
         await ensure_topology(js, topo)
         d = Dispatcher(nc, js, "gw", topo)
-        first = await d.submit(request(0))
-        again = await d.submit(request(0))  # a gateway retry with the same request id
+        first = await d.submit(*request(0))
+        again = await d.submit(*request(0))  # a gateway retry with the same request id
         assert not first.duplicate and again.duplicate
-        await d.submit(request(1))
-        await d.submit(request(2))
+        await d.submit(*request(1))
+        await d.submit(*request(2))
         with pytest.raises(RateLimited) as info:
-            await d.submit(request(3))
+            await d.submit(*request(3))
         assert info.value.code == "queue_full" and info.value.headers()["Retry-After"] == "1"
         assert (await js.stream_info("SMALL")).state.messages == 3
     finally:
