@@ -233,10 +233,17 @@ class Dispatcher:
         async def on_msg(msg: Msg) -> None:
             self._enqueue(queue, msg, request_id)
 
-        sub = await self._js.subscribe(
-            subject, stream=self.topology.frames_stream, cb=on_msg, ordered_consumer=True
-        )
-        first = await asyncio.wait_for(queue.get(), 5.0)
+        try:
+            sub = await self._js.subscribe(
+                subject, stream=self.topology.frames_stream, cb=on_msg, ordered_consumer=True
+            )
+        except (nats.errors.Error, TimeoutError, APIError) as exc:
+            raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
+        try:
+            first = await asyncio.wait_for(queue.get(), 5.0)
+        except TimeoutError:
+            await sub.unsubscribe()
+            return None  # listed a moment ago, expired since
         if not isinstance(first, Meta):
             await sub.unsubscribe()
             return None  # the head of the capture expired: not resumable

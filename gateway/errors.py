@@ -127,5 +127,10 @@ _BY_STATUS: dict[int, type[GatewayError]] = {
 
 def from_frame(status: int, code: str, message: str) -> GatewayError:
     """Map a worker's error frame to the error the client sees."""
-    cls = _BY_STATUS.get(status, UpstreamFailed)
-    return cls(message, code=code, status=status if cls is UpstreamFailed else None)
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        # Another 4xx from the engine (422, 413...): the request was bad; our own
+        # clients see the statuses we document.
+        cls = BadRequest if 400 <= status < 500 else UpstreamFailed
+        return cls(message, code=code, status=502 if cls is UpstreamFailed else None)
+    return cls(message, code=code)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import msgspec
+import nats.errors
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -12,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.dispatch import Event, error_from_frame
-from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.ledger import LedgerReader
 from gateway.service import Admitted, Gateway, Replayed
 from gateway.sse import (
@@ -88,6 +91,9 @@ async def resume_stream(request: Request) -> Response:
     except ValueError:
         raise BadRequest("Last-Event-ID must be an integer.", param="Last-Event-ID") from None
     include_usage = request.query_params.get("include_usage") in ("1", "true")
+    if not REQUEST_ID.match(request.path_params["request_id"]):
+        # Ids are tokens we made; anything else (a subject wildcard) resumes nothing.
+        raise NotFound("No such request.", code="stream_not_found")
     session = await gw.resume(
         request.headers.get("authorization"),
         request.path_params["request_id"],
@@ -129,24 +135,36 @@ async def tenant_ledger(request: Request) -> Response:
         raise BadRequest("The ledger is scoped to the key's tenant; 'tenant' is not accepted.")
     since, until, limit = ledger_window(request)
     reader: LedgerReader = request.app.state.ledger_reader
-    lines = [encode_record(r) async for r in reader.query(key.tenant, since, until, limit)]
+    try:
+        lines = [encode_record(r) async for r in reader.query(key.tenant, since, until, limit)]
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise Unavailable("The ledger is unavailable.", code="bus_unavailable") from exc
     return Response(
         b"\n".join(lines) + (b"\n" if lines else b""), media_type="application/x-ndjson"
     )
 
 
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_UNIX_S = 1e11  # year ~5138: anything later is not a time, it is a typo or an attack
+MAX_LEDGER_LIMIT = 1_000_000
+
+
 def ledger_window(request: Request) -> tuple[float | None, float | None, int | None]:
-    def num(name: str) -> float | None:
+    def num(name: str, high: float) -> float | None:
         value = request.query_params.get(name)
         if value is None:
             return None
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
-            raise BadRequest(f"'{name}' must be a number (unix seconds).", param=name) from None
+            number = math.nan
+        if not 0 <= number <= high:  # also refuses NaN and infinities
+            raise BadRequest(f"'{name}' must be a number in [0, {high:g}].", param=name)
+        return number
 
-    limit = num("limit")
-    return num("since"), num("until"), int(limit) if limit is not None else None
+    limit = num("limit", MAX_LEDGER_LIMIT)
+    since, until = num("since", MAX_UNIX_S), num("until", MAX_UNIX_S)
+    return since, until, int(limit) if limit is not None else None
 
 
 async def healthz(request: Request) -> Response:

@@ -17,6 +17,20 @@ from gateway.errors import BadRequest
 from streams.wire import Usage
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# No model has a context this long; a larger value is bad input, not a budget question.
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
+
+
+class FunctionSpec(msgspec.Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class StreamOptions(msgspec.Struct):
@@ -35,7 +49,7 @@ class _Common(msgspec.Struct):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: PositiveInt | None = None
+    max_tokens: MaxTokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1  # one choice per request, as our frames carry
@@ -45,8 +59,8 @@ class _Common(msgspec.Struct):
 
 class ChatRequest(_Common):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] = []
-    max_completion_tokens: PositiveInt | None = None
-    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: MaxTokens | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 

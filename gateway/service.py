@@ -276,8 +276,7 @@ class Gateway:
                 raise BadRequest(f"Unknown request class '{wanted}'.", param=CLASS_HEADER)
             cls = RequestClass(wanted)
         tools = tuple(
-            str(t.get("function", {}).get("name", ""))
-            for t in (parsed.tools or [] if isinstance(parsed, ChatRequest) else [])
+            t.function.name for t in (parsed.tools or [] if isinstance(parsed, ChatRequest) else [])
         )
         data_class = headers.get(DATA_CLASS_HEADER, "default")
         key.scopes.check(model=parsed.model, cls=cls.value, tools=tools, data_class=data_class)
