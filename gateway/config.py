@@ -44,4 +44,11 @@ class GatewayConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None
     admin_token_sha256: str | None = None
-    metrics_tenants: tuple[str, ...] = ()  # tenants named in metrics; the rest are "other"
+    metrics_tenants: tuple[str, ...] = ()
+    # OpenTelemetry span export (needs the ``otel`` extra): "otlp+http://host:4318"
+    # or "file:///path.jsonl". None: only W3C ids travel, nothing is exported.
+    otel_exporter: str | None = None  # tenants named in metrics; the rest are "other"
+    # Agent runs: the deadline when a run names none, and the longest allowed
+    # (a run may wait hours on a human approval).
+    run_default_timeout_s: float = 600.0
+    run_max_timeout_s: float = 86_400.0

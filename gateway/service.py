@@ -46,7 +46,7 @@ from gateway.openai_types import (
     parse_body,
 )
 from gateway.tenancy import KeyRecord, Tenancy
-from gateway.tracing import child_traceparent
+from gateway.tracing import Span, Tracer
 from streams.ledger import LedgerRecord
 from streams.subjects import RequestClass
 from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token, Usage
@@ -74,6 +74,7 @@ class Admitted:
     reservation: Reservation
     raw: bytes
     claim: Claim | None = None
+    span: Span | None = None
     started: float = field(default_factory=time.monotonic)
     outcome: str | None = None
     tokens_seen: int = 0  # token frames relayed, for a charge when no usage arrives
@@ -178,6 +179,7 @@ class Gateway:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
+        self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
 
     def models(self) -> list[str]:
         return [*self.cfg.models, *self.cfg.embedding_models]
@@ -193,22 +195,35 @@ class Gateway:
                     "Idempotency-Key applies to non-streaming requests only.", param=IDEM_HEADER
                 )
             req = self._build(op, parsed, body, key, headers)
-            claim = None
+        except GatewayError as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            raise
+        span = self.tracer.start(
+            "jetserve.request",
+            headers.get("traceparent"),
+            {
+                "gen_ai.operation.name": op,
+                "gen_ai.request.model": req.model,
+                "jetserve.class": req.cls,
+            },
+        )
+        req = msgspec.structs.replace(req, traceparent=span.traceparent)
+        claim = None
+        try:
             if idem is not None:
                 claim = await self.idempotency.claim(key.tenant, idem, raw, req.deadline)
                 if claim.replay is not None:
                     assert claim.replay.response is not None
+                    span.end("replayed")
                     return Replayed(claim.replay.status, claim.replay.response, claim.request_id)
                 req = _with_id(
                     req, claim.request_id, self.dispatcher.reply_for(key.tenant, claim.request_id)
                 )
+            span.set("jetserve.request_id", req.id)
+            return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
-            raise
-        try:
-            return await self._reserve_and_submit(op, parsed, key, req, raw, claim)
-        except GatewayError as exc:
-            self.metrics.rejected.labels(exc.code).inc()
+            span.end(exc.code)
             if claim is not None:
                 await self._idem_fail(claim, raw, exc)
             raise
@@ -221,6 +236,7 @@ class Gateway:
         req: InferenceRequest,
         raw: bytes,
         claim: Claim | None,
+        span: Span,
     ) -> Admitted:
         price = self.cfg.prices.for_model(req.model)
         worst = price.worst_case(bound_prompt_tokens(parsed), req.max_tokens)
@@ -255,7 +271,7 @@ class Gateway:
             await self._append(self._refusal(req, key, f"rejected:{exc.code}", exc))
             raise
         self.metrics.inflight.inc()
-        return Admitted(op, parsed, key, stream, reservation, raw, claim)
+        return Admitted(op, parsed, key, stream, reservation, raw, claim, span)
 
     def _build(
         self,
@@ -320,7 +336,7 @@ class Gateway:
             deadline=now + timeout,
             tenant=key.tenant,
             key_id=key.key_id,
-            traceparent=child_traceparent(headers.get("traceparent")),
+            traceparent="",  # set by admit(): the request span's own context
             tracestate=headers.get("tracestate", "")[:512],
             prompt_tokens_est=estimate_prompt_tokens(parsed),
             max_tokens=max_tokens,
@@ -341,6 +357,13 @@ class Gateway:
         adm.outcome = outcome
         adm.stream.close()
         req = adm.stream.req
+        span = adm.span if isinstance(adm, Admitted) else None
+        if span is not None:
+            if final is not None:
+                span.set("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
+                span.set("gen_ai.usage.output_tokens", final.usage.completion_tokens)
+                span.set("jetserve.attempts", final.attempt)
+            span.end(final.finish_reason if final else outcome)
         m = self.metrics
         label = "ok" if final else outcome
         e2e = time.monotonic() - adm.started
@@ -471,6 +494,7 @@ class Gateway:
         """Wait for lingering disconnected streams (bounded by their grace)."""
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
+        self.tracer.shutdown()  # flush exported spans
 
     async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
         if adm.claim is not None:

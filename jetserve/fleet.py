@@ -33,6 +33,7 @@ from jetserve.services import (
     start_redis,
     wait_port,
 )
+from streams.agent_topology import DEFAULT_AGENT
 from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
@@ -53,6 +54,7 @@ class FleetSpec:
     gateway_port: int = 0
     gateways: int = 1  # several replicas share NATS and Redis (the multi-gateway tests)
     nats_nodes: int = 1  # 3: a JetStream cluster, every stream R3
+    export_spans: bool = False  # OpenTelemetry spans to <workdir>/<process>.spans.jsonl
     profile: str = "fast"
     api_key: str | None = None
     tenant: str = "demo"
@@ -60,6 +62,8 @@ class FleetSpec:
     sim_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    agents: int = 0  # agent run executors (`jetserve agent --demo-tools`)
+    agent_args: list[str] = field(default_factory=list)
     # The simulator's fault hooks (X-Sim-*) pass through: demos and tests only.
     forward_header_prefix: str = "x-sim-"
     log_level: str = "warning"
@@ -105,6 +109,7 @@ class Fleet:
         self.admin_ports: list[int] = []
         self.admin_token = secrets.token_urlsafe(24)
         self.workers: list[Proc] = []
+        self.agents: list[Proc] = []
         self.sim_port = 0
         self.api_key = ""
         self.key_id = ""
@@ -187,6 +192,10 @@ class Fleet:
             for _ in range(self.spec.workers):
                 self.start_worker(wait=False)
             self.wait_workers(self.spec.workers)
+            for _ in range(self.spec.agents):
+                self.start_agent(wait=False)
+            if self.spec.agents:
+                self.wait_agents(self.spec.agents)
         except BaseException:
             self.stop()
             raise
@@ -227,6 +236,7 @@ class Fleet:
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
             *self._replica_args,
+            *self._span_args(f"gateway{n}"),
             *self.spec.gateway_args,
             env={"JETSERVE_ADMIN_TOKEN": self.admin_token},
         )
@@ -265,6 +275,7 @@ class Fleet:
             "--metrics-port",
             str(metrics_port),
             *self._replica_args,
+            *self._span_args(f"worker{n}"),
             *self.spec.worker_args,
             *extra,
         )
@@ -272,6 +283,49 @@ class Fleet:
         if wait:
             self.wait_workers(sum(1 for w in self.workers if w.proc.poll() is None))
         return worker
+
+    def start_agent(self, *extra: str, wait: bool = True) -> Proc:
+        """An agent run executor with the demo tools (their bank is this fleet's Redis)."""
+        n = len(self.agents)
+        agent = self._spawn(
+            f"agent{n}",
+            "agent",
+            "--nats",
+            self.nats_url,
+            "--redis",
+            self.redis_url,
+            "--demo-tools",
+            "--executor-id",
+            f"agent{n}-{int(time.time() * 1000) % 100000}",
+            *self._replica_args,
+            *self.spec.agent_args,
+            *extra,
+        )
+        self.agents.append(agent)
+        if wait:
+            self.wait_agents(sum(1 for a in self.agents if a.proc.poll() is None))
+        return agent
+
+    def wait_agents(self, n: int, timeout: float = 30.0) -> None:
+        """Until n pull requests wait on the step consumer: executors are live."""
+        _run(self._wait_agent_pulls(n, limit_s=timeout))
+
+    async def _wait_agent_pulls(self, n: int, limit_s: float) -> None:
+        nc = await connect(self.nats_url, "fleet-probe")
+        try:
+            js = nc.jetstream()
+            end = time.monotonic() + limit_s
+            while time.monotonic() < end:
+                try:
+                    info = await js.consumer_info(DEFAULT_AGENT.stream, DEFAULT_AGENT.step_consumer)
+                    if (info.num_waiting or 0) >= n:
+                        return
+                except Exception:  # noqa: BLE001 - not provisioned yet: keep polling
+                    pass
+                await asyncio.sleep(0.05)
+            raise ServiceError(f"{n} executors not pulling after {limit_s}s; see {self.workdir}")
+        finally:
+            await nc.close()
 
     def wait_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the interactive consumer: workers are live."""
@@ -293,6 +347,11 @@ class Fleet:
                 await asyncio.sleep(0.2)
         finally:
             await nc.close()
+
+    def _span_args(self, name: str) -> list[str]:
+        if not self.spec.export_spans:
+            return []
+        return ["--otel-exporter", f"file://{self.workdir / name}.spans.jsonl"]
 
     @property
     def _replica_args(self) -> list[str]:
@@ -317,7 +376,10 @@ class Fleet:
             await nc.close()
 
     def stop(self) -> None:
-        # Workers first (they drain), then the gateway, then the engine and the bus.
+        # Executors and workers first (they drain), then the gateway, then the
+        # engine and the bus.
+        for a in self.agents:
+            a.stop()
         for w in self.workers:
             w.stop()
         for p in (*self.gateways, self.sim):

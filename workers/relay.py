@@ -22,6 +22,7 @@ class FrameSender:
         self._last_sent = time.monotonic()
         self.seq = 0  # seq of the last token sent
         self.closed = False
+        self.outcome = ""  # the finish reason or error code of the terminal frame
 
     @property
     def started(self) -> bool:
@@ -43,12 +44,14 @@ class FrameSender:
 
     async def final(self, **fields: Any) -> None:
         self.closed = True
+        self.outcome = str(fields.get("finish_reason", "stop"))
         usage = fields.pop("usage", Usage())
         frame = Final(seq=self.seq + 1, usage=usage, attempt=self._attempt, **fields)
         await self._publish(encode(frame))
 
     async def error(self, code: str, message: str, *, status: int, retryable: bool) -> None:
         self.closed = True
+        self.outcome = code
         frame = ErrorFrame(self.seq + 1, code, message, retryable, status, self._attempt)
         await self._publish(encode(frame))
 

@@ -26,6 +26,7 @@ from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, cancel_subject
+from streams.tracing import Tracer
 from streams.wire import InferenceRequest, Usage, decode_request
 from workers.admission import Admission, AdmissionConfig
 from workers.engines.base import Delta, EngineAdapter
@@ -35,8 +36,14 @@ from workers.relay import FrameSender
 
 log = logging.getLogger(__name__)
 
-# Rank order: interactive first, then embeddings, then batch.
-DEFAULT_CLASSES = (RequestClass.INTERACTIVE, RequestClass.EMBED, RequestClass.BATCH)
+# Rank order: interactive first, then agent runs' model calls (a person usually
+# waits on a run too), then embeddings, then batch.
+DEFAULT_CLASSES = (
+    RequestClass.INTERACTIVE,
+    RequestClass.AGENT,
+    RequestClass.EMBED,
+    RequestClass.BATCH,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     retry_backoff_s: float = 0.2
     topology: Topology = DEFAULT_TOPOLOGY
+    otel_exporter: str | None = None  # span export (``otel`` extra); None: ids only
 
 
 class Worker:
@@ -65,6 +73,7 @@ class Worker:
         self.ready = asyncio.Event()
         self.completed = 0
         self.metrics = WorkerMetrics()
+        self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
 
     async def run(self) -> None:
@@ -101,6 +110,7 @@ class Worker:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.flush(timeout=2)
             await nc.close()
+            self.tracer.shutdown()
             log.info("worker %s disconnected", self.cfg.worker_id)
 
     async def shutdown(self) -> None:
@@ -220,7 +230,17 @@ class Worker:
             cancelled.set()
 
         cancel_sub = await nc.subscribe(cancel_subject(req.id), cb=on_cancel)
-        work = asyncio.create_task(self._run_engine(msg, req, sender))
+        span = self.tracer.start(
+            "jetserve.attempt",
+            req.traceparent,
+            {
+                "gen_ai.request.model": req.model,
+                "jetserve.class": req.cls,
+                "jetserve.attempt": attempt,
+                "jetserve.worker": self.cfg.worker_id,
+            },
+        )
+        work = asyncio.create_task(self._run_engine(msg, req, sender, span.traceparent))
         beats = asyncio.create_task(sender.heartbeats())
         waiter = asyncio.create_task(cancelled.wait())
         try:
@@ -252,15 +272,19 @@ class Worker:
             waiter.cancel()
             beats.cancel()
             await cancel_sub.unsubscribe()
+            span.set("jetserve.tokens_sent", sender.seq)
+            span.end(sender.outcome or ("cancelled" if cancelled.is_set() else "handed_back"))
 
-    async def _run_engine(self, msg: Msg, req: InferenceRequest, sender: FrameSender) -> None:
+    async def _run_engine(
+        self, msg: Msg, req: InferenceRequest, sender: FrameSender, traceparent: str
+    ) -> None:
         remaining = req.deadline - time.time()
         ticker = asyncio.create_task(self._in_progress_until_started(msg, sender))
         started_at = time.monotonic()
         ttft = 0.0
         headers = dict(req.headers)
-        if req.traceparent:
-            headers["traceparent"] = req.traceparent  # the engine joins the trace
+        if traceparent:
+            headers["traceparent"] = traceparent  # the engine joins under this attempt
             if req.tracestate:
                 headers["tracestate"] = req.tracestate
         try:

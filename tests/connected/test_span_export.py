@@ -1,0 +1,56 @@
+"""Optional OpenTelemetry export: one span per gateway request and one per worker
+attempt, in the client's trace, parented hop by hop, with no prompt text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from jetserve.fleet import Fleet
+
+pytestmark = pytest.mark.connected
+
+
+def spans(fleet: Fleet) -> list[dict[str, object]]:
+    out = []
+    for path in sorted(fleet.workdir.glob("*.spans.jsonl")):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+async def test_spans_per_request_and_attempt_in_the_callers_trace(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1, export_spans=True)
+    trace, caller_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={
+                "model": "sim-8b",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "a secret prompt"}],
+            },
+            headers={
+                "Authorization": f"Bearer {fleet.api_key}",
+                "traceparent": f"00-{trace}-{caller_span}-01",
+            },
+        )
+        assert r.status_code == 200
+        record = await c.get(f"{fleet.sim_url}/sim/requests/{r.headers['x-request-id']}")
+    returned = r.headers["traceparent"].split("-")
+    engine_tp = record.json()["traceparent"]
+    fleet.stop()  # flushes span exporters on shutdown
+    found = [s for s in spans(fleet) if s["trace_id"] == trace]
+    request = next(s for s in found if s["name"] == "jetserve.request")
+    attempt = next(s for s in found if s["name"] == "jetserve.attempt")
+    assert request["parent_id"] == caller_span  # under the client's span
+    assert request["span_id"] == returned[2]  # the id the client got back
+    assert attempt["parent_id"] == request["span_id"]  # the worker hop under the gateway
+    assert engine_tp.split("-")[2] == attempt["span_id"]  # the engine call under the attempt
+    assert request["attributes"]["gen_ai.usage.output_tokens"] == 5  # type: ignore[index]
+    assert attempt["attributes"]["jetserve.attempt"] == 1  # type: ignore[index]
+    assert all("secret" not in json.dumps(s) for s in spans(fleet))
