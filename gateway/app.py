@@ -6,7 +6,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import http, openapi, playground
+from gateway import http, openapi, playground, runs
 from gateway.errors import GatewayError
 from gateway.runtime import Runtime
 from gateway.ws import websocket_endpoint
@@ -20,6 +20,11 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/v1/models", http.list_models, methods=["GET"]),
         Route("/v1/ledger", http.tenant_ledger, methods=["GET"]),
         Route("/v1/requests/{request_id}/stream", http.resume_stream, methods=["GET"]),
+        Route("/v1/runs", runs.create_run, methods=["POST"]),
+        Route("/v1/runs/{run_id}", runs.get_run, methods=["GET"]),
+        Route("/v1/runs/{run_id}/events", runs.run_events, methods=["GET"]),
+        Route("/v1/runs/{run_id}/approvals/{call_id}", runs.decide_call, methods=["POST"]),
+        Route("/v1/runs/{run_id}/cancel", runs.cancel_run, methods=["POST"]),
         Route("/healthz", http.healthz, methods=["GET"]),
         Route("/readyz", http.readyz, methods=["GET"]),
         Route("/metrics", http.metrics, methods=["GET"]),
@@ -35,4 +40,5 @@ def create_app(rt: Runtime) -> Starlette:
     app.state.readiness = rt.readiness
     app.state.refresh_queue_depth = rt.refresh_queue_depth
     app.state.ledger_reader = rt.ledger_reader
+    app.state.runs = rt.runs
     return app

@@ -27,8 +27,13 @@ from gateway.idempotency import IdempotencyStore
 from gateway.ingress_nats import NatsIngress
 from gateway.ledger import LedgerReader, LedgerWriter
 from gateway.metrics import GatewayMetrics
+from gateway.run_settle import RunSettler
+from gateway.runs import RunsService
+from gateway.runs_nats import RunsNatsIngress
 from gateway.service import Gateway
 from gateway.tenancy import Tenancy
+from streams.agent_store import RunStore
+from streams.agent_topology import AgentTopology
 from streams.connect import connect
 from streams.ledger import DEFAULT_LEDGER, ensure_ledger
 from streams.provision import ensure_topology
@@ -44,6 +49,7 @@ class Runtime:
     redis: redis.Redis
     gateway: Gateway
     ledger_reader: LedgerReader
+    runs: RunsService | None = None
 
     async def readiness(self) -> dict[str, bool]:
         redis_ok = True
@@ -106,7 +112,8 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             Tenancy(rds, cfg.key_cache_s),
             Accountant(rds),
             IdempotencyStore(rds),
-            LedgerWriter(js, ledger_topo),
+            # Patient: a JetStream leader election (a node lost) takes seconds.
+            LedgerWriter(js, ledger_topo, attempts=8, backoff_s=0.25),
             dispatcher,
             GatewayMetrics(cfg.metrics_tenants),
         )
@@ -114,10 +121,18 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         await ingress.start()
         watch = MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics)
         await watch.start()
+        run_store = await RunStore.open(nc, AgentTopology(replicas=cfg.topology.replicas))
+        runs = RunsService(gw, run_store)
+        runs_ingress = RunsNatsIngress(nc, runs)
+        await runs_ingress.start()
+        settler = RunSettler(js, run_store, gw.accountant, gw.ledger, cfg.gateway_id)
+        await settler.start()
         sweeper = asyncio.create_task(_sweep(gw.accountant))
         try:
-            yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo))
+            yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo), runs)
         finally:
+            await settler.stop()
+            await runs_ingress.stop()
             sweeper.cancel()
             await gw.aclose()
             await watch.stop()

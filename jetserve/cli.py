@@ -20,6 +20,8 @@ from jetserve.admin_client import AdminClient, AdminError
 DEFAULT_NATS = os.environ.get("JETSERVE_NATS_URL", "nats://127.0.0.1:4222")
 DEFAULT_REDIS = os.environ.get("JETSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
 DEFAULT_ADMIN = os.environ.get("JETSERVE_ADMIN_URL", "http://127.0.0.1:8081")
+OTEL_EXPORTER = os.environ.get("JETSERVE_OTEL_EXPORTER") or None
+OTEL_HELP = "export spans: otlp+http://HOST:4318 or file:///PATH (needs the otel extra)"
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -47,6 +49,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         commit_after_s=args.commit_after,
         resume_grace_s=args.resume_grace,
         max_buffered_frames=args.max_buffered_frames,
+        otel_exporter=args.otel_exporter,
         topology=Topology(replicas=args.replicas),
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
@@ -72,6 +75,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
         admission=AdmissionConfig(max_inflight=args.max_inflight, target_util=args.target_util),
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.grace,
+        otel_exporter=args.otel_exporter,
         topology=Topology(replicas=args.replicas),
         **kwargs,
     )
@@ -99,6 +103,84 @@ async def _run_worker(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     return uvloop.run(_run_worker(args))
+
+
+async def _run_agent(args: argparse.Namespace) -> int:
+    import redis.asyncio as redis
+
+    from streams.agent_topology import AgentTopology
+    from streams.definitions import Topology
+    from tools import Registry, ToolContext
+    from workers.agent import CrashPoints, Executor, ExecutorConfig, parse_crash_specs
+    from workers.agent.demo_tools import DemoBank, demo_tools
+
+    crash = CrashPoints(parse_crash_specs(args.crash_at), args.crash_log)
+    registry = Registry()
+    client: redis.Redis | None = None
+    if args.demo_tools:
+
+        def hook(point: str, ctx: ToolContext) -> None:
+            crash.maybe(point, ctx.run_id, ctx.step, ctx.call_id)
+
+        client = redis.Redis.from_url(args.redis)
+        for tool in demo_tools(DemoBank(client, hook=hook)):
+            registry.register(tool)
+    for spec in args.tools_module:
+        for tool in _load_tools(spec):
+            registry.register(tool)
+    kwargs = {"executor_id": args.executor_id} if args.executor_id else {}
+    cfg = ExecutorConfig(
+        nats_url=args.nats,
+        concurrency=args.concurrency,
+        lease_s=args.lease,
+        step_timeout_s=args.step_timeout,
+        stuck_policy=args.stuck,
+        stuck_retries=args.stuck_retries,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        model_attempts=args.model_attempts,
+        step_max_tokens=args.step_max_tokens,
+        max_depth=args.max_depth,
+        drain_timeout_s=args.grace,
+        agent=AgentTopology(ack_wait_s=args.ack_wait, replicas=args.replicas),
+        topology=Topology(replicas=args.replicas),
+        **kwargs,
+    )
+    executor = Executor(cfg, registry, crash=crash)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, executor.request_stop)
+    http = None
+    if args.metrics_port is not None:
+        from workers.agent.http import server
+
+        http = server(executor, args.metrics_host, args.metrics_port)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            if http is not None:
+                tg.create_task(http.serve())
+            await executor.run()
+            if http is not None:
+                http.should_exit = True
+    finally:
+        if client is not None:
+            await client.aclose()
+    return 0
+
+
+def _load_tools(spec: str) -> list[Any]:
+    """``pkg.module:factory`` -> the tools ``factory()`` returns (an iterable of
+    ``tools.Tool``: in-process functions or ``Remote`` NATS services)."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise SystemExit(f"--tools-module {spec!r}: expected pkg.module:factory")
+    factory = getattr(importlib.import_module(module), name)
+    return list(factory())
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    return uvloop.run(_run_agent(args))
 
 
 def cmd_sim(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -215,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nats", default=DEFAULT_NATS)
     g.add_argument("--redis", default=DEFAULT_REDIS)
     g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     g.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas (3: HA)")
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--models", default="sim-8b", help="comma-separated chat/completion models")
@@ -264,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--nats", default=DEFAULT_NATS)
     w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
     w.add_argument("--engine-api-key", default=None)
+    w.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     w.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas (3: HA)")
-    w.add_argument("--classes", default="interactive,embed,batch", help="in priority order")
+    w.add_argument("--classes", default="interactive,agent,embed,batch", help="in priority order")
     w.add_argument("--max-inflight", type=int, default=16, help="the engine's max_num_seqs")
     w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")
     w.add_argument("--heartbeat", type=float, default=1.0)
@@ -274,6 +358,48 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /readyz")
     w.add_argument("--metrics-host", default="127.0.0.1")
     w.set_defaults(func=cmd_worker)
+
+    a = sub.add_parser(
+        "agent", allow_abbrev=False, help="agent run executor: steps runs, dispatches tools"
+    )
+    a.add_argument("--nats", default=DEFAULT_NATS)
+    a.add_argument("--redis", default=DEFAULT_REDIS, help="the demo tools' bank")
+    a.add_argument("--executor-id", default="")
+    a.add_argument("--concurrency", type=int, default=64, help="steps in flight")
+    a.add_argument("--lease", type=float, default=5.0, help="run lease (s), renewed at 1/3")
+    a.add_argument("--ack-wait", type=float, default=5.0, help="step consumer ack_wait (s)")
+    a.add_argument(
+        "--step-timeout", type=float, default=300.0, help="a step past this is stuck (s)"
+    )
+    a.add_argument("--stuck", choices=["fail", "retry"], default="fail", help="stuck policy")
+    a.add_argument("--stuck-retries", type=int, default=2)
+    a.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    a.add_argument("--model-attempts", type=int, default=3)
+    a.add_argument("--step-max-tokens", type=int, default=1024)
+    a.add_argument("--max-depth", type=int, default=3, help="sub-agent nesting")
+    a.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas (3: HA)")
+    a.add_argument("--grace", type=float, default=10.0, help="drain timeout on SIGTERM (s)")
+    a.add_argument(
+        "--demo-tools", action="store_true", help="transfer, payout, balance, sleep (Redis)"
+    )
+    a.add_argument(
+        "--tools-module",
+        action="append",
+        default=[],
+        metavar="MODULE:FACTORY",
+        help="register the tools FACTORY() returns (repeatable)",
+    )
+    a.add_argument(
+        "--crash-at",
+        action="append",
+        default=[],
+        metavar="POINT:PROBABILITY",
+        help="tests: SIGKILL self at a step point (repeatable)",
+    )
+    a.add_argument("--crash-log", default=None, help="tests: append each self-kill here")
+    a.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /readyz")
+    a.add_argument("--metrics-host", default="127.0.0.1")
+    a.set_defaults(func=cmd_agent)
 
     s = sub.add_parser(
         "sim", allow_abbrev=False, help="the vLLM-like engine simulator", add_help=False

@@ -17,6 +17,7 @@ class RequestClass(StrEnum):
     INTERACTIVE = "interactive"
     BATCH = "batch"
     EMBED = "embed"
+    AGENT = "agent"  # model calls of agent runs (workers/agent), charged to the run
 
 
 def request_subject(cls: RequestClass | str) -> str:
@@ -60,3 +61,22 @@ def dlq_subject(source: str) -> str:
     (``jetserve.req.batch`` -> ``jetserve.dlq.req.batch``)."""
     tail = source[len(PREFIX) + 1 :] if source.startswith(PREFIX + ".") else source
     return f"{PREFIX}.dlq.{tail}"
+
+
+# Agent runs (streams.agent): step nudges and settlement requests on the
+# JETSERVE_AGENT work queue, run events captured for resumable SSE, and core-NATS
+# cancel notices that interrupt a step in flight.
+AGENT_STEP = f"{PREFIX}.agent.step"
+AGENT_SETTLE = f"{PREFIX}.agent.settle"
+RUN_EVENTS_WILDCARD = f"{PREFIX}.run.*.*"
+RUN_CANCEL_WILDCARD = f"{PREFIX}.agentctl.cancel.*"
+INGRESS_RUNS = f"{PREFIX}.api.runs"  # .create | .get | .approve | .cancel (request/reply)
+
+
+def run_events_subject(tenant: str, run_id: str) -> str:
+    """One run's events; the tenant token makes a reader tenant-scoped by construction."""
+    return f"{PREFIX}.run.{tenant}.{run_id}"
+
+
+def run_cancel_subject(run_id: str) -> str:
+    return f"{PREFIX}.agentctl.cancel.{run_id}"

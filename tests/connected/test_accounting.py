@@ -475,7 +475,7 @@ def test_errors_render_as_openai_errors() -> None:
     limited = RateLimited(1.25, "tpm", "key")
     assert isinstance(limited, GatewayRateLimited) and limited.retryable
     assert limited.status == 429 and limited.retry_after == 1.25
-    assert limited.headers() == {"Retry-After": "1", "retry-after-ms": "1250"}
+    assert limited.headers() == {"Retry-After": "2", "retry-after-ms": "1250"}
     down = AccountingUnavailable("down")
     assert isinstance(down, Unavailable) and down.status == 503
 

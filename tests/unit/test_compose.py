@@ -30,7 +30,7 @@ from workers.sim import cli as sim_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yml"
-JETSERVE_SERVICES = ("sim", "gateway", "worker", "keys", "worker-gpu")
+JETSERVE_SERVICES = ("sim", "gateway", "worker", "agent", "keys", "worker-gpu")
 # First argument of each command that is not ours: nats-server, redis-server, vLLM.
 THIRD_PARTY_HEADS = {"-js", "redis-server", "--model"}
 _COMMAND_LINE = re.compile(r"^\s+command:\s*(?P<value>.*?)\s*$")
@@ -127,12 +127,13 @@ def _by_name(name: str) -> list[argparse.Namespace]:
 
 def test_every_command_is_a_json_array() -> None:
     commands = _command_lines()
-    assert len(commands) == 8  # nats, redis, sim, gateway, worker, keys, vllm, worker-gpu
+    # nats, redis, sim, gateway, worker, agent, keys, vllm, worker-gpu
+    assert len(commands) == 9
 
 
 def test_every_jetserve_command_parses() -> None:
     names = sorted(name for name, _, _ in _jetserve_commands())
-    assert names == ["gateway", "keys", "sim", "worker", "worker"]
+    assert names == ["agent", "gateway", "keys", "sim", "worker", "worker"]
 
 
 def test_log_levels_are_logging_levels() -> None:

@@ -224,7 +224,7 @@ def test_every_jetserve_command_parses_with_exact_options() -> None:
     commands = sorted((workload, command) for workload, command, _, _ in _commands())
     workers = [f"worker-{cls.value}" for cls in RequestClass]
     assert commands == sorted(
-        [("gateway", "gateway")]
+        [("gateway", "gateway"), ("agent-executor", "agent")]
         + [(w, "worker") for w in workers]
         + [(w, "sim") for w in workers]  # each worker's engine (a sidecar)
     )

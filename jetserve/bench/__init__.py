@@ -1,0 +1,17 @@
+"""`jetserve bench`: open-loop benchmarks of OpenAI-compatible targets, side by side.
+
+The pieces, in the order a run meets them:
+
+- ``units``, ``dists``: parsing of durations, rates and length distributions;
+- ``arrivals``: Poisson / gamma (burstiness) arrival times;
+- ``workload``, ``prompts``, ``trace``: the request schedule (classes, lengths, shared
+  prefixes, cancellations), its prompts, and JSONL trace replay;
+- ``targets``, ``peer_litellm``, ``fleet_targets``: what is measured;
+- ``client``, ``timeline``, ``loadgen``: the streaming client that records per-request
+  timelines, driven open-loop in a process of its own;
+- ``slo``, ``metrics``: vLLM's metric definitions, goodput, added latency;
+- ``sweep``, ``report``, ``plots``, ``progress``, ``plan``, ``cli``: orchestration and
+  output.
+
+Nothing here is imported by the gateway or the workers.
+"""

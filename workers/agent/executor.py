@@ -1,0 +1,353 @@
+"""The agent executor: a durable pull consumer of step nudges (``agent-executor``
+on ``JETSERVE_AGENT``), one run per lease, one step per message.
+
+For each message: take the run's lease (held by another executor: nak with a
+delay of what is left of it); run the step (``workers.agent.step``) while a
+keeper renews the lease and tells JetStream the message is in progress; then
+ack, nak or terminate as the step says. The ack comes only after everything
+the step decided is durable in the run record. A lost lease (taken over after
+a stall) or a lost compare-and-set means another executor owns the run now:
+this one stops and leaves the message alone.
+
+Stuck-step detection: a step running past ``step_timeout_s`` is cancelled and,
+by ``stuck_policy``, the run fails with the reason ("fail") or the step goes
+back to the queue for another executor ("retry", at most ``stuck_retries``
+times, then the run fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from streams.agent import StepMsg, decode_step
+from streams.agent_store import Lease, RunStore
+from streams.connect import connect
+from streams.deadletter import dead_letter
+from streams.errors import LeaseLostError, RunConflictError, RunStoreError, RunTooLargeError
+from streams.provision import ensure_topology
+from streams.subjects import RUN_CANCEL_WILDCARD
+from tools import Dispatcher, EffectLedger, LedgerConfig, LedgerError, Registry, ToolMetrics
+from workers.agent.config import ExecutorConfig
+from workers.agent.crash import DELIVERY, CrashPoints
+from workers.agent.errors import StepInterrupted
+from workers.agent.guard import Guard
+from workers.agent.handle import RunHandle
+from workers.agent.metrics import AgentMetrics
+from workers.agent.model import ModelClient
+from workers.agent.spawn import spawn_tool
+from workers.agent.step import Stepper, Verdict
+
+log = logging.getLogger(__name__)
+
+_POISON_DELIVERIES = 10  # an executor error this many times fails the run
+
+
+@dataclass
+class _Held:
+    """One message being handled: its lease (renewed) and whether it was lost."""
+
+    lease: Lease
+    lost: bool = False
+
+
+class Executor:
+    def __init__(
+        self,
+        cfg: ExecutorConfig,
+        registry: Registry,
+        *,
+        crash: CrashPoints | None = None,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        if spawn_tool().name not in registry:
+            registry.register(spawn_tool())
+        self.crash = crash or CrashPoints()
+        self.metrics = metrics or AgentMetrics()
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._handlers: set[asyncio.Task[None]] = set()  # owned: awaited by _drain
+        self._guards: dict[str, Guard] = {}
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._store: RunStore | None = None
+        self._stepper: Stepper | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+
+    def request_stop(self) -> None:
+        """:meth:`shutdown` from a signal handler (sync)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until :meth:`shutdown`, then drain."""
+        cfg = self.cfg
+        nc = self._nc = await connect(cfg.nats_url, cfg.executor_id)
+        try:
+            js = self._js = nc.jetstream()
+            await ensure_topology(js, cfg.topology)  # the inference queue, class "agent"
+            store = self._store = await RunStore.open(nc, cfg.agent, executor=True)
+            dispatcher = Dispatcher(
+                self.registry,
+                ledger=await EffectLedger.open(js, LedgerConfig(replicas=cfg.agent.replicas)),
+                nc=nc,
+                metrics=ToolMetrics(self.metrics.registry),
+            )
+            models = ModelClient(nc, js, cfg.executor_id, cfg.topology, cfg.heartbeat_timeout_s)
+            self._stepper = Stepper(
+                cfg, store, self.registry, dispatcher, models, self.crash, self.metrics, nc
+            )
+            notices = await nc.subscribe(RUN_CANCEL_WILDCARD, cb=self._on_cancel)
+            sub = await js.pull_subscribe_bind(cfg.agent.step_consumer, cfg.agent.stream)
+            self.ready.set()
+            log.info("agent executor %s serving", cfg.executor_id)
+            fetcher = asyncio.create_task(self._fetch_loop(sub))
+            try:
+                await self._stop.wait()
+            finally:
+                fetcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetcher
+                await self._return_strays(sub)
+                await self._drain()
+                await notices.unsubscribe()
+            log.info("agent executor %s drained", cfg.executor_id)
+        finally:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.flush(timeout=2)
+            await nc.close()
+
+    # -- consuming ----------------------------------------------------------------
+
+    async def _fetch_loop(self, sub: JetStreamContext.PullSubscription) -> None:
+        # One message per pull, only with a free slot, started at once: nothing
+        # waits in a buffer while its ack_wait runs out. (A pull for more would
+        # hold the first message until the rest arrived or the pull expired.)
+        while not self._stop.is_set():
+            if len(self._handlers) >= self.cfg.concurrency:
+                await asyncio.wait(set(self._handlers), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await sub.fetch(1, timeout=self.cfg.poll_s)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                self._handlers.add(task)
+                task.add_done_callback(self._handlers.discard)
+
+    async def _return_strays(self, sub: JetStreamContext.PullSubscription) -> None:
+        """A pull outlives its cancelled fetch until it expires: hand back (nak)
+        whatever the server delivers meanwhile, so another executor starts it now."""
+        inbox = sub._sub  # nats-py has no public handle on the pull's inbox
+        end = time.monotonic() + self.cfg.poll_s + 0.2
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = await inbox.next_msg(timeout=left)
+            except (nats.errors.TimeoutError, TimeoutError):
+                return
+            if msg.headers and msg.headers.get("Status"):
+                continue
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
+
+    async def _drain(self) -> None:
+        pending = set(self._handlers)
+        if not pending:
+            return
+        log.info("draining %d steps", len(pending))
+        _, still = await asyncio.wait(pending, timeout=self.cfg.drain_timeout_s)
+        for task in still:
+            task.cancel()  # not acked: redelivered to another executor
+        if still:
+            await asyncio.wait(still)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        run_id = msg.subject.rsplit(".", 1)[-1]
+        for guard in self._guards.values():
+            if run_id in guard.scope:
+                guard.cancelled.set()
+
+    # -- one message ----------------------------------------------------------------
+
+    async def _handle(self, msg: Msg) -> None:
+        store, stepper = self._store, self._stepper
+        assert store is not None and stepper is not None
+        try:
+            nudge = decode_step(msg.data)
+        except msgspec.DecodeError as exc:
+            assert self._js is not None
+            seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
+            await dead_letter(self._js, msg.subject, msg.data, f"undecodable step: {exc}", seq)
+            await msg.term()
+            self.metrics.steps.labels("poison").inc()
+            return
+        delivery = msg.metadata.num_delivered or 1
+        DELIVERY.set(delivery)  # this task's context: the crash points read it
+        try:
+            got = await store.lease(nudge.run_id, self.cfg.executor_id, self.cfg.lease_s)
+        except RunStoreError as exc:
+            log.warning("run %s: lease unavailable: %s", nudge.run_id, exc.message)
+            await _settle_msg(msg, Verdict("nak", 1.0))
+            return
+        if not isinstance(got, Lease):
+            # Another executor holds the run (usually about to let go): look again
+            # soon, backing off towards the time its lease has left.
+            self.metrics.steps.labels("busy").inc()
+            delay = min(got, 0.05 * 2 ** min(delivery - 1, 8), self.cfg.lease_s)
+            await _settle_msg(msg, Verdict("nak", max(delay, 0.02)))
+            return
+        held = _Held(got)
+        started = time.monotonic()
+        self.metrics.inflight.inc()
+        try:
+            verdict = await self._step(msg, nudge, held, delivery)
+            if verdict is not None and verdict.next_step is not None:
+                # Let go of the run first, then enqueue its next step: whoever
+                # takes that finds the lease free.
+                held.lost = True  # released: nothing below may touch the run
+                await store.release(held.lease)
+                try:
+                    await store.nudge(nudge.run_id, verdict.next_step)
+                except RunStoreError as exc:  # not acked: the redelivery re-enqueues it
+                    log.warning("run %s: next step not enqueued: %s", nudge.run_id, exc.message)
+                    verdict = Verdict("nak", 1.0)
+            if verdict is not None:
+                if verdict.action == "ack":
+                    self.crash.maybe("before_ack", nudge.run_id, nudge.step)
+                await _settle_msg(msg, verdict)
+                self.metrics.steps.labels(verdict.action).inc()
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.step_duration.observe(time.monotonic() - started)
+            if not held.lost:
+                await store.release(held.lease)
+
+    async def _step(self, msg: Msg, nudge: StepMsg, held: _Held, delivery: int) -> Verdict | None:
+        """The step under its lease and watchdog. None: leave the message alone
+        (another executor owns the run now)."""
+        stepper = self._stepper
+        assert stepper is not None
+        for _ in range(3):  # an interruption by a cancel notice re-checks the halts
+            guard = Guard(nudge.run_id)
+            self._guards[nudge.run_id] = guard
+            work = asyncio.create_task(stepper.handle(nudge, guard))
+            keeper = asyncio.create_task(self._keep(msg, held, work))
+            try:
+                done, _ = await asyncio.wait({work}, timeout=self.cfg.step_timeout_s)
+            except asyncio.CancelledError:  # draining past its grace: not acked, redelivered
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                raise
+            finally:
+                keeper.cancel()
+                self._guards.pop(nudge.run_id, None)
+            if not done:
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                if held.lost:
+                    return None
+                return await self._stuck(nudge, delivery)
+            if held.lost or work.cancelled():
+                self.metrics.steps.labels("conflict").inc()
+                return None
+            exc = work.exception()
+            if exc is None:
+                return work.result()
+            if isinstance(exc, StepInterrupted):
+                continue
+            return await self._failed(nudge, exc, delivery)
+        return Verdict("nak", 0.5)
+
+    async def _keep(self, msg: Msg, held: _Held, work: asyncio.Task[Verdict]) -> None:
+        """Renew the lease and tell JetStream the step is alive, until cancelled.
+        A lease taken over by someone else stops the step: it is theirs now."""
+        store = self._store
+        assert store is not None
+        while True:
+            await asyncio.sleep(self.cfg.lease_s / 3)
+            try:
+                held.lease = await store.renew(held.lease, self.cfg.lease_s)
+            except LeaseLostError:
+                log.warning("run %s: lease lost; stopping this step", held.lease.run_id)
+                held.lost = True
+                work.cancel()
+                return
+            except RunStoreError as exc:  # transient: the next renewal may work
+                log.warning("run %s: lease renewal failed: %s", held.lease.run_id, exc.message)
+                continue
+            with contextlib.suppress(nats.errors.Error):
+                await msg.in_progress()
+
+    async def _stuck(self, nudge: StepMsg, delivery: int) -> Verdict:
+        cfg = self.cfg
+        self.metrics.steps.labels("stuck").inc()
+        log.warning(
+            "run %s: step %d stuck past %.1fs", nudge.run_id, nudge.step, cfg.step_timeout_s
+        )
+        if cfg.stuck_policy == "retry" and delivery <= cfg.stuck_retries:
+            return Verdict("nak", 0.0)  # escalate: another executor takes it
+        await self._fail_run(
+            nudge, f"step {nudge.step} stuck: no outcome after {cfg.step_timeout_s:g}s"
+        )
+        return Verdict("ack")
+
+    async def _failed(self, nudge: StepMsg, exc: BaseException, delivery: int) -> Verdict | None:
+        if isinstance(exc, RunConflictError | LeaseLostError):
+            self.metrics.steps.labels("conflict").inc()
+            return None  # someone else wrote the run: it is theirs
+        if isinstance(exc, RunTooLargeError):
+            await self._fail_run(nudge, exc.message)
+            return Verdict("ack")
+        if isinstance(exc, LedgerError | RunStoreError | nats.errors.Error | TimeoutError):
+            # Infrastructure: nothing undurable was acked; try again shortly.
+            log.warning("run %s: step %d: %s", nudge.run_id, nudge.step, exc)
+            self.metrics.steps.labels("error").inc()
+            return Verdict("nak", 1.0)
+        log.error("run %s: step %d failed", nudge.run_id, nudge.step, exc_info=exc)
+        self.metrics.steps.labels("error").inc()
+        if delivery < _POISON_DELIVERIES:
+            return Verdict("nak", 2.0)
+        await self._fail_run(nudge, f"executor error: {type(exc).__name__}")
+        return Verdict("ack")
+
+    async def _fail_run(self, nudge: StepMsg, reason: str) -> None:
+        store, stepper = self._store, self._stepper
+        assert store is not None and stepper is not None
+        stored = await store.get(nudge.run_id)
+        if stored is None or stored.run.terminal:
+            return
+        with contextlib.suppress(RunConflictError):
+            await stepper.finish(RunHandle(store, stored), "failed", reason)
+
+
+async def _settle_msg(msg: Msg, verdict: Verdict) -> None:
+    with contextlib.suppress(nats.errors.Error):
+        if verdict.action == "ack":
+            await msg.ack()
+        elif verdict.action == "term":
+            await msg.term()
+        else:
+            await msg.nak(delay=verdict.delay or None)

@@ -1,0 +1,45 @@
+"""Interrupting a step: a cancel notice for a run, or for any of its ancestors,
+stops the step's waits (a model call, a read-only tool) at once. Effectful tool
+calls are never interrupted half-way: they finish and record their outcome, and
+the cancel takes effect right after."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from streams.agent import Run
+from workers.agent.errors import StepInterrupted
+
+T = TypeVar("T")
+
+
+class Guard:
+    def __init__(self, run_id: str) -> None:
+        self.cancelled = asyncio.Event()
+        self.scope: frozenset[str] = frozenset({run_id})
+
+    def bind(self, run: Run) -> None:
+        self.scope = frozenset({run.id, *run.ancestors})
+
+    async def interruptible(self, work: Awaitable[T]) -> T:
+        """``await work`` unless a cancel notice arrives first (StepInterrupted)."""
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(self.cancelled.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # we were cancelled ourselves: take the work down too
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
+        finally:
+            waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise StepInterrupted("a cancel of this run (or an ancestor) arrived")
