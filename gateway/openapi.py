@@ -521,9 +521,63 @@ def _inference(
     }
 
 
+def _run_op(op_id: str, summary: str, ok: str, statuses: tuple[int, ...]) -> Schema:
+    """Agent-run routes (docs/agents.md): JSON in, JSON out; 409 for a decision
+    on a call that is not pending."""
+    responses: dict[str, Schema] = {
+        ok: {
+            "description": summary,
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        **_errors(*statuses),
+    }
+    if 409 in statuses or op_id in ("decideRunCall",):
+        responses["409"] = {
+            "description": "The call is not pending, or the decision was already made.",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        }
+    return {"operationId": op_id, "summary": summary, "responses": responses}
+
+
+def _run_paths() -> dict[str, Schema]:
+    common = (400, 401, 403, 404, 429, 503)
+    body = {
+        "required": True,
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
+    return {
+        "/v1/runs": {
+            "post": {**_run_op("createRun", "A new agent run.", "201", common), "requestBody": body}
+        },
+        "/v1/runs/{run_id}": {"get": _run_op("getRun", "The run record.", "200", common)},
+        "/v1/runs/{run_id}/events": {
+            "get": {
+                **_run_op("runEvents", "The run's events (SSE, resumable).", "200", common),
+                "responses": {
+                    "200": {
+                        "description": "Server-sent events; resume with Last-Event-ID.",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(*common),
+                },
+            }
+        },
+        "/v1/runs/{run_id}/approvals/{call_id}": {
+            "post": {
+                **_run_op("decideRunCall", "Approve or deny a paused tool call.", "200", common),
+                "requestBody": body,
+            }
+        },
+        "/v1/runs/{run_id}/cancel": {
+            "post": _run_op("cancelRun", "Cancel the run and its descendants.", "200", common)
+        },
+    }
+
+
 def _paths() -> dict[str, Schema]:
     public: list[dict[str, Any]] = [{}]  # no credential
     return {
+        **_run_paths(),
         "/v1/chat/completions": _inference(
             "Chat completion",
             "ChatRequest",

@@ -475,3 +475,23 @@ async def test_runs_over_nats(fleet: Fleet) -> None:
         assert r.headers is not None and r.headers["Jetserve-Status"] == "404"
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/runs"),
+        ("GET", "/v1/runs/r1"),
+        ("GET", "/v1/runs/r1/events"),
+        ("POST", "/v1/runs/r1/approvals/c1"),
+        ("POST", "/v1/runs/r1/cancel"),
+    ],
+)
+@pytest.mark.parametrize("credential", [None, "Bearer sk-wrong"])
+def test_run_routes_need_a_valid_key(
+    fleet: Fleet, method: str, path: str, credential: str | None
+) -> None:
+    headers = {"Authorization": credential} if credential else {}
+    r = httpx.request(method, f"{fleet.base_url}{path}", json={}, headers=headers, timeout=10)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"

@@ -13,6 +13,7 @@ subject wildcards as request ids) are sent explicitly, through the same checks.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -83,7 +84,11 @@ CONFIG = SchemathesisConfig.from_dict(
         "request-timeout": 20.0,
     }
 )
-schema = schemathesis.openapi.from_dict(SPEC, config=CONFIG)
+# Agent runs are described (and covered by tests/connected/test_agent_runs.py) but
+# not fuzzed here yet: their responses are only loosely specified.
+schema = schemathesis.openapi.from_dict(copy.deepcopy(SPEC), config=CONFIG).exclude(
+    path_regex="^/v1/runs"
+)
 
 
 @schemathesis.deserializer("application/x-ndjson")
@@ -156,7 +161,8 @@ def test_every_public_route_is_described() -> None:
         for method in route.methods or ()
         if method != "HEAD"
     }
-    described = {(path, m.upper()) for path, item in SPEC["paths"].items() for m in item}
+    spec = build_spec(MODELS, EMBEDDING_MODELS)  # fresh: the fuzz machinery may reshape SPEC
+    described = {(path, m.upper()) for path, item in spec["paths"].items() for m in item}
     assert routes == described
 
 
@@ -300,5 +306,7 @@ def test_every_secured_operation_is_tested_for_401() -> None:
         for path, item in SPEC["paths"].items()
         for method, op in item.items()
         if all(op.get("security", SPEC["security"]))  # [{}]: no credential needed
+        # Agent runs have their own 401 tests (tests/connected/test_agent_runs.py).
+        and not path.startswith("/v1/runs")
     }
     assert secured == {(p, m) for p, m, _ in SECURED}
