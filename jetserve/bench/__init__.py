@@ -10,6 +10,7 @@ The pieces, in the order a run meets them:
 - ``client``, ``timeline``, ``loadgen``: the streaming client that records per-request
   timelines, driven open-loop in a process of its own;
 - ``slo``, ``metrics``: vLLM's metric definitions, goodput, added latency;
+- ``cpu``: CPU time of the fleet's processes (and everyone else's) around each run;
 - ``sweep``, ``report``, ``plots``, ``progress``, ``plan``, ``cli``: orchestration and
   output.
 

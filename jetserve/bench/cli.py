@@ -451,12 +451,6 @@ def _meta(
         "point": point,
         **local.meta,
     }
-    if args.fleet:
-        fl = local.meta
-        meta["fleet"] = (
-            f"simulator profile {fl.get('profile')}, {fl.get('workers')} workers, "
-            f"{fl.get('gateways')} gateway(s), LiteLLM {fl.get('litellm')}"
-        )
     return meta
 
 

@@ -229,8 +229,8 @@ def markdown(res: Results, plots: list[str] | None = None) -> str:
     lines.append(f"- SLO: {slo}; attainment target {res.slo_target * 100:g}%")
     names = ", ".join(f"{t['name']} ({t['url']})" for t in res.targets)
     lines.append(f"- Targets: {names}" + (f"; baseline `{res.baseline}`" if res.baseline else ""))
-    if m.get("fleet"):
-        lines.append(f"- Fleet: {m['fleet']}")
+    if m.get("mode") == "fleet":
+        lines.append(f"- Fleet: {_fleet_text(m)}")
     lines.append(
         f"- Each point: {m.get('point', '')}; the generator flags a run whose p99 send lag "
         f"exceeds {res.max_lag_ms:g} ms"
@@ -296,7 +296,7 @@ def markdown(res: Results, plots: list[str] | None = None) -> str:
                     name,
                     str(c.sent),
                     str(c.ok),
-                    f"{c.rejected}/{c.timeout}/{c.error}",
+                    f"{c.rejected}/{c.timeout}/{c.error}/{c.cancelled}",
                     f"{s.request_throughput:.2f}",
                     f"{s.output_throughput:.0f}",
                     *_stat_cols(lat.ttft, ("p50", "p95", "p99")),
@@ -315,7 +315,7 @@ def markdown(res: Results, plots: list[str] | None = None) -> str:
             "target",
             "sent",
             "ok",
-            "rej/tmo/err",
+            "rej/tmo/err/cxl",
             "done/s",
             "tok/s",
             "TTFT p50",
@@ -337,7 +337,8 @@ def markdown(res: Results, plots: list[str] | None = None) -> str:
     lines += [
         "",
         "Latencies in ms over completed requests; vLLM's definitions (docs/bench.md). "
-        "*cached*: prompt tokens the engine served from its prefix cache.",
+        "*rej/tmo/err/cxl*: rejected (429/503), timed out, failed, cancelled by the "
+        "workload. *cached*: prompt tokens the engine served from its prefix cache.",
     ]
     added = [e for e in res.runs if e.added is not None]
     if added:
@@ -506,6 +507,21 @@ def _cpu_section(res: Results) -> list[str]:
     ]
     head = ["req/s", "target", *groups, "path ms/req", "generator CPU", "other cores", "attempts"]
     return lines + _table(head, rows)
+
+
+def _fleet_text(m: dict[str, Any]) -> str:
+    peer = m.get("litellm")
+    if isinstance(peer, dict):
+        peer_text = (
+            f"LiteLLM {peer.get('version', '?')} ({peer.get('provider', '?')}, "
+            f"{peer.get('workers', '?')} worker)"
+        )
+    else:
+        peer_text = "no LiteLLM"
+    return (
+        f"simulator profile {m.get('profile')}, {m.get('workers')} workers, "
+        f"{m.get('gateways')} gateway(s), {peer_text}"
+    )
 
 
 def _workload_text(wl: dict[str, Any]) -> str:
