@@ -206,11 +206,18 @@ async def references(fleet: Fleet) -> list[str]:
 
 
 async def check(fleet: Fleet, outcomes: list[Outcome], refs: list[str]) -> Report:
-    # Records are written at each request's end; give the last ones a moment.
-    await asyncio.sleep(1.0)
-    with fleet.admin() as admin:
-        text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
-    rows = [msgspec.json.decode(x) for x in text.splitlines() if x]
+    # Records are written at each request's end, and a writer retries through a
+    # NATS outage or leader election: wait (bounded) until every accepted request
+    # that ended has its record, then judge.
+    wanted = {o.request_id for o in outcomes if o.request_id and o.kind != "rejected"}
+    rows: list[dict[str, object]] = []
+    for _ in range(60):
+        await asyncio.sleep(0.5)
+        with fleet.admin() as admin:
+            text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
+        rows = [msgspec.json.decode(x) for x in text.splitlines() if x]
+        if wanted <= {str(r["request_id"]) for r in rows}:
+            break
     admitted = Counter(r["request_id"] for r in rows if str(r["policy"]).startswith("admitted"))
     rep = Report(outcomes)
     for o in outcomes:
