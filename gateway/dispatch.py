@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -54,6 +55,10 @@ from streams.wire import (
     decode_frame,
     encode,
 )
+
+# How long a gateway waits for the frames capture to hand back tokens that core
+# NATS lost on their way here (a server died between worker and gateway).
+GAP_RECOVERY_S = 3.0
 
 # Per-request frame buffer. Workers publish at engine speed; a client slower
 # than that gets coalesced deltas (the writer drains the queue in one go).
@@ -102,8 +107,10 @@ class Dispatcher:
         gateway_id: str,
         topology: Topology,
         max_buffered_frames: int = MAX_BUFFERED_FRAMES,
+        gap_recovery_s: float = GAP_RECOVERY_S,
     ) -> None:
         self.max_buffered = max_buffered_frames
+        self.gap_recovery_s = gap_recovery_s
         self._nc = nc
         self._js = js
         self.gateway_id = gateway_id
@@ -214,6 +221,44 @@ class Dispatcher:
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
         return FrameStream(self, req, queue, duplicate=bool(ack.duplicate), seq=ack.seq)
 
+    async def recover(
+        self, tenant: str, request_id: str, attempt: int, after: int, through: int
+    ) -> list[Token] | None:
+        """Tokens ``after+1 .. through`` of one attempt, read back from the frames
+        capture: core NATS delivers at most once, so a server dying between the
+        worker and this gateway can drop a frame the (replicated) capture kept.
+        None when the capture does not hold them all within the wait."""
+        want = set(range(after + 1, through + 1))
+        found: dict[int, Token] = {}
+        complete = asyncio.Event()
+
+        async def on_msg(msg: Msg) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                frame = decode_frame(msg.data)
+                if isinstance(frame, Token) and frame.attempt == attempt and frame.seq in want:
+                    found[frame.seq] = frame
+                    if len(found) == len(want):
+                        complete.set()
+
+        try:
+            sub = await self._js.subscribe(
+                frames_filter(tenant, request_id),
+                stream=self.topology.frames_stream,
+                cb=on_msg,
+                ordered_consumer=True,
+            )
+        except (nats.errors.Error, TimeoutError, APIError):
+            return None
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(complete.wait(), self.gap_recovery_s)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if len(found) != len(want):
+            return None
+        return [found[s] for s in sorted(found)]
+
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
@@ -303,6 +348,9 @@ class FrameStream:
         self.last_seq = 0
         self.done = False
         self.first_token_at: float | None = None
+        # Frames to handle before the queue's: recovered tokens, then the frame
+        # that revealed the gap.
+        self._ahead: deque[Item] = deque()
 
     @property
     def started(self) -> bool:
@@ -318,6 +366,8 @@ class FrameStream:
         timeout = heartbeat_timeout if self.started else self.req.deadline - time.time() + 0.5
         if wait_limit is not None:
             timeout = min(timeout, wait_limit)
+        if self._ahead:
+            return self._ahead.popleft()
         try:
             return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
         except TimeoutError:
@@ -341,6 +391,14 @@ class FrameStream:
                 continue
             if self.attempt is not None and frame.attempt != self.attempt:
                 continue  # a redelivered attempt racing the one we relay
+            # A heartbeat carries the last token's seq; tokens and finals their own.
+            if isinstance(frame, Token | Final | Heartbeat) and frame.seq > self.last_seq + (
+                0 if isinstance(frame, Heartbeat) else 1
+            ):
+                # Tokens before this frame never arrived: fetch them from the
+                # capture, or end visibly rather than relay a text with a hole.
+                await self._fill_gap(frame)
+                continue
             if isinstance(frame, Heartbeat):
                 continue
             if isinstance(frame, Token):
@@ -360,25 +418,37 @@ class FrameStream:
             self.done = True
             return frame
 
+    async def _fill_gap(self, frame: Token | Final | Heartbeat) -> None:
+        through = frame.seq if isinstance(frame, Heartbeat) else frame.seq - 1
+        if through <= self.skip_through:
+            # A resumed stream whose client already has these: nothing to relay.
+            self.attempt = self.attempt or frame.attempt
+            self.last_seq = through
+            self._ahead.appendleft(frame)
+            return
+        tokens = await self._d.recover(
+            self.req.tenant, self.req.id, frame.attempt, self.last_seq, through
+        )
+        if tokens is None:
+            await self.cancel("frames_lost")
+            raise StreamInterrupted("Part of this response was lost in transit; it was ended.")
+        self._ahead.extendleft([frame, *reversed(tokens)])
+
     def drain_tokens(self) -> list[Token]:
-        """Tokens already buffered (for coalescing into one client write)."""
+        """Tokens already buffered and in sequence (coalesced into one client write)."""
         out: list[Token] = []
-        while not self._queue.empty():
+        while not self._ahead and not self._queue.empty():
             frame = self._queue.get_nowait()
-            if isinstance(frame, _Overflow):
-                self._queue.put_nowait(frame)  # next_event reports it
-                break
-            if (
-                isinstance(frame, Token)
-                and frame.seq > self.last_seq
-                and (self.attempt is None or frame.attempt == self.attempt)
-            ):
-                self.last_seq = frame.seq
-                out.append(frame)
-            elif isinstance(frame, Final | ErrorFrame):
-                # Put the terminal frame back for next_event.
-                self._queue.put_nowait(frame)
-                break
+            if isinstance(frame, Token) and self.attempt is not None:
+                if frame.attempt != self.attempt or frame.seq <= self.last_seq:
+                    continue
+                if frame.seq == self.last_seq + 1:
+                    self.last_seq = frame.seq
+                    out.append(frame)
+                    continue
+            # Anything else (a gap, a terminal frame, the overflow mark, a
+            # heartbeat) is next_event's to judge, in order.
+            self._ahead.append(frame)
         return out
 
     async def events(self, heartbeat_timeout: float) -> AsyncIterator[Event]:

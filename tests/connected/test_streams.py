@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import Dispatcher, FrameBuffer, FrameStream, StreamInterrupted
 from gateway.errors import RateLimited
 from jetserve.services import Service
 from streams.connect import connect
 from streams.definitions import Limits, Topology
 from streams.provision import ensure_topology
-from streams.subjects import RequestClass
-from streams.wire import InferenceRequest, Meta
+from streams.subjects import RequestClass, reply_subject
+from streams.wire import Final, InferenceRequest, Meta, Token, Usage, encode
 
 pytestmark = pytest.mark.connected
 
@@ -66,5 +66,52 @@ async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> No
             await d.submit(*request(3))
         assert info.value.code == "queue_full" and info.value.headers()["Retry-After"] == "1"
         assert (await js.stream_info("SMALL")).state.messages == 3
+    finally:
+        await nc.close()
+
+
+async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
+    nats_server: Service,
+) -> None:
+    """Core NATS delivers at most once: a frame the gateway missed (a server died
+    on the way) is read back from the replicated frames capture; one the capture
+    lacks too ends the stream with an error, never a text with a hole."""
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t")
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js)
+        # Not started: no live subscription, so only the capture sees what we publish.
+        d = Dispatcher(nc, js, "gw", Topology(), gap_recovery_s=0.5)
+
+        def make(rid: str) -> InferenceRequest:
+            return InferenceRequest(
+                id=rid, op="chat", cls="interactive", model="m", body={},
+                reply=reply_subject("t", "gw", rid), deadline=time.time() + 9, tenant="t",
+            )  # fmt: skip
+
+        healed = make("healed")
+        for seq in (1, 2, 3):
+            await nc.publish(healed.reply, encode(Token(seq, f"w{seq} ", attempt=2)))
+        await nc.flush()
+        queue = FrameBuffer()  # what reached the gateway: token 2 was lost
+        for frame in (Token(1, "w1 ", attempt=2), Token(3, "w3 ", attempt=2)):
+            queue.put_nowait(frame)
+        queue.put_nowait(Final(4, "stop", Usage(1, 3), attempt=2))
+        stream = FrameStream(d, healed, queue, duplicate=False)
+        got = [await stream.next_event(1.0)]
+        got += stream.drain_tokens()
+        while not isinstance(got[-1], Final):
+            got.append(await stream.next_event(1.0))
+        assert [e.text for e in got if isinstance(e, Token)] == ["w1 ", "w2 ", "w3 "]
+
+        lost = make("lost")  # nothing captured: token 2 cannot be recovered
+        queue = FrameBuffer()
+        for frame in (Token(1, "w1 "), Token(3, "w3 ")):
+            queue.put_nowait(frame)
+        stream = FrameStream(d, lost, queue, duplicate=False)
+        assert isinstance(await stream.next_event(1.0), Token)
+        assert stream.drain_tokens() == []
+        with pytest.raises(StreamInterrupted):
+            await stream.next_event(1.0)
     finally:
         await nc.close()
