@@ -23,6 +23,7 @@ from starlette.routing import Route
 from gateway import http
 from gateway.accounting import LimitSpec
 from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
+from gateway.routes_admin import route_admin_routes
 from gateway.runtime import Runtime
 from gateway.tenancy import KeyRecord, Scopes
 from streams.ledger import InvalidTenantError, encode_record
@@ -193,6 +194,7 @@ def create_admin_app(rt: Runtime, token_sha256: str | None) -> Starlette:
         Route("/admin/limits/{level}/{ident}", g(put_limits), methods=["PUT"]),
         Route("/admin/limits/{level}/{ident}", g(get_limits), methods=["GET"]),
         Route("/admin/ledger", g(ledger), methods=["GET"]),
+        *route_admin_routes(rt, g),
     ]
     return Starlette(
         routes=routes,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gateway.pricing import PriceBook
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.routes import CoalescePolicy, HedgePolicy, RoutingPolicy
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,10 @@ class GatewayConfig:
     # (a run may wait hours on a human approval).
     run_default_timeout_s: float = 600.0
     run_max_timeout_s: float = 86_400.0
+    # For models without a route contract (a contract's own policies win).
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    hedge: HedgePolicy = field(default_factory=HedgePolicy)
+    # Refuse (429) what the queue ahead would keep past its deadline.
+    shed: bool = True
+    # Identical temperature-0 requests share one execution (gateway/coalesce.py).
+    coalesce: CoalescePolicy = field(default_factory=CoalescePolicy)

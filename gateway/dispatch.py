@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -32,9 +32,11 @@ from gateway.errors import (
     UpstreamFailed,
     from_frame,
 )
+from gateway.hedging import Hedger
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
 from streams.headers import Header
+from streams.routes import HedgePolicy
 from streams.subjects import (
     cancel_subject,
     frames_filter,
@@ -44,6 +46,7 @@ from streams.subjects import (
     resumed_subject,
 )
 from streams.wire import (
+    HEDGE_ATTEMPT_BASE,
     Cancel,
     ErrorFrame,
     Final,
@@ -119,6 +122,9 @@ class Dispatcher:
         self._sub: Subscription | None = None
         self._closing: set[asyncio.Task[object]] = set()  # owned: awaited in stop()
         self._watches: dict[str, Subscription] = {}
+        self.hedger = Hedger()
+        # Counts hedges (sent, won, lost, capped, failed); the gateway sets its metric.
+        self.on_hedge: Callable[[str, str], None] = lambda cls, outcome: None
 
     def reply_for(self, tenant: str, request_id: str) -> str:
         return reply_subject(tenant, self.gateway_id, request_id)
@@ -185,9 +191,17 @@ class Dispatcher:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def submit(self, req: InferenceRequest, meta: Meta) -> FrameStream:
+    async def submit(
+        self,
+        req: InferenceRequest,
+        meta: Meta,
+        subject: str | None = None,
+        hedge: HedgePolicy | None = None,
+    ) -> FrameStream:
         """Register for frames, then publish; the frames can't arrive before we listen.
-        The Meta frame goes first, so the frames capture can be resumed from."""
+        The Meta frame goes first, so the frames capture can be resumed from.
+        ``subject``: a lane (prefix affinity) instead of the class subject;
+        ``hedge``: race a second copy if the first token is late."""
         queue = FrameBuffer()
         self._queues[req.id] = queue
         headers = {Header.MSG_ID.value: req.id, Header.DEADLINE.value: f"{req.deadline:.3f}"}
@@ -205,7 +219,7 @@ class Dispatcher:
         try:
             await self._nc.publish(req.reply, encode(meta))
             ack = await self._js.publish(
-                request_subject(req.cls), payload, headers=headers, timeout=5.0
+                subject or request_subject(req.cls), payload, headers=headers, timeout=5.0
             )
         except APIError as exc:
             self._queues.pop(req.id, None)
@@ -219,7 +233,38 @@ class Dispatcher:
         except (nats.errors.Error, TimeoutError, OSError) as exc:
             self._queues.pop(req.id, None)
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
-        return FrameStream(self, req, queue, duplicate=bool(ack.duplicate), seq=ack.seq)
+        stream = FrameStream(self, req, queue, duplicate=bool(ack.duplicate), seq=ack.seq)
+        if hedge is not None and not stream.duplicate:
+            self.hedger.admit(req.cls, hedge)
+            delay = self.hedger.delay(req.cls, hedge)
+            if delay is not None:
+                stream.hedge_task = asyncio.create_task(self._hedge_after(stream, delay, headers))
+        return stream
+
+    async def _hedge_after(
+        self, stream: FrameStream, delay: float, headers: dict[str, str]
+    ) -> None:
+        """The second copy: to the plain class subject (any worker with room, so
+        most likely another replica), numbered apart so its frames are told apart."""
+        await asyncio.sleep(delay)
+        req = stream.req
+        if stream.started or stream.done or time.time() >= req.deadline:
+            return
+        if not self.hedger.take(req.cls):
+            self.on_hedge(req.cls, "capped")
+            return
+        copy = msgspec.structs.replace(req, attempt_base=HEDGE_ATTEMPT_BASE)
+        headers = {**headers, Header.MSG_ID.value: f"{req.id}.hedge"}
+        try:
+            ack = await self._js.publish(
+                request_subject(req.cls), encode(copy), headers=headers, timeout=5.0
+            )
+        except (APIError, nats.errors.Error, TimeoutError, OSError):
+            self.on_hedge(req.cls, "failed")
+            return  # the original still runs: a hedge is an extra, never a must
+        stream.hedge_seq = ack.seq
+        stream.copies = 2
+        self.on_hedge(req.cls, "sent")
 
     async def recover(
         self, tenant: str, request_id: str, attempt: int, after: int, through: int
@@ -310,11 +355,16 @@ class Dispatcher:
             await self._nc.publish(resumed_subject(request_id), b"")
         return stream
 
-    async def cancel(self, request_id: str, reason: str, seq: int | None = None) -> None:
+    async def cancel(
+        self, request_id: str, reason: str, *seqs: int | None, keep_attempt: int = 0
+    ) -> None:
         # If the bus is down the worker's deadline ends the work instead.
+        note = Cancel(request_id, reason, keep_attempt)
         with contextlib.suppress(nats.errors.Error):
-            await self._nc.publish(cancel_subject(request_id), encode(Cancel(request_id, reason)))
-        if seq is not None:
+            await self._nc.publish(cancel_subject(request_id), encode(note))
+        for seq in seqs:
+            if seq is None:
+                continue
             # Not picked up yet? Then no worker hears the cancel: remove the
             # message itself (a no-op if a worker already holds it).
             with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
@@ -348,6 +398,12 @@ class FrameStream:
         self.last_seq = 0
         self.done = False
         self.first_token_at: float | None = None
+        self.submitted_at = time.monotonic()
+        # Hedging: the timer that may send a second copy, that copy's queue
+        # sequence, and how many copies may still answer before the first token.
+        self.hedge_task: asyncio.Task[None] | None = None
+        self.hedge_seq: int | None = None
+        self.copies = 1
         # Frames to handle before the queue's: recovered tokens, then the frame
         # that revealed the gap.
         self._ahead: deque[Item] = deque()
@@ -411,12 +467,28 @@ class FrameStream:
                     self.last_seq = frame.seq
                     continue
                 if self.attempt is None:
-                    self.attempt = frame.attempt
-                    self.first_token_at = time.monotonic()
+                    await self._first_token(frame.attempt)
                 self.last_seq = frame.seq
                 return frame
+            if isinstance(frame, ErrorFrame) and self.attempt is None and self.copies > 1:
+                self.copies -= 1  # one copy of a hedged request failed: the other may not
+                continue
             self.done = True
             return frame
+
+    async def _first_token(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.first_token_at = time.monotonic()
+        self._d.hedger.observe(self.req.cls, self.first_token_at - self.submitted_at)
+        if self.hedge_task is not None:
+            self.hedge_task.cancel()
+        if self.hedge_seq is not None:
+            # A hedge race: the winner keeps going, the loser stops (or, still
+            # queued, is removed).
+            hedge_won = attempt >= HEDGE_ATTEMPT_BASE
+            loser_seq = self.stream_seq if hedge_won else self.hedge_seq
+            self._d.on_hedge(self.req.cls, "won" if hedge_won else "lost")
+            await self._d.cancel(self.req.id, "hedge_lost", loser_seq, keep_attempt=attempt)
 
     async def _fill_gap(self, frame: Token | Final | Heartbeat) -> None:
         through = frame.seq if isinstance(frame, Heartbeat) else frame.seq - 1
@@ -458,9 +530,14 @@ class FrameStream:
     async def cancel(self, reason: str = "client_disconnected") -> None:
         if not self.done:
             self.done = True
-            await self._d.cancel(self.req.id, reason, None if self.started else self.stream_seq)
+            if self.started:
+                await self._d.cancel(self.req.id, reason)
+            else:
+                await self._d.cancel(self.req.id, reason, self.stream_seq, self.hedge_seq)
 
     def close(self) -> None:
+        if self.hedge_task is not None:
+            self.hedge_task.cancel()
         self._d.forget(self.req.id)
         if self._sub is not None:
             sub, self._sub = self._sub, None

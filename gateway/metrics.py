@@ -66,6 +66,17 @@ class GatewayMetrics:
             "jetserve_gateway_tokens", "Tokens by direction", ["cls", "direction"], registry=r
         )
         self.inflight = Gauge("jetserve_gateway_inflight", "Requests in flight", registry=r)
+        self.coalesced = Counter(
+            "jetserve_gateway_coalesced",
+            "Requests that followed an identical in-flight T=0 request (one shared execution)",
+            registry=r,
+        )
+        self.hedges = Counter(
+            "jetserve_gateway_hedges",
+            "Hedged attempts: sent, won (the copy emitted first), lost, capped, failed",
+            ["cls", "outcome"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

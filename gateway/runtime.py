@@ -27,16 +27,18 @@ from gateway.idempotency import IdempotencyStore
 from gateway.ingress_nats import NatsIngress
 from gateway.ledger import LedgerReader, LedgerWriter
 from gateway.metrics import GatewayMetrics
+from gateway.routes import RouteTable
 from gateway.run_settle import RunSettler
 from gateway.runs import RunsService
 from gateway.runs_nats import RunsNatsIngress
 from gateway.service import Gateway
+from gateway.shedding import QueueWatch
 from gateway.tenancy import Tenancy
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
 from streams.ledger import DEFAULT_LEDGER, ensure_ledger
-from streams.provision import ensure_topology
+from streams.provision import ensure_routes, ensure_topology
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,11 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         await ensure_ledger(js, ledger_topo)
         dispatcher = Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
         await dispatcher.start()
+        # Route contracts: loaded before serving, then followed live.
+        route_table = RouteTable(await ensure_routes(js, cfg.topology))
+        await route_table.start()
+        queue_watch = QueueWatch(js, cfg.topology)
+        await queue_watch.start()
         gw = Gateway(
             cfg,
             Tenancy(rds, cfg.key_cache_s),
@@ -116,6 +123,8 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             LedgerWriter(js, ledger_topo, attempts=8, backoff_s=0.25),
             dispatcher,
             GatewayMetrics(cfg.metrics_tenants),
+            routes=route_table,
+            queue_watch=queue_watch,
         )
         ingress = NatsIngress(nc, gw)
         await ingress.start()
@@ -138,6 +147,8 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             await watch.stop()
             await ingress.stop()
             await dispatcher.stop()
+            await route_table.stop()
+            await queue_watch.stop()
     finally:
         await rds.aclose()
         with contextlib.suppress(asyncio.TimeoutError):

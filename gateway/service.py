@@ -25,11 +25,14 @@ from typing import Any
 import msgspec
 
 from gateway.accounting import Accountant, BudgetExceeded, RateLimited, Reservation, Scope
+from gateway.coalesce import Coalescer, MemberStream
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, FrameStream, error_from_frame
 from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.errors import RateLimited as QueueRateLimited
 from gateway.idempotency import HEADER as IDEM_HEADER
 from gateway.idempotency import Claim, IdempotencyStore
+from gateway.lanes import LaneRouter
 from gateway.ledger import LedgerWriteError, LedgerWriter
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import (
@@ -45,11 +48,23 @@ from gateway.openai_types import (
     merge_tool_calls,
     parse_body,
 )
+from gateway.routes import RouteTable
+from gateway.shedding import QueueWatch
 from gateway.tenancy import KeyRecord, Tenancy
 from gateway.tracing import Span, Tracer
 from streams.ledger import LedgerRecord
+from streams.routes import RouteRecord
 from streams.subjects import RequestClass
-from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token, Usage
+from streams.wire import (
+    HEDGE_ATTEMPT_BASE,
+    ErrorFrame,
+    Final,
+    InferenceRequest,
+    Meta,
+    Op,
+    Token,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +185,8 @@ class Gateway:
         ledger: LedgerWriter,
         dispatcher: Dispatcher,
         metrics: GatewayMetrics,
+        routes: RouteTable | None = None,
+        queue_watch: QueueWatch | None = None,
     ) -> None:
         self.cfg = cfg
         self.tenancy = tenancy
@@ -178,11 +195,19 @@ class Gateway:
         self.ledger = ledger
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.routes = routes  # route contracts (None: only cfg.models, no contracts)
+        self.queue_watch = queue_watch  # deadline-aware shedding (None: off)
+        self.lanes = LaneRouter(cfg.topology)
+        dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
+        self.coalescer = Coalescer(
+            dispatcher, cfg.heartbeat_timeout_s, cfg.max_buffered_frames, metrics.coalesced.inc
+        )
 
     def models(self) -> list[str]:
-        return [*self.cfg.models, *self.cfg.embedding_models]
+        routed = self.routes.names() if self.routes is not None else []
+        return list(dict.fromkeys([*self.cfg.models, *routed, *self.cfg.embedding_models]))
 
     # -- admission ---------------------------------------------------------------
     async def admit(self, op: Op, raw: bytes, headers: Mapping[str, str]) -> Admitted | Replayed:
@@ -251,6 +276,17 @@ class Gateway:
             raise
         if reservation.settled:
             raise BadRequest("This request id was already served.", code="duplicate_request")
+        record = self.routes.get(req.model) if self.routes is not None else None
+        contract = record.contract if record is not None else None
+        hedge = contract.hedge if contract is not None else self.cfg.hedge
+        subject = self.lanes.subject(
+            req.op,
+            req.cls,
+            req.tenant,
+            req.body,
+            contract.routing if contract is not None else self.cfg.routing,
+            shared_prefix=contract.coalesce.cross_tenant if contract is not None else False,
+        )
         meta = Meta(
             op=req.op,
             model=req.model,
@@ -265,13 +301,34 @@ class Gateway:
             gateway=self.cfg.gateway_id,
         )
         try:
-            stream = await self.dispatcher.submit(req, meta)
+            self._shed(req)
+            coalesce = contract.coalesce if contract is not None else self.cfg.coalesce
+            stream = await self.coalescer.submit(
+                req,
+                None if claim is not None else coalesce,
+                lambda: self.dispatcher.submit(
+                    req, meta, subject, hedge if hedge.enabled else None
+                ),
+            )
         except GatewayError as exc:
             await self._release(req.id)
             await self._append(self._refusal(req, key, f"rejected:{exc.code}", exc))
             raise
         self.metrics.inflight.inc()
         return Admitted(op, parsed, key, stream, reservation, raw, claim, span)
+
+    def _shed(self, req: InferenceRequest) -> None:
+        """Refuse early what the queue ahead would keep past its deadline."""
+        if self.queue_watch is None or not self.cfg.shed:
+            return
+        first_token_s, _ = self.dispatcher.hedger.quantile(req.cls, 0.5)
+        retry_after = self.queue_watch.verdict(req.cls, req.deadline - time.time(), first_token_s)
+        if retry_after is not None:
+            raise QueueRateLimited(
+                "The queue ahead of this request would outlast its deadline; retry later.",
+                code="deadline_unmeetable",
+                retry_after=retry_after,
+            )
 
     def _build(
         self,
@@ -282,7 +339,8 @@ class Gateway:
         headers: Mapping[str, str],
     ) -> InferenceRequest:
         served = self.cfg.embedding_models if op == "embedding" else self.cfg.models
-        if parsed.model not in served:
+        route = self.routes.get(parsed.model) if self.routes is not None else None
+        if parsed.model not in served and route is None:
             raise NotFound(f"The model '{parsed.model}' does not exist.", param="model")
         if op == "embedding":
             cls = RequestClass.EMBED
@@ -296,7 +354,8 @@ class Gateway:
         )
         data_class = headers.get(DATA_CLASS_HEADER, "default")
         key.scopes.check(model=parsed.model, cls=cls.value, tools=tools, data_class=data_class)
-        timeout = self.cfg.default_timeout_s
+        # A route's deadline is the default; the client may only shorten it.
+        timeout = route.contract.deadline_s if route else self.cfg.default_timeout_s
         if TIMEOUT_HEADER in headers:
             try:
                 timeout = float(headers[TIMEOUT_HEADER])
@@ -309,6 +368,8 @@ class Gateway:
                     f"X-Jetserve-Timeout must be in (0, {self.cfg.max_timeout_s}].",
                     param=TIMEOUT_HEADER,
                 )
+            if route is not None:
+                timeout = min(timeout, route.contract.deadline_s)
         max_tokens = 0
         if isinstance(parsed, ChatRequest | CompletionRequest):
             max_tokens = parsed.max_tokens or 0
@@ -342,6 +403,7 @@ class Gateway:
             max_tokens=max_tokens,
             created=now,
             headers=forwarded,
+            **_route_fields(route),
         )
 
     # -- the terminal outcome --------------------------------------------------------
@@ -391,6 +453,9 @@ class Gateway:
             # evidently produced; a request that never started costs nothing.
             usage = Usage(req.prompt_tokens_est if adm.tokens_seen else 0, adm.tokens_seen)
         actual = self.cfg.prices.for_model(req.model).cost(usage)
+        coalesced = adm.stream if isinstance(adm.stream, MemberStream) else None
+        if coalesced is not None and not coalesced.pays:
+            actual = 0  # one shared execution is charged once (gateway/coalesce.py)
         try:
             settled, charge = await self.accountant.settle(req.id, actual)
         except GatewayError as exc:
@@ -410,7 +475,14 @@ class Gateway:
                 op=req.op,
                 cls=req.cls,
                 model=req.model,
-                attempts=final.attempt if final else (adm.stream.attempt or 1),
+                route=req.route,
+                route_revision=req.route_revision,
+                deployment=final.deployment if final else "",
+                fingerprint=self._fingerprint(req, final),
+                attempts=_attempts(final.attempt if final else (adm.stream.attempt or 1)),
+                hedged=adm.stream.hedge_seq is not None,
+                worker=final.worker if final else "",
+                coalesced_with=coalesced.coalesced_with if coalesced else "",
                 policy="admitted" if isinstance(adm, Admitted) else "admitted:resumed",
                 usage=usage,
                 price_version=self.cfg.prices.version,
@@ -494,6 +566,7 @@ class Gateway:
         """Wait for lingering disconnected streams (bounded by their grace)."""
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
+        await self.coalescer.aclose()
         self.tracer.shutdown()  # flush exported spans
 
     async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
@@ -514,6 +587,8 @@ class Gateway:
             op=req.op,
             cls=req.cls,
             model=req.model,
+            route=req.route,
+            route_revision=req.route_revision,
             attempts=0,
             policy=policy,
             usage=Usage(),
@@ -525,6 +600,14 @@ class Gateway:
             created=req.created,
             duration_ms=0.0,
             gateway=self.cfg.gateway_id,
+        )
+
+    def _fingerprint(self, req: InferenceRequest, final: Final | None) -> str:
+        """The serving deployment's fingerprint under the revision the request ran on."""
+        if final is None or not final.deployment or not req.route or self.routes is None:
+            return ""
+        return final.fingerprint or self.routes.fingerprint(
+            req.route, req.route_revision, final.deployment
         )
 
     async def _append(self, record: LedgerRecord) -> None:
@@ -586,6 +669,27 @@ class Gateway:
             result.final.finish_reason,
             result.final.usage,
         )
+
+
+def _route_fields(route: RouteRecord | None) -> dict[str, Any]:
+    """What a request carries of its route contract (none: workers use their defaults)."""
+    if route is None:
+        return {}
+    c = route.contract
+    names = [d.name for d in c.candidates]
+    return {
+        "route": c.name,
+        "route_revision": route.revision,
+        # Without fallback only the preferred deployment may serve it.
+        "candidates": names if c.fallback.enabled else names[:1],
+        "retry_max": c.retry.max_attempts,
+        "retry_on": list(c.retry.on),
+    }
+
+
+def _attempts(attempt: int) -> int:
+    """Deliveries of the copy that served (a hedge copy numbers from HEDGE_ATTEMPT_BASE)."""
+    return attempt - HEDGE_ATTEMPT_BASE if attempt > HEDGE_ATTEMPT_BASE else attempt
 
 
 def _with_id(req: InferenceRequest, request_id: str, reply: str) -> InferenceRequest:

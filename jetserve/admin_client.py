@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -86,3 +87,34 @@ class AdminClient:
             params["until"] = until
         text: str = self._call("GET", "/admin/ledger", params=params)
         return text
+
+    # -- route contracts ----------------------------------------------------------
+    def apply_route(
+        self, contract: dict[str, Any], expected_revision: int | None = None, actor: str = ""
+    ) -> dict[str, Any]:
+        """PUT the contract; the answer's ``changed`` says whether a revision was made."""
+        body = dict(contract)
+        if expected_revision is not None:
+            body["expected_revision"] = expected_revision
+        headers = {"X-Jetserve-Actor": actor} if actor else {}
+        name = quote(str(contract.get("name", "")), safe="/")
+        return dict(self._call("PUT", f"/admin/routes/{name}", json=body, headers=headers))
+
+    def list_routes(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/admin/routes")["data"])
+
+    def show_route(self, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/admin/routes/{quote(name, safe='/')}"))
+
+    def route_history(self, name: str) -> list[dict[str, Any]]:
+        return list(self._call("GET", f"/admin/routes/{quote(name, safe='/')}/history")["data"])
+
+    def route_diff(
+        self, name: str, from_rev: int | None = None, to_rev: int | None = None
+    ) -> dict[str, Any]:
+        params = {k: v for k, v in (("from", from_rev), ("to", to_rev)) if v is not None}
+        return dict(self._call("GET", f"/admin/routes/{quote(name, safe='/')}/diff", params=params))
+
+    def delete_route(self, name: str, expected_revision: int | None = None) -> dict[str, Any]:
+        params = {} if expected_revision is None else {"expected_revision": expected_revision}
+        return dict(self._call("DELETE", f"/admin/routes/{quote(name, safe='/')}", params=params))

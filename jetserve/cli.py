@@ -28,6 +28,15 @@ def _csv(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+def _hedge_policy(spec: str | None, max_extra: float) -> Any:
+    from streams.routes import HedgePolicy
+
+    if spec is None:
+        return HedgePolicy()
+    delay: Any = spec if spec == "p95" else float(spec)
+    return HedgePolicy(enabled=True, delay=delay, max_extra_ratio=max_extra)
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     import hashlib
 
@@ -35,6 +44,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.pricing import PriceBook, parse_price
     from gateway.serve import serve
     from streams.definitions import Topology
+    from streams.routes import CoalescePolicy, RoutingPolicy
 
     token = os.environ.get("JETSERVE_ADMIN_TOKEN") or None
     cfg = GatewayConfig(
@@ -56,6 +66,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         metrics_tenants=_csv(args.metrics_tenants),
         admin_port=args.admin_port,
         admin_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else None,
+        routing=RoutingPolicy(mode=args.routing),
+        hedge=_hedge_policy(args.hedge, args.hedge_max_extra),
+        shed=not args.no_shed,
+        coalesce=CoalescePolicy(enabled=args.coalesce),
     )
     uvloop.run(serve(cfg, args.host, args.port, log_level=args.log_level, grace=args.grace))
     return 0
@@ -65,7 +79,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
     from streams.definitions import Topology
     from streams.subjects import RequestClass
     from workers.admission import AdmissionConfig
-    from workers.engines.openai import OpenAIAdapter
+    from workers.engines.factory import make_adapter
     from workers.worker import Worker, WorkerConfig
 
     kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
@@ -76,10 +90,14 @@ async def _run_worker(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.grace,
         otel_exporter=args.otel_exporter,
+        embed_batch_max=args.embed_batch_max,
+        embed_batch_delay_ms=args.embed_batch_delay_ms,
         topology=Topology(replicas=args.replicas),
+        deployment=await _worker_deployment(args),
         **kwargs,
     )
-    async with OpenAIAdapter(args.engine, api_key=args.engine_api_key) as engine:
+    model = args.deployment_name  # names the model in Triton's URL
+    async with make_adapter(args.dialect, args.engine, args.engine_api_key, model) as engine:
         worker = Worker(cfg, engine)
         loop = asyncio.get_running_loop()
         http = None
@@ -99,6 +117,44 @@ async def _run_worker(args: argparse.Namespace) -> int:
             if http is not None and http_task is not None:
                 http.should_exit = True
     return 0
+
+
+async def _worker_deployment(args: argparse.Namespace) -> Any:
+    """The route deployment a worker declares (``streams.routes.Deployment``).
+    Unset flags come from the engine: name and model = the model it serves,
+    engine = its ``owned_by``; None when the engine can't say (then the worker
+    serves only requests whose route lists no candidates)."""
+    import httpx
+
+    from streams.routes import Deployment
+
+    name, engine, model = args.deployment_name, args.deployment_engine, args.deployment_name
+    if not (name and engine):
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                r = await client.get(f"{args.engine.rstrip('/')}/v1/models")
+                r.raise_for_status()
+                first = r.json()["data"][0]
+            model = model or str(first["id"])
+            name, engine = name or model, engine or str(first.get("owned_by") or "unknown")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            if not name:
+                logging.getLogger("jetserve.worker").warning(
+                    "no --deployment-name and the engine did not name its model (%s): "
+                    "this worker serves no route with candidates",
+                    exc,
+                )
+                return None
+            engine = engine or "unknown"
+    dialect = getattr(args, "dialect", None)
+    return Deployment(
+        name=name,
+        adapter=dialect if dialect in ("openai", "tgi", "triton") else "openai",
+        engine=engine,
+        model=model or name,
+        hardware=args.deployment_hardware,
+        precision=args.deployment_precision,
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -255,6 +311,10 @@ def _admin_command(args: argparse.Namespace) -> int:
             _show(admin.set_limits(args.level, args.id, **limits))
         elif what == ("limits", "show"):
             _show(admin.get_limits(args.level, args.id))
+        elif args.cmd == "routes":
+            from jetserve.routes_cli import routes_command
+
+            routes_command(admin, args)
         elif args.cmd == "ledger":
             text = admin.ledger(args.tenant, args.since, args.until)
             if args.out:
@@ -284,6 +344,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from jetserve.bench.cli import main as bench_main
 
     return bench_main(args.bench_args)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from workers.conformance.cli import main as conformance
+
+    return conformance(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,6 +402,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="MODEL=IN/OUT micro-USD per 1K tokens (repeatable)",
     )
     g.add_argument("--price-version", default="v1")
+    g.add_argument("--coalesce", action="store_true", help="share identical T=0 requests")
+    g.add_argument(
+        "--routing",
+        choices=("affinity", "round_robin", "least_loaded"),
+        default="affinity",
+        help="routing for models without a route contract",
+    )
+    g.add_argument(
+        "--hedge",
+        default=None,
+        metavar="p95|SECONDS",
+        help="hedge late first tokens for models without a route contract (off by default)",
+    )
+    g.add_argument("--hedge-max-extra", type=float, default=0.1, help="hedges per request at most")
+    g.add_argument(
+        "--no-shed", action="store_true", help="queue what cannot meet its deadline (no 429)"
+    )
     g.add_argument(
         "--metrics-tenants", default="", help="tenants named in metrics (others: 'other')"
     )
@@ -347,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--nats", default=DEFAULT_NATS)
     w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
     w.add_argument("--engine-api-key", default=None)
+    w.add_argument(
+        "--engine-dialect",
+        dest="dialect",
+        default="openai",
+        choices=["openai", "tgi", "triton"],
+        help="engine API; triton needs --deployment-name (the model)",
+    )
     w.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     w.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas (3: HA)")
     w.add_argument("--classes", default="interactive,agent,embed,batch", help="in priority order")
@@ -357,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--grace", type=float, default=30.0, help="drain timeout on SIGTERM (s)")
     w.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /readyz")
     w.add_argument("--metrics-host", default="127.0.0.1")
+    w.add_argument("--deployment-name", default="", help="route deployment served (default: model)")
+    w.add_argument("--deployment-engine", default="", help="default: the engine's owned_by")
+    w.add_argument("--deployment-hardware", default="unspecified")
+    w.add_argument("--deployment-precision", default="bf16")
+    w.add_argument("--embed-batch-max", type=int, default=32, help="inputs per engine call")
+    w.add_argument("--embed-batch-delay-ms", type=float, default=5.0, help="batch fill wait")
     w.set_defaults(func=cmd_worker)
 
     a = sub.add_parser(
@@ -457,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     led.add_argument("--out", default=None, help="write JSONL here (default: stdout)")
     led.set_defaults(func=cmd_admin)
 
+    from jetserve.routes_cli import add_routes_parser
+
+    add_routes_parser(admin_parser("routes", "route contracts (admin API)"), admin_opts)
+
     sc = sub.add_parser(
         "scale",
         allow_abbrev=False,
@@ -522,6 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+
+    from workers.conformance.cli import add_arguments
+
+    cf = sub.add_parser("conformance", allow_abbrev=False, help="adapter translation-loss report")
+    add_arguments(cf)
+    cf.set_defaults(func=cmd_conformance)
     return p
 
 

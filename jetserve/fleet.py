@@ -59,7 +59,11 @@ class FleetSpec:
     api_key: str | None = None
     tenant: str = "demo"
     model: str = "sim-8b"
+    engine_url: str | None = None  # an engine already running (a real vLLM): no simulator
     sim_args: list[str] = field(default_factory=list)
+    # Each worker with its own simulator: a replica (engine + worker), as a GPU
+    # fleet has, so prefix caches are per replica.
+    engine_per_worker: bool = False
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     agents: int = 0  # agent run executors (`jetserve agent --demo-tools`)
@@ -103,6 +107,8 @@ class Fleet:
         self.nats_nodes: list[Service] = []  # all nodes (one unless a cluster)
         self.redis: Service | None = None
         self.sim: Proc | None = None
+        self.worker_sims: list[Proc | None] = []  # engine_per_worker: each worker's own
+        self.worker_sim_ports: list[int] = []
         self.gateways: list[Proc] = []
         self.gateway_ports: list[int] = []
         self.worker_metrics_ports: list[int] = []
@@ -182,7 +188,8 @@ class Fleet:
                 self.nats_nodes = [start_nats(self.workdir / "nats")]
                 self.nats = self.nats_nodes[0]
             self.redis = start_redis(self.workdir / "redis")
-            self.start_sim()
+            if self.spec.engine_url is None and not self.spec.engine_per_worker:
+                self.start_sim()
             for _ in range(self.spec.gateways):
                 self.start_gateway()
             with self.admin() as admin:
@@ -203,18 +210,22 @@ class Fleet:
 
     def start_sim(self) -> None:
         self.sim_port = self.sim_port or free_port()
-        self.sim = self._spawn(
-            "sim",
+        self.sim = self._spawn_sim("sim", self.sim_port)
+
+    def _spawn_sim(self, name: str, port: int) -> Proc:
+        sim = self._spawn(
+            name,
             "sim",
             "--port",
-            str(self.sim_port),
+            str(port),
             "--profile",
             self.spec.profile,
             "--model",
             self.spec.model,
             *self.spec.sim_args,
         )
-        wait_port(self.sim_port, 20.0, self.sim.proc)
+        wait_port(port, 20.0, sim.proc)
+        return sim
 
     def start_gateway(self) -> Proc:
         n = len(self.gateways)
@@ -263,13 +274,21 @@ class Fleet:
         n = len(self.workers)
         metrics_port = free_port()
         self.worker_metrics_ports.append(metrics_port)
+        engine = self.spec.engine_url or self.sim_url
+        sim: Proc | None = None
+        if self.spec.engine_per_worker:
+            port = free_port()
+            sim = self._spawn_sim(f"sim{n}", port)
+            engine = f"http://127.0.0.1:{port}"
+            self.worker_sim_ports.append(port)
+        self.worker_sims.append(sim)
         worker = self._spawn(
             f"worker{n}",
             "worker",
             "--nats",
             self.nats_url,
             "--engine",
-            self.sim_url,
+            engine,
             "--worker-id",
             f"worker{n}-{int(time.time() * 1000) % 100000}",
             "--metrics-port",
@@ -382,7 +401,7 @@ class Fleet:
             a.stop()
         for w in self.workers:
             w.stop()
-        for p in (*self.gateways, self.sim):
+        for p in (*self.gateways, self.sim, *self.worker_sims):
             if p is not None:
                 p.stop()
         for s in (self.redis, *self.nats_nodes):

@@ -6,17 +6,32 @@ server match these; nothing else creates streams or consumers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DiscardPolicy,
+    KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 
-from streams.subjects import PREFIX, RequestClass, request_subject
+from streams.routes import ROUTES_BUCKET, ROUTES_HISTORY
+from streams.subjects import (
+    LANE_CLASSES,
+    PREFIX,
+    RequestClass,
+    lane_subject,
+    lane_wildcard,
+    request_subject,
+)
+
+# The priority group of lane consumers. Pull requests in it carry a priority
+# (0 = highest); the server hands each message to the highest-priority waiting
+# pull (``prioritized`` policy, nats-server >= 2.12).
+PRIORITY_GROUP = "jetserve"
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,13 @@ class Topology:
     frames: FramesLimits = field(default_factory=FramesLimits)
     classes: tuple[RequestClass, ...] = tuple(RequestClass)
     limits: Limits = field(default_factory=Limits)
+    # Prefix-affinity lanes per lane class: more lanes spread owners more evenly,
+    # each costs every worker one outstanding pull request.
+    lanes: int = 16
+
+    @property
+    def lane_classes(self) -> tuple[RequestClass, ...]:
+        return tuple(c for c in self.classes if c in LANE_CLASSES) if self.lanes else ()
 
     def stream_config(self) -> StreamConfig:
         lim = self.limits
@@ -63,7 +85,8 @@ class Topology:
             name=self.stream,
             # Exactly the served class subjects: a publish to anything else fails
             # fast (no responders) instead of being stored and never consumed.
-            subjects=[request_subject(c) for c in self.classes],
+            subjects=[request_subject(c) for c in self.classes]
+            + [lane_wildcard(c) for c in self.lane_classes],
             retention=RetentionPolicy.WORK_QUEUE,
             discard=DiscardPolicy.NEW,
             storage=StorageType.FILE,
@@ -104,8 +127,47 @@ class Topology:
             num_replicas=self.replicas,
         )
 
+    def routes_config(self) -> KeyValueConfig:
+        # Route contracts: key = route name, every put a revision; the history
+        # is what `jetserve routes history|diff` reads.
+        return KeyValueConfig(
+            bucket=ROUTES_BUCKET,
+            description="jetserve route contracts (written by the admin API only)",
+            history=ROUTES_HISTORY,
+            max_value_size=256 << 10,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+        )
+
     def consumer_name(self, cls: RequestClass | str) -> str:
         return f"workers-{RequestClass(cls).value}"
+
+    def lane_consumer_name(self, cls: RequestClass | str, lane: int) -> str:
+        return f"workers-{RequestClass(cls).value}-l{lane:02d}"
+
+    def lane_consumer_config(self, cls: RequestClass, lane: int) -> dict[str, Any]:
+        """Raw JetStream API config: nats-py's ConsumerConfig has no priority
+        group fields, so lane consumers are created with this JSON directly."""
+        lim = self.limits
+        return {
+            "durable_name": self.lane_consumer_name(cls, lane),
+            "filter_subject": lane_subject(cls, lane),
+            "ack_policy": "explicit",
+            "ack_wait": int(lim.ack_wait_s * 1e9),
+            # An over-fetched message handed back (nak) counts as a delivery.
+            "max_deliver": lim.max_deliver * 2,
+            "max_waiting": lim.max_waiting,
+            "max_ack_pending": -1,
+            "priority_groups": [PRIORITY_GROUP],
+            "priority_policy": "prioritized",
+        }
+
+    def consumer_names(self, cls: RequestClass | str) -> list[str]:
+        """Every consumer that serves a class: the plain one and its lanes."""
+        names = [self.consumer_name(cls)]
+        if cls in self.lane_classes:
+            names += [self.lane_consumer_name(cls, n) for n in range(self.lanes)]
+        return names
 
     def consumer_config(self, cls: RequestClass) -> ConsumerConfig:
         lim = self.limits

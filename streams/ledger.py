@@ -51,7 +51,8 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     model: str
     route: str = ""
     route_revision: int = 0
-    deployment: str = ""  # the deployment fingerprint that served (or last tried) it
+    deployment: str = ""  # the route deployment (name) that served it
+    fingerprint: str = ""  # that deployment's fingerprint at route_revision (streams.routes)
     attempts: int
     policy: str  # "admitted", "rejected:budget", "rejected:rate", "rejected:queue_full", ...
     usage: Usage
@@ -65,6 +66,9 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     first_token_ms: float | None = None  # None: no token was ever emitted
     duration_ms: float
     gateway: str
+    worker: str = ""  # the worker (replica) that served it
+    hedged: bool = False  # a second copy raced this request (one extra attempt)
+    coalesced_with: str = ""  # followed this request's execution (gateway/coalesce.py)
 
 
 _encoder = msgspec.json.Encoder()

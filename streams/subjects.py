@@ -45,6 +45,26 @@ def resumed_subject(request_id: str) -> str:
     return f"{PREFIX}.resumed.{request_id}"
 
 
+# Classes whose requests may carry a prefix key: each also has lane subjects
+# (``jetserve.req.<class>.lNN``), one durable consumer per lane, so requests that
+# share a prefix share a lane and the replica that owns it (workers/affinity.py).
+LANE_CLASSES = (RequestClass.INTERACTIVE, RequestClass.BATCH)
+
+
+def lane_subject(cls: RequestClass | str, lane: int) -> str:
+    return f"{PREFIX}.req.{RequestClass(cls).value}.l{lane:02d}"
+
+
+def lane_wildcard(cls: RequestClass | str) -> str:
+    return f"{PREFIX}.req.{RequestClass(cls).value}.*"
+
+
+def class_of(subject: str) -> str:
+    """The request class of a work-queue subject (plain or lane)."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) > 2 else subject
+
+
 def cancel_subject(request_id: str) -> str:
     return f"{PREFIX}.cancel.{request_id}"
 

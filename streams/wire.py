@@ -54,6 +54,20 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     created: float = 0.0
     # Engine-facing headers the route allows through (e.g. simulator fault hooks).
     headers: dict[str, str] = {}
+    # Added to the delivery count to number this copy's attempts: a hedge copy
+    # starts at HEDGE_ATTEMPT_BASE so its frames never pass for the original's.
+    attempt_base: int = 0
+    # The route contract (streams.routes) this request runs under; empty: none.
+    route: str = ""
+    route_revision: int = 0
+    # Deployment names allowed to serve it, in preference order; empty: any
+    # worker. A worker outside the list hands the message back unserved.
+    candidates: list[str] = []
+    retry_max: int = 0  # attempts, the first included; 0: the topology's max_deliver
+    retry_on: list[str] = []  # worker error codes that may be retried; empty: the worker's own
+
+
+HEDGE_ATTEMPT_BASE = 100
 
 
 class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
@@ -89,6 +103,8 @@ class Final(msgspec.Struct, frozen=True, tag="final", omit_defaults=True):
     attempt: int = 1  # delivery number of the request message (1 = first try)
     ttft_ms: float = 0.0
     engine_ms: float = 0.0
+    deployment: str = ""  # the deployment name the worker serves (its route candidate)
+    fingerprint: str = ""
 
 
 class ErrorFrame(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
@@ -129,6 +145,8 @@ Frame = Token | Heartbeat | Final | ErrorFrame | Meta
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", omit_defaults=True):
     id: str
     reason: str = "client_disconnected"
+    # A hedge race: the attempt that won keeps going, every other one stops.
+    keep_attempt: int = 0
 
 
 _encoder = msgspec.json.Encoder()

@@ -86,6 +86,26 @@ class Admission:
                     await asyncio.wait_for(self._cond.wait(), self.cfg.starve_after / 4)
             return False
 
+    def try_acquire(self, rank: int) -> bool:
+        """A slot now or never (a message already in hand: the lane puller)."""
+        need = 1 if rank == 0 else 1 + self.cfg.reserve
+        if self._closed or self.free_slots() < need:
+            return False
+        self.held += 1
+        return True
+
+    async def wait_room(self, rank: int) -> bool:
+        """Wait until a slot is free without taking it (pull requests may go out
+        while one could be served); False once closed."""
+        async with self._cond:
+            while not self._closed:
+                need = 1 if rank == 0 else 1 + self.cfg.reserve
+                if self.free_slots() >= need:
+                    return True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._cond.wait(), self.cfg.starve_after / 4)
+            return False
+
     async def release(self, blocks: int = 0) -> None:
         async with self._cond:
             self.held -= 1

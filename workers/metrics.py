@@ -67,6 +67,12 @@ class WorkerMetrics:
         self.engine_kv_usage = Gauge(
             "jetserve_worker_engine_kv_usage_ratio", "The engine's own KV cache usage", registry=r
         )
+        self.embed_batch_size = Histogram(
+            "jetserve_worker_embed_batch_size",
+            "Embedding requests merged into one engine call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
         self.engine_up = Gauge(
             "jetserve_worker_engine_up", "1 when the engine answered its last probe", registry=r
         )

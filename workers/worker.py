@@ -25,10 +25,13 @@ from streams.connect import connect
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.provision import ensure_topology
-from streams.subjects import RequestClass, cancel_subject
+from streams.routes import Deployment
+from streams.subjects import RequestClass, cancel_subject, class_of
 from streams.tracing import Tracer
-from streams.wire import InferenceRequest, Usage, decode_request
+from streams.wire import InferenceRequest, Usage, decode_cancel, decode_request
 from workers.admission import Admission, AdmissionConfig
+from workers.affinity import LanePuller, Membership
+from workers.batching import EmbedBatcher, fetch_more
 from workers.engines.base import Delta, EngineAdapter
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.metrics import WorkerMetrics
@@ -59,6 +62,11 @@ class WorkerConfig:
     retry_backoff_s: float = 0.2
     topology: Topology = DEFAULT_TOPOLOGY
     otel_exporter: str | None = None  # span export (``otel`` extra); None: ids only
+    # The route deployment this worker serves (streams.routes); None: it serves
+    # only requests whose route lists no candidates.
+    deployment: Deployment | None = None
+    embed_batch_max: int = 32  # inputs per batched engine call (1: no batching)
+    embed_batch_delay_ms: float = 5.0  # longest a request waits for its batch to fill
 
 
 class Worker:
@@ -73,8 +81,16 @@ class Worker:
         self.ready = asyncio.Event()
         self.completed = 0
         self.metrics = WorkerMetrics()
+        self.embed_batcher = EmbedBatcher(
+            engine,
+            cfg.embed_batch_max,
+            cfg.embed_batch_delay_ms / 1000,
+            self.metrics.embed_batch_size.observe,
+        )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
+        self._deployment = cfg.deployment.name if cfg.deployment else ""
+        self.lanes: list[LanePuller] = []
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -90,18 +106,33 @@ class Worker:
                         self.cfg.topology.consumer_name(cls), self.cfg.topology.stream
                     )
                 )
+            topo = self.cfg.topology
+            members = Membership(js, self.cfg.worker_id, topo.replicas)
+            await members.start()
+            self.lanes = [
+                LanePuller(
+                    nc, topo, cls, rank, self.admission, members, self._start, self.cfg.poll_s
+                )
+                for rank, cls in enumerate(self.cfg.classes)
+                if cls in topo.lane_classes
+            ]
             async with asyncio.TaskGroup() as tg:
                 fetchers = [
                     tg.create_task(self._fetch_loop(rank, sub)) for rank, sub in enumerate(subs)
                 ]
+                pullers = [tg.create_task(lane.run()) for lane in self.lanes]
                 poller = tg.create_task(self._poll_engine())
+                heartbeat = tg.create_task(members.run())
                 self.ready.set()
                 log.info("worker %s serving %s", self.cfg.worker_id, list(self.cfg.classes))
                 await self._stop.wait()
+                await members.leave()
                 await self.admission.close()
-                for task in (*fetchers, poller):
+                for task in (*fetchers, poller, heartbeat):
                     task.cancel()
-                await asyncio.gather(*(self._return_strays(sub) for sub in subs))
+                # Lane pullers end by themselves once admission is closed, after
+                # handing back what their last pulls still bring.
+                await asyncio.gather(*pullers, *(self._return_strays(sub) for sub in subs))
                 await self._drain()
                 log.info("worker %s drained", self.cfg.worker_id)
         finally:
@@ -109,6 +140,7 @@ class Worker:
             # (drain() would wait on the pull subscriptions' expired requests.)
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.flush(timeout=2)
+            await self.embed_batcher.aclose()  # after the drain: no member still waits
             await nc.close()
             self.tracer.shutdown()
             log.info("worker %s disconnected", self.cfg.worker_id)
@@ -180,9 +212,18 @@ class Worker:
                 await self.admission.release()
                 raise
             for msg in msgs:
-                task = asyncio.create_task(self._handle(msg))
-                self._handlers.add(task)
-                task.add_done_callback(self._handlers.discard)
+                self._start(msg)
+            if msgs and self.cfg.classes[rank] is RequestClass.EMBED:
+                # Embeddings waiting behind it may share its batch (workers/batching.py).
+                limit = self.cfg.embed_batch_max - 1
+                for msg in await fetch_more(sub, self.admission, rank, limit):
+                    self._start(msg)
+
+    def _start(self, msg: Msg) -> None:
+        """Serve one message; its admission slot is already held (released by _handle)."""
+        task = asyncio.create_task(self._handle(msg))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
 
     async def _handle(self, msg: Msg) -> None:
         blocks = 0
@@ -196,7 +237,7 @@ class Worker:
                 seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
                 await dead_letter(js, msg.subject, msg.data, f"undecodable request: {exc}", seq)
                 await msg.term()
-                self.metrics.requests.labels(msg.subject.rsplit(".", 1)[-1], "poison").inc()
+                self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
                 return
             blocks = await self.admission.reserve_blocks(req.prompt_tokens_est + req.max_tokens)
             self.metrics.inflight.inc()
@@ -211,7 +252,7 @@ class Worker:
     async def _serve(self, msg: Msg, req: InferenceRequest) -> None:
         nc = self._nc
         assert nc is not None
-        attempt = msg.metadata.num_delivered or 1
+        attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
         sender = FrameSender(nc, req.reply, attempt, self.cfg.heartbeat_s)
         if time.time() >= req.deadline:
             # Expired in the queue: the engine is never called.
@@ -224,9 +265,19 @@ class Worker:
             await msg.term()
             self.metrics.requests.labels(req.cls, "deadline_exceeded").inc()
             return
+        dep = self.cfg.deployment
+        if req.candidates and (dep is None or dep.name not in req.candidates):
+            # Fallback only to a candidate of the same contract: hand it back at
+            # once, engine untouched and nothing emitted, for a listed deployment.
+            await msg.nak()
+            self.metrics.redeliveries.labels(req.cls, "not_candidate").inc()
+            return
         cancelled = asyncio.Event()
 
-        async def on_cancel(_: Msg) -> None:
+        async def on_cancel(note: Msg) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                if decode_cancel(note.data).keep_attempt == attempt:
+                    return  # this attempt won a hedge race: the others stop
             cancelled.set()
 
         cancel_sub = await nc.subscribe(cancel_subject(req.id), cb=on_cancel)
@@ -290,13 +341,14 @@ class Worker:
         try:
             async with asyncio.timeout(remaining):
                 if req.op == "embedding":
-                    result = await self.engine.embed(req.body, req.id, headers)
+                    result = await self.embed_batcher.embed(req.body, req.id, headers, req.deadline)
                     await msg.ack()
                     await sender.final(
                         finish_reason="stop",
                         usage=result.usage,
                         model=result.model or req.model,
                         worker=self.cfg.worker_id,
+                        deployment=self._deployment,
                         embeddings=result.vectors,
                         engine_ms=(time.monotonic() - started_at) * 1000,
                     )
@@ -317,15 +369,18 @@ class Worker:
                             usage=event.usage,
                             model=event.model or req.model,
                             worker=self.cfg.worker_id,
+                            deployment=self._deployment,
                             ttft_ms=ttft,
                             engine_ms=(time.monotonic() - started_at) * 1000,
                         )
                         self._observe_done(req, started_at, ttft / 1000, event.usage)
             self.completed += 1
         except TimeoutError:
-            await self._fail(msg, sender, DeadlineExceeded("deadline exceeded while generating"))
+            await self._fail(
+                msg, sender, DeadlineExceeded("deadline exceeded while generating"), req
+            )
         except EngineError as exc:
-            await self._fail(msg, sender, exc)
+            await self._fail(msg, sender, exc, req)
         finally:
             ticker.cancel()
 
@@ -344,10 +399,14 @@ class Worker:
                 m.tpot.labels(req.cls).observe((e2e - ttft_s) / (usage.completion_tokens - 1))
 
     async def _fail(
-        self, msg: Msg, sender: FrameSender, exc: EngineError | DeadlineExceeded
+        self,
+        msg: Msg,
+        sender: FrameSender,
+        exc: EngineError | DeadlineExceeded,
+        req: InferenceRequest | None = None,
     ) -> None:
         attempt = msg.metadata.num_delivered or 1
-        cls = msg.subject.rsplit(".", 1)[-1]
+        cls = class_of(msg.subject)
         if sender.started:
             # Mid-stream failures are never retried silently (the client saw tokens).
             err = exc
@@ -356,7 +415,13 @@ class Worker:
             await sender.error(err.code, err.message, status=err.status, retryable=False)
             self.metrics.requests.labels(cls, err.code).inc()
             return
-        if exc.retryable and attempt < self.cfg.topology.limits.max_deliver:
+        # The route's retry policy narrows the worker's own (never widens it).
+        limit = self.cfg.topology.limits.max_deliver
+        eligible = exc.retryable
+        if req is not None:
+            limit = min(limit, req.retry_max or limit)
+            eligible = eligible and (not req.retry_on or exc.code in req.retry_on)
+        if eligible and attempt < limit:
             # The one retry owner before the first token: JetStream redelivery,
             # to any worker, inside the request's original deadline.
             await msg.nak(delay=self.cfg.retry_backoff_s * attempt)

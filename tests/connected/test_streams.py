@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -41,10 +42,19 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
         await ensure_topology(conns[0].jetstream())
         js = conns[0].jetstream()
         info = await js.stream_info("JETSERVE_REQ")
-        assert info.config.subjects == [f"jetserve.req.{c.value}" for c in RequestClass]
+        assert info.config.subjects == [f"jetserve.req.{c.value}" for c in RequestClass] + [
+            "jetserve.req.interactive.*",
+            "jetserve.req.batch.*",
+        ]
         for cls in RequestClass:
             ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls.value}")
             assert ci.config.filter_subject == f"jetserve.req.{cls.value}"
+        # Lane consumers: one per lane, in the priority group (raw API fields).
+        raw = await conns[0].request("$JS.API.CONSUMER.INFO.JETSERVE_REQ.workers-batch-l15", b"")
+        config = json.loads(raw.data)["config"]
+        assert config["filter_subject"] == "jetserve.req.batch.l15"
+        assert config["priority_policy"] == "prioritized"
+        assert config["priority_groups"] == ["jetserve"]
     finally:
         for nc in conns:
             await nc.close()

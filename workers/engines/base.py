@@ -10,7 +10,7 @@ stops.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -68,6 +68,13 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     async def load(self) -> EngineLoad:
         """Current engine load; fields it cannot tell are None."""
+
+    async def count_tokens(
+        self, model: str, texts: Sequence[str], headers: Mapping[str, str]
+    ) -> list[int] | None:
+        """Token count of each text as the engine's embedding call would count it
+        (for splitting a batched call's usage per request); None: cannot say."""
+        return None
 
     async def healthy(self) -> bool:
         """Whether the engine answers its health probe (readiness)."""

@@ -7,8 +7,9 @@ and lets the worker emit heartbeats and frames as tokens arrive.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -74,6 +75,13 @@ class _EmbeddingResponse(msgspec.Struct):
 
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
 _embedding_decoder = msgspec.json.Decoder(_EmbeddingResponse)
+
+
+class _TokenizeResponse(msgspec.Struct):
+    count: int
+
+
+_tokenize_decoder = msgspec.json.Decoder(_TokenizeResponse)
 _encoder = msgspec.json.Encoder()
 _METRIC_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -208,6 +216,29 @@ class OpenAIAdapter(EngineAdapter):
         vectors = [item.embedding for item in sorted(parsed.data, key=lambda d: d.index)]
         usage = parsed.usage.to_wire() if parsed.usage else Usage()
         return Embeddings(vectors, usage, parsed.model)
+
+    async def count_tokens(
+        self, model: str, texts: Sequence[str], headers: Mapping[str, str]
+    ) -> list[int] | None:
+        """vLLM's ``/tokenize``, one text per call (it takes one prompt), concurrently.
+        None when the server has no such endpoint or it fails: callers fall back."""
+        hdrs = {"Content-Type": "application/json", **headers}
+
+        async def one(text: str) -> int | None:
+            payload = _encoder.encode({"model": model, "prompt": text})
+            try:
+                response = await self._client.post("/tokenize", content=payload, headers=hdrs)
+            except httpx.TransportError:
+                return None
+            if response.status_code != 200:
+                return None
+            try:
+                return _tokenize_decoder.decode(response.content).count
+            except msgspec.DecodeError:
+                return None
+
+        counts = await asyncio.gather(*(one(t) for t in texts))
+        return None if any(c is None for c in counts) else [c for c in counts if c is not None]
 
     async def healthy(self) -> bool:
         try:

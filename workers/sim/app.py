@@ -17,6 +17,7 @@ from starlette.types import Send
 from workers.sim import outbound as out
 from workers.sim.completions import new_job, start
 from workers.sim.config import SimConfig
+from workers.sim.dialects import dialect_routes
 from workers.sim.embeddings import embed, normalize, to_base64
 from workers.sim.faults import Fault, FaultKind
 from workers.sim.inbound import (
@@ -30,6 +31,7 @@ from workers.sim.inbound import (
     decode,
     embedding_inputs,
 )
+from workers.sim.malformed import with_malformed
 from workers.sim.planning import plan_chat, plan_completion
 from workers.sim.responses import GuardedResponse
 from workers.sim.scripts import parse_rules
@@ -91,7 +93,7 @@ def create_app(cfg: SimConfig) -> Starlette:
         plan = plan_chat(sim, req, request.headers)
         job = new_job(sim, plan, chat=True, request_id=rid, model=model, fault=fault)
         job.record.traceparent = request.headers.get("traceparent")
-        return start(sim, job)
+        return with_malformed(fault, start(sim, job))
 
     @_api
     async def completions(request: Request) -> Response:
@@ -104,7 +106,7 @@ def create_app(cfg: SimConfig) -> Starlette:
         plan = plan_completion(sim, req, request.headers)
         job = new_job(sim, plan, chat=False, request_id=rid, model=model, fault=fault)
         job.record.traceparent = request.headers.get("traceparent")
-        return start(sim, job)
+        return with_malformed(fault, start(sim, job))
 
     @_api
     async def embeddings(request: Request) -> Response:
@@ -257,6 +259,7 @@ def create_app(cfg: SimConfig) -> Starlette:
             Route("/sim/stats", stats, methods=["GET"]),
             Route("/sim/requests/{request_id}", request_record, methods=["GET"]),
             Route("/sim/scripts", scripts, methods=["GET", "POST", "DELETE"]),
+            *dialect_routes(sim),  # TGI and Triton surfaces on the same engine
         ]
     )
     app.state.sim = sim

@@ -15,6 +15,7 @@ class FaultKind(StrEnum):
     DROP = "drop"  # drop:N  close the connection abruptly after N tokens
     STALL = "stall"  # stall: hang after the first token; stall:MS: delay the first token
     SLOW = "slow"  # slow:MS  every inter-token latency forced to MS
+    MALFORMED = "malformed"  # malformed:N  stream event N (0-based) is not JSON
 
 
 STATUS_FAULTS = {FaultKind.RATE_LIMIT: 429, FaultKind.UNAVAILABLE: 503, FaultKind.INTERNAL: 500}
@@ -34,7 +35,7 @@ class Fault(msgspec.Struct, frozen=True):
 
 
 def parse_fault(spec: str) -> Fault:
-    """`429`, `503`, `500`, `drop:N`, `stall`, `stall:MS`, `slow:MS`."""
+    """`429`, `503`, `500`, `drop:N`, `stall`, `stall:MS`, `slow:MS`, `malformed:N`."""
     head, _, tail = spec.strip().partition(":")
     try:
         kind = FaultKind(head.lower())
@@ -50,7 +51,7 @@ def parse_fault(spec: str) -> Fault:
             raise ValueError(f"fault argument must be an integer: {spec!r}") from None
         if arg < 0:
             raise ValueError(f"fault argument must be >= 0: {spec!r}")
-    elif kind is FaultKind.DROP:
+    elif kind in (FaultKind.DROP, FaultKind.MALFORMED):
         arg = 0
     elif kind is FaultKind.SLOW:
         raise ValueError(f"slow needs milliseconds, e.g. slow:50: {spec!r}")

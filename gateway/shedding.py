@@ -1,0 +1,92 @@
+"""Deadline-aware shedding: refuse at the door what cannot start before its
+deadline, instead of queueing it to die.
+
+A watch polls the class's consumers (the plain one and its lanes) and keeps
+the queue depth (``num_pending``: published, not yet handed to a worker) and
+the fleet's start rate (deliveries per second, smoothed). A new request's
+expected wait is depth / rate; if that is past its deadline (with a margin for
+the first token) the gateway answers 429 with Retry-After instead of
+accepting it. Class priority is the workers' (interactive first), so a batch
+queue behind interactive work sees its rate fall and sheds first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import nats.errors
+from nats.js.client import JetStreamContext
+from nats.js.errors import APIError
+
+from streams.definitions import Topology
+
+# Too little evidence to refuse anyone: a short queue drains whatever the rate.
+MIN_DEPTH = 4
+RATE_HALF_LIFE_S = 2.0
+
+
+@dataclass
+class ClassLoad:
+    depth: int = 0
+    rate: float = 0.0  # deliveries per second, smoothed
+    delivered: int = 0
+    at: float = 0.0
+
+    def expected_wait(self) -> float | None:
+        """Seconds a request published now waits before a worker takes it."""
+        if self.depth < MIN_DEPTH or not self.at:
+            return None
+        return self.depth / max(self.rate, 1e-3)
+
+
+class QueueWatch:
+    def __init__(self, js: JetStreamContext, topology: Topology, every_s: float = 0.25) -> None:
+        self._js = js
+        self._topo = topology
+        self._every = every_s
+        self.loads: dict[str, ClassLoad] = {c.value: ClassLoad() for c in topology.classes}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="queue-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            for cls in self._topo.classes:
+                with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
+                    await self._poll(cls.value)
+            await asyncio.sleep(self._every)
+
+    async def _poll(self, cls: str) -> None:
+        depth = delivered = 0
+        for name in self._topo.consumer_names(cls):
+            info = await self._js.consumer_info(self._topo.stream, name)
+            depth += info.num_pending or 0
+            delivered += info.delivered.consumer_seq if info.delivered else 0
+        load = self.loads[cls]
+        now = time.monotonic()
+        if load.at:
+            dt = now - load.at
+            sample = max(0, delivered - load.delivered) / dt if dt > 0 else load.rate
+            keep = math.exp(-dt * math.log(2) / RATE_HALF_LIFE_S)
+            load.rate = keep * load.rate + (1 - keep) * sample
+        load.depth, load.delivered, load.at = depth, delivered, now
+
+    def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
+        """None: admit. Otherwise the Retry-After (seconds) of a refusal."""
+        load = self.loads.get(cls)
+        wait = load.expected_wait() if load is not None else None
+        if wait is None or wait + first_token_s <= seconds_left:
+            return None
+        # Come back when the queue ahead has drained to what a deadline allows.
+        return min(30.0, max(1.0, wait + first_token_s - seconds_left))

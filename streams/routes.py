@@ -1,0 +1,234 @@
+"""Route contracts: the versioned record of how one public model name is served.
+
+A contract names its candidate deployments (order = preference) and the policy
+the data plane applies to every request on the route: deadline, retries,
+fallback, hedging, routing, coalescing and telemetry. Contracts live in the
+NATS KV bucket :data:`ROUTES_BUCKET` (key = route name); the admin API is the
+only writer, the data plane watches it.
+
+Each deployment carries a :func:`fingerprint` of every term that can change what
+a client gets back (adapter, engine, model, template, precision, KV policy,
+batching, hardware, and the route policy), so a ledger record says exactly what
+served it.
+
+Validation happens at decode: numeric ranges are msgspec constraints and the
+cross-field rules live in ``__post_init__`` (msgspec turns their ``ValueError``
+into a ``msgspec.ValidationError`` with the field path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+ROUTES_BUCKET = "jetserve_routes"
+ROUTES_HISTORY = 64  # KV history depth per route: how many revisions `history` can show
+
+Adapter = Literal["openai", "tgi", "triton"]
+# Worker error codes a retry may be for (``workers.errors``: retryable before the
+# first token): connect failure / 5xx / 503, and 429. Nothing else is eligible.
+RETRYABLE_CODES = ("engine_unavailable", "engine_rate_limited")
+# A deployment or route name: also a KV key, so only KV-safe characters.
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_./=-]+$")]
+Term = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine deployment a route may send requests to. Workers declare the
+    deployment they serve by ``name``."""
+
+    name: Name
+    adapter: Adapter
+    engine: Term  # e.g. "vllm-0.11.0", "jetserve-sim"
+    model: Term  # the engine's model id
+    template: Term = "default"  # chat template
+    precision: Term = "bf16"
+    kv_policy: Term = "prefix-cache"
+    batching: Term = "continuous"
+    hardware: Term = "unspecified"
+
+
+class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Redelivery before the first token only, inside the original deadline.
+    ``on`` holds worker error codes (``workers.errors``); ``max_attempts``
+    counts the first try."""
+
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=10)] = 3
+    on: tuple[Term, ...] = RETRYABLE_CODES
+
+    def __post_init__(self) -> None:
+        wrong = [code for code in self.on if code not in RETRYABLE_CODES]
+        if wrong:
+            raise ValueError(
+                f"retry.on: {', '.join(wrong)} not retryable "
+                f"(eligible: {', '.join(RETRYABLE_CODES)})"
+            )
+
+
+class FallbackPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Whether a retry may land on another candidate of this contract (never on
+    a deployment outside it)."""
+
+    enabled: bool = True
+
+
+class HedgePolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A second attempt after ``delay`` (the class's p95 first-token delay, or
+    seconds) when the first has not emitted; first to emit wins."""
+
+    enabled: bool = False
+    delay: Literal["p95"] | Annotated[float, msgspec.Meta(gt=0.0, le=600.0)] = "p95"
+    min_samples: Annotated[int, msgspec.Meta(ge=1)] = 20  # before p95 is trusted
+    max_extra_ratio: Ratio = 0.1  # extra attempts capped at this share of requests
+
+
+class RoutingPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: Literal["affinity", "round_robin", "least_loaded"] = "affinity"
+    prefix_chars: Annotated[int, msgspec.Meta(ge=1)] = 2048  # prefix hashed for affinity
+    min_prefix_chars: Annotated[int, msgspec.Meta(ge=0)] = 256  # shorter: no affinity
+
+    def __post_init__(self) -> None:
+        if self.min_prefix_chars > self.prefix_chars:
+            raise ValueError("routing.min_prefix_chars must not exceed routing.prefix_chars")
+
+
+class CoalescePolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    enabled: bool = False
+    cross_tenant: bool = False  # the route marks the prefix shared across tenants
+
+
+class TelemetryPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    record_content: bool = False
+    sample_rate: Ratio = 1.0
+
+
+class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What an operator applies. ``name`` is the model name clients ask for."""
+
+    name: Name
+    candidates: Annotated[tuple[Deployment, ...], msgspec.Meta(min_length=1, max_length=64)]
+    deadline_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)] = 60.0
+    retry: RetryPolicy = RetryPolicy()
+    fallback: FallbackPolicy = FallbackPolicy()
+    hedge: HedgePolicy = HedgePolicy()
+    routing: RoutingPolicy = RoutingPolicy()
+    coalesce: CoalescePolicy = CoalescePolicy()
+    telemetry: TelemetryPolicy = TelemetryPolicy()
+    description: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for dep in self.candidates:
+            if dep.name in seen:
+                raise ValueError(f"candidates: deployment name {dep.name!r} appears twice")
+            seen.add(dep.name)
+
+    def deployment(self, name: str) -> Deployment | None:
+        for dep in self.candidates:
+            if dep.name == name:
+                return dep
+        return None
+
+
+class RouteRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What the KV holds under the route's key. ``revision`` is the KV revision
+    of the put that wrote it (the writer stores it after the put; a reader
+    trusts the entry's revision over this copy)."""
+
+    contract: RouteContract
+    revision: int
+    updated_at: float
+    updated_by: str
+    fingerprints: dict[str, str]  # deployment name -> fingerprint
+
+
+# The route-level terms every deployment fingerprint covers. Telemetry and the
+# description are left out: they do not change what a client gets back.
+_POLICY_TERMS = ("deadline_s", "retry", "fallback", "hedge", "routing", "coalesce")
+
+
+def fingerprint(dep: Deployment, contract: RouteContract) -> str:
+    """sha256 (first 16 hex digits) of the canonical JSON of every deployment
+    term plus the route policy terms. Equal inputs give equal output across
+    processes; any changed term gives a different one."""
+    terms: dict[str, Any] = {
+        "deployment": msgspec.to_builtins(dep),
+        "policy": {k: msgspec.to_builtins(getattr(contract, k)) for k in _POLICY_TERMS},
+    }
+    canonical = msgspec.json.encode(terms, order="sorted")
+    return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+def fingerprints(contract: RouteContract) -> dict[str, str]:
+    return {dep.name: fingerprint(dep, contract) for dep in contract.candidates}
+
+
+class FieldChange(msgspec.Struct, frozen=True, kw_only=True):
+    """One leaf that differs between two contracts. ``path`` is dotted; a
+    candidate is addressed by its deployment name (``candidates[name].engine``).
+    ``before``/``after`` are None where the leaf is absent on that side."""
+
+    path: str
+    before: Any = None
+    after: Any = None
+
+
+def diff_contracts(before: RouteContract | None, after: RouteContract | None) -> list[FieldChange]:
+    """Field-level diff; candidates are matched by name, not position, and a
+    reorder shows as a change of ``candidates.order``."""
+    a = _flatten(before) if before is not None else {}
+    b = _flatten(after) if after is not None else {}
+    changes = [
+        FieldChange(path=k, before=a.get(k), after=b.get(k))
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
+    return changes
+
+
+def _flatten(contract: RouteContract) -> dict[str, Any]:
+    raw = msgspec.to_builtins(contract)
+    out: dict[str, Any] = {}
+    cands = raw.pop("candidates")
+    out["candidates.order"] = [c["name"] for c in cands]
+    for cand in cands:
+        for k, v in cand.items():
+            if k != "name":
+                out[f"candidates[{cand['name']}].{k}"] = v
+    _walk(raw, "", out)
+    return out
+
+
+def _walk(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _walk(v, f"{prefix}.{k}" if prefix else k, out)
+    else:
+        out[prefix] = value
+
+
+_encoder = msgspec.json.Encoder()
+_contract_decoder = msgspec.json.Decoder(RouteContract)
+_record_decoder = msgspec.json.Decoder(RouteRecord)
+
+
+def encode(value: RouteContract | RouteRecord) -> bytes:
+    return _encoder.encode(value)
+
+
+def decode_contract(data: bytes | str) -> RouteContract:
+    """Raises ``msgspec.ValidationError`` (bad field, with its path) or
+    ``msgspec.DecodeError`` (not JSON)."""
+    return _contract_decoder.decode(data)
+
+
+def decode_record(data: bytes) -> RouteRecord:
+    return _record_decoder.decode(data)
+
+
+def contract_from_builtins(value: Any) -> RouteContract:
+    """Validate an already-parsed mapping (e.g. from YAML) as a contract."""
+    return msgspec.convert(value, RouteContract)

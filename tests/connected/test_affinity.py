@@ -1,0 +1,113 @@
+"""Prefix affinity on JetStream priority groups, through real processes: four
+replicas (a worker with its own simulator each), the gateway hashing shared
+prefixes onto lanes, workers pulling lanes at their priority."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import pytest
+
+from jetserve.fleet import Fleet
+
+pytestmark = [pytest.mark.connected, pytest.mark.timeout(120)]
+
+
+def system_prompt(group: int) -> str:
+    rules = "".join(f"Rule {i}: answer group {group} politely and briefly. " for i in range(12))
+    return f"You are assistant number {group}. {rules}"
+
+
+def chat(group: int, question: int) -> dict[str, object]:
+    return {
+        "model": "sim-8b",
+        "max_tokens": 8,
+        "messages": [
+            {"role": "system", "content": system_prompt(group)},
+            {"role": "user", "content": f"Question {question} from a user of group {group}?"},
+        ],
+    }
+
+
+async def ask(
+    client: httpx.AsyncClient, fleet: Fleet, group: int, question: int, **headers: str
+) -> str:
+    r = await client.post(
+        f"{fleet.base_url}/v1/chat/completions",
+        json=chat(group, question),
+        headers={"Authorization": f"Bearer {fleet.api_key}", **headers},
+    )
+    assert r.status_code == 200, r.text
+    return str(r.headers["x-request-id"])
+
+
+async def served_by(fleet: Fleet, ids: list[str]) -> dict[str, str]:
+    """request id -> worker, from the ledger (records land just after the response)."""
+    want = set(ids)
+    for _ in range(50):
+        with fleet.admin() as admin:
+            text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
+        rows = [msgspec.json.decode(line) for line in text.splitlines() if line]
+        got = {r["request_id"]: r["worker"] for r in rows if r["request_id"] in want}
+        if len(got) == len(want):
+            return got
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"ledger lacks {len(want - set(got))} records")
+
+
+async def settled() -> None:
+    """Workers started one after another: the pulls made before the last one
+    joined carry the old ranks until they expire (poll_s, 1 s)."""
+    await asyncio.sleep(1.2)
+
+
+async def test_shared_prefixes_stick_to_one_replica_and_fail_over(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=4, engine_per_worker=True)
+    await settled()
+    groups = range(8)
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def group_run(g: int, questions: range) -> list[str]:
+            return [await ask(client, fleet, g, q) for q in questions]
+
+        per_group = await asyncio.gather(*(group_run(g, range(4)) for g in groups))
+        workers = await served_by(fleet, [rid for ids in per_group for rid in ids])
+        owners: dict[int, Counter[str]] = {
+            g: Counter(workers[rid] for rid in ids)
+            for g, ids in zip(groups, per_group, strict=True)
+        }
+        # A group's requests land on its lane's owner; a burst of groups that
+        # share a lane may spill one over (the owner was momentarily full).
+        on_owner = sum(c.most_common(1)[0][1] for c in owners.values())
+        assert on_owner >= 0.9 * len(workers), owners
+        # ... and the groups spread over the replicas.
+        assert len({c.most_common(1)[0][0] for c in owners.values()}) >= 2, owners
+
+        # The owner of group 0 dies: its requests go on, elsewhere, none lost.
+        dead = owners[0].most_common(1)[0][0]
+        victim = next(w for w in fleet.workers if dead.startswith(w.name))
+        victim.kill()
+        after = await group_run(0, range(10, 16))
+        moved = await served_by(fleet, after)
+        assert dead not in moved.values()
+        # The group has moved as a whole: to the next in its lane's order.
+        assert Counter(moved.values()).most_common(1)[0][1] >= 5, moved
+
+
+async def test_a_saturated_owner_spills_over(make_fleet: Callable[..., Fleet]) -> None:
+    fleet = make_fleet(workers=3, engine_per_worker=True, worker_args=["--max-inflight", "2"])
+    await settled()
+    async with httpx.AsyncClient(timeout=30) as client:
+        # One group, more at once than its owner may hold: the rest spill over
+        # rather than queue behind the owner.
+        ids = await asyncio.gather(
+            *(ask(client, fleet, 3, q, **{"X-Sim-Fault": "slow:40"}) for q in range(12))
+        )
+    workers = await served_by(fleet, list(ids))
+    assert len(set(workers.values())) >= 2, workers

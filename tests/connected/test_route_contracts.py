@@ -1,0 +1,258 @@
+"""Route contracts end to end: the admin API writes revisions into NATS KV, a
+running gateway picks them up live, workers enforce the candidate list, and the
+ledger records which revision and deployment served each request."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from jetserve.fleet import Fleet, FleetSpec
+
+pytestmark = pytest.mark.connected
+
+# Each test owns one route (a simulator alias, so the engine serves the name).
+ROUTES = ("r-apply", "r-live", "r-cand", "r-cli", "r-cas")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    aliases = [arg for name in ROUTES for arg in ("--alias", name)]
+    with Fleet(FleetSpec(workers=0, profile="fast", sim_args=aliases)) as f:
+        f.start_worker("--deployment-name", "dep-a", "--deployment-engine", "jetserve-sim")
+        f.start_worker("--deployment-name", "dep-b", "--deployment-hardware", "a100-sim")
+        yield f
+
+
+def contract(name: str, *deps: str, **over: Any) -> dict[str, Any]:
+    cands = [
+        {"name": d, "adapter": "openai", "engine": "jetserve-sim", "model": name} for d in deps
+    ]
+    return {"name": name, "candidates": cands, **over}
+
+
+def admin_http(fleet: Fleet, token: str | None = None) -> httpx.Client:
+    return httpx.Client(
+        base_url=fleet.admin_url,
+        headers={"Authorization": f"Bearer {fleet.admin_token if token is None else token}"},
+        timeout=10,
+    )
+
+
+def chat(fleet: Fleet, model: str, max_tokens: int = 4, **headers: str) -> httpx.Response:
+    return httpx.post(
+        f"{fleet.base_url}/v1/chat/completions",
+        json={
+            "model": model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        headers={"Authorization": f"Bearer {fleet.api_key}", **headers},
+        timeout=30,
+    )
+
+
+def ledger(fleet: Fleet, route: str) -> list[dict[str, Any]]:
+    with fleet.admin() as admin:
+        text = admin.ledger(fleet.spec.tenant)
+    return [r for r in map(json.loads, text.splitlines()) if r["route"] == route]
+
+
+def test_apply_revisions_history_and_diff(fleet: Fleet) -> None:
+    with admin_http(fleet) as c:
+        first = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a"))
+        assert first.status_code == 201, first.text
+        assert first.json()["revision"] == 1 and first.json()["changed"] is True
+        fp1 = first.json()["fingerprints"]["dep-a"]
+
+        again = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a"))
+        assert again.status_code == 200
+        assert again.json()["changed"] is False and again.json()["revision"] == 1
+
+        second = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a", deadline_s=5))
+        assert second.status_code == 200 and second.json()["revision"] == 2
+        assert second.json()["fingerprints"]["dep-a"] != fp1
+
+        history = c.get("/admin/routes/r-apply/history").json()["data"]
+        assert [h["revision"] for h in history] == [1, 2]
+        assert [h["contract"]["deadline_s"] for h in history] == [60.0, 5.0]
+
+        diff = c.get("/admin/routes/r-apply/diff").json()
+        assert (diff["from"], diff["to"]) == (1, 2)
+        assert diff["changes"] == [{"path": "deadline_s", "before": 60.0, "after": 5.0}]
+        assert c.get("/admin/routes/r-apply/diff", params={"from": 2, "to": 1}).json()[
+            "changes"
+        ] == [{"path": "deadline_s", "before": 5.0, "after": 60.0}]
+        assert c.get("/admin/routes/r-apply/diff", params={"from": 9}).status_code == 404
+
+        listed = {r["name"]: r for r in c.get("/admin/routes").json()["data"]}
+        assert listed["r-apply"]["revision"] == 2
+        assert listed["r-apply"]["fingerprints"] == second.json()["fingerprints"]
+
+        # Bad input: OpenAI-shaped 400s naming the problem.
+        for body, param in [
+            (contract("other-name", "dep-a"), "name"),
+            (contract("r-apply"), "candidates"),
+            (contract("r-apply", "dep-a", "dep-a"), None),
+            ({**contract("r-apply", "dep-a"), "surprise": 1}, None),
+            (contract("r-apply", "dep-a", deadline_s=-1), "deadline_s"),
+        ]:
+            bad = c.put("/admin/routes/r-apply", json=body)
+            assert bad.status_code == 400, bad.text
+            err = bad.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"]
+            if param is not None:
+                assert err["param"] == param
+        assert c.get("/admin/routes/r-apply").json()["revision"] == 2  # nothing written
+
+        assert c.delete("/admin/routes/r-apply").json()["deleted"] is True
+        assert c.get("/admin/routes/r-apply").status_code == 404
+        # Numbering continues after a delete: a revision never names two contracts.
+        back = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a"))
+        assert back.status_code == 201 and back.json()["revision"] == 3
+        kinds = [
+            h.get("deleted", False) for h in c.get("/admin/routes/r-apply/history").json()["data"]
+        ]
+        assert kinds == [False, False, True, False]
+
+
+def test_compare_and_set_conflict_is_409(fleet: Fleet) -> None:
+    with admin_http(fleet) as c:
+        assert c.put("/admin/routes/r-cas", json=contract("r-cas", "dep-a")).status_code == 201
+        ok = c.put(
+            "/admin/routes/r-cas",
+            json={**contract("r-cas", "dep-a", deadline_s=9), "expected_revision": 1},
+        )
+        assert ok.status_code == 200 and ok.json()["revision"] == 2
+        # A second admin still working from revision 1 loses, and is told the current one.
+        stale = c.put(
+            "/admin/routes/r-cas",
+            json={**contract("r-cas", "dep-a", deadline_s=8), "expected_revision": 1},
+        )
+        assert stale.status_code == 409
+        assert stale.json()["current_revision"] == 2
+        assert stale.json()["error"]["code"] == "route_conflict"
+        assert c.get("/admin/routes/r-cas").json()["contract"]["deadline_s"] == 9.0
+        gone = c.delete("/admin/routes/r-cas", params={"expected_revision": 1})
+        assert gone.status_code == 409
+
+
+def test_admin_routes_need_the_admin_token(fleet: Fleet) -> None:
+    with admin_http(fleet, token="wrong") as c:
+        assert c.get("/admin/routes").status_code == 401
+        put = c.put("/admin/routes/r-x", json=contract("r-x", "dep-a"))
+        assert put.status_code == 401 and put.json()["error"]["code"] == "invalid_admin_token"
+    # The public port has no admin routes at all.
+    r = httpx.get(
+        f"{fleet.base_url}/admin/routes", headers={"Authorization": f"Bearer {fleet.api_key}"}
+    )
+    assert r.status_code == 404
+
+
+def test_gateway_picks_up_a_change_live_and_the_ledger_names_it(fleet: Fleet) -> None:
+    # No route yet: the gateway serves only its --models list.
+    assert chat(fleet, "r-live").status_code == 404
+    slow = {"X-Sim-Fault": "slow:150"}  # 8 tokens: ~1.2 s of generation
+    with admin_http(fleet) as c:
+        tight = c.put(
+            "/admin/routes/r-live", json=contract("r-live", "dep-a", "dep-b", deadline_s=0.5)
+        )
+        assert tight.status_code == 201
+        started = time.monotonic()
+        # A longer client timeout does not lengthen the route's deadline.
+        r = chat(fleet, "r-live", 8, **slow, **{"X-Jetserve-Timeout": "20"})
+        took = time.monotonic() - started
+        assert r.status_code == 504, r.text
+        assert took < 1.5, took
+
+        loose = c.put(
+            "/admin/routes/r-live", json=contract("r-live", "dep-a", "dep-b", deadline_s=30)
+        )
+        assert loose.json()["revision"] == 2
+        ok = chat(fleet, "r-live", 8, **slow)  # same gateway, no restart
+        assert ok.status_code == 200, ok.text
+        fps = loose.json()["fingerprints"]
+        models = [
+            m["id"]
+            for m in httpx.get(
+                f"{fleet.base_url}/v1/models", headers={"Authorization": f"Bearer {fleet.api_key}"}
+            ).json()["data"]
+        ]
+        assert "r-live" in models
+
+    records = ledger(fleet, "r-live")
+    served = [r for r in records if r["status"] == 200]
+    timed_out = [r for r in records if r["status"] == 504]
+    assert len(served) == 1 and len(timed_out) == 1
+    assert served[0]["route_revision"] == 2 and timed_out[0]["route_revision"] == 1
+    assert served[0]["deployment"] in ("dep-a", "dep-b")
+    assert served[0]["fingerprint"] == fps[served[0]["deployment"]]
+
+
+def test_only_a_candidate_deployment_serves(fleet: Fleet) -> None:
+    with admin_http(fleet) as c:
+        applied = c.put("/admin/routes/r-cand", json=contract("r-cand", "dep-b"))
+        assert applied.status_code == 201
+    for _ in range(8):
+        r = chat(fleet, "r-cand")
+        assert r.status_code == 200, r.text
+    records = ledger(fleet, "r-cand")
+    assert len(records) == 8
+    assert {r["deployment"] for r in records} == {"dep-b"}
+    assert {r["fingerprint"] for r in records} == {applied.json()["fingerprints"]["dep-b"]}
+
+
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "JETSERVE_ADMIN_URL": fleet.admin_url,
+        "JETSERVE_ADMIN_TOKEN": fleet.admin_token,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "jetserve", "routes", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_cli_apply_diff_history(fleet: Fleet, tmp_path: Path) -> None:
+    path = tmp_path / "r-cli.yaml"
+    path.write_text(
+        "name: r-cli\ncandidates:\n"
+        "  - {name: dep-a, adapter: openai, engine: jetserve-sim, model: r-cli}\n"
+        "retry:\n  on: [engine_unavailable]\n"
+    )
+    first = cli(fleet, "apply", str(path))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[0] == "revision 1"
+    assert cli(fleet, "apply", str(path)).stdout.splitlines()[0] == "unchanged at revision 1"
+
+    path.write_text(path.read_text() + "deadline_s: 12.5\n")
+    assert cli(fleet, "apply", str(path)).stdout.splitlines()[0] == "revision 2"
+
+    diff = cli(fleet, "diff", "r-cli")
+    assert diff.returncode == 0, diff.stderr
+    assert diff.stdout == "--- r-cli r1\n+++ r-cli r2\n- deadline_s: 60.0\n+ deadline_s: 12.5\n"
+    history = cli(fleet, "history", "r-cli").stdout.splitlines()
+    assert [line.split()[0] for line in history] == ["r1", "r2"]
+    assert "r-cli\trevision 2" in cli(fleet, "list").stdout
+    assert json.loads(cli(fleet, "show", "r-cli").stdout)["contract"]["deadline_s"] == 12.5
+
+    stale = cli(fleet, "apply", str(path), "--expected-revision", "1")
+    assert stale.returncode == 1 and "409" in stale.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(contract("r-cli", "dep-a", deadline_s="soon")))
+    refused = cli(fleet, "apply", str(bad))
+    assert refused.returncode == 1 and "400" in refused.stderr and "deadline_s" in refused.stderr
+    assert cli(fleet, "delete", "r-cli").stdout.startswith("deleted r-cli")

@@ -1,0 +1,1 @@
+"""Conformance corpus for engine adapters and its translation-loss report."""
