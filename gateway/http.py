@@ -74,7 +74,10 @@ async def _serve(request: Request, op: Op) -> Response:
         return Response(status_code=499)  # nobody reads it; for the access log
     except GatewayError as exc:
         await gw.fail(adm, exc)
-        return error_response(exc)
+        # Accepted, then failed: the id lets the client find it in its ledger.
+        response = error_response(exc)
+        response.headers["X-Request-Id"] = adm.request_id
+        return response
     stream = sse_body(client_events(gw, adm, first))
     return EventStreamResponse(
         stream, lambda reason: gw.abandon(adm, reason), headers, adm.stream.overflowed

@@ -329,6 +329,9 @@ class Gateway:
                 code="deadline_unmeetable",
                 retry_after=retry_after,
             )
+        # Counted as queued until the next look at the queue (a coalesced
+        # follower too: a slight overestimate, on the safe side).
+        self.queue_watch.published(req.cls)
 
     def _build(
         self,

@@ -25,22 +25,29 @@ from nats.js.errors import APIError
 from streams.definitions import Topology
 
 # Too little evidence to refuse anyone: a short queue drains whatever the rate.
-MIN_DEPTH = 4
+MIN_DEPTH = 2
 RATE_HALF_LIFE_S = 2.0
+SAFETY = 0.8
 
 
 @dataclass
 class ClassLoad:
     depth: int = 0
-    rate: float = 0.0  # deliveries per second, smoothed
+    # Deliveries per second while the queue was not empty (an idle spell says
+    # nothing about capacity); None until such a spell was seen: never shed blind.
+    rate: float | None = None
     delivered: int = 0
     at: float = 0.0
+    # Published by this gateway since the last look (a burst lands between
+    # looks; the next look's depth includes them).
+    since: int = 0
 
     def expected_wait(self) -> float | None:
         """Seconds a request published now waits before a worker takes it."""
-        if self.depth < MIN_DEPTH or not self.at:
+        depth = self.depth + self.since
+        if depth < MIN_DEPTH or self.rate is None:
             return None
-        return self.depth / max(self.rate, 1e-3)
+        return depth / max(self.rate, 1e-3)
 
 
 class QueueWatch:
@@ -75,18 +82,27 @@ class QueueWatch:
             delivered += info.delivered.consumer_seq if info.delivered else 0
         load = self.loads[cls]
         now = time.monotonic()
-        if load.at:
-            dt = now - load.at
-            sample = max(0, delivered - load.delivered) / dt if dt > 0 else load.rate
-            keep = math.exp(-dt * math.log(2) / RATE_HALF_LIFE_S)
-            load.rate = keep * load.rate + (1 - keep) * sample
-        load.depth, load.delivered, load.at = depth, delivered, now
+        dt = now - load.at
+        if load.at and load.depth > 0 and dt > 0:  # busy since the last look
+            sample = max(0, delivered - load.delivered) / dt
+            if load.rate is None:
+                load.rate = sample
+            else:
+                keep = math.exp(-dt * math.log(2) / RATE_HALF_LIFE_S)
+                load.rate = keep * load.rate + (1 - keep) * sample
+        load.depth, load.delivered, load.at, load.since = depth, delivered, now, 0
+
+    def published(self, cls: str) -> None:
+        load = self.loads.get(cls)
+        if load is not None:
+            load.since += 1
 
     def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
         """None: admit. Otherwise the Retry-After (seconds) of a refusal."""
         load = self.loads.get(cls)
         wait = load.expected_wait() if load is not None else None
-        if wait is None or wait + first_token_s <= seconds_left:
+        # A margin: the rate is an average, and the deadline covers the whole answer.
+        if wait is None or wait + first_token_s <= SAFETY * seconds_left:
             return None
         # Come back when the queue ahead has drained to what a deadline allows.
-        return min(30.0, max(1.0, wait + first_token_s - seconds_left))
+        return min(30.0, max(1.0, wait + first_token_s - SAFETY * seconds_left))

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -212,7 +212,7 @@ class Fleet:
         self.sim_port = self.sim_port or free_port()
         self.sim = self._spawn_sim("sim", self.sim_port)
 
-    def _spawn_sim(self, name: str, port: int) -> Proc:
+    def _spawn_sim(self, name: str, port: int, extra: Sequence[str] = ()) -> Proc:
         sim = self._spawn(
             name,
             "sim",
@@ -223,6 +223,7 @@ class Fleet:
             "--model",
             self.spec.model,
             *self.spec.sim_args,
+            *extra,
         )
         wait_port(port, 20.0, sim.proc)
         return sim
@@ -270,7 +271,9 @@ class Fleet:
             time.sleep(0.05)
         raise ServiceError(f"gateway not ready after {timeout}s; see {self.workdir}")
 
-    def start_worker(self, *extra: str, wait: bool = True) -> Proc:
+    def start_worker(self, *extra: str, wait: bool = True, sim_args: Sequence[str] = ()) -> Proc:
+        """A worker (and with ``engine_per_worker`` its own simulator, given
+        ``sim_args`` on top of the fleet's)."""
         n = len(self.workers)
         metrics_port = free_port()
         self.worker_metrics_ports.append(metrics_port)
@@ -278,7 +281,7 @@ class Fleet:
         sim: Proc | None = None
         if self.spec.engine_per_worker:
             port = free_port()
-            sim = self._spawn_sim(f"sim{n}", port)
+            sim = self._spawn_sim(f"sim{n}", port, sim_args)
             engine = f"http://127.0.0.1:{port}"
             self.worker_sim_ports.append(port)
         self.worker_sims.append(sim)

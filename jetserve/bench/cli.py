@@ -42,7 +42,7 @@ from jetserve.bench.trace import read_trace, write_trace
 from jetserve.bench.units import fmt_rate, parse_duration, parse_rates
 from jetserve.bench.workload import ClassSpec, WorkloadSpec, parse_class
 
-COMMANDS = ("run", "plan", "report")
+COMMANDS = ("run", "plan", "report", "fleet")
 
 
 def _typed(fn: Any, what: str) -> Any:
@@ -65,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser(
+        "fleet",
+        allow_abbrev=False,
+        help="fleet-routing scenarios on real fleets: affinity, saturation, failover, hedging",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    f.add_argument("--scenario", default="affinity,saturation,failover,hedging")
+    f.add_argument("--out", default="bench/results/fleet")
+    f.add_argument("--rate", type=float, default=12.0, help="req/s (affinity, failover, hedging)")
+    f.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")
+    f.add_argument("--seed", type=int, default=1)
     r = sub.add_parser(
         "run",
         allow_abbrev=False,
@@ -245,10 +256,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "report":
             return cmd_report(args)
+        if args.command == "fleet":
+            return cmd_fleet(args)
         return cmd_run(args, parser, args_list)
     except ValueError as exc:
         print(f"jetserve bench: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from jetserve.bench.fleet_plots import write_fleet_plots
+    from jetserve.bench.fleet_scenarios import SCENARIOS, Options, render, run_all
+
+    wanted = tuple(s.strip() for s in args.scenario.split(",") if s.strip())
+    unknown = set(wanted) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {sorted(unknown)}; choose from {SCENARIOS}")
+    opts = Options(
+        scenarios=wanted, out=Path(args.out), seed=args.seed, rate=args.rate,
+        duration=args.duration,
+    )  # fmt: skip
+    results = asyncio.run(run_all(opts))
+    summary = "\n\n".join(render(r) for r in results.values())
+    (opts.out / "summary.md").write_text(summary + "\n")
+    write_fleet_plots(results, opts.out)
+    print(f"results: {opts.out}/<scenario>.json, summary.md and <scenario>.png")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

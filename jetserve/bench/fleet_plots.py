@@ -1,0 +1,53 @@
+"""PNG plots of the fleet scenarios (matplotlib, the `bench` extra): one small
+figure per scenario, from its results JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DPI = 90
+
+
+def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    from matplotlib.figure import Figure
+
+    written = []
+    for name, result in results.items():
+        rows = result["rows"]
+        fig = Figure(figsize=(8, 3.2), dpi=DPI)
+        left, right = fig.subplots(1, 2)
+        labels = [r["name"] for r in rows]
+        x = range(len(rows))
+        for i, q in enumerate(("p50", "p90", "p99")):
+            vals = [r["ttft_ms"][q] or 0 for r in rows]
+            left.bar([v + (i - 1) * 0.27 for v in x], vals, width=0.27, label=f"TTFT {q}")
+        left.set_xticks(list(x), labels, rotation=15, fontsize=7)
+        left.set_ylabel("ms")
+        left.legend(fontsize=7)
+        left.set_title(f"{name}: first-token latency", fontsize=9)
+        if name == "affinity":
+            right.bar(list(x), [100 * (r["prefix_hit_rate"] or 0) for r in rows], color="C2")
+            right.set_ylabel("prefix-cache hit rate (%)")
+        else:
+            right.bar(list(x), [r["goodput_rps"] for r in rows], color="C2", label="goodput/s")
+            right.plot(
+                list(x),
+                [r["admission_rate"] * max(1, max(r2["goodput_rps"] for r2 in rows)) for r in rows],
+                "ko",
+                label="admission rate (scaled)",
+            )
+            right.set_ylabel("completed per second")
+            right.legend(fontsize=7)
+        right.set_xticks(list(x), labels, rotation=15, fontsize=7)
+        right.set_title(
+            f"{name}: " + ("cache hits" if name == "affinity" else "goodput"), fontsize=9
+        )
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        written.append(path.name)
+    return written

@@ -1,0 +1,135 @@
+"""Hedging and deadline-aware shedding through real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import pytest
+
+from jetserve.fleet import Fleet
+
+pytestmark = [pytest.mark.connected, pytest.mark.timeout(120)]
+
+
+def body(i: int, max_tokens: int = 8) -> dict[str, object]:
+    return {
+        "model": "sim-8b",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": f"short question {i}"}],
+    }
+
+
+async def ledger_rows(fleet: Fleet, ids: set[str]) -> dict[str, dict[str, object]]:
+    for _ in range(50):
+        with fleet.admin() as admin:
+            text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
+        rows = {r["request_id"]: r for r in map(msgspec.json.decode, text.splitlines())}
+        if ids <= rows.keys():
+            return rows
+        await asyncio.sleep(0.1)
+    raise AssertionError("ledger records missing")
+
+
+def metric(fleet: Fleet, name: str, **labels: str) -> float:
+    text = httpx.get(f"{fleet.base_url}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_a_late_first_token_is_hedged_and_the_loser_cancelled(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Replica 0's engine stalls every first token 4 s and holds one request at
+    # a time; replica 1 is healthy. Hedge after 0.3 s, every request may hedge.
+    fleet = make_fleet(
+        workers=0,
+        engine_per_worker=True,
+        gateway_args=["--hedge", "0.3", "--hedge-max-extra", "1.0"],
+    )
+    fleet.start_worker("--max-inflight", "1", sim_args=["--fault-rate", "stall:4000=1.0"])
+    fleet.start_worker()
+    stalled_sim = fleet.worker_sim_ports[0]
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def ask(i: int) -> tuple[str, float]:
+            t0 = time.monotonic()
+            r = await client.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json=body(i),
+                headers={"Authorization": f"Bearer {fleet.api_key}"},
+            )
+            assert r.status_code == 200, r.text
+            return r.headers["x-request-id"], time.monotonic() - t0
+
+        results = [await ask(i) for i in range(6)]
+        rows = await ledger_rows(fleet, {rid for rid, _ in results})
+        stalled = await client.get(f"http://127.0.0.1:{stalled_sim}/metrics")
+    # Nothing waited out the 4 s stall: a hedge won wherever the original stalled.
+    assert all(took < 3.0 for _, took in results), results
+    hedged = [rows[rid] for rid, _ in results if rows[rid]["hedged"]]
+    assert hedged, rows
+    assert all(str(r["worker"]).startswith("worker1-") for r in hedged)  # the healthy one
+    assert all(r["attempts"] == 1 for r in hedged)  # the copy's own deliveries
+    won = metric(fleet, "jetserve_gateway_hedges_total", outcome="won")
+    sent = metric(fleet, "jetserve_gateway_hedges_total", outcome="sent")
+    assert won >= 1 and sent == len(hedged)
+    # The stalled originals were cancelled, not left holding the engine.
+    running = re.search(r"^vllm:num_requests_running\S* (\S+)$", stalled.text, re.M)
+    assert running is not None and float(running.group(1)) == 0.0
+
+
+async def test_what_cannot_meet_its_deadline_is_refused_early(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # One replica serving one request at a time, each ~1 s: a burst of 30 with
+    # a 4 s deadline cannot all make it. The queue's measured rate says which.
+    fleet = make_fleet(
+        workers=1,
+        engine_per_worker=True,
+        sim_args=["--max-num-seqs", "1"],
+        worker_args=["--max-inflight", "1"],
+    )
+    headers = {
+        "Authorization": f"Bearer {fleet.api_key}",
+        "X-Jetserve-Timeout": "4",
+        "X-Sim-Fault": "slow:60",
+    }
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as client:
+
+        async def ask(i: int) -> httpx.Response:
+            return await client.post(
+                f"{fleet.base_url}/v1/chat/completions", json=body(i, 16), headers=headers
+            )
+
+        # A first wave, all of which can make it, teaches the gateway the
+        # fleet's start rate under load.
+        first = await asyncio.gather(*(ask(i) for i in range(3)))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        second = await asyncio.gather(*(ask(100 + i) for i in range(30)))
+    shed = [r for r in second if r.status_code == 429]
+    assert shed, [r.status_code for r in second]
+    for r in shed:
+        err = r.json()["error"]
+        assert err["code"] == "deadline_unmeetable"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert "x-request-id" not in r.headers  # refused before acceptance
+    # What was admitted mostly made it: the queue was kept within the deadline.
+    admitted = [r for r in second if r.status_code != 429]
+    ok = [r for r in admitted if r.status_code == 200]
+    assert len(ok) >= 0.7 * len(admitted), [r.status_code for r in admitted]
+    assert time.monotonic() - t0 < 15
+    assert all(r.status_code == 200 for r in first)
+    # Refusals are recorded, with their reason.
+    with fleet.admin() as admin:
+        text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
+    policies = [msgspec.json.decode(line)["policy"] for line in text.splitlines()]
+    assert policies.count("rejected:deadline_unmeetable") == len(shed)
