@@ -64,14 +64,16 @@ class Runtime:
     async def refresh_queue_depth(self) -> None:
         topo = self.cfg.topology
         for cls in topo.classes:
+            # A class's queue is its plain consumer plus its affinity lanes.
+            pending = acking = 0
             try:
-                info = await self.js.consumer_info(
-                    topo.stream, topo.consumer_name(cls), timeout=1.0
-                )
+                for name in topo.consumer_names(cls):
+                    info = await self.js.consumer_info(topo.stream, name, timeout=1.0)
+                    pending += info.num_pending or 0
+                    acking += info.num_ack_pending or 0
             except (JSError, TimeoutError):
                 continue
             m = self.gateway.metrics
-            pending, acking = info.num_pending or 0, info.num_ack_pending or 0
             m.queue_depth.labels(cls.value).set(pending + acking)
             m.consumer_pending.labels(cls.value).set(pending)
             m.consumer_ack_pending.labels(cls.value).set(acking)

@@ -281,7 +281,8 @@ class Fleet:
         sim: Proc | None = None
         if self.spec.engine_per_worker:
             port = free_port()
-            sim = self._spawn_sim(f"sim{n}", port, sim_args)
+            # Replicas of one model: the same text, but independent fault draws.
+            sim = self._spawn_sim(f"sim{n}", port, ["--fault-seed", str(n + 1), *sim_args])
             engine = f"http://127.0.0.1:{port}"
             self.worker_sim_ports.append(port)
         self.worker_sims.append(sim)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -209,15 +210,14 @@ async def lags_from_nats(url: str, topo: Topology, classes: tuple[str, ...]) -> 
                 last = stream.state.last_seq or 0
                 out.append(Lag(cls, name, 0, 0, 0, found=False, stream_last_seq=last))
                 continue
-            out.append(
-                Lag(
-                    cls,
-                    name,
-                    info.num_pending or 0,
-                    info.num_ack_pending or 0,
-                    info.num_waiting or 0,
-                )
-            )
+            pending, acking = info.num_pending or 0, info.num_ack_pending or 0
+            # The class's affinity lanes hold its work too (docs/routing.md).
+            for lane in topo.consumer_names(cls)[1:]:
+                with contextlib.suppress(NotFoundError):
+                    lane_info = await js.consumer_info(topo.stream, lane)
+                    pending += lane_info.num_pending or 0
+                    acking += lane_info.num_ack_pending or 0
+            out.append(Lag(cls, name, pending, acking, info.num_waiting or 0))
         return out
     except (nats.errors.Error, TimeoutError) as exc:
         raise ScaleError(f"JetStream API at {url}: {exc!r}") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import shlex
@@ -279,6 +280,12 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         duration=args.duration,
     )  # fmt: skip
     results = asyncio.run(run_all(opts))
+    # Scenarios not rerun keep their last results in the summary and plots.
+    for name in SCENARIOS:
+        kept = opts.out / f"{name}.json"
+        if name not in results and kept.exists():
+            results[name] = json.loads(kept.read_text())
+    results = {name: results[name] for name in SCENARIOS if name in results}
     summary = "\n\n".join(render(r) for r in results.values())
     (opts.out / "summary.md").write_text(summary + "\n")
     write_fleet_plots(results, opts.out)

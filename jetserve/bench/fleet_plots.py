@@ -18,14 +18,14 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
     written = []
     for name, result in results.items():
         rows = result["rows"]
-        fig = Figure(figsize=(8, 3.2), dpi=DPI)
+        fig = Figure(figsize=(max(8, 1.3 * len(rows)), 3.6), dpi=DPI)
         left, right = fig.subplots(1, 2)
-        labels = [r["name"] for r in rows]
+        labels = _labels([r["name"] for r in rows])
         x = range(len(rows))
         for i, q in enumerate(("p50", "p90", "p99")):
             vals = [r["ttft_ms"][q] or 0 for r in rows]
             left.bar([v + (i - 1) * 0.27 for v in x], vals, width=0.27, label=f"TTFT {q}")
-        left.set_xticks(list(x), labels, rotation=15, fontsize=7)
+        left.set_xticks(list(x), labels, fontsize=6)
         left.set_ylabel("ms")
         left.legend(fontsize=7)
         left.set_title(f"{name}: first-token latency", fontsize=9)
@@ -42,7 +42,7 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
             )
             right.set_ylabel("completed per second")
             right.legend(fontsize=7)
-        right.set_xticks(list(x), labels, rotation=15, fontsize=7)
+        right.set_xticks(list(x), labels, fontsize=6)
         right.set_title(
             f"{name}: " + ("cache hits" if name == "affinity" else "goodput"), fontsize=9
         )
@@ -51,3 +51,15 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(path)
         written.append(path.name)
     return written
+
+
+def _labels(names: list[str]) -> list[str]:
+    """Short tick labels: a sub-row ("  batch") under its run, one term a line."""
+    out, parent = [], ""
+    for name in names:
+        if name.startswith(" "):
+            name = f"{parent}: {name.strip()}"
+        else:
+            parent = name
+        out.append(name.replace(", ", "\n").replace(": ", "\n").replace("_", " "))
+    return out

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--alias", action="append", default=None, help="another served name (repeatable)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-seed", type=int, default=None, help="fault draws (default: --seed)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -112,6 +113,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         aliases=tuple(ns.alias) if ns.alias is not None else ("sim-embed",),
         profile=ns.profile,
         seed=ns.seed,
+        fault_seed=ns.fault_seed,
         max_num_seqs=ns.max_num_seqs,
         num_gpu_blocks=ns.num_gpu_blocks,
         block_size=ns.block_size,

@@ -14,6 +14,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     aliases: tuple[str, ...] = ("sim-embed",)
     profile: str = "h100-8b"
     seed: int = 0
+    # Fault draws only (None: ``seed``): replicas of one model share ``seed`` (the
+    # same text) but fault independently.
+    fault_seed: int | None = None
     max_num_seqs: int | None = None  # None: the profile's value
     num_gpu_blocks: int | None = None
     block_size: int = 16

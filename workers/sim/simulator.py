@@ -57,7 +57,8 @@ class Simulator:
             self.stats,
             cfg.seed,
         )
-        self.faults = FaultPicker(cfg.fault_rates, cfg.seed)
+        fault_seed = cfg.seed if cfg.fault_seed is None else cfg.fault_seed
+        self.faults = FaultPicker(cfg.fault_rates, fault_seed)
         self.scripts = ScriptBook.from_file(cfg.scripts_path)
         # Embedding requests share the engine's concurrency limit, not its KV blocks.
         self.embed_slots = asyncio.Semaphore(self.max_num_seqs)
