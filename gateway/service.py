@@ -276,7 +276,12 @@ class Gateway:
             raise
         if reservation.settled:
             raise BadRequest("This request id was already served.", code="duplicate_request")
-        record = self.routes.get(req.model) if self.routes is not None else None
+        # The revision the request was built under (a change may land meanwhile).
+        record = (
+            self.routes.at(req.route, req.route_revision)
+            if self.routes is not None and req.route
+            else None
+        )
         contract = record.contract if record is not None else None
         hedge = contract.hedge if contract is not None else self.cfg.hedge
         subject = self.lanes.subject(
