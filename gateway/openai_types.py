@@ -97,7 +97,32 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
         raise BadRequest(f"Invalid request: {text}", param=param) from exc
     if isinstance(typed, ChatRequest) and not typed.messages:
         raise BadRequest("'messages' must contain at least one message.", param="messages")
+    if not isinstance(typed, EmbeddingRequest):
+        _refuse_uncarried(body)
     return typed, body
+
+
+# Fields whose answer our frames cannot carry back: refused, never forwarded and
+# silently dropped (an engine would compute them, the relay would lose them).
+_UNCARRIED = {
+    "logprobs": "token log-probabilities",
+    "top_logprobs": "token log-probabilities",
+    "echo": "the prompt echoed back",
+    "best_of": "server-side best-of sampling",
+    "suffix": "a completion suffix",
+}
+
+
+def _refuse_uncarried(body: dict[str, Any]) -> None:
+    for name, what in _UNCARRIED.items():
+        value = body.get(name)
+        if value in (None, False, 0) or (name == "best_of" and value == 1):
+            continue  # absent, or the default that asks for nothing
+        raise BadRequest(
+            f"'{name}' is not supported: jetserve does not relay {what}.",
+            param=name,
+            code="unsupported_parameter",
+        )
 
 
 # Non-text content parts (images, audio, files) cost tokens the bytes of the
