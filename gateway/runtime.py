@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import redis.asyncio as redis
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import Error as JSError
 from redis.exceptions import RedisError
 
 from gateway.accounting import Accountant
@@ -62,21 +61,16 @@ class Runtime:
         return {"nats": self.nc.is_connected, "redis": redis_ok}
 
     async def refresh_queue_depth(self) -> None:
-        topo = self.cfg.topology
-        for cls in topo.classes:
-            # A class's queue is its plain consumer plus its affinity lanes.
-            pending = acking = 0
-            try:
-                for name in topo.consumer_names(cls):
-                    info = await self.js.consumer_info(topo.stream, name, timeout=1.0)
-                    pending += info.num_pending or 0
-                    acking += info.num_ack_pending or 0
-            except (JSError, TimeoutError):
-                continue
-            m = self.gateway.metrics
-            m.queue_depth.labels(cls.value).set(pending + acking)
-            m.consumer_pending.labels(cls.value).set(pending)
-            m.consumer_ack_pending.labels(cls.value).set(acking)
+        """The queue-depth gauges, from the shedding watch's last look (no I/O
+        here: a scrape must not add JetStream API load)."""
+        watch = self.gateway.queue_watch
+        if watch is None:
+            return
+        m = self.gateway.metrics
+        for cls, load in watch.loads.items():
+            m.queue_depth.labels(cls).set(load.depth + load.ack_pending)
+            m.consumer_pending.labels(cls).set(load.depth)
+            m.consumer_ack_pending.labels(cls).set(load.ack_pending)
 
 
 async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:

@@ -1,7 +1,8 @@
 """Deadline-aware shedding: refuse at the door what cannot start before its
 deadline, instead of queueing it to die.
 
-A watch polls the class's consumers (the plain one and its lanes) and keeps
+A watch polls the class's consumers (the plain one and its lanes; the
+gateway's queue-depth metrics read the same numbers) and keeps
 the queue depth (``num_pending``: published, not yet handed to a worker) and
 the fleet's start rate (deliveries per second, smoothed). A new request's
 expected wait is depth / rate; if that is past its deadline (with a margin for
@@ -32,7 +33,8 @@ SAFETY = 0.8
 
 @dataclass
 class ClassLoad:
-    depth: int = 0
+    depth: int = 0  # num_pending: published, not handed to a worker yet
+    ack_pending: int = 0  # handed to a worker, not acknowledged yet (for metrics)
     # Deliveries per second while the queue was not empty (an idle spell says
     # nothing about capacity); None until such a spell was seen: never shed blind.
     rate: float | None = None
@@ -51,7 +53,7 @@ class ClassLoad:
 
 
 class QueueWatch:
-    def __init__(self, js: JetStreamContext, topology: Topology, every_s: float = 0.25) -> None:
+    def __init__(self, js: JetStreamContext, topology: Topology, every_s: float = 0.5) -> None:
         self._js = js
         self._topo = topology
         self._every = every_s
@@ -75,10 +77,11 @@ class QueueWatch:
             await asyncio.sleep(self._every)
 
     async def _poll(self, cls: str) -> None:
-        depth = delivered = 0
+        depth = acking = delivered = 0
         for name in self._topo.consumer_names(cls):
             info = await self._js.consumer_info(self._topo.stream, name)
             depth += info.num_pending or 0
+            acking += info.num_ack_pending or 0
             delivered += info.delivered.consumer_seq if info.delivered else 0
         load = self.loads[cls]
         now = time.monotonic()
@@ -91,6 +94,7 @@ class QueueWatch:
                 keep = math.exp(-dt * math.log(2) / RATE_HALF_LIFE_S)
                 load.rate = keep * load.rate + (1 - keep) * sample
         load.depth, load.delivered, load.at, load.since = depth, delivered, now, 0
+        load.ack_pending = acking
 
     def published(self, cls: str) -> None:
         load = self.loads.get(cls)

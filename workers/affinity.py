@@ -71,7 +71,15 @@ class Membership:
                 bucket=MEMBERS_BUCKET, history=1, ttl=self._every * 4, replicas=self._replicas
             )
         )
-        await kv.put(self.worker_id, b"")
+        # A bucket just created on a cluster has no leader for a moment: retry.
+        for attempt in range(50):
+            try:
+                await kv.put(self.worker_id, b"")
+                break
+            except (nats.errors.Error, TimeoutError):
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.2)
         self._watcher = await kv.watchall()
         async for entry in self._watcher:
             if entry is None:  # the end of the current values

@@ -46,7 +46,8 @@ PROBABILITY = {
     "after_outcome": 0.03,
     "before_ack": 0.01,
 }
-SETTLE_WITHIN_S = 40.0
+# Alone the matrix settles in ~12 s; a loaded 2-core CI box has taken 40.
+SETTLE_WITHIN_S = 90.0
 ARGS = json.dumps({"from": "alice", "to": "bob", "amount": 1})
 
 
@@ -167,7 +168,7 @@ async def _matrix(
     return reconciled, blind, runs, restarts, settled_s, log, repeats
 
 
-@pytest.mark.timeout(120)  # the file takes ~30 s; headroom for a loaded machine
+@pytest.mark.timeout(180)  # the file takes ~30 s; headroom for a loaded machine
 def test_crash_matrix(fleet: Fleet, crash_log: Path) -> None:
     started = time.monotonic()
     httpx.post(f"{fleet.sim_url}/sim/scripts?append=1", json=_rules()).raise_for_status()
