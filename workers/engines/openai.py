@@ -17,6 +17,7 @@ import msgspec
 
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
+from workers.engines.http import engine_client, probe, scrape
 from workers.errors import (
     EngineError,
     EngineRateLimited,
@@ -123,16 +124,8 @@ class OpenAIAdapter(EngineAdapter):
         max_connections: int = 256,
         connect_timeout: float = 5.0,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            # Reads may legitimately wait long (queued in the engine); the
-            # request's deadline bounds the whole call instead.
-            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=30.0),
+        self._client = engine_client(
+            base_url, api_key, max_connections=max_connections, connect_timeout=connect_timeout
         )
 
     async def aclose(self) -> None:
@@ -241,20 +234,11 @@ class OpenAIAdapter(EngineAdapter):
         return None if any(c is None for c in counts) else [c for c in counts if c is not None]
 
     async def healthy(self) -> bool:
-        try:
-            response = await self._client.get("/health", timeout=2.0)
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
+        return await probe(self._client, "/health")
 
     async def load(self) -> EngineLoad:
-        try:
-            response = await self._client.get("/metrics", timeout=2.0)
-        except httpx.TransportError:
-            return EngineLoad()
-        if response.status_code != 200:
-            return EngineLoad()
-        return parse_vllm_metrics(response.text)
+        text = await scrape(self._client, "/metrics")
+        return EngineLoad() if text is None else parse_vllm_metrics(text)
 
 
 def parse_vllm_metrics(text: str) -> EngineLoad:

@@ -21,6 +21,7 @@ from streams.wire import Op, Usage
 from workers.engines import prompted
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
+from workers.engines.http import engine_client, probe, scrape
 from workers.engines.openai import raise_for_status
 from workers.engines.translation import FieldStatus, Translated
 from workers.errors import EngineRejected, EngineStreamBroken, EngineUnavailable
@@ -193,16 +194,9 @@ class TGIAdapter(EngineAdapter):
         max_connections: int = 256,
         connect_timeout: float = 5.0,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
-        self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            # The request's deadline bounds the whole call; reads may wait in TGI's queue.
-            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=30.0),
+        self._client = engine_client(
+            base_url, api_key, max_connections=max_connections, connect_timeout=connect_timeout
         )
 
     async def aclose(self) -> None:
@@ -278,20 +272,11 @@ class TGIAdapter(EngineAdapter):
         raise EngineRejected("TGI serves generation only; embeddings need an embedding engine")
 
     async def healthy(self) -> bool:
-        try:
-            response = await self._client.get("/health", timeout=2.0)
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
+        return await probe(self._client, "/health")
 
     async def load(self) -> EngineLoad:
-        try:
-            response = await self._client.get("/metrics", timeout=2.0)
-        except httpx.TransportError:
-            return EngineLoad()
-        if response.status_code != 200:
-            return EngineLoad()
-        return parse_tgi_metrics(response.text)
+        text = await scrape(self._client, "/metrics")
+        return EngineLoad() if text is None else parse_tgi_metrics(text)
 
 
 def parse_tgi_metrics(text: str) -> EngineLoad:

@@ -24,6 +24,7 @@ from streams.wire import Op, Usage
 from workers.engines import prompted
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
+from workers.engines.http import engine_client, probe, scrape
 from workers.engines.openai import parse_vllm_metrics, raise_for_status
 from workers.engines.translation import FieldStatus, Translated
 from workers.errors import (
@@ -151,18 +152,12 @@ class TritonAdapter(EngineAdapter):
     ) -> None:
         if not model:
             raise ValueError("the Triton adapter needs a model name (the URL names it)")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self._path = f"/v2/models/{quote(model, safe='')}/generate_stream"
         # Triton serves metrics on their own port (8002 by default).
         self._metrics_url = metrics_url or base_url.rstrip("/") + "/metrics"
-        self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=30.0),
+        self._client = engine_client(
+            base_url, api_key, max_connections=max_connections, connect_timeout=connect_timeout
         )
 
     async def aclose(self) -> None:
@@ -223,25 +218,18 @@ class TritonAdapter(EngineAdapter):
         raise EngineRejected("the Triton adapter serves generation only")
 
     async def healthy(self) -> bool:
-        try:
-            response = await self._client.get("/v2/health/ready", timeout=2.0)
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
+        return await probe(self._client, "/v2/health/ready")
 
     async def load(self) -> EngineLoad:
         """The vLLM backend's vllm:* gauges, else Triton's pending-request count."""
-        try:
-            response = await self._client.get(self._metrics_url, timeout=2.0)
-        except httpx.TransportError:
+        text = await scrape(self._client, self._metrics_url)
+        if text is None:
             return EngineLoad()
-        if response.status_code != 200:
-            return EngineLoad()
-        load = parse_vllm_metrics(response.text)
+        load = parse_vllm_metrics(text)
         if load.waiting is None:
             pending = [
                 float(m.group(2))
-                for line in response.text.splitlines()
+                for line in text.splitlines()
                 if (m := _PENDING.match(line)) is not None
             ]
             if pending:
