@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.pricing import PriceBook
+from gateway.tenancy.pricing import PriceBook
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.routes import CoalescePolicy, HedgePolicy, RoutingPolicy
 
@@ -58,5 +58,5 @@ class GatewayConfig:
     hedge: HedgePolicy = field(default_factory=HedgePolicy)
     # Refuse (429) what the queue ahead would keep past its deadline.
     shed: bool = True
-    # Identical temperature-0 requests share one execution (gateway/coalesce.py).
+    # Identical temperature-0 requests share one execution (gateway/inference/coalesce.py).
     coalesce: CoalescePolicy = field(default_factory=CoalescePolicy)

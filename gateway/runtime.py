@@ -17,27 +17,27 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from redis.exceptions import RedisError
 
-from gateway.accounting import Accountant
 from gateway.config import GatewayConfig
-from gateway.deadletters import MaxDeliveriesWatch
-from gateway.dispatch import Dispatcher
 from gateway.errors import GatewayError
-from gateway.idempotency import IdempotencyStore
-from gateway.ingress_nats import NatsIngress
-from gateway.ledger import LedgerReader, LedgerWriter
+from gateway.inference.deadletters import MaxDeliveriesWatch
+from gateway.inference.dispatch import Dispatcher
+from gateway.inference.route_table import RouteTable
+from gateway.inference.service import Gateway
+from gateway.inference.shedding import QueueWatch
+from gateway.ingress.nats_api import NatsIngress
+from gateway.ingress.runs_nats import RunsNatsIngress
 from gateway.metrics import GatewayMetrics
-from gateway.routes import RouteTable
-from gateway.run_settle import RunSettler
-from gateway.runs import RunsService
-from gateway.runs_nats import RunsNatsIngress
-from gateway.service import Gateway
-from gateway.shedding import QueueWatch
-from gateway.tenancy import Tenancy
+from gateway.runs.service import RunsService
+from gateway.runs.settle import RunSettler
+from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.idempotency import IdempotencyStore
+from gateway.tenancy.keys import Tenancy
+from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
-from streams.ledger import DEFAULT_LEDGER, ensure_ledger
 from streams.provision import ensure_routes, ensure_topology
+from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from gateway.admin import create_admin_app
-from gateway.app import create_app
+from gateway.admin.app import create_admin_app
 from gateway.config import GatewayConfig
+from gateway.ingress.app import create_app
 from gateway.runtime import open_runtime
 
 

@@ -41,8 +41,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import hashlib
 
     from gateway.config import GatewayConfig
-    from gateway.pricing import PriceBook, parse_price
     from gateway.serve import serve
+    from gateway.tenancy.pricing import PriceBook, parse_price
     from streams.definitions import Topology
     from streams.routes import CoalescePolicy, RoutingPolicy
 
@@ -78,9 +78,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 async def _run_worker(args: argparse.Namespace) -> int:
     from streams.definitions import Topology
     from streams.subjects import RequestClass
-    from workers.admission import AdmissionConfig
     from workers.engines.factory import make_adapter
-    from workers.worker import Worker, WorkerConfig
+    from workers.inference.admission import AdmissionConfig
+    from workers.inference.worker import Worker, WorkerConfig
 
     kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
     cfg = WorkerConfig(
@@ -102,7 +102,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         http = None
         if args.metrics_port is not None:
-            from workers.http import server
+            from workers.probe import server
 
             http = server(worker, args.metrics_host, args.metrics_port)
         async with asyncio.TaskGroup() as tg:
@@ -240,7 +240,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from workers.sim.cli import main as sim_main
+    from sim.cli import main as sim_main
 
     return sim_main(list(rest))
 
@@ -347,7 +347,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    from workers.conformance.cli import main as conformance
+    from jetserve.conformance.cli import main as conformance
 
     return conformance(args)
 
@@ -623,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
 
-    from workers.conformance.cli import add_arguments
+    from jetserve.conformance.cli import add_arguments
 
     cf = sub.add_parser("conformance", allow_abbrev=False, help="adapter translation-loss report")
     add_arguments(cf)

@@ -120,7 +120,7 @@ class Spend(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class RunPrice(msgspec.Struct, frozen=True, kw_only=True):
     """The route's price, fixed when the run is created (executors never read the
-    gateway's price book). Same arithmetic as ``gateway.pricing.Price.cost``:
+    gateway's price book). Same arithmetic as ``gateway.tenancy.pricing.Price.cost``:
     integer micro-USD per 1000 tokens, rounded up."""
 
     version: str = "v1"

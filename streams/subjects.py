@@ -47,7 +47,7 @@ def resumed_subject(request_id: str) -> str:
 
 # Classes whose requests may carry a prefix key: each also has lane subjects
 # (``jetserve.req.<class>.lNN``), one durable consumer per lane, so requests that
-# share a prefix share a lane and the replica that owns it (workers/affinity.py).
+# share a prefix share a lane and the replica that owns it (workers/inference/affinity.py).
 LANE_CLASSES = (RequestClass.INTERACTIVE, RequestClass.BATCH)
 
 

@@ -1,4 +1,4 @@
-"""Budgets and GCRA rate limits (gateway/accounting.py) against a real redis-server.
+"""Budgets and GCRA rate limits (gateway/tenancy/accounting.py) against a real redis-server.
 
 The concurrency tests run the Accountant in three separate OS processes (each with
 several clients and connection pools), as three gateway replicas would.
@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import redis.asyncio as redis
 
-from gateway.accounting import (
+from gateway.errors import GatewayError, Unavailable
+from gateway.errors import RateLimited as GatewayRateLimited
+from gateway.tenancy.accounting import (
     Accountant,
     AccountingUnavailable,
     BudgetExceeded,
@@ -30,8 +32,6 @@ from gateway.accounting import (
     Scope,
     period_buckets,
 )
-from gateway.errors import GatewayError, Unavailable
-from gateway.errors import RateLimited as GatewayRateLimited
 from jetserve.services import Service, start_redis
 
 pytestmark = pytest.mark.connected
@@ -108,7 +108,7 @@ async def snapshot(rds: redis.Redis, prefix: str) -> dict[bytes, object]:
 CHILD = r"""
 import asyncio, json, sys, time
 import redis.asyncio as redis
-from gateway.accounting import Accountant, BudgetExceeded, RateLimited, Scope
+from gateway.tenancy.accounting import Accountant, BudgetExceeded, RateLimited, Scope
 
 async def main():
     cfg = json.loads(sys.argv[1])

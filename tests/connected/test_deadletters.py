@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from gateway.deadletters import MaxDeliveriesWatch
-from gateway.dispatch import Dispatcher
+from gateway.inference.deadletters import MaxDeliveriesWatch
+from gateway.inference.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from jetserve.fleet import Fleet
 from jetserve.services import Service

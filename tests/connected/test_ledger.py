@@ -18,10 +18,10 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from gateway.ledger import READ_BATCH, LedgerReader, LedgerWriteError, LedgerWriter
+from gateway.tenancy.request_ledger import READ_BATCH, LedgerReader, LedgerWriteError, LedgerWriter
 from jetserve.services import Service
 from streams.connect import connect
-from streams.ledger import (
+from streams.request_ledger import (
     DEFAULT_LEDGER,
     InvalidTenantError,
     LedgerRecord,

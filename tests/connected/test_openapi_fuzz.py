@@ -1,7 +1,7 @@
 """Bad HTTP input: schemathesis against the live gateway, through its real port.
 
 The spec is the one the gateway serves (``GET /openapi.json``, checked equal to
-:func:`gateway.openapi.build_spec` for the fleet's models). Every operation gets
+:func:`gateway.ingress.openapi.build_spec` for the fleet's models). Every operation gets
 the spec's examples, the coverage phase's boundary and negative cases, and a
 bounded number of fuzzed ones, derandomized (a fixed seed): the same cases every
 run. Each response must be no 5xx, with a documented status, content type and
@@ -36,8 +36,8 @@ from schemathesis.specs.openapi.checks import (
 )
 from starlette.routing import Route
 
-from gateway.app import create_app
-from gateway.openapi import build_spec, render
+from gateway.ingress.app import create_app
+from gateway.ingress.openapi import build_spec, render
 from jetserve.fleet import Fleet
 
 pytestmark = pytest.mark.connected
@@ -93,7 +93,7 @@ schema = schemathesis.openapi.from_dict(copy.deepcopy(SPEC), config=CONFIG).excl
 
 @schemathesis.deserializer("application/x-ndjson")
 def _ndjson(ctx: Any, response: Response) -> list[Any]:
-    """The ledger: one JSON record a line, checked as an array (see gateway.openapi)."""
+    """The ledger: one JSON record a line, checked as an array (see gateway.ingress.openapi)."""
     return [json.loads(line) for line in response.content.splitlines() if line.strip()]
 
 
@@ -152,7 +152,7 @@ def test_the_served_spec_is_the_tested_one(fleet: Fleet) -> None:
 
 
 def test_every_public_route_is_described() -> None:
-    """A route added to the app without a spec entry fails here (gateway/openapi.py)."""
+    """A route added to the app without a spec entry fails here (gateway/ingress/openapi.py)."""
     app = create_app(Mock())  # only reads attributes of the runtime
     routes = {
         (route.path, method)
@@ -167,8 +167,8 @@ def test_every_public_route_is_described() -> None:
 
 
 def test_the_shipped_spec_is_current() -> None:
-    """gateway/openapi.json is generated: ``python -m gateway.openapi > gateway/openapi.json``."""
-    shipped = Path(__file__).parents[2] / "gateway" / "openapi.json"
+    """gateway/ingress/openapi.json is generated (``python -m gateway.ingress.openapi``)."""
+    shipped = Path(__file__).parents[2] / "gateway" / "ingress" / "openapi.json"
     assert shipped.read_text() == render()
 
 

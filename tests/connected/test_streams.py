@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from gateway.dispatch import Dispatcher, FrameBuffer, FrameStream, StreamInterrupted
 from gateway.errors import RateLimited
+from gateway.inference.dispatch import Dispatcher, FrameBuffer, FrameStream, StreamInterrupted
 from jetserve.services import Service
 from streams.connect import connect
 from streams.definitions import Limits, Topology

@@ -10,7 +10,7 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.pricing import Price
+from gateway.tenancy.pricing import Price
 from jetserve.fleet import Fleet
 
 pytestmark = pytest.mark.connected
@@ -80,7 +80,7 @@ async def test_rate_limit_holds_within_5_percent_across_3_gateways(
     make_fleet: Callable[..., Fleet],
 ) -> None:
     fleet = make_fleet(gateways=3, workers=2)
-    rpm = 1200  # 20/s; GCRA burst: 6 s worth (gateway/accounting.py)
+    rpm = 1200  # 20/s; GCRA burst: 6 s worth (gateway/tenancy/accounting.py)
     with fleet.admin() as admin:
         admin.set_limits("tenant", fleet.spec.tenant, rpm=rpm)
     headers = {"Authorization": f"Bearer {fleet.api_key}"}

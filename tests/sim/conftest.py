@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from simkit import SimHandle, StartSim, serve
 
-from workers.sim.config import SimConfig
+from sim.config import SimConfig
 
 
 @pytest.fixture

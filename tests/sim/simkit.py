@@ -15,10 +15,10 @@ import httpx
 import msgspec
 import uvicorn
 
-from workers.sim.app import create_app
-from workers.sim.cli import uvicorn_config
-from workers.sim.config import SimConfig
-from workers.sim.simulator import Simulator
+from sim.app import create_app
+from sim.cli import uvicorn_config
+from sim.config import SimConfig
+from sim.simulator import Simulator
 
 
 @dataclass

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from simkit import SimHandle
 
+from jetserve.conformance.corpus import CASES
+from jetserve.conformance.report import Report, Status, matrix_markdown
+from jetserve.conformance.runner import run_corpus
 from streams.wire import Op
-from workers.conformance.corpus import CASES
-from workers.conformance.report import Report, Status, matrix_markdown
-from workers.conformance.runner import run_corpus
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done
 from workers.engines.factory import make_adapter

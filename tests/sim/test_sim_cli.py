@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from workers.sim.cli import build_parser, config_from_args, main
+from sim.cli import build_parser, config_from_args, main
 
 
 def _free_port() -> int:
@@ -22,7 +22,7 @@ def _free_port() -> int:
 async def test_cli_serves_until_sigterm() -> None:
     port = _free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers.sim", "--port", str(port), "--profile", "fast",
+        sys.executable, "-m", "sim", "--port", str(port), "--profile", "fast",
         "--model", "cli-model", "--max-num-seqs", "3", "--fault-rate", "503=0.0",
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from workers.sim.completions import StopScanner
-from workers.sim.config import SimConfig
-from workers.sim.faults import Fault, FaultKind, FaultPicker, parse_fault
-from workers.sim.kv import BlockManager, chain_hashes
-from workers.sim.profiles import PROFILES
-from workers.sim.textgen import natural_pieces
-from workers.sim.tokenizer import Tokenizer
+from sim.completions import StopScanner
+from sim.config import SimConfig
+from sim.faults import Fault, FaultKind, FaultPicker, parse_fault
+from sim.kv import BlockManager, chain_hashes
+from sim.profiles import PROFILES
+from sim.textgen import natural_pieces
+from sim.tokenizer import Tokenizer
 
 
 def _hashes(ids: list[int], bs: int = 4) -> list[int]:

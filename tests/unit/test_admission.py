@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from workers.admission import Admission, AdmissionConfig
 from workers.engines.base import EngineLoad
 from workers.engines.openai import parse_vllm_metrics
+from workers.inference.admission import Admission, AdmissionConfig
 
 
 async def test_slots_bounded_by_max_inflight() -> None:

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.pricing import Price
-from gateway.runs import BudgetIn, RunCreate, _budget, _deadline
+from gateway.runs.service import BudgetIn, RunCreate, _budget, _deadline
+from gateway.tenancy.pricing import Price
 from streams.agent import (
     NO_BUDGET,
     SPAWN_TOOL,

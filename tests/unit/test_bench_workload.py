@@ -17,7 +17,7 @@ from jetserve.bench.targets import parse_header, parse_target
 from jetserve.bench.trace import at_rate, dump_trace, mean_rate, parse_trace
 from jetserve.bench.units import parse_duration, parse_rates
 from jetserve.bench.workload import WorkloadSpec, build_schedule, parse_class
-from workers.sim.tokenizer import Tokenizer
+from sim.tokenizer import Tokenizer
 
 
 def _gaps(times: list[float]) -> list[float]:

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from jetserve import cli as jetserve_cli
+from sim import cli as sim_cli
 from streams.subjects import RequestClass
-from workers.sim import cli as sim_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yml"

@@ -39,9 +39,9 @@ from jetserve.scale import (
     lags_from_jsz,
     per_class,
 )
+from sim import cli as sim_cli
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
-from workers.sim import cli as sim_cli
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) parses the manifests")
 
@@ -52,7 +52,7 @@ NAMESPACE = "jetserve"
 CLUSTER_SCOPED = {"Namespace"}
 
 # The worker's Prometheus metrics the dashboard may query, as (type, labels). The
-# worker serves them itself (workers/metrics.py); test_worker_metric_list_is_current
+# worker serves them itself (workers/inference/metrics.py); test_worker_metric_list_is_current
 # checks this list against that module. Names follow the OpenTelemetry GenAI
 # conventions where one exists (gen_ai_server_*), else jetserve_worker_*.
 WORKER_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -563,9 +563,9 @@ def test_dashboard_is_importable(dashboard: dict[str, Any]) -> None:
 
 def test_worker_metric_list_is_current() -> None:
     """WORKER_METRICS (above) against the worker's own metrics, once that module exists."""
-    if importlib.util.find_spec("workers.metrics") is None:
-        pytest.skip("workers/metrics.py does not exist: WORKER_METRICS is not checked")
-    module = importlib.import_module("workers.metrics")
+    if importlib.util.find_spec("workers.inference.metrics") is None:
+        pytest.skip("workers/inference/metrics.py does not exist: WORKER_METRICS is not checked")
+    module = importlib.import_module("workers.inference.metrics")
     actual = _families(module.WorkerMetrics())
     for name, spec in WORKER_METRICS.items():
         assert actual.get(name) == spec, f"{name}: documented {spec}, worker has {actual.get(name)}"

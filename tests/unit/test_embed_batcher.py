@@ -14,12 +14,12 @@ import httpx
 import pytest
 import uvicorn
 
-from workers.batching import EmbedBatcher, split_inputs, split_total
+from sim.app import create_app
+from sim.cli import uvicorn_config
+from sim.config import SimConfig
 from workers.engines.openai import OpenAIAdapter
 from workers.errors import EngineRejected, EngineUnavailable
-from workers.sim.app import create_app
-from workers.sim.cli import uvicorn_config
-from workers.sim.config import SimConfig
+from workers.inference.batching import EmbedBatcher, split_inputs, split_total
 
 TEXTS = [
     "hello",

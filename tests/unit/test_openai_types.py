@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.openai_types import ChatRequest, CompletionRequest, parse_body
+from gateway.inference.openai_types import ChatRequest, CompletionRequest, parse_body
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Property tests of the wire codecs (streams/wire.py, streams/ledger.py).
+"""Property tests of the wire codecs (streams/wire.py, streams/request_ledger.py).
 
 - every message type round-trips through encode/decode, and the Frame union
   dispatches on the tag;
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streams.ledger import LedgerRecord, decode_record, encode_record
+from streams.request_ledger import LedgerRecord, decode_record, encode_record
 from streams.wire import (
     Cancel,
     ErrorFrame,

@@ -23,10 +23,10 @@ import openai
 import pytest
 from vllmkit import VllmServer
 
+from jetserve.conformance.corpus import CASES, Case
+from jetserve.conformance.report import Status
+from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
-from workers.conformance.corpus import CASES, Case
-from workers.conformance.report import Status
-from workers.conformance.runner import run_corpus
 from workers.engines import translation as tr
 from workers.engines.base import Delta, Done
 from workers.engines.openai import OpenAIAdapter

@@ -1,10 +1,10 @@
 """The executor's probe surface: /metrics, /healthz, /readyz (connected to NATS
-and serving). The same small server as a worker's (``workers.http``)."""
+and serving). The same small server as a worker's (``workers.probe``)."""
 
 from __future__ import annotations
 
 from workers.agent.executor import Executor
-from workers.http import _Server, probe_server
+from workers.probe import _Server, probe_server
 
 
 def server(executor: Executor, host: str, port: int) -> _Server:

@@ -1,0 +1,321 @@
+"""The admin API for route contracts: the only writer of the ``jetserve_routes`` bucket.
+
+    PUT    /admin/routes/{name}          apply a contract (+ optional expected_revision)
+    GET    /admin/routes                 every route: revision, fingerprints
+    GET    /admin/routes/{name}          the current record
+    GET    /admin/routes/{name}/history  every revision the bucket keeps, oldest first
+    GET    /admin/routes/{name}/diff     ?from=R1&to=R2 (default: previous -> current)
+    DELETE /admin/routes/{name}          (optional ?expected_revision=R)
+
+Revisions count per route (1, 2, ...) and are stored in the record; the KV
+revision of the entry is the compare-and-set token, so two admins never
+overwrite each other silently: the loser gets 409 with the current revision.
+Applying a contract equal to the current one writes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import web
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.inference.route_table import RouteTable
+from gateway.runtime import Runtime
+from streams.routes import (
+    RouteContract,
+    RouteRecord,
+    decode_record,
+    diff_contracts,
+    encode,
+    fingerprints,
+)
+
+Handler = Callable[[Request], Awaitable[Response]]
+ACTOR_HEADER = "x-jetserve-actor"  # who applies (the CLI sends user@host); kept in the record
+LOCAL_PICKUP_S = 2.0  # how long an apply waits for this gateway's table to show it
+_WRONG_LAST_SEQUENCE = 10071  # JetStream: expected last subject sequence mismatch
+
+
+class _Entry(msgspec.Struct, frozen=True):
+    """One version in a route's history: a record, or a delete marker."""
+
+    kv_revision: int
+    record: RouteRecord | None
+    at: float
+
+
+def _view(record: RouteRecord) -> dict[str, Any]:
+    return {
+        "name": record.contract.name,
+        "revision": record.revision,
+        "updated_at": record.updated_at,
+        "updated_by": record.updated_by,
+        "fingerprints": record.fingerprints,
+        "contract": msgspec.to_builtins(record.contract),
+    }
+
+
+def _conflict(name: str, current: int, message: str) -> Response:
+    err = BadRequest(message, code="route_conflict", param="expected_revision", status=409)
+    return web.json_response({**err.body(), "current_revision": current}, 409)
+
+
+class RouteStore:
+    """Reads and compare-and-set writes of route records in the KV bucket."""
+
+    def __init__(self, kv: KeyValue, table: RouteTable | None = None) -> None:
+        self.kv = kv
+        self.table = table
+
+    async def current(self, name: str) -> tuple[RouteRecord, int] | None:
+        """The live record and its KV revision; None if absent or deleted."""
+        try:
+            entry = await self.kv.get(name)
+        except KeyNotFoundError:  # deleted keys too
+            return None
+        assert entry.revision is not None
+        return decode_record(entry.value or b""), entry.revision
+
+    async def history(self, name: str) -> list[_Entry]:
+        try:
+            entries = await self.kv.history(name)
+        except NoKeysError:
+            return []
+        out = []
+        for e in entries:
+            created: Any = e.created  # a datetime from a watch (nats-py types it int)
+            at = created.timestamp() if isinstance(created, datetime) else 0.0
+            deleted = e.operation in (KV_DEL, KV_PURGE)
+            record = None if deleted else decode_record(e.value or b"")
+            out.append(_Entry(e.revision or 0, record, record.updated_at if record else at))
+        return out
+
+    async def names(self) -> list[str]:
+        try:
+            return sorted(await self.kv.keys())
+        except NoKeysError:
+            return []
+
+
+def route_admin_routes(rt: Runtime, guarded: Callable[[Handler], Handler]) -> list[Route]:
+    """The routes endpoints, each behind the admin credential (``guarded``)."""
+    table = rt.gateway.routes
+
+    def store() -> RouteStore:
+        if table is None:
+            raise Unavailable("This gateway has no route table.")
+        return RouteStore(table.kv, table)
+
+    def nats_guarded(handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise Unavailable(f"The route store (NATS KV) is unavailable: {exc}") from exc
+
+        return guarded(wrapped)
+
+    async def apply(request: Request) -> Response:
+        name = request.path_params["name"]
+        contract, expected = _parse_apply(await request.body())
+        if contract.name != name:
+            raise BadRequest(
+                f"The contract names route '{contract.name}', the path '{name}'.", param="name"
+            )
+        s = store()
+        cur = await s.current(name)
+        cur_rev = cur[0].revision if cur else 0
+        if expected is not None and expected != cur_rev:
+            return _conflict(
+                name, cur_rev, f"Route '{name}' is at revision {cur_rev}, not {expected}."
+            )
+        if cur is not None and cur[0].contract == contract:
+            return web.json_response({**_view(cur[0]), "changed": False})
+        if cur is not None:
+            revision = cur_rev + 1
+        else:
+            # After a delete, numbering continues from the history (a revision
+            # number never names two different contracts).
+            revision = 1 + max(
+                (e.record.revision for e in await s.history(name) if e.record), default=0
+            )
+        actor = request.headers.get(ACTOR_HEADER, "admin")[:128] or "admin"
+        record = RouteRecord(
+            contract=contract,
+            revision=revision,
+            updated_at=time.time(),
+            updated_by=actor,
+            fingerprints=fingerprints(contract),
+        )
+        try:
+            if cur is not None:
+                kv_rev = await s.kv.update(name, encode(record), last=cur[1])
+            else:
+                kv_rev = await s.kv.create(name, encode(record))
+        except KeyWrongLastSequenceError:
+            now = await s.current(name)
+            now_rev = now[0].revision if now else 0
+            return _conflict(
+                name, now_rev, f"Route '{name}' changed concurrently (now revision {now_rev})."
+            )
+        if table is not None:
+            await table.wait_for(kv_rev, LOCAL_PICKUP_S)
+        return web.json_response({**_view(record), "changed": True}, 201 if cur is None else 200)
+
+    async def list_routes(request: Request) -> Response:
+        s = store()
+        data = []
+        for name in await s.names():
+            cur = await s.current(name)
+            if cur is not None:
+                data.append(_view(cur[0]))
+        return web.json_response({"data": data})
+
+    async def show(request: Request) -> Response:
+        name = request.path_params["name"]
+        cur = await store().current(name)
+        if cur is None:
+            raise _not_found(name)
+        return web.json_response(_view(cur[0]))
+
+    async def history(request: Request) -> Response:
+        name = request.path_params["name"]
+        entries = await store().history(name)
+        if not entries:
+            raise _not_found(name)
+        data = [
+            _view(e.record)
+            if e.record is not None
+            else {"name": name, "deleted": True, "updated_at": e.at}
+            for e in entries
+        ]
+        return web.json_response({"name": name, "data": data})
+
+    async def diff(request: Request) -> Response:
+        name = request.path_params["name"]
+        records = [e.record for e in await store().history(name) if e.record is not None]
+        if not records:
+            raise _not_found(name)
+        by_rev = {r.revision: r for r in records}
+        to_rev = _revision_param(request, "to")
+        from_rev = _revision_param(request, "from")
+        after = records[-1] if to_rev is None else by_rev.get(to_rev)
+        if after is None:
+            raise _revision_not_found(name, to_rev)
+        before: RouteRecord | None
+        if from_rev is None:
+            older = [r for r in records if r.revision < after.revision]
+            before = older[-1] if older else None
+        else:
+            before = by_rev.get(from_rev)
+            if before is None:
+                raise _revision_not_found(name, from_rev)
+        changes = diff_contracts(before.contract if before else None, after.contract)
+        return web.json_response(
+            {
+                "name": name,
+                "from": before.revision if before else None,
+                "to": after.revision,
+                "changes": msgspec.to_builtins(changes),
+                "fingerprints": {
+                    "from": before.fingerprints if before else {},
+                    "to": after.fingerprints,
+                },
+            }
+        )
+
+    async def delete(request: Request) -> Response:
+        name = request.path_params["name"]
+        expected = _revision_param(request, "expected_revision")
+        s = store()
+        cur = await s.current(name)
+        if cur is None:
+            raise _not_found(name)
+        if expected is not None and expected != cur[0].revision:
+            return _conflict(
+                name,
+                cur[0].revision,
+                f"Route '{name}' is at revision {cur[0].revision}, not {expected}.",
+            )
+        try:
+            await s.kv.delete(name, last=cur[1])
+        except APIError as exc:
+            if exc.err_code != _WRONG_LAST_SEQUENCE:
+                raise
+            now = await s.current(name)
+            now_rev = now[0].revision if now else 0
+            return _conflict(name, now_rev, f"Route '{name}' changed concurrently.")
+        return web.json_response({"name": name, "deleted": True, "revision": cur[0].revision})
+
+    g = nats_guarded
+    # Route names may hold '/' (``org/model``): ``path`` parameters, and the
+    # suffixed paths first so they win the match.
+    return [
+        Route("/admin/routes", g(list_routes), methods=["GET"]),
+        Route("/admin/routes/{name:path}/history", g(history), methods=["GET"]),
+        Route("/admin/routes/{name:path}/diff", g(diff), methods=["GET"]),
+        Route("/admin/routes/{name:path}", g(apply), methods=["PUT"]),
+        Route("/admin/routes/{name:path}", g(show), methods=["GET"]),
+        Route("/admin/routes/{name:path}", g(delete), methods=["DELETE"]),
+    ]
+
+
+def _parse_apply(raw: bytes) -> tuple[RouteContract, int | None]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("The body must be a JSON object (a route contract).")
+    expected = body.pop("expected_revision", None)
+    if expected is not None and (type(expected) is not int or expected < 0):
+        raise BadRequest(
+            "expected_revision must be a non-negative integer.", param="expected_revision"
+        )
+    try:
+        # Strict: no str -> number coercion; unknown fields are rejected.
+        return msgspec.convert(body, RouteContract), expected
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid route contract: {exc}", param=_path_of(exc)) from exc
+
+
+def _path_of(exc: msgspec.ValidationError) -> str | None:
+    text = str(exc)
+    at = text.rfind(" - at `$")
+    return text[at + 8 : -1].lstrip(".") or None if at >= 0 else None
+
+
+def _revision_param(request: Request, name: str) -> int | None:
+    value = request.query_params.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        rev = int(value)
+    except ValueError:
+        raise BadRequest(f"'{name}' must be a revision number.", param=name) from None
+    if rev < 0:
+        raise BadRequest(f"'{name}' must be a revision number.", param=name)
+    return rev
+
+
+def _not_found(name: str) -> GatewayError:
+    return NotFound(f"No route '{name}'.", code="route_not_found", param="name")
+
+
+def _revision_not_found(name: str, rev: int | None) -> GatewayError:
+    return NotFound(
+        f"Route '{name}' has no revision {rev} in its history.",
+        code="revision_not_found",
+        param="revision",
+    )

@@ -1,0 +1,326 @@
+"""Identical-prompt coalescing: temperature-0 requests that are byte-for-byte the
+same request share one upstream execution.
+
+At temperature 0 an engine decodes greedily, so identical requests get identical
+output; running the same prompt N times spends N prefills and N decodes for one
+answer. When the route allows it (``CoalescePolicy.enabled``; ``--coalesce``
+for models without a route contract), a request that arrives while an identical
+one is in flight *follows* it instead of being published.
+
+Eligible: chat and completion requests with ``temperature == 0`` and ``n`` 1
+(or unset), not on the idempotency path (a client ``Idempotency-Key`` already
+has its own dedupe, and its id may already sit in the queue). Tools are fine:
+the model's output, tool calls included, is deterministic at T=0, and executing
+a tool is each client's own act, so no side effect is shared or suppressed.
+
+Key: (tenant, sha256 of the canonical request: op, class, the body minus
+``stream``/``stream_options``/``user``/``metadata``, and the engine-facing
+headers). Another tenant never shares an execution unless the route marks the
+prefix shared (``cross_tenant``), then the tenant drops out of the key.
+
+Every member (the leader included) is its own accepted request: own request id,
+budget hold, ledger record. One pump reads the upstream :class:`FrameStream`
+(liveness, gap recovery and hedging stay there) and fans its events out to each
+member's own bounded queue; late joiners get the tokens so far replayed first.
+A member that leaves (disconnect, too slow) only detaches; the last one to
+leave cancels the upstream.
+
+Charging: exactly one member pays for the execution - the payer, first the
+leader. If the payer leaves while the execution continues for others, the
+payer role moves to the oldest remaining member, and the leaver is charged
+nothing; every other member is charged nothing. Each follower's ledger record
+carries ``coalesced_with`` = the leader's request id (the execution's id, the
+one the worker and engine saw), so the records of one execution are those
+with ``request_id == X or coalesced_with == X``, and their charges sum to one
+execution's cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from gateway.errors import GatewayError, Timeout
+from gateway.inference.dispatch import (
+    OVERFLOW,
+    ClientTooSlow,
+    Dispatcher,
+    Event,
+    FrameBuffer,
+    FrameStream,
+)
+from gateway.inference.dispatch import StreamInterrupted as _Interrupted
+from streams.routes import CoalescePolicy
+from streams.wire import ErrorFrame, Final, Heartbeat, InferenceRequest, Token
+
+log = logging.getLogger(__name__)
+
+# Fields that change the transport or bookkeeping, not what the engine computes.
+IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "metadata"})
+# A follower accepts the leader's deadline when it is at most this much earlier
+# than its own (requests that arrive together differ by milliseconds).
+DEADLINE_SLACK_S = 1.0
+
+Submit = Callable[[], Awaitable[FrameStream]]
+
+
+def coalesce_key(req: InferenceRequest, policy: CoalescePolicy | None) -> str | None:
+    """The key identical requests share, or None when this one may not coalesce."""
+    if policy is None or not policy.enabled or req.op == "embedding":
+        return None
+    body = req.body
+    temperature = body.get("temperature")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        return None  # unset means the engine's default (1.0): sampled
+    if temperature != 0 or body.get("n") not in (None, 1):
+        return None
+    canonical = {
+        "op": req.op,
+        "cls": req.cls,
+        "body": {k: v for k, v in body.items() if k not in IGNORED_FIELDS},
+        "headers": {k.lower(): v for k, v in req.headers.items()},
+    }
+    digest = hashlib.sha256(msgspec.json.encode(canonical, order="sorted")).hexdigest()
+    scope = "*" if policy.cross_tenant else req.tenant
+    return f"{scope}/{digest}"
+
+
+class Coalescer:
+    """Owns the in-flight groups and their pump tasks (awaited in :meth:`aclose`)."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        heartbeat_timeout_s: float,
+        max_buffered: int,
+        on_coalesced: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_buffered = max_buffered
+        self.on_coalesced = on_coalesced  # one per follower (the gateway's counter)
+        self._groups: dict[str, _Group] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(
+        self, req: InferenceRequest, policy: CoalescePolicy | None, submit: Submit
+    ) -> FrameStream:
+        """Follow an identical in-flight request, or run ``submit`` and lead."""
+        key = coalesce_key(req, policy)
+        if key is None:
+            return await submit()
+        group = self._groups.get(key)
+        if group is not None:
+            await group.ready.wait()
+            if group.joinable(req, self.max_buffered):
+                self.on_coalesced()
+                return group.join(req, leader=False)
+        group = _Group(self, key, req.deadline)
+        self._groups[key] = group  # identical requests arriving now wait for it
+        try:
+            upstream = await submit()
+        except BaseException:
+            self._drop(group)
+            group.ready.set()  # they find it unjoinable and submit on their own
+            raise
+        group.upstream = upstream
+        group.ready.set()
+        if upstream.duplicate:
+            self._drop(group)  # a retried id: JetStream already holds it, nothing to share
+            return upstream
+        member = group.join(req, leader=True)
+        group.pump_task = self._own(group.pump(), f"coalesce-{req.id}")
+        return member
+
+    def _drop(self, group: _Group) -> None:
+        if self._groups.get(group.key) is group:
+            del self._groups[group.key]
+
+    def _own(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def aclose(self) -> None:
+        """Stop pumping: members still attached see their stream end as interrupted."""
+        tasks = set(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+class _Group:
+    def __init__(self, owner: Coalescer, key: str, deadline: float) -> None:
+        self.owner = owner
+        self.key = key
+        self.deadline = deadline
+        self.ready = asyncio.Event()
+        self.upstream: FrameStream | None = None
+        self.pump_task: asyncio.Task[None] | None = None
+        self.members: list[MemberStream] = []
+        self.payer: MemberStream | None = None
+        self.log: list[Event] = []  # what was fanned out so far, for late joiners
+        self.ended = False
+
+    def joinable(self, req: InferenceRequest, max_buffered: int) -> bool:
+        return (
+            self.upstream is not None
+            and not self.ended
+            and bool(self.members)
+            and len(self.log) < max_buffered
+            and self.deadline >= req.deadline - DEADLINE_SLACK_S
+        )
+
+    def join(self, req: InferenceRequest, *, leader: bool) -> MemberStream:
+        upstream = self.upstream
+        assert upstream is not None
+        member = MemberStream(self, upstream, req, leader=leader)
+        for event in self.log:
+            member.feed(event)
+        self.members.append(member)
+        if leader:
+            self.payer = member
+        return member
+
+    async def pump(self) -> None:
+        upstream = self.upstream
+        assert upstream is not None
+        hb = self.owner.heartbeat_timeout_s
+        try:
+            while True:
+                try:
+                    event = await upstream.next_event(hb, hb / 3)
+                except TimeoutError:
+                    # Alive but quiet: keep each member's own liveness check fed.
+                    if upstream.started:
+                        self._fan(Heartbeat(upstream.last_seq, time.time(), upstream.attempt or 1))
+                    continue
+                except GatewayError as exc:
+                    event = ErrorFrame(
+                        seq=upstream.last_seq,
+                        code=exc.code,
+                        message=exc.message,
+                        status=exc.status,
+                        attempt=upstream.attempt or 1,
+                    )
+                self.log.append(event)
+                self._fan(event)
+                if isinstance(event, Final | ErrorFrame):
+                    return
+        finally:
+            self.ended = True
+            self.owner._drop(self)
+            upstream.close()
+
+    def _fan(self, frame: Token | Final | ErrorFrame | Heartbeat) -> None:
+        for member in self.members:
+            member.feed(frame)
+
+    async def leave(self, member: MemberStream, reason: str) -> None:
+        if self.detach(member):
+            await self._stop(reason)
+
+    def close(self, member: MemberStream) -> None:
+        if self.detach(member):
+            self.owner._own(self._stop("client_disconnected"), "coalesce-stop")
+
+    def detach(self, member: MemberStream) -> bool:
+        """Remove a member; True when it was the last and the execution still runs."""
+        if member not in self.members:
+            return False
+        self.members.remove(member)
+        if self.ended:
+            return False
+        if member is self.payer and self.members:
+            self.payer = self.members[0]  # the execution goes on: someone else pays
+        return not self.members
+
+    async def _stop(self, reason: str) -> None:
+        """The last one out stops the engine (and the pump waiting on it)."""
+        self.ended = True
+        self.owner._drop(self)
+        if self.upstream is not None:
+            await self.upstream.cancel(reason)
+        if self.pump_task is not None:
+            self.pump_task.cancel()
+
+
+class MemberStream(FrameStream):
+    """One member's view of a shared execution: its own request (id, deadline,
+    tenant) and bounded queue, fed by the group's pump instead of NATS."""
+
+    def __init__(
+        self, group: _Group, upstream: FrameStream, req: InferenceRequest, *, leader: bool
+    ) -> None:
+        super().__init__(group.owner.dispatcher, req, FrameBuffer(), duplicate=False)
+        self.group = group
+        self.coalesced_with = "" if leader else upstream.req.id
+        self._max = group.owner.max_buffered
+
+    @property
+    def pays(self) -> bool:
+        """Whether this member's ledger record carries the execution's charge."""
+        return self.group.payer is self
+
+    def feed(self, frame: Token | Final | ErrorFrame | Heartbeat) -> None:
+        queue = self._queue
+        if queue.overflowed.is_set():
+            return
+        if queue.qsize() < self._max:
+            queue.put_nowait(frame)
+        else:
+            queue.put_nowait(OVERFLOW)  # this member is too slow; the others go on
+            queue.overflowed.set()
+
+    async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
+        # The pump hands over the upstream's events already ordered and checked;
+        # this only keeps the waiting rules (deadline before the first token,
+        # heartbeat silence after it) and this member's own overflow.
+        while True:
+            timeout = heartbeat_timeout if self.started else self.req.deadline - time.time() + 0.5
+            if wait_limit is not None:
+                timeout = min(timeout, wait_limit)
+            if self._ahead:
+                frame = self._ahead.popleft()
+            else:
+                try:
+                    frame = await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+                except TimeoutError:
+                    if wait_limit is not None and timeout == wait_limit:
+                        raise
+                    if self.started:
+                        raise _Interrupted(
+                            "The shared execution stopped responding mid-stream."
+                        ) from None
+                    raise Timeout("The request did not complete before its deadline.") from None
+            if frame is OVERFLOW:
+                await self.cancel("client_too_slow")
+                raise ClientTooSlow("The client read the stream too slowly; it was ended.")
+            if isinstance(frame, Token):
+                if self.attempt is None:
+                    self.attempt = frame.attempt
+                    self.first_token_at = time.monotonic()
+                self.last_seq = frame.seq
+                return frame
+            if isinstance(frame, Final | ErrorFrame):
+                self.done = True
+                return frame
+            # Heartbeats (and anything else) only prove liveness.
+
+    async def cancel(self, reason: str = "client_disconnected") -> None:
+        if not self.done:
+            self.done = True
+            await self.group.leave(self, reason)
+
+    def close(self) -> None:
+        # Never the dispatcher's close: the leader's id is the upstream's too,
+        # and its frames must keep flowing to the others.
+        self.group.close(self)

@@ -1,0 +1,84 @@
+"""Which work-queue subject a request goes to: the routing half of prefix
+affinity (the worker half is ``workers/inference/affinity.py``).
+
+- ``affinity``: a request with a long enough prefix goes to the lane its
+  prefix hashes to, so requests sharing a system prompt share a lane, and the
+  lane's owning replica keeps that prefix's KV blocks warm.
+- ``round_robin``: requests cycle over the lanes, prefixes ignored (a baseline).
+- ``least_loaded``: the plain class subject, where whichever worker has a free
+  slot pulls first.
+
+The prefix key includes the tenant unless the route marks the prefix shared:
+cache-timing side channels must not cross tenants by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from streams.definitions import Topology
+from streams.routes import RoutingPolicy
+from streams.subjects import lane_subject, request_subject
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: the text ones
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    return ""
+
+
+def prefix_text(op: str, body: Mapping[str, Any], routing: RoutingPolicy) -> str | None:
+    """The head of the prompt that identifies its shared prefix, or None.
+
+    Leading system/developer messages are the prefix when long enough (many
+    users, one long system prompt); otherwise the head of the whole prompt."""
+    if op == "chat":
+        messages = [m for m in body.get("messages") or [] if isinstance(m, Mapping)]
+        system = ""
+        for m in messages:
+            if m.get("role") not in ("system", "developer"):
+                break
+            system += _text(m.get("content"))
+        head = system if len(system) >= routing.min_prefix_chars else ""
+        if not head:
+            head = "".join(f"{m.get('role')}:{_text(m.get('content'))}\n" for m in messages)
+    elif op == "completion":
+        prompt = body.get("prompt")
+        head = prompt if isinstance(prompt, str) else ""
+    else:
+        return None
+    if len(head) < routing.min_prefix_chars:
+        return None
+    return head[: routing.prefix_chars]
+
+
+class LaneRouter:
+    def __init__(self, topology: Topology) -> None:
+        self._topo = topology
+        self._turn = itertools.count()
+
+    def subject(
+        self,
+        op: str,
+        cls: str,
+        tenant: str,
+        body: Mapping[str, Any],
+        routing: RoutingPolicy,
+        shared_prefix: bool = False,
+    ) -> str:
+        lanes = self._topo.lanes
+        if routing.mode == "least_loaded" or cls not in self._topo.lane_classes:
+            return request_subject(cls)
+        if routing.mode == "round_robin":
+            return lane_subject(cls, next(self._turn) % lanes)
+        head = prefix_text(op, body, routing)
+        if head is None:
+            return request_subject(cls)
+        scope = "" if shared_prefix else tenant
+        digest = hashlib.blake2b(f"{scope}\0{head}".encode(), digest_size=8).digest()
+        return lane_subject(cls, int.from_bytes(digest, "big") % lanes)

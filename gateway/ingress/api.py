@@ -1,0 +1,153 @@
+"""OpenAI-compatible HTTP routes."""
+
+from __future__ import annotations
+
+import re
+
+import nats.errors
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.inference.dispatch import Event, error_from_frame
+from gateway.inference.service import Admitted, Gateway, Replayed
+from gateway.ingress.sse import (
+    ClientGone,
+    EventStreamResponse,
+    client_events,
+    race_disconnect,
+    sse_body,
+)
+from gateway.tenancy.request_ledger import LedgerReader
+from gateway.web import error_response, json_response, ledger_window
+from streams.request_ledger import encode_record
+from streams.wire import ErrorFrame, Op
+
+
+def gateway_of(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def _first_event(gw: Gateway, adm: Admitted) -> Event | None:
+    """The event that commits a streaming response, or None when the commit
+    timer fires first (then keep-alives hold the connection open)."""
+    try:
+        return await adm.stream.next_event(gw.cfg.heartbeat_timeout_s, gw.cfg.commit_after_s)
+    except TimeoutError:
+        return None
+
+
+async def _serve(request: Request, op: Op) -> Response:
+    gw = gateway_of(request)
+    adm = await gw.admit(op, await request.body(), request.headers)
+    if isinstance(adm, Replayed):
+        headers = {"X-Request-Id": adm.request_id, "Idempotent-Replayed": "true"}
+        return json_response(adm.response, adm.status, headers)
+    headers = {"X-Request-Id": adm.request_id, "traceparent": adm.stream.req.traceparent}
+    try:
+        if not adm.wants_stream or op == "embedding":
+            result = await race_disconnect(request.receive, gw.collect(adm))
+            body = gw.render(adm, result)
+            await gw.complete(adm, body)
+            return json_response(body, headers=headers)
+        first = await race_disconnect(request.receive, _first_event(gw, adm))
+        if isinstance(first, ErrorFrame):
+            raise error_from_frame(first)
+    except ClientGone:
+        await gw.abandon(adm)
+        return Response(status_code=499)  # nobody reads it; for the access log
+    except GatewayError as exc:
+        await gw.fail(adm, exc)
+        # Accepted, then failed: the id lets the client find it in its ledger.
+        response = error_response(exc)
+        response.headers["X-Request-Id"] = adm.request_id
+        return response
+    stream = sse_body(client_events(gw, adm, first))
+    return EventStreamResponse(
+        stream, lambda reason: gw.abandon(adm, reason), headers, adm.stream.overflowed
+    )
+
+
+async def resume_stream(request: Request) -> Response:
+    """Continue a streaming request after ``Last-Event-ID`` (the last token seq the
+    client got), on any replica, from the frames capture. Tenant-scoped."""
+    gw = gateway_of(request)
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
+    try:
+        last_seq = int(raw)
+    except ValueError:
+        raise BadRequest("Last-Event-ID must be an integer.", param="Last-Event-ID") from None
+    include_usage = request.query_params.get("include_usage") in ("1", "true")
+    if not REQUEST_ID.match(request.path_params["request_id"]):
+        # Ids are tokens we made; anything else (a subject wildcard) resumes nothing.
+        raise NotFound("No such request.", code="stream_not_found")
+    session = await gw.resume(
+        request.headers.get("authorization"),
+        request.path_params["request_id"],
+        last_seq,
+        include_usage,
+    )
+    headers = {"X-Request-Id": session.request_id}
+    stream = sse_body(client_events(gw, session, None))
+    return EventStreamResponse(
+        stream, lambda reason: gw.abandon(session, reason), headers, session.stream.overflowed
+    )
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completion")
+
+
+async def embeddings(request: Request) -> Response:
+    return await _serve(request, "embedding")
+
+
+async def list_models(request: Request) -> Response:
+    gw = gateway_of(request)
+    await gw.tenancy.authenticate(request.headers.get("authorization"))
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "jetserve"} for m in gw.models()]
+    return json_response({"object": "list", "data": data})
+
+
+async def tenant_ledger(request: Request) -> Response:
+    """A tenant's own ledger, JSON lines. The key decides the tenant: there is no
+    parameter that could name another one."""
+    gw = gateway_of(request)
+    key = await gw.tenancy.authenticate(request.headers.get("authorization"))
+    if "tenant" in request.query_params:
+        raise BadRequest("The ledger is scoped to the key's tenant; 'tenant' is not accepted.")
+    since, until, limit = ledger_window(request)
+    reader: LedgerReader = request.app.state.ledger_reader
+    try:
+        lines = [encode_record(r) async for r in reader.query(key.tenant, since, until, limit)]
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise Unavailable("The ledger is unavailable.", code="bus_unavailable") from exc
+    return Response(
+        b"\n".join(lines) + (b"\n" if lines else b""), media_type="application/x-ndjson"
+    )
+
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    checks: dict[str, bool] = await request.app.state.readiness()
+    ok = all(checks.values())
+    return json_response({"ready": ok, "checks": checks}, 200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    await request.app.state.refresh_queue_depth()
+    gw = gateway_of(request)
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,99 @@
+"""Agent runs over NATS request/reply, for services that do not speak HTTP.
+
+Subjects (queue group shared by every gateway replica), header
+``Authorization: Bearer <key>``, JSON bodies:
+
+    jetserve.api.runs.create    the POST /v1/runs body (header Idempotency-Key too)
+    jetserve.api.runs.get       {"run_id": ...}
+    jetserve.api.runs.approve   {"run_id": ..., "call_id": ..., "approve": bool, "reason": ...}
+    jetserve.api.runs.cancel    {"run_id": ...}
+
+The reply is the run (as ``GET /v1/runs/{id}`` shows it) or the decision, with
+header ``Jetserve-Status``; an error is OpenAI error JSON with its status.
+Events: subscribe to ``jetserve.run.<tenant>.<run id>`` (or read the
+``JETSERVE_RUN_EVENTS`` stream from any sequence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from gateway.errors import BadRequest, GatewayError
+from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
+from gateway.runs.service import RunsService, view
+from streams.subjects import INGRESS_RUNS
+
+_encoder = msgspec.json.Encoder()
+OPS = ("create", "get", "approve", "cancel")
+
+
+class _Ref(msgspec.Struct, frozen=True):
+    run_id: str
+
+
+class _Approve(msgspec.Struct, frozen=True):
+    run_id: str
+    call_id: str
+    approve: bool
+    reason: str = ""
+
+
+class RunsNatsIngress:
+    def __init__(self, nc: Client, runs: RunsService) -> None:
+        self._nc = nc
+        self._runs = runs
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+
+    async def start(self) -> None:
+        for op in OPS:
+            self._subs.append(
+                await self._nc.subscribe(f"{INGRESS_RUNS}.{op}", QUEUE_GROUP, cb=self._on_msg)
+            )
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._serve(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg: Msg) -> None:
+        headers = {k.lower(): v for k, v in (msg.headers or {}).items()}
+        auth = headers.get("authorization")
+        op = msg.subject.rsplit(".", 1)[-1]
+        try:
+            status, body = await self._op(op, auth, msg.data, headers)
+        except GatewayError as exc:
+            status, body = exc.status, exc.body()
+        if msg.reply:
+            await self._nc.publish(msg.reply, _encoder.encode(body), headers={STATUS: str(status)})
+
+    async def _op(
+        self, op: str, auth: str | None, data: bytes, headers: dict[str, str]
+    ) -> tuple[int, Any]:
+        if op == "create":
+            run, replayed = await self._runs.create(data, headers)
+            return (200 if replayed else 201), view(run)
+        try:
+            if op == "approve":
+                a = msgspec.json.decode(data, type=_Approve)
+                body = _encoder.encode({"approve": a.approve, "reason": a.reason})
+                return 202, await self._runs.decide(auth, a.run_id, a.call_id, body)
+            ref = msgspec.json.decode(data, type=_Ref)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise BadRequest(f"Invalid body: {exc}") from None
+        if op == "get":
+            return 200, view(await self._runs.get(auth, ref.run_id))
+        run = await self._runs.cancel(auth, ref.run_id)
+        return 202, view(run)

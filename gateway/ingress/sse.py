@@ -1,0 +1,181 @@
+"""Server-sent events in OpenAI's wire format, and a response that races the
+stream against client disconnect so the upstream is cancelled at once (not at
+the next write, which may be many seconds away on a stalled stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError
+from gateway.inference.dispatch import Event, error_from_frame
+from gateway.inference.openai_types import ChunkWriter
+from gateway.inference.service import Gateway, Session
+from streams.wire import ErrorFrame, Token
+
+_encoder = msgspec.json.Encoder()
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was committed."""
+
+
+async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone
+
+
+class EventStreamResponse(Response):
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        on_disconnect: Callable[[str], Awaitable[None]],
+        headers: dict[str, str],
+        abort: asyncio.Event | None = None,
+    ) -> None:
+        self._body = body
+        self._on_disconnect = on_disconnect
+        self._abort = abort  # set: end the response now (a client too slow to keep up)
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self._body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        listener = asyncio.ensure_future(wait_disconnect(receive))
+        watchers: set[asyncio.Future[Any]] = {pump, listener}
+        aborter = asyncio.ensure_future(self._abort.wait()) if self._abort else None
+        if aborter is not None:
+            watchers.add(aborter)
+        try:
+            await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listener.cancel()
+            if aborter is not None:
+                aborter.cancel()
+            if not pump.done():
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+                too_slow = self._abort is not None and self._abort.is_set()
+                await self._on_disconnect("client_too_slow" if too_slow else "client_disconnected")
+                if too_slow:
+                    # The blocked write was abandoned mid-body: the server closes
+                    # the connection, which is the only signal left to give.
+                    raise ClientTooSlowError
+        if not pump.cancelled() and (exc := pump.exception()) is not None:
+            if isinstance(exc, OSError):  # the write failed: the client is gone
+                await self._on_disconnect("client_disconnected")
+                return
+            raise exc
+
+
+class ClientTooSlowError(Exception):
+    """Raised out of a response whose client stopped reading (the server then
+    closes the connection)."""
+
+
+class ClientEvent(NamedTuple):
+    kind: str  # "chunk" | "error" | "keepalive" | "done"
+    payload: dict[str, Any] | None = None
+    status: int = 200  # for "error": the status the failure maps to
+    seq: int = 0  # for "chunk": the last token in it, the SSE event id to resume after
+
+
+async def client_events(
+    gw: Gateway, adm: Session, first: Event | None
+) -> AsyncIterator[ClientEvent]:
+    """OpenAI chunks for one streaming request, for any transport (SSE, WebSocket).
+
+    ``first`` is the event that committed the response (None: committed by the
+    keep-alive timer). Records the request's terminal outcome.
+    """
+    writer = ChunkWriter(adm.op, adm.request_id, adm.model)
+    stream = adm.stream
+    writer.role_sent = stream.skip_through > 0  # a resume past the first token
+    finish_sent = False
+    event = first
+    try:
+        while True:
+            if event is None:
+                try:
+                    event = await stream.next_event(gw.cfg.heartbeat_timeout_s, gw.cfg.keepalive_s)
+                except TimeoutError:
+                    yield ClientEvent("keepalive")
+                    continue
+            if isinstance(event, Token):
+                # Coalesce whatever is already buffered into one write (slow clients).
+                batch = [event, *stream.drain_tokens()]
+                adm.tokens_seen += len(batch)
+                text = "".join(t.text for t in batch)
+                calls = [c for t in batch if t.tool_calls for c in t.tool_calls] or None
+                finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
+                finish_sent = finish_sent or finish is not None
+                for chunk in writer.delta(text, calls, finish):
+                    yield ClientEvent("chunk", chunk, seq=batch[-1].seq)
+                event = None
+                continue
+            if isinstance(event, ErrorFrame):
+                raise error_from_frame(event)
+            if not finish_sent:
+                yield ClientEvent("chunk", writer.finish(event.finish_reason), seq=event.seq)
+            if adm.include_usage:
+                yield ClientEvent("chunk", writer.usage(event.usage), seq=event.seq)
+            await gw.finish(adm, "ok", 200, event)
+            yield ClientEvent("done")
+            return
+    except GatewayError as exc:  # StreamInterrupted included
+        await gw.fail(adm, exc)
+        yield ClientEvent("error", exc.body(), exc.status)
+
+
+async def sse_body(events: AsyncIterator[ClientEvent]) -> AsyncIterator[bytes]:
+    async for kind, payload, _, seq in events:
+        if kind == "keepalive":
+            yield KEEPALIVE
+        elif kind == "done":
+            yield DONE
+        else:
+            assert payload is not None
+            # The event id is the last token sequence number: a client that
+            # reconnects with Last-Event-ID resumes right after it.
+            yield (b"id: %d\n" % seq if seq else b"") + sse(payload)

@@ -1,0 +1,153 @@
+"""Settling agent runs: the hold a run took on its tenant's budgets becomes the
+actual charge once the whole run tree has ended, and one ledger record says so.
+
+A durable pull consumer (``gateway-run-settle``) shared by every gateway
+replica reads ``jetserve.agent.settle`` (the executor asks once a root run
+ends). The charge is the sum of the own spend of every run in the tree (so a
+child is never counted twice, nor missed when its parent was cancelled under
+it). ``Accountant.settle`` is atomic and happens once per run id; whoever
+settles writes the ledger record, so a redelivered request charges nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from gateway.errors import GatewayError
+from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
+from streams.agent import Run, Spend, decode_settle
+from streams.agent_store import RunStore
+from streams.errors import RunStoreError
+from streams.request_ledger import LedgerRecord
+from streams.subjects import RequestClass
+
+log = logging.getLogger(__name__)
+
+# Past the root's deadline by this much, a tree with runs that never ended (an
+# executor fleet that was down) is settled with what they recorded so far.
+_STRAGGLER_GRACE_S = 120.0
+
+
+class RunSettler:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        store: RunStore,
+        accountant: Accountant,
+        ledger: LedgerWriter,
+        gateway_id: str,
+    ) -> None:
+        self._js = js
+        self._store = store
+        self._accountant = accountant
+        self._ledger = ledger
+        self._gateway_id = gateway_id
+        self._task: asyncio.Task[None] | None = None
+        self._sub: JetStreamContext.PullSubscription | None = None
+
+    async def start(self) -> None:
+        topo = self._store.topo
+        self._sub = await self._js.pull_subscribe_bind(topo.settle_consumer, topo.stream)
+        self._task = asyncio.create_task(self._loop(self._sub))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sub is not None:
+            # Else the connection's drain waits on the pull's inbox until it times out.
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+
+    async def _loop(self, sub: JetStreamContext.PullSubscription) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(16, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                log.warning("settle fetch failed: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            for msg in msgs:
+                await self._one(msg)
+
+    async def _one(self, msg: Msg) -> None:
+        try:
+            run_id = decode_settle(msg.data).run_id
+        except msgspec.DecodeError:
+            await msg.term()
+            return
+        try:
+            verdict = await self.settle(run_id)
+        except (RunStoreError, GatewayError) as exc:
+            log.warning("settling run %s: %s", run_id, exc.message)
+            verdict = 2.0
+        with contextlib.suppress(nats.errors.Error):
+            if verdict is None:
+                await msg.ack()
+            else:
+                await msg.nak(delay=verdict)
+
+    async def settle(self, run_id: str) -> float | None:
+        """Settle ``run_id``'s tree: None when done (or nothing to do), else
+        seconds to wait before trying again (runs of the tree still going)."""
+        stored = await self._store.get(run_id)
+        if stored is None:
+            return None
+        root = stored.run
+        tree = await self._tree(root)
+        live = [r for r in tree if not r.terminal]
+        if live and time.time() < root.deadline + _STRAGGLER_GRACE_S:
+            return 1.0
+        spent = Spend()
+        for r in tree:
+            spent = spent.plus(r.spent)
+        settled, charge = await self._accountant.settle(root.id, spent.cost_micros)
+        if not settled:
+            return None  # another replica (or a retry of ours) did it and wrote the record
+        record = LedgerRecord(
+            request_id=root.id,
+            tenant=root.tenant,
+            org=root.org,
+            key_id=root.key_id,
+            op="chat",
+            cls=RequestClass.AGENT.value,
+            model=root.model,
+            route="agent_run",
+            attempts=spent.steps,
+            policy="admitted",
+            usage=spent.usage(),
+            price_version=root.price.version,
+            charge_micros=charge,
+            reserved_micros=root.budget.max_cost_micros,
+            outcome=root.status,
+            status=200,
+            created=root.created,
+            duration_ms=max(0.0, root.updated - root.created) * 1000,
+            gateway=self._gateway_id,
+        )
+        try:
+            await self._ledger.append(record)
+        except LedgerWriteError as exc:
+            log.error("ledger append for run %s failed: %s", root.id, exc.message)
+        return None
+
+    async def _tree(self, root: Run) -> list[Run]:
+        out, todo = [root], list(root.children)
+        while todo:
+            stored = await self._store.get(todo.pop())
+            if stored is not None:
+                out.append(stored.run)
+                todo.extend(stored.run.children)
+        return out

@@ -1,0 +1,57 @@
+"""Starlette pieces shared by the public app and the admin app: JSON bodies,
+OpenAI-shaped error responses and handlers, and ledger-window query parsing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import BadRequest, GatewayError, NotFound
+
+_encoder = msgspec.json.Encoder()
+MAX_UNIX_S = 1e11  # year ~5138: anything later is not a time, it is a typo or an attack
+MAX_LEDGER_LIMIT = 1_000_000
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(body), status, headers, media_type="application/json")
+
+
+def error_response(exc: GatewayError) -> Response:
+    return json_response(exc.body(), exc.status, exc.headers())
+
+
+def ledger_window(request: Request) -> tuple[float | None, float | None, int | None]:
+    def num(name: str, high: float) -> float | None:
+        value = request.query_params.get(name)
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not 0 <= number <= high:  # also refuses NaN and infinities
+            raise BadRequest(f"'{name}' must be a number in [0, {high:g}].", param=name)
+        return number
+
+    limit = num("limit", MAX_LEDGER_LIMIT)
+    since, until = num("since", MAX_UNIX_S), num("until", MAX_UNIX_S)
+    return since, until, int(limit) if limit is not None else None
+
+
+async def on_gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"Unknown path {request.url.path}", code="not_found"))
+    err = BadRequest(str(exc.detail), code="method_not_allowed", status=exc.status_code)
+    return error_response(err)

@@ -1,0 +1,138 @@
+"""`jetserve sim ...` / `python -m sim ...`: serve the simulator over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Generator
+
+import uvicorn
+from starlette.applications import Starlette
+
+from sim.app import create_app
+from sim.config import SimConfig
+from sim.profiles import PROFILES
+
+_DROP_LOG = "ASGI callable returned without completing response."
+
+
+class _SimulatedDropFilter(logging.Filter):
+    """The drop:N fault closes sockets on purpose; uvicorn would log each as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _DROP_LOG
+
+
+def quiet_simulated_drops() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _SimulatedDropFilter) for f in logger.filters):
+        logger.addFilter(_SimulatedDropFilter())
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the signal after a graceful shutdown (the process then dies
+        # of SIGTERM, or raises KeyboardInterrupt); main() returns 0 instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def uvicorn_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=1,  # streams that would never end (stall) must not block exit
+    )
+    quiet_simulated_drops()  # after Config: it (re)configures uvicorn's loggers
+    return config
+
+
+def _fault_rate(text: str) -> tuple[str, float]:
+    spec, sep, rate = text.rpartition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected FAULT=RATE, e.g. 429=0.05: {text!r}")
+    try:
+        return spec, float(rate)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rate must be a number: {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jetserve sim", description="vLLM-compatible engine simulator (OpenAI API)."
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--profile", default="h100-8b", choices=sorted(PROFILES))
+    p.add_argument("--model", default="sim-8b", help="served model name")
+    p.add_argument(
+        "--alias", action="append", default=None, help="another served name (repeatable)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-seed", type=int, default=None, help="fault draws (default: --seed)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--embedding-dim", type=int, default=384)
+    p.add_argument(
+        "--fault-rate",
+        type=_fault_rate,
+        action="append",
+        default=[],
+        metavar="FAULT=RATE",
+        help="e.g. 429=0.05, drop:3=0.01, slow:80=0.1 (repeatable)",
+    )
+    p.add_argument("--scripts", default=None, metavar="FILE", help="scripted response rules")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=ns.model,
+        aliases=tuple(ns.alias) if ns.alias is not None else ("sim-embed",),
+        profile=ns.profile,
+        seed=ns.seed,
+        fault_seed=ns.fault_seed,
+        max_num_seqs=ns.max_num_seqs,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        block_size=ns.block_size,
+        max_model_len=ns.max_model_len,
+        embedding_dim=ns.embedding_dim,
+        fault_rates=dict(ns.fault_rate),
+        scripts_path=ns.scripts,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(ns)
+        app = create_app(cfg)
+    except (ValueError, OSError) as e:
+        print(f"jetserve sim: {e}", file=sys.stderr)
+        return 2
+    server = _Server(uvicorn_config(app, ns.host, ns.port))
+    server.run()  # returns on SIGINT/SIGTERM
+    return 0 if server.started else 1

@@ -1,0 +1,308 @@
+"""Serving a planned reply: drive the engine token by token, render vLLM's wire shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from starlette.types import Send
+
+from sim import outbound as out
+from sim.engine import Sequence
+from sim.faults import Fault, FaultKind
+from sim.planning import Event, Plan, Text, ToolStart, event_token
+from sim.records import RequestRecord
+from sim.responses import Dropped, GuardedResponse
+from sim.simulator import Simulator
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+class Job(msgspec.Struct, kw_only=True):
+    chat: bool
+    response_id: str
+    model: str
+    created: int
+    prompt_ids: list[int]
+    events: list[Event]
+    natural_finish: str  # "stop", or "tool_calls" for a scripted tool-call reply
+    max_tokens: int
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    fault: Fault | None
+    record: RequestRecord
+
+    @property
+    def num_tokens(self) -> int:
+        return min(len(self.events), self.max_tokens)
+
+    @property
+    def finish_reason(self) -> str:
+        """Why generation ends when no stop string cuts it short."""
+        return "length" if len(self.events) > self.max_tokens else self.natural_finish
+
+
+class StopScanner:
+    """Cuts text at the first stop string; holds back a tail that could start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.matched: str | None = None
+
+    def push(self, piece: str) -> str:
+        start = max(0, len(self.text) - self.hold)
+        self.text += piece
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.matched = best[1]
+            return self.flush()
+        safe = len(self.text) - self.hold
+        if safe <= self.sent:
+            return ""
+        delta = self.text[self.sent : safe]
+        self.sent = safe
+        return delta
+
+    def flush(self) -> str:
+        delta = self.text[self.sent :]
+        self.sent = len(self.text)
+        return delta
+
+
+# -- running -------------------------------------------------------------------------
+
+
+def start(sim: Simulator, job: Job) -> GuardedResponse:
+    """The response that queues the request in the engine and serves its tokens."""
+
+    async def body(send: Send) -> None:
+        seq = sim.engine.add(job.record, job.prompt_ids, job.fault)
+        try:
+            if job.stream:
+                await _stream(sim, seq, job, send)
+            else:
+                await _complete(sim, seq, job, send)
+        except asyncio.CancelledError:
+            sim.engine.abort(seq)  # the client went away: stop generating, free KV
+            raise
+        except Dropped:
+            sim.engine.fail(seq, "drop")
+            raise
+        except Exception:
+            sim.engine.fail(seq, "error")
+            raise
+
+    return GuardedResponse(body)
+
+
+def _drop_at(job: Job) -> int | None:
+    f = job.fault
+    return f.arg if f is not None and f.kind is FaultKind.DROP else None
+
+
+def _usage(seq: Sequence, job: Job) -> out.Usage:
+    return out.usage(len(job.prompt_ids), seq.generated, job.record.cached_tokens)
+
+
+async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": _headers(job)})
+
+    async def emit(chunk: object) -> None:
+        await send({"type": "http.response.body", "body": out.sse(chunk), "more_body": True})
+
+    rid, created, model = job.response_id, job.created, job.model
+
+    def chat_chunk(
+        delta: out.ChatDelta, finish: str | None = None, stop: str | None = None
+    ) -> out.ChatChunk:
+        return out.ChatChunk(
+            id=rid,
+            object="chat.completion.chunk",
+            created=created,
+            model=model,
+            choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish, stop_reason=stop)],
+        )
+
+    def text_chunk(
+        text: str, finish: str | None = None, stop: str | None = None
+    ) -> out.CompletionChunk:
+        return out.CompletionChunk(
+            id=rid,
+            object="text_completion",
+            created=created,
+            model=model,
+            choices=[out.CompletionChoice(text=text, finish_reason=finish, stop_reason=stop)],
+        )
+
+    scanner = StopScanner(job.stops)
+    drop_at = _drop_at(job)
+    last = job.num_tokens - 1
+    finish: str | None = None
+    for i, ev in enumerate(job.events[: job.num_tokens]):
+        if drop_at is not None and i == drop_at:
+            raise Dropped
+        await sim.engine.next_token(seq, event_token(sim, ev))
+        if i == 0 and job.chat:
+            # Like vLLM: headers go out at once, the role chunk with the first token.
+            await emit(chat_chunk(out.ChatDelta(role="assistant", content="")))
+        final = i == last
+        if isinstance(ev, Text):
+            delta = scanner.push(ev.piece)
+            if scanner.matched is not None:
+                finish = "stop"
+            elif final:
+                delta += scanner.flush()
+                finish = job.finish_reason
+            if delta or finish:
+                if job.chat:
+                    await emit(chat_chunk(out.ChatDelta(content=delta), finish, scanner.matched))
+                else:
+                    await emit(text_chunk(delta, finish, scanner.matched))
+            if finish:
+                break
+            continue
+        held = scanner.flush()
+        if held:
+            await emit(chat_chunk(out.ChatDelta(content=held)))
+        if isinstance(ev, ToolStart):
+            tool = out.ToolCallDelta(
+                index=ev.index,
+                id=ev.id,
+                type="function",
+                function=out.FunctionDelta(name=ev.name, arguments=""),
+            )
+        else:
+            tool = out.ToolCallDelta(index=ev.index, function=out.FunctionDelta(arguments=ev.piece))
+        finish = job.finish_reason if final else None
+        await emit(chat_chunk(out.ChatDelta(tool_calls=[tool]), finish))
+    sim.engine.finish(seq, _engine_reason(finish or job.finish_reason))
+    if job.include_usage:
+        usage = _usage(seq, job)
+        if job.chat:
+            await emit(
+                out.ChatChunk(
+                    id=rid,
+                    object="chat.completion.chunk",
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=usage,
+                )
+            )
+        else:
+            await emit(
+                out.CompletionChunk(
+                    id=rid,
+                    object="text_completion",
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=usage,
+                )
+            )
+    await send({"type": "http.response.body", "body": out.DONE, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
+    scanner = StopScanner(job.stops)
+    drop_at = _drop_at(job)
+    calls: dict[int, tuple[str, str, list[str]]] = {}
+    finish = job.finish_reason
+    for i, ev in enumerate(job.events[: job.num_tokens]):
+        if drop_at is not None and i == drop_at:
+            raise Dropped
+        await sim.engine.next_token(seq, event_token(sim, ev))
+        if isinstance(ev, Text):
+            scanner.push(ev.piece)
+            if scanner.matched is not None:
+                finish = "stop"
+                break
+        elif isinstance(ev, ToolStart):
+            calls[ev.index] = (ev.id, ev.name, [])
+        else:
+            calls[ev.index][2].append(ev.piece)
+    sim.engine.finish(seq, _engine_reason(finish))
+    text = scanner.text
+    usage = _usage(seq, job)
+    body: object
+    if job.chat:
+        tool_calls = [
+            out.ToolCall(id=cid, function=out.FunctionCall(name=name, arguments="".join(args)))
+            for cid, name, args in calls.values()
+        ]
+        message = out.AssistantMessage(
+            content=None if (tool_calls and not text) else text, tool_calls=tool_calls
+        )
+        body = out.ChatCompletion(
+            id=job.response_id,
+            created=job.created,
+            model=job.model,
+            usage=usage,
+            choices=[
+                out.ChatChoice(message=message, finish_reason=finish, stop_reason=scanner.matched)
+            ],
+        )
+    else:
+        body = out.Completion(
+            id=job.response_id,
+            created=job.created,
+            model=job.model,
+            usage=usage,
+            choices=[
+                out.CompletionChoice(text=text, finish_reason=finish, stop_reason=scanner.matched)
+            ],
+        )
+    payload = msgspec.json.encode(body)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (b"x-request-id", job.record.id.encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _engine_reason(finish: str) -> str:
+    # vLLM's request_success label knows stop/length/abort; a tool call is a stop.
+    return "stop" if finish == "tool_calls" else finish
+
+
+def _headers(job: Job) -> list[tuple[bytes, bytes]]:
+    return [*SSE_HEADERS, (b"x-request-id", job.record.id.encode())]
+
+
+def new_job(
+    sim: Simulator, plan: Plan, *, chat: bool, request_id: str, model: str, fault: Fault | None
+) -> Job:
+    """Check the context length, then record the request: it is about to be served."""
+    max_tokens = sim.check_length(len(plan.prompt_ids), plan.max_tokens)
+    record = sim.new_record(request_id, "chat" if chat else "completions", fault)
+    return Job(
+        chat=chat,
+        response_id=("chatcmpl-" if chat else "cmpl-") + request_id,
+        model=model,
+        created=int(time.time()),
+        prompt_ids=plan.prompt_ids,
+        events=plan.events,
+        natural_finish=plan.natural_finish,
+        max_tokens=max_tokens,
+        stops=plan.stops,
+        stream=plan.stream,
+        include_usage=plan.include_usage,
+        fault=fault,
+        record=record,
+    )

@@ -1,0 +1,146 @@
+"""Planning a reply: which tokens the "model" will emit, scripted or generated.
+
+Every event is one output token, so completion_tokens is the number of events emitted.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import msgspec
+from starlette.datastructures import Headers
+
+from sim.inbound import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    ScriptedResponse,
+    check_sampling,
+    prompt_input,
+    stop_list,
+)
+from sim.scripts import Conversation, parse_response
+from sim.simulator import Simulator
+from sim.textgen import natural_pieces
+from sim.tokenizer import render_chat
+
+
+class Text(msgspec.Struct, frozen=True):
+    piece: str
+
+
+class ToolStart(msgspec.Struct, frozen=True):
+    index: int
+    id: str
+    name: str
+
+
+class ToolArgs(msgspec.Struct, frozen=True):
+    index: int
+    piece: str
+
+
+Event = Text | ToolStart | ToolArgs  # one output token each
+
+
+def _scripted_events(sim: Simulator, resp: ScriptedResponse) -> tuple[list[Event], str]:
+    events: list[Event] = [Text(p) for p in sim.tokenizer.pieces(resp.content or "")]
+    for i, call in enumerate(resp.tool_calls or []):
+        name = str(call.function.get("name", ""))
+        args = call.function.get("arguments", "")
+        args_text = args if isinstance(args, str) else json.dumps(args)
+        call_id = call.id or f"chatcmpl-tool-{uuid.uuid4().hex}"
+        events.append(ToolStart(i, call_id, name))
+        events.extend(ToolArgs(i, p) for p in sim.tokenizer.pieces(args_text))
+    if not events:
+        events.append(Text(""))  # an empty reply is still one (end-of-sequence) token
+    return events, "tool_calls" if resp.tool_calls else "stop"
+
+
+def event_token(sim: Simulator, ev: Event) -> int:
+    return sim.tokenizer.token_id(ev.name if isinstance(ev, ToolStart) else ev.piece)
+
+
+def _script_for(sim: Simulator, headers: Headers, conv: Conversation) -> ScriptedResponse | None:
+    header = headers.get("x-sim-script")
+    if header is not None:
+        return parse_response(header)
+    return sim.scripts.pick(conv)
+
+
+def _natural(
+    sim: Simulator, prompt_ids: list[int], seed: int | None, length: int | None
+) -> list[Event]:
+    return [Text(p) for p in natural_pieces(sim.cfg.seed, prompt_ids, seed, length)]
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_ids: list[int]
+    events: list[Event]
+    natural_finish: str
+    max_tokens: int | None
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    check_sampling(req, max_tokens)
+    if not req.messages:
+        raise BadRequest("messages must not be empty", "messages")
+    prompt = render_chat(req.messages, req.tools, req.add_generation_prompt)
+    prompt_ids = sim.tokenizer.encode(prompt)
+    last = req.messages[-1]
+    # last_user rules match a user turn only, so after a tool result the next rule applies.
+    last_user = last.text if last.role == "user" else None
+    conv = Conversation(last_user=last_user, last_role=last.role, prompt=prompt)
+    script = _script_for(sim, headers, conv)
+    if script is not None:
+        sim.stats.scripted += 1
+        events, finish = _scripted_events(sim, script)
+    else:
+        forced = max_tokens if req.ignore_eos else None
+        events, finish = _natural(sim, prompt_ids, req.seed, forced), "stop"
+    return _plan(req, prompt_ids, events, finish, max_tokens)
+
+
+def plan_completion(sim: Simulator, req: CompletionRequest, headers: Headers) -> Plan:
+    check_sampling(req, req.max_tokens)
+    prompt = prompt_input(req.prompt)
+    if isinstance(prompt, str):
+        prompt_ids, text = sim.tokenizer.encode(prompt), prompt
+    else:
+        sim.check_token_ids(prompt)
+        prompt_ids, text = prompt, ""
+    conv = Conversation(last_user=text, last_role="user", prompt=text)
+    script = _script_for(sim, headers, conv)
+    if script is not None:
+        sim.stats.scripted += 1
+        events, _ = _scripted_events(sim, ScriptedResponse(content=script.content))
+    else:
+        forced = req.max_tokens if req.ignore_eos else None
+        events = _natural(sim, prompt_ids, req.seed, forced)
+    return _plan(req, prompt_ids, events, "stop", req.max_tokens)
+
+
+def _plan(
+    req: ChatRequest | CompletionRequest,
+    prompt_ids: list[int],
+    events: list[Event],
+    finish: str,
+    max_tokens: int | None,
+) -> Plan:
+    opts = req.stream_options
+    return Plan(
+        prompt_ids=prompt_ids,
+        events=events,
+        natural_finish=finish,
+        max_tokens=max_tokens,
+        stops=stop_list(req.stop),
+        stream=req.stream,
+        include_usage=bool(req.stream and opts is not None and opts.include_usage),
+    )

@@ -1,0 +1,257 @@
+"""Prefix affinity on JetStream priority groups.
+
+The gateway puts a request that carries a long shared prefix on one of the
+class's lane subjects (``jetserve.req.<class>.lNN``, chosen by the prefix
+hash); each lane has its own durable consumer with the ``prioritized`` policy.
+Every worker keeps one pull request waiting on every lane while it has a free
+slot, with a priority that says how much it owns the lane: the server hands a
+message to the highest-priority waiting pull. So
+
+- the lane's owner serves it while it has room (its engine keeps the prefix's
+  KV blocks warm);
+- a saturated owner has no pull waiting, so the message spills over to the
+  next worker in the lane's order at once;
+- a dead owner's pulls vanish with its connection (or expire within
+  ``poll_s``), so the next in order takes over: nothing is lost, and a message
+  it held unacked comes back after ``ack_wait``.
+
+Ownership is a rotation of the live members (a KV bucket each worker refreshes)
+sorted by id: lane ``l``'s order starts at member ``l mod n``, so lanes spread
+evenly and every worker ranks every lane distinctly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from streams.definitions import PRIORITY_GROUP, Topology
+from streams.subjects import RequestClass
+from workers.inference.admission import Admission
+
+log = logging.getLogger(__name__)
+
+MEMBERS_BUCKET = "jetserve_workers"
+MAX_PRIORITY = 9  # the server's lowest priority level
+OWNER_BATCH = 4  # messages one pull may bring the lane's owner
+
+
+class Membership:
+    """The live workers: a KV bucket each worker puts its id into every
+    ``every_s``, followed by one watch. A member not heard from for
+    ``4 * every_s`` is gone (entries also expire in the bucket itself); a worker
+    that leaves cleanly deletes its entry, which the watch shows at once."""
+
+    def __init__(self, js: JetStreamContext, worker_id: str, replicas: int, every_s: float = 1.0):
+        self._js = js
+        self.worker_id = worker_id
+        self._replicas = replicas
+        self._every = every_s
+        self._kv: KeyValue | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
+        self._seen: dict[str, float] = {}
+        self.members: tuple[str, ...] = (worker_id,)
+        self.changed: list[Callable[[], None]] = []  # told when the members change
+
+    async def start(self) -> None:
+        """Join and read who is there before serving (so priorities start right)."""
+        kv = self._kv = await self._js.create_key_value(
+            KeyValueConfig(
+                bucket=MEMBERS_BUCKET, history=1, ttl=self._every * 4, replicas=self._replicas
+            )
+        )
+        # A bucket just created on a cluster has no leader for a moment: retry.
+        for attempt in range(50):
+            try:
+                await kv.put(self.worker_id, b"")
+                break
+            except (nats.errors.Error, TimeoutError):
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.2)
+        self._watcher = await kv.watchall()
+        async for entry in self._watcher:
+            if entry is None:  # the end of the current values
+                break
+            self._note(entry)
+        self._recompute()
+
+    def _note(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in (KV_DEL, KV_PURGE):
+            self._seen.pop(entry.key, None)
+        else:
+            self._seen[entry.key] = time.monotonic()
+
+    def _recompute(self) -> None:
+        horizon = time.monotonic() - self._every * 4
+        alive = {k for k, at in self._seen.items() if at >= horizon}
+        new = tuple(sorted({*alive, self.worker_id}))
+        if new != self.members:
+            log.info("lane members now: %s", ",".join(new))
+            self.members = new
+            for tell in self.changed:
+                tell()
+
+    async def run(self) -> None:
+        assert self._kv is not None and self._watcher is not None
+        follow = asyncio.create_task(self._follow(self._watcher))
+        try:
+            while True:
+                await asyncio.sleep(self._every)
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await self._kv.put(self.worker_id, b"")
+                self._recompute()
+        finally:
+            follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+                await follow
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self._watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is not None:
+                self._note(entry)
+                if entry.operation in (KV_DEL, KV_PURGE) or len(self._seen) != len(self.members):
+                    self._recompute()
+
+    async def leave(self) -> None:
+        if self._kv is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self._kv.delete(self.worker_id)
+
+    def priority(self, lane: int) -> int:
+        """0 for the lane's owner, 1 for the next in its rotation, and so on."""
+        members = self.members
+        mine = members.index(self.worker_id)
+        return min((mine - lane) % len(members), MAX_PRIORITY)
+
+
+class LanePuller:
+    """Keeps a prioritized pull request waiting on every lane of one class while
+    admission has room, and starts what arrives (or hands it straight back)."""
+
+    def __init__(
+        self,
+        nc: Client,
+        topology: Topology,
+        cls: RequestClass,
+        rank: int,
+        admission: Admission,
+        membership: Membership,
+        start: Callable[[Msg], None],
+        poll_s: float,
+    ) -> None:
+        self._nc = nc
+        self._topo = topology
+        self._cls = cls
+        self._rank = rank
+        self._admission = admission
+        self._members = membership
+        self._start = start
+        self._poll = poll_s
+        self._inbox = f"{nc.new_inbox()}.{cls.value}"
+        self._live_until = [0.0] * topology.lanes
+        self._current = [0] * topology.lanes  # the newest pull per lane (reply token)
+        self._left = [0] * topology.lanes  # messages the newest pull may still bring
+        self._wake = asyncio.Event()
+        membership.changed.append(self._reprioritize)
+        self.handed_back = 0  # over-fetched messages returned to the lane
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
+        try:
+            while await self._admission.wait_room(self._rank):
+                self._wake.clear()  # before pulling: an answer meanwhile wakes us again
+                now = loop.time()
+                for lane, until in enumerate(self._live_until):
+                    if until <= now:
+                        await self._pull(lane, now)
+                left = min(self._live_until) - loop.time()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(left, 0.01))
+        finally:
+            # Pulls still waiting at the server may deliver until they expire:
+            # keep listening (and handing back) that long, then leave.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    def _reprioritize(self) -> None:
+        """Ranks moved: pull every lane again at the new priority (the old pulls
+        expire within ``poll_s``; until then the lane may go to either)."""
+        self._live_until = [0.0] * len(self._live_until)
+        self._wake.set()
+
+    def _pull_done(self, lane: int) -> None:
+        """The lane needs a new pull now (an older, overlapped pull answering
+        costs at most one extra pull that expires)."""
+        self._live_until[lane] = 0.0
+        self._wake.set()
+
+    async def _pull(self, lane: int, now: float) -> None:
+        priority = self._members.priority(lane)
+        # The owner takes a burst on its lane (requests sharing a prefix often
+        # come together), as many as it has slots for; the others take one.
+        batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if priority == 0 else 1
+        self._left[lane] = batch
+        request = {
+            "batch": batch,
+            "expires": int(self._poll * 1e9),
+            "group": PRIORITY_GROUP,
+            "priority": priority,
+        }
+        subject = (
+            f"$JS.API.CONSUMER.MSG.NEXT.{self._topo.stream}."
+            f"{self._topo.lane_consumer_name(self._cls, lane)}"
+        )
+        self._current[lane] += 1
+        reply = f"{self._inbox}.{lane}.{self._current[lane]}"
+        # Marked live before the publish: its answer can arrive (and mark the
+        # lane done) before the publish returns. A little before the server's
+        # own expiry, so a new pull overlaps the old.
+        self._live_until[lane] = now + self._poll * 0.9
+        try:
+            await self._nc.publish(subject, json.dumps(request).encode(), reply=reply)
+        except nats.errors.Error as exc:
+            log.warning("lane pull failed: %s", exc)
+            self._live_until[lane] = now + 0.2  # retry shortly, not in a hot loop
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if msg.headers and msg.headers.get("Status"):
+            # The server's note on a pull (expired, consumer gone), sent to the
+            # pull's own reply subject: only the newest pull's note matters.
+            if msg.subject.startswith(self._inbox):
+                lane_s, pull_s = msg.subject.rsplit(".", 2)[-2:]
+                if int(pull_s) == self._current[int(lane_s)]:
+                    self._pull_done(int(lane_s))
+            return
+        # A message arrives under its own subject (jetserve.req.<class>.lNN).
+        if msg.subject.startswith(self._inbox):
+            lane = int(msg.subject.rsplit(".", 2)[-2])
+        else:
+            lane = int(msg.subject.rsplit(".", 1)[-1].lstrip("l"))
+        self._left[lane] -= 1
+        if self._left[lane] <= 0:
+            self._pull_done(lane)
+        if self._admission.try_acquire(self._rank):
+            self._start(msg)
+            return
+        # Several lanes answered at once and this worker is full now: hand the
+        # message back at once; the next waiting pull in priority order takes it.
+        self.handed_back += 1
+        with contextlib.suppress(nats.errors.Error):
+            await msg.nak()

@@ -1,0 +1,439 @@
+"""The inference worker: pulls requests from the class subjects while its engine
+has room, runs them through an engine adapter and streams frames back.
+
+Ack timing (DESIGN.md, "The request path" step 4): ``in_progress()`` while
+waiting for the first token, ack once it is sent. Before that point a crash
+means a clean redelivery; after it the receiver sees heartbeats stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from streams.connect import connect
+from streams.deadletter import dead_letter
+from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.provision import ensure_topology
+from streams.routes import Deployment
+from streams.subjects import RequestClass, cancel_subject, class_of
+from streams.tracing import Tracer
+from streams.wire import InferenceRequest, Usage, decode_cancel, decode_request
+from workers.engines.base import Delta, EngineAdapter
+from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
+from workers.inference.admission import Admission, AdmissionConfig
+from workers.inference.affinity import LanePuller, Membership
+from workers.inference.batching import EmbedBatcher, fetch_more
+from workers.inference.metrics import WorkerMetrics
+from workers.inference.relay import FrameSender
+
+log = logging.getLogger(__name__)
+
+# Rank order: interactive first, then agent runs' model calls (a person usually
+# waits on a run too), then embeddings, then batch.
+DEFAULT_CLASSES = (
+    RequestClass.INTERACTIVE,
+    RequestClass.AGENT,
+    RequestClass.EMBED,
+    RequestClass.BATCH,
+)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    nats_url: str
+    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    classes: tuple[RequestClass, ...] = DEFAULT_CLASSES
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    heartbeat_s: float = 1.0
+    poll_s: float = 1.0  # long-poll expiry of one pull request
+    load_poll_s: float = 0.5  # how often to read the engine's own metrics
+    drain_timeout_s: float = 30.0
+    retry_backoff_s: float = 0.2
+    topology: Topology = DEFAULT_TOPOLOGY
+    otel_exporter: str | None = None  # span export (``otel`` extra); None: ids only
+    # The route deployment this worker serves (streams.routes); None: it serves
+    # only requests whose route lists no candidates.
+    deployment: Deployment | None = None
+    embed_batch_max: int = 32  # inputs per batched engine call (1: no batching)
+    embed_batch_delay_ms: float = 5.0  # longest a request waits for its batch to fill
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine: EngineAdapter) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.admission = Admission(cfg.admission)
+        self._stop = asyncio.Event()
+        self._handlers: set[asyncio.Task[None]] = set()  # owned here, awaited by _drain
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self.ready = asyncio.Event()
+        self.completed = 0
+        self.metrics = WorkerMetrics()
+        self.embed_batcher = EmbedBatcher(
+            engine,
+            cfg.embed_batch_max,
+            cfg.embed_batch_delay_ms / 1000,
+            self.metrics.embed_batch_size.observe,
+        )
+        self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
+        self.engine_up = False
+        self._deployment = cfg.deployment.name if cfg.deployment else ""
+        self.lanes: list[LanePuller] = []
+
+    async def run(self) -> None:
+        """Serve until :meth:`shutdown`, then drain."""
+        nc = self._nc = await connect(self.cfg.nats_url, self.cfg.worker_id)
+        try:
+            js = self._js = nc.jetstream()
+            await ensure_topology(js, self.cfg.topology)
+            await self._observe_engine()
+            subs = []
+            for cls in self.cfg.classes:
+                subs.append(
+                    await js.pull_subscribe_bind(
+                        self.cfg.topology.consumer_name(cls), self.cfg.topology.stream
+                    )
+                )
+            topo = self.cfg.topology
+            members = Membership(js, self.cfg.worker_id, topo.replicas)
+            await members.start()
+            self.lanes = [
+                LanePuller(
+                    nc, topo, cls, rank, self.admission, members, self._start, self.cfg.poll_s
+                )
+                for rank, cls in enumerate(self.cfg.classes)
+                if cls in topo.lane_classes
+            ]
+            async with asyncio.TaskGroup() as tg:
+                fetchers = [
+                    tg.create_task(self._fetch_loop(rank, sub)) for rank, sub in enumerate(subs)
+                ]
+                pullers = [tg.create_task(lane.run()) for lane in self.lanes]
+                poller = tg.create_task(self._poll_engine())
+                heartbeat = tg.create_task(members.run())
+                self.ready.set()
+                log.info("worker %s serving %s", self.cfg.worker_id, list(self.cfg.classes))
+                await self._stop.wait()
+                await members.leave()
+                await self.admission.close()
+                for task in (*fetchers, poller, heartbeat):
+                    task.cancel()
+                # Lane pullers end by themselves once admission is closed, after
+                # handing back what their last pulls still bring.
+                await asyncio.gather(*pullers, *(self._return_strays(sub) for sub in subs))
+                await self._drain()
+                log.info("worker %s drained", self.cfg.worker_id)
+        finally:
+            # Every handler has finished: flush their last frames and leave.
+            # (drain() would wait on the pull subscriptions' expired requests.)
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await nc.flush(timeout=2)
+            await self.embed_batcher.aclose()  # after the drain: no member still waits
+            await nc.close()
+            self.tracer.shutdown()
+            log.info("worker %s disconnected", self.cfg.worker_id)
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+
+    async def _return_strays(self, sub: JetStreamContext.PullSubscription) -> None:
+        """A pull request outlives a cancelled fetch until it expires: a message
+        the server hands over meanwhile would sit here unseen for ack_wait. Hand
+        each one straight back (nak) so another worker starts it now."""
+        inbox = sub._sub  # the core subscription behind the pull (nats-py has no public one)
+        end = time.monotonic() + self.cfg.poll_s + 0.2
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = await inbox.next_msg(timeout=left)
+            except (nats.errors.TimeoutError, TimeoutError):
+                return
+            if msg.headers and msg.headers.get("Status"):
+                continue  # the server's note that a pull request expired or ended
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
+
+    async def _drain(self) -> None:
+        pending = set(self._handlers)
+        if not pending:
+            return
+        log.info("draining %d in-flight requests", len(pending))
+        _, still = await asyncio.wait(pending, timeout=self.cfg.drain_timeout_s)
+        for task in still:
+            task.cancel()
+        if still:
+            await asyncio.wait(still)
+
+    async def _poll_engine(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.load_poll_s)
+            await self._observe_engine()
+
+    async def _observe_engine(self) -> None:
+        load = await self.engine.load()
+        await self.admission.observe(load)
+        self.engine_up = await self.engine.healthy()
+        m = self.metrics
+        m.engine_up.set(1 if self.engine_up else 0)
+        m.engine_waiting.set(load.waiting or 0)
+        m.engine_kv_usage.set(load.kv_usage or 0)
+        m.kv_headroom.set(self.admission.headroom())
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def _fetch_loop(self, rank: int, sub: JetStreamContext.PullSubscription) -> None:
+        # One message per pull, and only with a slot in hand: never over-fetch
+        # (buffered, unstarted messages would age out and be redelivered).
+        while not self._stop.is_set():
+            if not await self.admission.acquire(rank):
+                return
+            # A polling fetcher holds its slot; lower classes poll briefly so an
+            # idle batch queue does not keep slots from interactive work.
+            poll = self.cfg.poll_s if rank == 0 else self.cfg.poll_s / 4
+            try:
+                msgs = await sub.fetch(1, timeout=poll)
+            except (nats.errors.TimeoutError, TimeoutError):
+                await self.admission.release()
+                continue
+            except BaseException:
+                await self.admission.release()
+                raise
+            for msg in msgs:
+                self._start(msg)
+            if msgs and self.cfg.classes[rank] is RequestClass.EMBED:
+                # Embeddings waiting behind it may share its batch (workers/inference/batching.py).
+                limit = self.cfg.embed_batch_max - 1
+                for msg in await fetch_more(sub, self.admission, rank, limit):
+                    self._start(msg)
+
+    def _start(self, msg: Msg) -> None:
+        """Serve one message; its admission slot is already held (released by _handle)."""
+        task = asyncio.create_task(self._handle(msg))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _handle(self, msg: Msg) -> None:
+        blocks = 0
+        try:
+            try:
+                req = decode_request(msg.data)
+            except msgspec.DecodeError as exc:
+                # Poison: keep it with the reason, never redeliver it, carry on.
+                js = self._js
+                assert js is not None
+                seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
+                await dead_letter(js, msg.subject, msg.data, f"undecodable request: {exc}", seq)
+                await msg.term()
+                self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
+                return
+            blocks = await self.admission.reserve_blocks(req.prompt_tokens_est + req.max_tokens)
+            self.metrics.inflight.inc()
+            try:
+                await self._serve(msg, req)
+            finally:
+                self.metrics.inflight.dec()
+        finally:
+            await self.admission.release(blocks)
+            self.metrics.kv_headroom.set(self.admission.headroom())
+
+    async def _serve(self, msg: Msg, req: InferenceRequest) -> None:
+        nc = self._nc
+        assert nc is not None
+        attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
+        sender = FrameSender(nc, req.reply, attempt, self.cfg.heartbeat_s)
+        if time.time() >= req.deadline:
+            # Expired in the queue: the engine is never called.
+            await sender.error(
+                "deadline_exceeded",
+                "request deadline passed before it was served",
+                status=504,
+                retryable=False,
+            )
+            await msg.term()
+            self.metrics.requests.labels(req.cls, "deadline_exceeded").inc()
+            return
+        dep = self.cfg.deployment
+        if req.candidates and (dep is None or dep.name not in req.candidates):
+            # Fallback only to a candidate of the same contract: hand it back at
+            # once, engine untouched and nothing emitted, for a listed deployment.
+            await msg.nak()
+            self.metrics.redeliveries.labels(req.cls, "not_candidate").inc()
+            return
+        cancelled = asyncio.Event()
+
+        async def on_cancel(note: Msg) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                if decode_cancel(note.data).keep_attempt == attempt:
+                    return  # this attempt won a hedge race: the others stop
+            cancelled.set()
+
+        cancel_sub = await nc.subscribe(cancel_subject(req.id), cb=on_cancel)
+        span = self.tracer.start(
+            "jetserve.attempt",
+            req.traceparent,
+            {
+                "gen_ai.request.model": req.model,
+                "jetserve.class": req.cls,
+                "jetserve.attempt": attempt,
+                "jetserve.worker": self.cfg.worker_id,
+            },
+        )
+        work = asyncio.create_task(self._run_engine(msg, req, sender, span.traceparent))
+        beats = asyncio.create_task(sender.heartbeats())
+        waiter = asyncio.create_task(cancelled.wait())
+        try:
+            await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()  # client went away: abort the engine call now
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                if not sender.started:
+                    await msg.term()
+                self.metrics.requests.labels(req.cls, "cancelled").inc()
+                log.info("request %s cancelled by client", req.id)
+            else:
+                await work
+        except asyncio.CancelledError:
+            # Drain timed out or the process is stopping.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            if sender.started:
+                await sender.error(
+                    "stream_interrupted", "worker shut down mid-stream", status=502, retryable=False
+                )
+            else:
+                await msg.nak()  # nothing emitted: another worker takes it now
+                self.metrics.redeliveries.labels(req.cls, "shutdown").inc()
+            raise
+        finally:
+            waiter.cancel()
+            beats.cancel()
+            await cancel_sub.unsubscribe()
+            span.set("jetserve.tokens_sent", sender.seq)
+            span.end(sender.outcome or ("cancelled" if cancelled.is_set() else "handed_back"))
+
+    async def _run_engine(
+        self, msg: Msg, req: InferenceRequest, sender: FrameSender, traceparent: str
+    ) -> None:
+        remaining = req.deadline - time.time()
+        ticker = asyncio.create_task(self._in_progress_until_started(msg, sender))
+        started_at = time.monotonic()
+        ttft = 0.0
+        headers = dict(req.headers)
+        if traceparent:
+            headers["traceparent"] = traceparent  # the engine joins under this attempt
+            if req.tracestate:
+                headers["tracestate"] = req.tracestate
+        try:
+            async with asyncio.timeout(remaining):
+                if req.op == "embedding":
+                    result = await self.embed_batcher.embed(req.body, req.id, headers, req.deadline)
+                    await msg.ack()
+                    await sender.final(
+                        finish_reason="stop",
+                        usage=result.usage,
+                        model=result.model or req.model,
+                        worker=self.cfg.worker_id,
+                        deployment=self._deployment,
+                        embeddings=result.vectors,
+                        engine_ms=(time.monotonic() - started_at) * 1000,
+                    )
+                    self._observe_done(req, started_at, 0.0, result.usage)
+                    return
+                async for event in self.engine.generate(req.op, req.body, req.id, headers):
+                    if isinstance(event, Delta):
+                        await sender.token(event.text, event.tool_calls, event.finish_reason)
+                        if sender.seq == 1:
+                            ttft = (time.monotonic() - started_at) * 1000
+                            ticker.cancel()
+                            await msg.ack()
+                    else:
+                        if not sender.started:
+                            await msg.ack()
+                        await sender.final(
+                            finish_reason=event.finish_reason,
+                            usage=event.usage,
+                            model=event.model or req.model,
+                            worker=self.cfg.worker_id,
+                            deployment=self._deployment,
+                            ttft_ms=ttft,
+                            engine_ms=(time.monotonic() - started_at) * 1000,
+                        )
+                        self._observe_done(req, started_at, ttft / 1000, event.usage)
+            self.completed += 1
+        except TimeoutError:
+            await self._fail(
+                msg, sender, DeadlineExceeded("deadline exceeded while generating"), req
+            )
+        except EngineError as exc:
+            await self._fail(msg, sender, exc, req)
+        finally:
+            ticker.cancel()
+
+    def _observe_done(
+        self, req: InferenceRequest, started: float, ttft_s: float, usage: Usage
+    ) -> None:
+        m = self.metrics
+        e2e = time.monotonic() - started
+        m.requests.labels(req.cls, "ok").inc()
+        m.duration.labels(req.cls).observe(e2e)
+        m.tokens.labels(req.cls, "input").inc(usage.prompt_tokens)
+        m.tokens.labels(req.cls, "output").inc(usage.completion_tokens)
+        if ttft_s:
+            m.ttft.labels(req.cls).observe(ttft_s)
+            if usage.completion_tokens > 1:
+                m.tpot.labels(req.cls).observe((e2e - ttft_s) / (usage.completion_tokens - 1))
+
+    async def _fail(
+        self,
+        msg: Msg,
+        sender: FrameSender,
+        exc: EngineError | DeadlineExceeded,
+        req: InferenceRequest | None = None,
+    ) -> None:
+        attempt = msg.metadata.num_delivered or 1
+        cls = class_of(msg.subject)
+        if sender.started:
+            # Mid-stream failures are never retried silently (the client saw tokens).
+            err = exc
+            if not isinstance(exc, EngineStreamBroken | DeadlineExceeded):
+                err = EngineStreamBroken(exc.message)
+            await sender.error(err.code, err.message, status=err.status, retryable=False)
+            self.metrics.requests.labels(cls, err.code).inc()
+            return
+        # The route's retry policy narrows the worker's own (never widens it).
+        limit = self.cfg.topology.limits.max_deliver
+        eligible = exc.retryable
+        if req is not None:
+            limit = min(limit, req.retry_max or limit)
+            eligible = eligible and (not req.retry_on or exc.code in req.retry_on)
+        if eligible and attempt < limit:
+            # The one retry owner before the first token: JetStream redelivery,
+            # to any worker, inside the request's original deadline.
+            await msg.nak(delay=self.cfg.retry_backoff_s * attempt)
+            self.metrics.redeliveries.labels(cls, exc.code).inc()
+            return
+        await sender.error(exc.code, exc.message, status=exc.status, retryable=exc.retryable)
+        await msg.term()
+        self.metrics.requests.labels(cls, exc.code).inc()
+
+    async def _in_progress_until_started(self, msg: Msg, sender: FrameSender) -> None:
+        beat = self.cfg.topology.limits.ack_wait_s / 3
+        while not sender.started:
+            await asyncio.sleep(beat)
+            if not sender.started:
+                await msg.in_progress()
