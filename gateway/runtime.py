@@ -22,7 +22,7 @@ from gateway.errors import GatewayError
 from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
 from gateway.inference.route_table import RouteTable
-from gateway.inference.service import Gateway
+from gateway.inference.service import InferenceService
 from gateway.inference.shedding import QueueWatch
 from gateway.ingress.nats_api import NatsIngress
 from gateway.ingress.runs_nats import RunsNatsIngress
@@ -48,7 +48,7 @@ class Runtime:
     nc: Client
     js: JetStreamContext
     redis: redis.Redis
-    gateway: Gateway
+    gateway: InferenceService
     ledger_reader: LedgerReader
     runs: RunsService | None = None
 
@@ -110,7 +110,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         await route_table.start()
         queue_watch = QueueWatch(js, cfg.topology)
         await queue_watch.start()
-        gw = Gateway(
+        gw = InferenceService(
             cfg,
             Tenancy(rds, cfg.key_cache_s),
             Accountant(rds),

@@ -2,12 +2,12 @@
 authority, timeouts, approval gates), the effect ledger (idempotency keys), and
 remote tools served on NATS. See docs/tools.md."""
 
-from tools.dispatcher import Dispatcher, ToolMetrics
-from tools.effects import Effect, EffectLedger, LedgerConfig, kv_key
+from tools.dispatcher import ToolDispatcher, ToolMetrics
+from tools.effects import Effect, EffectLedger, EffectLedgerConfig, kv_key
 from tools.errors import (
     DispatchConfigError,
     DuplicateToolError,
-    LedgerError,
+    EffectLedgerError,
     ToolDefinitionError,
     ToolError,
     ToolFailure,
@@ -27,14 +27,13 @@ from tools.wire import (
 
 __all__ = [
     "DispatchConfigError",
-    "Dispatcher",
     "DuplicateToolError",
     "Effect",
     "EffectEntry",
     "EffectLedger",
+    "EffectLedgerConfig",
+    "EffectLedgerError",
     "InProcess",
-    "LedgerConfig",
-    "LedgerError",
     "NeedsApproval",
     "Outcome",
     "Reconcile",
@@ -44,6 +43,7 @@ __all__ = [
     "Tool",
     "ToolContext",
     "ToolDefinitionError",
+    "ToolDispatcher",
     "ToolError",
     "ToolFailure",
     "ToolFn",

@@ -1,6 +1,6 @@
 """The dispatcher: one tool call from a model, checked, gated, run, recorded.
 
-``Dispatcher.call(name, raw_arguments, ctx, authority)``, in order:
+``ToolDispatcher.call(name, raw_arguments, ctx, authority)``, in order:
 
 1. unknown tool, or not in the run's authority -> ``{"error", "retryable": false}``;
 2. arguments not JSON, not an object, or failing the tool's JSON Schema ->
@@ -20,7 +20,7 @@
    ``status="ambiguous"``.
 
 Every model-facing problem is a :class:`ToolResult`; the only exceptions that
-escape are infrastructure ones (``LedgerError``: the outcome is not durable, so
+escape are infrastructure ones (``EffectLedgerError``: the outcome is not durable, so
 do not ack the step) and misconfiguration (``DispatchConfigError``).
 """
 
@@ -88,7 +88,7 @@ class ToolMetrics:
         )
 
 
-class Dispatcher:
+class ToolDispatcher:
     """Runs tool calls for agent runs. ``ledger`` is required for side-effecting
     tools, ``nc`` for remote ones. ``lease_grace_s`` is added to a call's time
     budget for its ledger lease (time to record the outcome after the tool

@@ -38,14 +38,14 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from tools.errors import LedgerError
+from tools.errors import EffectLedgerError
 from tools.wire import EffectEntry, Outcome, decode_entry, encode
 
 Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
-class LedgerConfig:
+class EffectLedgerConfig:
     bucket: str = "JETSERVE_EFFECTS"
     history: int = 1
     ttl_s: float = 30 * 86400.0  # outcomes must outlive any redelivery of their step
@@ -86,10 +86,13 @@ class EffectLedger:
 
     @classmethod
     async def open(
-        cls, js: JetStreamContext, config: LedgerConfig | None = None, clock: Clock = time.time
+        cls,
+        js: JetStreamContext,
+        config: EffectLedgerConfig | None = None,
+        clock: Clock = time.time,
     ) -> EffectLedger:
         """Bind to the bucket, creating it if absent (idempotent, race-safe)."""
-        config = config or LedgerConfig()
+        config = config or EffectLedgerConfig()
         try:
             kv = await js.key_value(config.bucket)
         except BucketNotFoundError:
@@ -99,9 +102,9 @@ class EffectLedger:
                 try:
                     kv = await js.key_value(config.bucket)
                 except BucketNotFoundError:
-                    raise LedgerError(f"cannot create bucket {config.bucket}: {exc}") from exc
+                    raise EffectLedgerError(f"cannot create bucket {config.bucket}: {exc}") from exc
         except NatsError as exc:
-            raise LedgerError(f"cannot open bucket {config.bucket}: {exc}") from exc
+            raise EffectLedgerError(f"cannot open bucket {config.bucket}: {exc}") from exc
         return cls(kv, clock)
 
     # -- reads ---------------------------------------------------------------
@@ -112,7 +115,7 @@ class EffectLedger:
         except KeyNotFoundError:  # also a deleted (withdrawn) key
             return None
         except NatsError as exc:
-            raise LedgerError(f"effect ledger read failed: {exc}") from exc
+            raise EffectLedgerError(f"effect ledger read failed: {exc}") from exc
         assert e.value is not None and e.revision is not None
         return Effect(decode_entry(e.value), e.revision, won=False)
 
@@ -165,8 +168,8 @@ class EffectLedger:
                     return have
                 # withdrawn between our create and get: try again
             except NatsError as exc:
-                raise LedgerError(f"effect ledger write failed: {exc}") from exc
-        raise LedgerError(f"effect ledger: cannot create or read {kv_key(key)}")
+                raise EffectLedgerError(f"effect ledger write failed: {exc}") from exc
+        raise EffectLedgerError(f"effect ledger: cannot create or read {kv_key(key)}")
 
     async def record_outcome(
         self, key: str, outcome: Outcome, revision: int, *, settled_by: str = "run"
@@ -176,7 +179,7 @@ class EffectLedger:
         (first outcome wins)."""
         have = await self.get(key)
         if have is None:
-            raise LedgerError(f"effect ledger: no intent for {kv_key(key)}")
+            raise EffectLedgerError(f"effect ledger: no intent for {kv_key(key)}")
         if have.revision != revision or have.entry.state == "done":
             return have
         entry = msgspec.structs.replace(
@@ -190,7 +193,7 @@ class EffectLedger:
         have = await self.get(key)
         if have is None or have.revision != revision or have.entry.state == "done":
             if have is None:
-                raise LedgerError(f"effect ledger: no intent for {kv_key(key)}")
+                raise EffectLedgerError(f"effect ledger: no intent for {kv_key(key)}")
             return have
         now = self._clock()
         entry = msgspec.structs.replace(
@@ -213,13 +216,13 @@ class EffectLedger:
         for _ in range(5):
             have = await self.get(key)
             if have is None:
-                raise LedgerError(f"effect ledger: no intent for {kv_key(key)}")
+                raise EffectLedgerError(f"effect ledger: no intent for {kv_key(key)}")
             if have.entry.state == "done":
                 return have
             eff = await self.record_outcome(key, outcome, have.revision, settled_by="resolved")
             if eff.won:
                 return eff
-        raise LedgerError(f"effect ledger: {kv_key(key)} keeps changing")
+        raise EffectLedgerError(f"effect ledger: {kv_key(key)} keeps changing")
 
     async def _swap(self, key: str, entry: EffectEntry, revision: int) -> Effect:
         try:
@@ -227,8 +230,8 @@ class EffectLedger:
         except KeyWrongLastSequenceError:
             now = await self.get(key)
             if now is None:
-                raise LedgerError(f"effect ledger: {kv_key(key)} vanished") from None
+                raise EffectLedgerError(f"effect ledger: {kv_key(key)} vanished") from None
             return now
         except NatsError as exc:
-            raise LedgerError(f"effect ledger write failed: {exc}") from exc
+            raise EffectLedgerError(f"effect ledger write failed: {exc}") from exc
         return Effect(entry, rev, won=True)

@@ -6,7 +6,7 @@ JetserveError (streams.errors)   base: ``code`` and ``retryable`` travel with it
     │   └── DuplicateToolError   a second, different tool under a registered name
     ├── UnknownToolError         Registry.get / openai_tools of a name never registered
     ├── DispatchConfigError      the dispatcher lacks what a tool needs (a ledger, a NATS client)
-    ├── LedgerError              the effect ledger could not be read or written (retryable):
+    ├── EffectLedgerError              the effect ledger could not be read or written (retryable):
     │                            the outcome is not durable, so the caller must not ack
     ├── ToolFailure              raised BY a tool: a definite failure, nothing (more) to
     │                            reconcile; reported to the model as {error, retryable}
@@ -20,8 +20,8 @@ JetserveError (streams.errors)   base: ``code`` and ``retryable`` travel with it
                                  remote service answered with a 5xx service error
 
 Only ``ToolDefinitionError``/``UnknownToolError`` (programming errors at start-up),
-``DispatchConfigError`` and ``LedgerError`` (infrastructure: nack and retry) ever
-escape ``Dispatcher.call``; every model-facing problem is a ``ToolResult``.
+``DispatchConfigError`` and ``EffectLedgerError`` (infrastructure: nack and retry) ever
+escape ``ToolDispatcher.call``; every model-facing problem is a ``ToolResult``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class DispatchConfigError(ToolError):
     code = "dispatch_misconfigured"
 
 
-class LedgerError(ToolError):
+class EffectLedgerError(ToolError):
     code = "effect_ledger_unavailable"
     retryable = True
 

@@ -4,7 +4,7 @@
   step, call id, trace, deadline); sent to remote tools inside :class:`RemoteCall`.
 - :class:`Outcome`: the settled result of one call, as recorded in the effect
   ledger and as answered by a tool's ``reconcile(key)``.
-- :class:`ToolResult` | :class:`NeedsApproval`: what ``Dispatcher.call`` returns.
+- :class:`ToolResult` | :class:`NeedsApproval`: what ``ToolDispatcher.call`` returns.
 - :class:`EffectEntry`: one value of the effect-ledger KV bucket.
 
 Remote tools speak plain JSON (any language can serve one):
@@ -121,7 +121,7 @@ class NeedsApproval(msgspec.Struct, frozen=True, tag="needs_approval", kw_only=T
     """The call is valid and authorised but its tier requires a human decision.
 
     Nothing ran and nothing was recorded. The executor persists this, pauses the
-    run, and after an approval calls ``Dispatcher.call(..., approved=True)``
+    run, and after an approval calls ``ToolDispatcher.call(..., approved=True)``
     with the same arguments and context (same key).
     """
 

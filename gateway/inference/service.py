@@ -5,7 +5,7 @@ NATS ingresses:
     -> reserve budget + rate (one Redis script) -> publish -> frames
     -> reconcile -> ledger record
 
-Every accepted request ends in exactly one terminal outcome (:meth:`Gateway.finish`):
+Every accepted request ends in exactly one terminal outcome (:meth:`InferenceService.finish`):
 its reservation is reconciled to the actual usage (or released), and one ledger
 record is appended. Policy refusals (budget, rate, queue full) get a ledger
 record too. Never any prompt or completion text.
@@ -175,7 +175,7 @@ class Result:
     final: Final
 
 
-class Gateway:
+class InferenceService:
     def __init__(
         self,
         cfg: GatewayConfig,

@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.inference.dispatch import Event, error_from_frame
-from gateway.inference.service import Admitted, Gateway, Replayed
+from gateway.inference.service import Admitted, InferenceService, Replayed
 from gateway.ingress.sse import (
     ClientGone,
     EventStreamResponse,
@@ -26,12 +26,12 @@ from streams.request_ledger import encode_record
 from streams.wire import ErrorFrame, Op
 
 
-def gateway_of(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
+def gateway_of(request: Request) -> InferenceService:
+    gw: InferenceService = request.app.state.gateway
     return gw
 
 
-async def _first_event(gw: Gateway, adm: Admitted) -> Event | None:
+async def _first_event(gw: InferenceService, adm: Admitted) -> Event | None:
     """The event that commits a streaming response, or None when the commit
     timer fires first (then keep-alives hold the connection open)."""
     try:

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.inference.service import Gateway, Replayed
+from gateway.inference.service import InferenceService, Replayed
 from gateway.ingress.sse import client_events
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
 from streams.wire import Op
@@ -39,7 +39,7 @@ _OPS: dict[str, Op] = {
 
 
 class NatsIngress:
-    def __init__(self, nc: Client, gw: Gateway) -> None:
+    def __init__(self, nc: Client, gw: InferenceService) -> None:
         self._nc = nc
         self._gw = gw
         self._subs: list[Subscription] = []

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import GatewayError
 from gateway.inference.dispatch import Event, error_from_frame
 from gateway.inference.openai_types import ChunkWriter
-from gateway.inference.service import Gateway, Session
+from gateway.inference.service import InferenceService, Session
 from streams.wire import ErrorFrame, Token
 
 _encoder = msgspec.json.Encoder()
@@ -122,7 +122,7 @@ class ClientEvent(NamedTuple):
 
 
 async def client_events(
-    gw: Gateway, adm: Session, first: Event | None
+    gw: InferenceService, adm: Session, first: Event | None
 ) -> AsyncIterator[ClientEvent]:
     """OpenAI chunks for one streaming request, for any transport (SSE, WebSocket).
 

@@ -19,7 +19,7 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.inference.service import Admitted, Gateway, Replayed
+from gateway.inference.service import Admitted, InferenceService, Replayed
 from gateway.ingress.sse import client_events
 from streams.wire import Op
 
@@ -40,7 +40,7 @@ Kind = Literal["chunk", "response", "done", "error"]
 
 
 class _Connection:
-    def __init__(self, ws: WebSocket, gw: Gateway, headers: dict[str, str]) -> None:
+    def __init__(self, ws: WebSocket, gw: InferenceService, headers: dict[str, str]) -> None:
         self.ws = ws
         self.gw = gw
         self.headers = headers
@@ -131,7 +131,7 @@ class _Connection:
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
-    gw: Gateway = ws.app.state.gateway
+    gw: InferenceService = ws.app.state.gateway
     headers = {k.lower(): v for k, v in ws.headers.items()}
     if "authorization" not in headers and "api_key" in ws.query_params:
         headers["authorization"] = f"Bearer {ws.query_params['api_key']}"

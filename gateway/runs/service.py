@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.inference.service import Gateway
+from gateway.inference.service import InferenceService
 from gateway.ingress.sse import EventStreamResponse
 from gateway.tenancy.accounting import BudgetExceeded, RateLimited, Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
@@ -147,7 +147,7 @@ def view(run: Run) -> dict[str, Any]:
 
 
 class RunsService:
-    def __init__(self, gw: Gateway, store: RunStore) -> None:
+    def __init__(self, gw: InferenceService, store: RunStore) -> None:
         self.gw = gw
         self.store = store
 

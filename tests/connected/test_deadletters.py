@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.inference.deadletters import MaxDeliveriesWatch
-from gateway.inference.dispatch import Dispatcher
+from gateway.inference.dispatch import ToolDispatcher
 from gateway.metrics import GatewayMetrics
 from jetserve.fleet import Fleet
 from jetserve.services import Service
@@ -98,7 +98,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
-        dispatcher = Dispatcher(nc, js, "gw", topo)
+        dispatcher = ToolDispatcher(nc, js, "gw", topo)
         await dispatcher.start()
         watch = MaxDeliveriesWatch(nc, js, topo, GatewayMetrics())
         await watch.start()
@@ -139,7 +139,7 @@ async def test_malformed_frame_is_dead_lettered_and_the_stream_continues(
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
-        dispatcher = Dispatcher(nc, js, "gw", topo)
+        dispatcher = ToolDispatcher(nc, js, "gw", topo)
         await dispatcher.start()
         req, meta = request(reply_subject("acme", "gw", "r2"), "r2")
         stream = await dispatcher.submit(req, meta)

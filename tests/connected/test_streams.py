@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gateway.errors import RateLimited
-from gateway.inference.dispatch import Dispatcher, FrameBuffer, FrameStream, StreamInterrupted
+from gateway.inference.dispatch import FrameBuffer, FrameStream, StreamInterrupted, ToolDispatcher
 from jetserve.services import Service
 from streams.connect import connect
 from streams.definitions import Limits, Topology
@@ -66,7 +66,7 @@ async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> No
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
-        d = Dispatcher(nc, js, "gw", topo)
+        d = ToolDispatcher(nc, js, "gw", topo)
         first = await d.submit(*request(0))
         again = await d.submit(*request(0))  # a gateway retry with the same request id
         assert not first.duplicate and again.duplicate
@@ -91,7 +91,7 @@ async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
         js = nc.jetstream()
         await ensure_topology(js)
         # Not started: no live subscription, so only the capture sees what we publish.
-        d = Dispatcher(nc, js, "gw", Topology(), gap_recovery_s=0.5)
+        d = ToolDispatcher(nc, js, "gw", Topology(), gap_recovery_s=0.5)
 
         def make(rid: str) -> InferenceRequest:
             return InferenceRequest(

@@ -23,10 +23,9 @@ from nats.js.api import StorageType
 from jetserve.services import Service
 from streams.connect import connect
 from tools import (
-    Dispatcher,
     EffectLedger,
+    EffectLedgerConfig,
     InProcess,
-    LedgerConfig,
     NeedsApproval,
     Outcome,
     Registry,
@@ -34,6 +33,7 @@ from tools import (
     Tier,
     Tool,
     ToolContext,
+    ToolDispatcher,
     ToolFailure,
     ToolResult,
     args_hash,
@@ -117,8 +117,8 @@ async def ledger(nc: Client) -> EffectLedger:
     return await EffectLedger.open(nc.jetstream())
 
 
-def dispatcher(ledger: EffectLedger, *tools: Tool, nc: Client | None = None) -> Dispatcher:
-    return Dispatcher(Registry(tools), ledger=ledger, nc=nc, lease_grace_s=0.1, poll_s=0.02)
+def dispatcher(ledger: EffectLedger, *tools: Tool, nc: Client | None = None) -> ToolDispatcher:
+    return ToolDispatcher(Registry(tools), ledger=ledger, nc=nc, lease_grace_s=0.1, poll_s=0.02)
 
 
 def as_result(r: object) -> ToolResult:
@@ -134,7 +134,7 @@ async def test_ledger_bucket_is_created_idempotently(nc: Client) -> None:
     ledgers = await asyncio.gather(*(EffectLedger.open(js) for _ in range(3)))
     again = await EffectLedger.open(js)
     status = await again.kv.status()
-    assert status.bucket == LedgerConfig().bucket == "JETSERVE_EFFECTS"
+    assert status.bucket == EffectLedgerConfig().bucket == "JETSERVE_EFFECTS"
     info = await js.stream_info("KV_JETSERVE_EFFECTS")
     assert info.config.storage == StorageType.FILE and info.config.max_msgs_per_subject == 1
     # Any idempotency key maps to one legal KV token.
@@ -212,7 +212,7 @@ async def test_approval_gate_then_once_through_the_ledger(ledger: EffectLedger) 
     first = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}, approved=True))
     again = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}, approved=True))
     assert first.ok and again.source == "ledger" and bank.entered == 1
-    no = Dispatcher.denied(ask)
+    no = ToolDispatcher.denied(ask)
     assert json.loads(no.content()) == {"error": "denied by the approver", "retryable": False}
 
 
@@ -308,7 +308,7 @@ async def test_executor_killed_between_effect_and_outcome(
             ledger = await EffectLedger.open(nc.jetstream())
             tool = Tool("transfer", "t", {TRANSFER_SCHEMA!r}, InProcess(transfer),
                         tier=Tier.SIDE_EFFECTING, timeout_s=0.5)
-            d = Dispatcher(Registry([tool]), ledger=ledger, lease_grace_s=0.1)
+            d = ToolDispatcher(Registry([tool]), ledger=ledger, lease_grace_s=0.1)
             await d.call("transfer", {ARGS!r}, ToolContext(run_id="run-7", step=2,
                          call_id="call_k"), {{"transfer"}})
 

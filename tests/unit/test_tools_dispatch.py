@@ -12,7 +12,6 @@ import pytest
 
 from tools import (
     DispatchConfigError,
-    Dispatcher,
     DuplicateToolError,
     InProcess,
     NeedsApproval,
@@ -22,6 +21,7 @@ from tools import (
     Tool,
     ToolContext,
     ToolDefinitionError,
+    ToolDispatcher,
     ToolFailure,
     ToolResult,
     UnknownToolError,
@@ -150,7 +150,7 @@ def test_context_key_is_run_step_call_and_round_trips() -> None:
 
 
 async def test_schema_errors_are_structured_and_readable() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     r = await d.call("weather", '{"city": "", "days": 9, "extra": 1}', ctx(), ALL)
     assert isinstance(r, ToolResult)
     assert r.status == "error" and r.retryable and r.source == "dispatcher"
@@ -174,14 +174,14 @@ async def test_schema_errors_are_structured_and_readable() -> None:
 
 
 async def test_invalid_arguments_never_reach_the_tool() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     r = await d.call("guarded", '{"city": 5}', ctx(), ALL)  # `never` would raise
     assert isinstance(r, ToolResult)
     assert r.error == "invalid arguments: $.city: 5 is not of type 'string'"
 
 
 async def test_valid_call_runs_and_content_is_the_result() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     r = await d.call("weather", '{"city": "Oslo"}', ctx(), ALL)
     assert isinstance(r, ToolResult)
     assert r.ok and r.source == "run" and r.key == "run1/3/call_a"
@@ -190,7 +190,7 @@ async def test_valid_call_runs_and_content_is_the_result() -> None:
 
 
 async def test_unknown_or_unauthorised_tools_are_refused() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     r = await d.call("rm_rf", "{}", ctx(), ALL)
     assert isinstance(r, ToolResult)
     assert (r.status, r.error, r.retryable) == ("error", "unknown tool: rm_rf", False)
@@ -201,7 +201,7 @@ async def test_unknown_or_unauthorised_tools_are_refused() -> None:
 
 
 async def test_approval_tier_pauses_without_running() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     r = await d.call("wire_money", '{"from": "a", "to": "b", "amount": 5}', ctx(), ALL)
     assert isinstance(r, NeedsApproval)
     assert r.arguments == {"from": "a", "to": "b", "amount": 5}
@@ -217,7 +217,7 @@ async def test_approval_tier_pauses_without_running() -> None:
 
 
 async def test_read_only_timeout_failure_crash_and_deadline() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     t0 = time.monotonic()
     r = await d.call("slow", "", ctx(), ALL)  # "" means no arguments
     assert isinstance(r, ToolResult)
@@ -245,7 +245,7 @@ async def test_read_only_timeout_failure_crash_and_deadline() -> None:
 
 
 async def test_metrics_count_outcomes() -> None:
-    d = Dispatcher(registry())
+    d = ToolDispatcher(registry())
     await d.call("weather", '{"city": "Oslo"}', ctx(), ALL)
     await d.call("nope", "{}", ctx(), ALL)
     reg = d.metrics.registry

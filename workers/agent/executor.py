@@ -36,7 +36,14 @@ from streams.deadletter import dead_letter
 from streams.errors import LeaseLostError, RunConflictError, RunStoreError, RunTooLargeError
 from streams.provision import ensure_topology
 from streams.subjects import RUN_CANCEL_WILDCARD
-from tools import Dispatcher, EffectLedger, LedgerConfig, LedgerError, Registry, ToolMetrics
+from tools import (
+    EffectLedger,
+    EffectLedgerConfig,
+    EffectLedgerError,
+    Registry,
+    ToolDispatcher,
+    ToolMetrics,
+)
 from workers.agent.config import ExecutorConfig
 from workers.agent.crash import DELIVERY, CrashPoints
 from workers.agent.errors import StepInterrupted
@@ -103,9 +110,9 @@ class Executor:
             js = self._js = nc.jetstream()
             await ensure_topology(js, cfg.topology)  # the inference queue, class "agent"
             store = self._store = await RunStore.open(nc, cfg.agent, executor=True)
-            dispatcher = Dispatcher(
+            dispatcher = ToolDispatcher(
                 self.registry,
-                ledger=await EffectLedger.open(js, LedgerConfig(replicas=cfg.agent.replicas)),
+                ledger=await EffectLedger.open(js, EffectLedgerConfig(replicas=cfg.agent.replicas)),
                 nc=nc,
                 metrics=ToolMetrics(self.metrics.registry),
             )
@@ -321,7 +328,7 @@ class Executor:
         if isinstance(exc, RunTooLargeError):
             await self._fail_run(nudge, exc.message)
             return Verdict("ack")
-        if isinstance(exc, LedgerError | RunStoreError | nats.errors.Error | TimeoutError):
+        if isinstance(exc, EffectLedgerError | RunStoreError | nats.errors.Error | TimeoutError):
             # Infrastructure: nothing undurable was acked; try again shortly.
             log.warning("run %s: step %d: %s", nudge.run_id, nudge.step, exc)
             self.metrics.steps.labels("error").inc()

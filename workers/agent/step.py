@@ -42,7 +42,7 @@ from streams.agent import (
     model_request_id,
 )
 from streams.agent_store import RunStore
-from tools import Dispatcher, NeedsApproval, Registry, Tier, ToolContext, ToolResult
+from tools import NeedsApproval, Registry, Tier, ToolContext, ToolDispatcher, ToolResult
 from workers.agent.config import ExecutorConfig
 from workers.agent.crash import DELIVERY, CrashPoints
 from workers.agent.errors import ModelCallFailed, StepInterrupted
@@ -78,7 +78,7 @@ class Stepper:
         cfg: ExecutorConfig,
         store: RunStore,
         registry: Registry,
-        dispatcher: Dispatcher,
+        dispatcher: ToolDispatcher,
         models: ModelClient,
         crash: CrashPoints,
         metrics: AgentMetrics,
@@ -298,7 +298,7 @@ class Stepper:
                 reason = "denied by the approver"
                 if decision.reason:
                     reason += f": {decision.reason}"
-                await h.answer(call_id, name, Dispatcher.denied(denied, reason).content())
+                await h.answer(call_id, name, ToolDispatcher.denied(denied, reason).content())
                 return True
             approved = decision is not None
         work = self.dispatcher.call(name, raw, ctx, run.tools, approved=approved)
