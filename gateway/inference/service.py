@@ -50,6 +50,7 @@ from gateway.tenancy.accounting import Accountant, BudgetExceeded, RateLimited, 
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.idempotency import Claim, IdempotencyStore
 from gateway.tenancy.keys import KeyRecord, Tenancy
+from gateway.tenancy.records import RecordHead, Serving
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from gateway.tracing import Span, Tracer
 from streams.request_ledger import LedgerRecord
@@ -112,8 +113,8 @@ class Admitted:
         return self.parsed.model
 
     @property
-    def org(self) -> str:
-        return self.key.org
+    def scope(self) -> Scope:
+        return Scope.of(self.key)
 
     @property
     def reserved_micros(self) -> int:
@@ -148,8 +149,8 @@ class Resumed:
         return self.meta.model
 
     @property
-    def org(self) -> str:
-        return self.meta.org
+    def scope(self) -> Scope:
+        return Scope(self.meta.org, self.meta.tenant, self.meta.key_id)
 
     @property
     def reserved_micros(self) -> int:
@@ -265,7 +266,7 @@ class InferenceService:
     ) -> Admitted:
         price = self.cfg.prices.for_model(req.model)
         worst = price.worst_case(bound_prompt_tokens(parsed), req.max_tokens)
-        scope = Scope(key.org or key.tenant, key.tenant, key.key_id)
+        scope = Scope.of(key)
         try:
             reservation = await self.accountant.reserve(
                 scope, req.id, worst, req.prompt_tokens_est + req.max_tokens
@@ -474,35 +475,27 @@ class InferenceService:
         if not settled:
             return  # another replica settled it and wrote the record
         claim = adm.claim if isinstance(adm, Admitted) else None
+        head = RecordHead.of_request(req, adm.scope, self.cfg.prices.version, self.cfg.gateway_id)
+        serving = Serving(
+            deployment=final.deployment if final else "",
+            fingerprint=self._fingerprint(req, final),
+            worker=final.worker if final else "",
+            hedged=adm.stream.hedge_seq is not None,
+            coalesced_with=coalesced.coalesced_with if coalesced else "",
+            first_token_ms=first_ms,
+            idempotency_key_hash=claim.key_hash if claim else "",
+        )
         await self._append(
-            LedgerRecord(
-                request_id=req.id,
-                tenant=req.tenant,
-                org=adm.org,
-                key_id=req.key_id,
-                op=req.op,
-                cls=req.cls,
-                model=req.model,
-                route=req.route,
-                route_revision=req.route_revision,
-                deployment=final.deployment if final else "",
-                fingerprint=self._fingerprint(req, final),
-                attempts=_attempts(final.attempt if final else (adm.stream.attempt or 1)),
-                hedged=adm.stream.hedge_seq is not None,
-                worker=final.worker if final else "",
-                coalesced_with=coalesced.coalesced_with if coalesced else "",
+            head.settled(
                 policy="admitted" if isinstance(adm, Admitted) else "admitted:resumed",
+                attempts=_attempts(final.attempt if final else (adm.stream.attempt or 1)),
                 usage=usage,
-                price_version=self.cfg.prices.version,
                 charge_micros=charge,
                 reserved_micros=adm.reserved_micros,
                 outcome=final.finish_reason if final else outcome,
                 status=status,
-                idempotency_key_hash=claim.key_hash if claim else "",
-                created=req.created,
-                first_token_ms=first_ms,
                 duration_ms=e2e * 1000,
-                gateway=self.cfg.gateway_id,
+                serving=serving,
             )
         )
 
@@ -587,28 +580,10 @@ class InferenceService:
     def _refusal(
         self, req: InferenceRequest, key: KeyRecord, policy: str, exc: GatewayError
     ) -> LedgerRecord:
-        return LedgerRecord(
-            request_id=req.id,
-            tenant=req.tenant,
-            org=key.org,
-            key_id=req.key_id,
-            op=req.op,
-            cls=req.cls,
-            model=req.model,
-            route=req.route,
-            route_revision=req.route_revision,
-            attempts=0,
-            policy=policy,
-            usage=Usage(),
-            price_version=self.cfg.prices.version,
-            charge_micros=0,
-            reserved_micros=0,
-            outcome=exc.code,
-            status=exc.status,
-            created=req.created,
-            duration_ms=0.0,
-            gateway=self.cfg.gateway_id,
+        head = RecordHead.of_request(
+            req, Scope.of(key), self.cfg.prices.version, self.cfg.gateway_id
         )
+        return head.refused(policy, exc)
 
     def _fingerprint(self, req: InferenceRequest, final: Final | None) -> str:
         """The serving deployment's fingerprint under the revision the request ran on."""

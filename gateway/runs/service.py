@@ -41,6 +41,7 @@ from gateway.ingress.sse import EventStreamResponse
 from gateway.tenancy.accounting import BudgetExceeded, RateLimited, Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.keys import KeyRecord
+from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError
 from gateway.tracing import child_traceparent
 from gateway.web import json_response
@@ -57,7 +58,6 @@ from streams.agent import (
 )
 from streams.agent_store import RunStore
 from streams.errors import RunExistsError, RunStoreError
-from streams.request_ledger import LedgerRecord
 from streams.subjects import RequestClass, run_events_subject
 from streams.wire import Usage
 
@@ -196,7 +196,7 @@ class RunsService:
             have = await self._existing(key, run_id)
             if have is not None:
                 return have, True
-        scope = Scope(key.org or key.tenant, key.tenant, key.key_id)
+        scope = Scope.of(key)
         try:
             held = await self.gw.accountant.reserve(
                 scope, run_id, budget.max_cost_micros, 0, hold_s=deadline - now + SETTLE_GRACE_S
@@ -255,26 +255,17 @@ class RunsService:
     async def _refused(
         self, key: KeyRecord, model: str, run_id: str, now: float, policy: str, exc: GatewayError
     ) -> None:
-        record = LedgerRecord(
+        head = RecordHead(
+            scope=Scope.of(key),
             request_id=run_id,
-            tenant=key.tenant,
-            org=key.org or key.tenant,
-            key_id=key.key_id,
             op="chat",
             cls=RequestClass.AGENT.value,
             model=model,
-            attempts=0,
-            policy=policy,
-            usage=Usage(),
-            price_version=self.gw.cfg.prices.version,
-            charge_micros=0,
-            reserved_micros=0,
-            outcome=exc.code,
-            status=exc.status,
             created=now,
-            duration_ms=0.0,
+            price_version=self.gw.cfg.prices.version,
             gateway=self.gw.cfg.gateway_id,
         )
+        record = head.refused(policy, exc)
         try:
             await self.gw.ledger.append(record)
         except LedgerWriteError as exc:

@@ -22,12 +22,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from gateway.errors import GatewayError
-from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.accounting import Accountant, Scope
+from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.agent import Run, Spend, decode_settle
 from streams.agent_store import RunStore
 from streams.errors import RunStoreError
-from streams.request_ledger import LedgerRecord
 from streams.subjects import RequestClass
 
 log = logging.getLogger(__name__)
@@ -116,26 +116,26 @@ class RunSettler:
         settled, charge = await self._accountant.settle(root.id, spent.cost_micros)
         if not settled:
             return None  # another replica (or a retry of ours) did it and wrote the record
-        record = LedgerRecord(
+        head = RecordHead(
+            scope=Scope(root.org, root.tenant, root.key_id),
             request_id=root.id,
-            tenant=root.tenant,
-            org=root.org,
-            key_id=root.key_id,
             op="chat",
             cls=RequestClass.AGENT.value,
             model=root.model,
-            route="agent_run",
-            attempts=spent.steps,
-            policy="admitted",
-            usage=spent.usage(),
+            created=root.created,
             price_version=root.price.version,
+            gateway=self._gateway_id,
+            route="agent_run",
+        )
+        record = head.settled(
+            policy="admitted",
+            attempts=spent.steps,
+            usage=spent.usage(),
             charge_micros=charge,
             reserved_micros=root.budget.max_cost_micros,
             outcome=root.status,
             status=200,
-            created=root.created,
             duration_ms=max(0.0, root.updated - root.created) * 1000,
-            gateway=self._gateway_id,
         )
         try:
             await self._ledger.append(record)

@@ -97,6 +97,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import BadRequest, GatewayError, Unavailable
 from gateway.errors import RateLimited as _RateLimited
+from gateway.tenancy.keys import KeyRecord
 
 __all__ = [
     "Accountant",
@@ -137,6 +138,11 @@ class Scope:
     org: str
     tenant: str
     key_id: str
+
+    @classmethod
+    def of(cls, key: KeyRecord) -> Scope:
+        """The payer of a key's requests: a tenant outside any org is its own org."""
+        return cls(key.org or key.tenant, key.tenant, key.key_id)
 
     def ident(self, level: Level) -> str:
         return {"org": self.org, "tenant": self.tenant, "key": self.key_id}[level]

@@ -275,3 +275,22 @@ async def test_output_is_bounded_when_the_client_sets_no_max_tokens(fleet: Fleet
         )
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 512  # the gateway's default hold
+
+
+async def test_admitted_and_refused_records_name_the_same_org(fleet: Fleet) -> None:
+    # Regression: refused records carried org="" while run records carried the
+    # tenant; one record builder (gateway/tenancy/records.py) fills it for all.
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30, base_url=fleet.base_url) as c:
+        ok = await c.post("/v1/chat/completions", json=BODY, headers=headers)
+        assert ok.status_code == 200
+        with fleet.admin() as admin:
+            admin.set_limits("tenant", fleet.spec.tenant, budget_micros=0, period="total")
+        refused = await c.post("/v1/chat/completions", json=BODY, headers=headers)
+        assert refused.status_code == 429
+    records = ledger(fleet, fleet.spec.tenant)
+    policies = {str(r["policy"]) for r in records}
+    assert {"admitted", "rejected:budget"} <= policies
+    orgs = {str(r["org"]) for r in records}
+    assert len(orgs) == 1
+    assert "" not in orgs
