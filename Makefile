@@ -32,9 +32,10 @@ test-setup: setup
 up: setup
 	$(BIN)/jetserve up $(ARGS)
 
-# Lint, type-check and run the whole suite against real nats-server and redis-server.
+# Lint, type-check and run the whole suite against real nats-server and redis-server;
+# the 15 slowest tests are listed at the end.
 test: test-setup lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 # The opt-in real-vLLM tier (docs/vllm.md); builds the vLLM CPU peer first if missing.
 test-vllm: setup

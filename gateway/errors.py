@@ -1,25 +1,39 @@
 """Errors of the gateway, each rendered in OpenAI's error shape.
 
-GatewayError                 base: HTTP ``status``, OpenAI ``type`` and ``code``, ``retryable``
-├── AuthenticationFailed     401 missing or unknown API key
-├── PermissionDenied         403 the key may not use this model or class
-├── BadRequest               400 malformed body or parameters
-├── NotFound                 404 unknown model or route
-├── RateLimited              429 queue full / rate limit (carries Retry-After)
-├── Unavailable              503 a dependency (NATS, Redis) is down: fail closed
-├── UpstreamFailed           502 the engine failed (mapped from an error frame)
-└── Timeout                  504 the request's deadline passed
+JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
+└── GatewayError                 base: HTTP ``status``, OpenAI ``type`` and ``code``
+    ├── AuthenticationFailed     401 missing or unknown API key
+    ├── PermissionDenied         403 the key may not use this model or class
+    ├── BadRequest               400 malformed body or parameters
+    │   └── RequestTooLarge      413 over the bus's message size; 400 over a whole
+    │                            minute of ``tpm`` (never admitted: not retryable)
+    ├── NotFound                 404 unknown model or route
+    ├── ClientTooSlow            408 the client read the stream too slowly; it was ended
+    ├── Conflict                 409 a run id taken or settled; an approval not pending
+    ├── RateLimited              429 queue full / rate limit (carries Retry-After;
+    │                            a rate limit's exact wait also as retry-after-ms)
+    ├── BudgetExceeded           429 ``insufficient_quota``: a budget is spent (not retryable)
+    ├── Unavailable              503 a dependency (NATS, Redis) is down: fail closed
+    │   └── AccountingUnavailable    503 no answer from the accounting store
+    ├── UpstreamFailed           502 the engine failed (mapped from an error frame)
+    │   └── StreamInterrupted    502 part of the response was lost in transit
+    └── Timeout                  504 the request's deadline passed
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from streams.errors import JetserveError
 
-class GatewayError(Exception):
+if TYPE_CHECKING:
+    from gateway.tenancy.limits import Level, LimitKind, Period
+
+
+class GatewayError(JetserveError):
     status = 500
     type = "server_error"
     code = "internal_error"
@@ -34,12 +48,9 @@ class GatewayError(Exception):
         status: int | None = None,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, code=code)
         self.param = param
         self.retry_after = retry_after
-        if code is not None:
-            self.code = code
         if status is not None:
             self.status = status
 
@@ -81,17 +92,128 @@ class BadRequest(GatewayError):
     code = "invalid_request"
 
 
+class RequestTooLarge(BadRequest):
+    """413: the request's bytes exceed the bus's message size. From
+    :meth:`over_tpm`, 400: its worst-case tokens exceed a whole minute of ``tpm``.
+    Either way it can never be admitted, so retrying is pointless."""
+
+    status = 413
+    code = "request_too_large"
+    level: Level | None = None
+    tokens = 0
+    tpm = 0
+
+    @classmethod
+    def over_tpm(cls, level: Level, tokens: int, tpm: int) -> RequestTooLarge:
+        exc = cls(
+            f"Request too large: it may use up to {tokens} tokens but the {level} limit "
+            f"is {tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
+            param="max_tokens",
+            status=400,
+        )
+        exc.level, exc.tokens, exc.tpm = level, tokens, tpm
+        return exc
+
+
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
 
 
+class ClientTooSlow(GatewayError):
+    """Raised into the request when the client reads too slowly, and out of its
+    response (the server then closes the connection: the only signal left)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "client_too_slow"
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class RateLimited(GatewayError):
+    """429 ``rate_limit_exceeded``. From :meth:`over_limit` (a GCRA limit of the
+    accountant) ``retry_after_s`` is exact, from the TAT, and is also sent as
+    ``retry-after-ms``; a full queue sends ``Retry-After`` only."""
+
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
     retryable = True
+    limit: LimitKind | None = None
+    level: Level | None = None
+
+    @classmethod
+    def over_limit(cls, retry_after_s: float, limit: LimitKind, level: Level) -> RateLimited:
+        unit = "requests" if limit == "rpm" else "tokens"
+        exc = cls(
+            f"Rate limit reached for {unit} per minute ({limit}) at the {level} level. "
+            f"Please try again in {retry_after_s:.3f}s.",
+            retry_after=retry_after_s,
+        )
+        exc.limit, exc.level = limit, level
+        return exc
+
+    @property
+    def retry_after_s(self) -> float:
+        return self.retry_after or 0.0
+
+    def headers(self) -> dict[str, str]:
+        if self.limit is None:
+            return super().headers()
+        # Retry-After is whole seconds (at least 1); the openai SDK prefers the
+        # exact ``retry-after-ms``.
+        return {
+            **super().headers(),
+            "retry-after-ms": str(max(1, math.ceil(self.retry_after_s * 1000))),
+        }
+
+
+class BudgetExceeded(GatewayError):
+    """429 ``insufficient_quota``, like OpenAI's: the openai SDK raises
+    ``RateLimitError`` with this message, and ``x-should-retry: false`` stops it
+    from retrying into a spent budget."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "budget_exceeded"
+    retryable = False
+
+    def __init__(
+        self,
+        level: Level,
+        *,
+        ident: str = "",
+        period: Period = "month",
+        budget_micros: int = 0,
+        spent_micros: int = 0,
+        reserved_micros: int = 0,
+        cost_micros: int = 0,
+    ) -> None:
+        self.level = level
+        self.ident = ident
+        self.period = period
+        self.budget_micros = budget_micros
+        self.spent_micros = spent_micros
+        self.reserved_micros = reserved_micros
+        self.cost_micros = cost_micros
+        left = max(0, budget_micros - spent_micros - reserved_micros)
+        span = {"day": "today's", "month": "this month's", "total": "the total"}[period]
+        super().__init__(
+            f"You exceeded your current quota: this request may cost up to "
+            f"{_usd(cost_micros)} but only {_usd(left)} of {span} {level} budget of "
+            f"{_usd(budget_micros)} is left ({_usd(spent_micros)} spent, "
+            f"{_usd(reserved_micros)} held by requests in flight). Raise the budget or "
+            f"lower max_tokens."
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"x-should-retry": "false"}
 
 
 class Unavailable(GatewayError):
@@ -101,10 +223,20 @@ class Unavailable(GatewayError):
     retryable = True
 
 
+class AccountingUnavailable(Unavailable):
+    """503: no evidence from the accounting store, so the gateway fails closed."""
+
+    code = "accounting_unavailable"
+
+
 class UpstreamFailed(GatewayError):
     status = 502
     type = "server_error"
     code = "upstream_error"
+
+
+class StreamInterrupted(UpstreamFailed):
+    code = "stream_interrupted"
 
 
 class Timeout(GatewayError):
@@ -134,3 +266,7 @@ def from_frame(status: int, code: str, message: str) -> GatewayError:
         cls = BadRequest if 400 <= status < 500 else UpstreamFailed
         return cls(message, code=code, status=502 if cls is UpstreamFailed else None)
     return cls(message, code=code)
+
+
+def _usd(micros: int) -> str:
+    return f"${micros / 1_000_000:,.6f}".rstrip("0").rstrip(".") if micros else "$0"

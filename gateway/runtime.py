@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import redis.asyncio as redis
 from nats.aio.client import Client
@@ -73,6 +74,22 @@ class Runtime:
             m.consumer_ack_pending.labels(cls).set(load.ack_pending)
 
 
+class _Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Service)
+
+
+async def _started(stack: contextlib.AsyncExitStack, service: S) -> S:
+    """Start ``service``; the stack stops it (in reverse order of starting)."""
+    await service.start()
+    stack.push_async_callback(service.stop)
+    return service
+
+
 async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
     """Release holds whose gateway died before reconciling (any replica may)."""
     while True:
@@ -86,9 +103,22 @@ async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
             log.warning("released %d expired reservations", released)
 
 
-@contextlib.asynccontextmanager
-async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _connected(
+    stack: contextlib.AsyncExitStack, cfg: GatewayConfig
+) -> tuple[Client, redis.Redis]:
     nc = await connect(cfg.nats_url, f"gateway-{cfg.gateway_id}")
+
+    async def drain() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.drain(), 5)
+
+    stack.push_async_callback(drain)
     # A bounded pool: bursts queue for a connection instead of opening thousands.
     pool = redis.BlockingConnectionPool.from_url(
         cfg.redis_url,
@@ -98,18 +128,26 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         socket_connect_timeout=2.0,
     )
     rds = redis.Redis(connection_pool=pool)
-    try:
+    stack.push_async_callback(rds.aclose)
+    return nc, rds
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
+    """Everything started in order and stopped in reverse; a start that fails
+    stops what had started before it."""
+    async with contextlib.AsyncExitStack() as stack:
+        nc, rds = await _connected(stack, cfg)
         js = nc.jetstream()
         await ensure_topology(js, cfg.topology)
         ledger_topo = dataclasses.replace(DEFAULT_LEDGER, replicas=cfg.topology.replicas)
         await ensure_ledger(js, ledger_topo)
-        dispatcher = Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
-        await dispatcher.start()
+        dispatcher = await _started(
+            stack, Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
+        )
         # Route contracts: loaded before serving, then followed live.
-        route_table = RouteTable(await ensure_routes(js, cfg.topology))
-        await route_table.start()
-        queue_watch = QueueWatch(js, cfg.topology)
-        await queue_watch.start()
+        route_table = await _started(stack, RouteTable(await ensure_routes(js, cfg.topology)))
+        queue_watch = await _started(stack, QueueWatch(js, cfg.topology))
         gw = InferenceService(
             cfg,
             Tenancy(rds, cfg.key_cache_s),
@@ -122,30 +160,12 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             routes=route_table,
             queue_watch=queue_watch,
         )
-        ingress = NatsIngress(nc, gw)
-        await ingress.start()
-        watch = MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics)
-        await watch.start()
+        stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
+        await _started(stack, NatsIngress(nc, gw))
+        await _started(stack, MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics))
         run_store = await RunStore.open(nc, AgentTopology(replicas=cfg.topology.replicas))
         runs = RunsService(gw, run_store)
-        runs_ingress = RunsNatsIngress(nc, runs)
-        await runs_ingress.start()
-        settler = RunSettler(js, run_store, gw.accountant, gw.ledger, cfg.gateway_id)
-        await settler.start()
-        sweeper = asyncio.create_task(_sweep(gw.accountant))
-        try:
-            yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo), runs)
-        finally:
-            await settler.stop()
-            await runs_ingress.stop()
-            sweeper.cancel()
-            await gw.aclose()
-            await watch.stop()
-            await ingress.stop()
-            await dispatcher.stop()
-            await route_table.stop()
-            await queue_watch.stop()
-    finally:
-        await rds.aclose()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(nc.drain(), 5)
+        await _started(stack, RunsNatsIngress(nc, runs))
+        await _started(stack, RunSettler(js, run_store, gw.accountant, gw.ledger, cfg.gateway_id))
+        stack.push_async_callback(_cancelled, asyncio.create_task(_sweep(gw.accountant)))
+        yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo), runs)

@@ -7,8 +7,6 @@ tests (killing and restarting members to prove the failure rules).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
 import secrets
 import signal
@@ -16,14 +14,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
 import httpx
 
-from jetserve.admin_client import AdminClient
+from jetserve.commands.admin_client import AdminClient
+from jetserve.fleet_probes import pulling, run_sync, wait_jetstream
 from jetserve.services import (
     Service,
     ServiceError,
@@ -34,18 +32,8 @@ from jetserve.services import (
     wait_port,
 )
 from streams.agent_topology import DEFAULT_AGENT
-from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
-
-T = TypeVar("T")
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to completion from sync code, even under a running loop
-    (a fleet is driven from async tests too): on a thread of its own."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 @dataclass
@@ -183,7 +171,7 @@ class Fleet:
             if self.spec.nats_nodes > 1:
                 self.nats_nodes = start_nats_cluster(self.workdir / "nats", self.spec.nats_nodes)
                 self.nats = self.nats_nodes[0]
-                _run(self._wait_jetstream(30.0))
+                run_sync(wait_jetstream(self.nats_url, 30.0))
             else:
                 self.nats_nodes = [start_nats(self.workdir / "nats")]
                 self.nats = self.nats_nodes[0]
@@ -331,45 +319,15 @@ class Fleet:
 
     def wait_agents(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the step consumer: executors are live."""
-        _run(self._wait_agent_pulls(n, limit_s=timeout))
-
-    async def _wait_agent_pulls(self, n: int, limit_s: float) -> None:
-        nc = await connect(self.nats_url, "fleet-probe")
-        try:
-            js = nc.jetstream()
-            end = time.monotonic() + limit_s
-            while time.monotonic() < end:
-                try:
-                    info = await js.consumer_info(DEFAULT_AGENT.stream, DEFAULT_AGENT.step_consumer)
-                    if (info.num_waiting or 0) >= n:
-                        return
-                except Exception:  # noqa: BLE001 - not provisioned yet: keep polling
-                    pass
-                await asyncio.sleep(0.05)
-            raise ServiceError(f"{n} executors not pulling after {limit_s}s; see {self.workdir}")
-        finally:
-            await nc.close()
+        agent = DEFAULT_AGENT
+        if not run_sync(pulling(self.nats_url, agent.stream, agent.step_consumer, n, timeout)):
+            raise ServiceError(f"{n} executors not pulling after {timeout}s; see {self.workdir}")
 
     def wait_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the interactive consumer: workers are live."""
-        _run(self._wait_pulls(n, limit_s=timeout))
-
-    async def _wait_jetstream(self, limit_s: float) -> None:
-        """A new cluster elects its JetStream meta leader first: wait for it."""
-        nc = await connect(self.nats_url, "fleet-probe")
-        try:
-            js = nc.jetstream()
-            end = time.monotonic() + limit_s
-            while True:
-                try:
-                    await js.account_info()
-                    return
-                except Exception:
-                    if time.monotonic() > end:
-                        raise
-                await asyncio.sleep(0.2)
-        finally:
-            await nc.close()
+        consumer = DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE)
+        if not run_sync(pulling(self.nats_url, DEFAULT_TOPOLOGY.stream, consumer, n, timeout)):
+            raise ServiceError(f"{n} workers not pulling after {timeout}s; see {self.workdir}")
 
     def _span_args(self, name: str) -> list[str]:
         if not self.spec.export_spans:
@@ -379,24 +337,6 @@ class Fleet:
     @property
     def _replica_args(self) -> list[str]:
         return ["--replicas", "3"] if self.spec.nats_nodes >= 3 else []
-
-    async def _wait_pulls(self, n: int, limit_s: float) -> None:
-        nc = await connect(self.nats_url, "fleet-probe")
-        try:
-            js = nc.jetstream()
-            end = time.monotonic() + limit_s
-            name = DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE)
-            while time.monotonic() < end:
-                try:
-                    info = await js.consumer_info(DEFAULT_TOPOLOGY.stream, name)
-                    if (info.num_waiting or 0) >= n:
-                        return
-                except Exception:  # noqa: BLE001 - not provisioned yet: keep polling
-                    pass
-                await asyncio.sleep(0.05)
-            raise ServiceError(f"{n} workers not pulling after {limit_s}s; see {self.workdir}")
-        finally:
-            await nc.close()
 
     def stop(self) -> None:
         # Executors and workers first (they drain), then the gateway, then the

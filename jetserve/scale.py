@@ -22,11 +22,8 @@ requests already streaming are not in it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -36,8 +33,7 @@ import nats
 import nats.errors
 from nats.js.errors import NotFoundError
 
-from streams.definitions import DEFAULT_TOPOLOGY, Topology
-from streams.subjects import RequestClass
+from streams.definitions import Topology
 
 HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance
 FORMULA = (
@@ -307,107 +303,3 @@ def report(lags: list[Lag], pols: dict[str, Policy], source: str, stream: str) -
         "formula": FORMULA,
         "classes": rows,
     }
-
-
-def render(rep: dict[str, Any]) -> str:
-    head = (
-        "class",
-        "consumer",
-        "pending",
-        "ack_pending",
-        "lag",
-        "per_worker",
-        "lagThreshold",
-        "activation",
-        "min..max",
-        "active",
-        "desired",
-    )
-    table = [head]
-    for r in rep["classes"]:
-        table.append(
-            (
-                r["class"],
-                r["consumer"] if r["consumer_found"] else f"{r['consumer']} (MISSING)",
-                str(r["num_pending"]),
-                str(r["num_ack_pending"]),
-                str(r["lag"]),
-                str(r["max_inflight"]),
-                str(r["lag_threshold"]),
-                str(r["activation_lag_threshold"]),
-                f"{r['min_replicas']}..{r['max_replicas']}",
-                "yes" if r["active"] else "no",
-                str(r["desired_replicas"]),
-            )
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rep["time"]))
-    lines = [f"jetserve scale  stream {rep['stream']}  via {rep['source']}  at {stamp}", ""]
-    for row in table:
-        cells = [
-            cell.ljust(w) if i < 2 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    lines += [
-        "",
-        "KEDA nats-jetstream scaler + HPA (AverageValue target = lagThreshold):",
-        "  lag     = num_pending + num_ack_pending",
-        "  desired = 0, if minReplicaCount == 0 and lag <= activationLagThreshold",
-        "          = clamp(ceil(lag / lagThreshold), max(minReplicaCount, 1), maxReplicaCount)",
-        "",
-    ]
-    width = max(len(r["class"]) for r in rep["classes"]) + 1
-    lines += [f"  {r['class'] + ':':<{width}} {r['explain']}" for r in rep["classes"]]
-    return "\n".join(lines)
-
-
-async def _once(args: argparse.Namespace, classes: tuple[str, ...]) -> dict[str, Any]:
-    topo = DEFAULT_TOPOLOGY
-    pols = policies(args, classes)
-    if args.monitoring:
-        lags = await lags_from_monitoring(args.monitoring, args.account, topo, classes)
-        source = jsz_url(args.monitoring, args.account)
-    else:
-        lags = await lags_from_nats(args.nats, topo, classes)
-        source = f"{args.nats} (JetStream consumer info)"
-    return report(lags, pols, source, topo.stream)
-
-
-async def _run(args: argparse.Namespace, classes: tuple[str, ...]) -> int:
-    while True:
-        try:
-            rep = await _once(args, classes)
-        except ScaleError as exc:
-            if args.watch is None:
-                raise
-            print(f"jetserve scale: {exc}", file=sys.stderr, flush=True)
-        else:
-            if args.json:
-                print(json.dumps(rep, indent=None if args.watch else 2), flush=True)
-            else:
-                print(render(rep) + ("\n" if args.watch else ""), flush=True)
-        if args.watch is None:
-            return 0
-        await asyncio.sleep(args.watch)
-
-
-def run_scale(args: argparse.Namespace) -> int:
-    classes = tuple(c.strip() for c in args.classes.split(",") if c.strip())
-    try:
-        for cls in classes:
-            RequestClass(cls)
-    except ValueError:
-        print(f"jetserve scale: unknown class in --classes {args.classes!r}", file=sys.stderr)
-        return 2
-    if args.watch is not None and args.watch <= 0:
-        print("jetserve scale: --watch needs a positive number of seconds", file=sys.stderr)
-        return 2
-    try:
-        policies(args, classes)  # option errors before any connection
-        return asyncio.run(_run(args, classes))
-    except ScaleError as exc:
-        print(f"jetserve scale: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, OptionError) else 1
-    except KeyboardInterrupt:
-        return 0

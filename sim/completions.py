@@ -11,7 +11,7 @@ from starlette.types import Send
 from sim import outbound as out
 from sim.engine import Sequence
 from sim.faults import Fault, FaultKind
-from sim.planning import Event, Plan, Text, ToolStart, event_token
+from sim.planning import Event, Plan, Text, ToolArgs, ToolStart, event_token
 from sim.records import RequestRecord
 from sim.responses import Dropped, GuardedResponse
 from sim.simulator import Simulator
@@ -117,35 +117,69 @@ def _usage(seq: Sequence, job: Job) -> out.Usage:
     return out.usage(len(job.prompt_ids), seq.generated, job.record.cached_tokens)
 
 
+def _chat_chunk(
+    job: Job, delta: out.ChatDelta, finish: str | None = None, stop: str | None = None
+) -> out.ChatChunk:
+    choice = out.ChatChunkChoice(delta=delta, finish_reason=finish, stop_reason=stop)
+    return out.ChatChunk(
+        id=job.response_id,
+        object="chat.completion.chunk",
+        created=job.created,
+        model=job.model,
+        choices=[choice],
+    )
+
+
+def _text_chunk(
+    job: Job, text: str, finish: str | None = None, stop: str | None = None
+) -> out.CompletionChunk:
+    choice = out.CompletionChoice(text=text, finish_reason=finish, stop_reason=stop)
+    return out.CompletionChunk(
+        id=job.response_id,
+        object="text_completion",
+        created=job.created,
+        model=job.model,
+        choices=[choice],
+    )
+
+
+def _usage_chunk(job: Job, usage: out.Usage) -> out.ChatChunk | out.CompletionChunk:
+    """The closing chunk of ``stream_options.include_usage``: no choices."""
+    if job.chat:
+        return out.ChatChunk(
+            id=job.response_id,
+            object="chat.completion.chunk",
+            created=job.created,
+            model=job.model,
+            choices=[],
+            usage=usage,
+        )
+    return out.CompletionChunk(
+        id=job.response_id,
+        object="text_completion",
+        created=job.created,
+        model=job.model,
+        choices=[],
+        usage=usage,
+    )
+
+
+def _tool_delta(ev: ToolStart | ToolArgs) -> out.ToolCallDelta:
+    if isinstance(ev, ToolStart):
+        return out.ToolCallDelta(
+            index=ev.index,
+            id=ev.id,
+            type="function",
+            function=out.FunctionDelta(name=ev.name, arguments=""),
+        )
+    return out.ToolCallDelta(index=ev.index, function=out.FunctionDelta(arguments=ev.piece))
+
+
 async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": _headers(job)})
 
     async def emit(chunk: object) -> None:
         await send({"type": "http.response.body", "body": out.sse(chunk), "more_body": True})
-
-    rid, created, model = job.response_id, job.created, job.model
-
-    def chat_chunk(
-        delta: out.ChatDelta, finish: str | None = None, stop: str | None = None
-    ) -> out.ChatChunk:
-        return out.ChatChunk(
-            id=rid,
-            object="chat.completion.chunk",
-            created=created,
-            model=model,
-            choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish, stop_reason=stop)],
-        )
-
-    def text_chunk(
-        text: str, finish: str | None = None, stop: str | None = None
-    ) -> out.CompletionChunk:
-        return out.CompletionChunk(
-            id=rid,
-            object="text_completion",
-            created=created,
-            model=model,
-            choices=[out.CompletionChoice(text=text, finish_reason=finish, stop_reason=stop)],
-        )
 
     scanner = StopScanner(job.stops)
     drop_at = _drop_at(job)
@@ -157,7 +191,7 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
         await sim.engine.next_token(seq, event_token(sim, ev))
         if i == 0 and job.chat:
             # Like vLLM: headers go out at once, the role chunk with the first token.
-            await emit(chat_chunk(out.ChatDelta(role="assistant", content="")))
+            await emit(_chat_chunk(job, out.ChatDelta(role="assistant", content="")))
         final = i == last
         if isinstance(ev, Text):
             delta = scanner.push(ev.piece)
@@ -168,51 +202,21 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
                 finish = job.finish_reason
             if delta or finish:
                 if job.chat:
-                    await emit(chat_chunk(out.ChatDelta(content=delta), finish, scanner.matched))
+                    chunk = out.ChatDelta(content=delta)
+                    await emit(_chat_chunk(job, chunk, finish, scanner.matched))
                 else:
-                    await emit(text_chunk(delta, finish, scanner.matched))
+                    await emit(_text_chunk(job, delta, finish, scanner.matched))
             if finish:
                 break
             continue
         held = scanner.flush()
         if held:
-            await emit(chat_chunk(out.ChatDelta(content=held)))
-        if isinstance(ev, ToolStart):
-            tool = out.ToolCallDelta(
-                index=ev.index,
-                id=ev.id,
-                type="function",
-                function=out.FunctionDelta(name=ev.name, arguments=""),
-            )
-        else:
-            tool = out.ToolCallDelta(index=ev.index, function=out.FunctionDelta(arguments=ev.piece))
+            await emit(_chat_chunk(job, out.ChatDelta(content=held)))
         finish = job.finish_reason if final else None
-        await emit(chat_chunk(out.ChatDelta(tool_calls=[tool]), finish))
+        await emit(_chat_chunk(job, out.ChatDelta(tool_calls=[_tool_delta(ev)]), finish))
     sim.engine.finish(seq, _engine_reason(finish or job.finish_reason))
     if job.include_usage:
-        usage = _usage(seq, job)
-        if job.chat:
-            await emit(
-                out.ChatChunk(
-                    id=rid,
-                    object="chat.completion.chunk",
-                    created=created,
-                    model=model,
-                    choices=[],
-                    usage=usage,
-                )
-            )
-        else:
-            await emit(
-                out.CompletionChunk(
-                    id=rid,
-                    object="text_completion",
-                    created=created,
-                    model=model,
-                    choices=[],
-                    usage=usage,
-                )
-            )
+        await emit(_usage_chunk(job, _usage(seq, job)))
     await send({"type": "http.response.body", "body": out.DONE, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 

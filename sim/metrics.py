@@ -79,34 +79,30 @@ class SimMetrics:
             registry=r,
         )
         self._lv = lv
-        self.ttft = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, base, buckets=buckets, registry=r).labels(**lv)
+
+        self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            base,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(**lv)
-        self.itl = Histogram(
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            base,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(**lv)
-        self.e2e = Histogram(
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            base,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(**lv)
-        self.queue_time = Histogram(
+            E2E_BUCKETS,
+        )
+        self.queue_time = histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            base,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(**lv)
+            E2E_BUCKETS,
+        )
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(**self._lv, finished_reason=finished_reason).inc()

@@ -20,13 +20,13 @@ Schema evolution: a new field must have a default, so older peers keep decoding.
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 import uuid
 from typing import Any, Literal
 
 import msgspec
 
+from streams.ids import is_safe_id
 from streams.wire import Usage
 
 RunStatus = Literal[
@@ -51,8 +51,6 @@ TERMINAL: frozenset[str] = frozenset(
 PARKED: frozenset[str] = frozenset({"awaiting_approval", "awaiting_child"})
 
 SPAWN_TOOL = "spawn_agent"  # the built-in tool that starts a child run
-
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class Budget(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,12 +293,12 @@ def child_run_id(parent: str, step: int, call_id: str) -> str:
 
 
 def is_run_id(value: str) -> bool:
-    return value.startswith("run_") and _TOKEN.match(value) is not None
+    return value.startswith("run_") and is_safe_id(value)
 
 
 def token(value: str) -> str:
     """``value`` as one KV key / subject token: itself when safe, else a digest."""
-    if _TOKEN.match(value):
+    if is_safe_id(value):
         return value
     return "h" + hashlib.sha256(value.encode()).hexdigest()[:32]
 

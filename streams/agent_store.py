@@ -120,7 +120,8 @@ class RunStore:
             return None
         except NatsError as exc:
             raise RunStoreError(f"run store read failed: {exc}") from exc
-        assert entry.value is not None and entry.revision is not None
+        assert entry.value is not None
+        assert entry.revision is not None
         return Stored(decode_run(entry.value), entry.revision)
 
     async def create(self, run: Run) -> Stored:
@@ -176,7 +177,8 @@ class RunStore:
                 continue  # released between our create and get: try again
             except NatsError as exc:
                 raise RunStoreError(f"run store read failed: {exc}") from exc
-            assert entry.value is not None and entry.revision is not None
+            assert entry.value is not None
+            assert entry.revision is not None
             held = decode_lease(entry.value)
             if held.until > now:
                 # Held, possibly by another step of this same process (owners

@@ -1,10 +1,33 @@
-"""Errors of the shared kernel.
+"""The one error tree of jetserve, rooted here: streams is the kernel every package imports.
+
+Every error of ours is a :class:`JetserveError`: it carries a ``message``, a
+machine ``code`` and ``retryable`` (may the same work, tried again, succeed?),
+as a class attribute or, where one class covers both cases, a constructor
+argument. Each package's ``errors.py`` draws its own subtree::
+
+    JetserveError (streams/errors.py)
+    ├── the kernel's errors, below
+    ├── InvalidTenantError        streams/request_ledger.py: not a safe tenant id
+    ├── GatewayError              gateway/errors.py: HTTP status and OpenAI error body
+    ├── LedgerWriteError          gateway/tenancy/request_ledger.py: the record was not stored
+    ├── ToolError                 tools/errors.py: the tool runtime
+    ├── WorkerError               workers/errors.py: the inference worker and its engines
+    └── AgentError                workers/agent/errors.py: the agent executor
+
+The kernel's own, defined below:
 
 JetserveError                  base: ``code`` and ``retryable`` travel with it
 ├── ProvisioningError          a stream/consumer could not be created or updated
 ├── PublishError               a request could not be enqueued
 │   ├── QueueFullError         the work-queue stream is full (retryable, -> 429)
-│   └── DuplicateRequestError  same Nats-Msg-Id inside the dedupe window
+│   ├── DuplicateRequestError  same Nats-Msg-Id inside the dedupe window
+│   ├── RequestTooLargeError   the request exceeds the bus's message size
+│   └── BusUnavailableError    the bus did not take the publish (retryable)
+├── ReplyError                 a request's frames ended without a terminal frame
+│   ├── DeadlineExceededError  no answer before the request's deadline
+│   ├── StreamInterruptedError silence after the first token (retryable)
+│   │   └── FramesLostError    tokens lost in transit, and not in the capture
+│   └── ReaderTooSlowError     the reader fell a buffer's length behind
 └── RunStoreError              the run store (KV) could not be read or written (retryable)
     ├── RunConflictError       a compare-and-set lost: someone else wrote the run first
     ├── RunExistsError         create of a run id that is taken
@@ -19,9 +42,15 @@ class JetserveError(Exception):
     code = "internal_error"
     retryable = False
 
-    def __init__(self, message: str) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, retryable: bool | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
+        if code is not None:
+            self.code = code
+        if retryable is not None:
+            self.retryable = retryable
 
 
 class ProvisioningError(JetserveError):
@@ -68,3 +97,34 @@ class RunTooLargeError(RunStoreError):
 class LeaseLostError(RunStoreError):
     code = "lease_lost"
     retryable = False
+
+
+class RequestTooLargeError(PublishError):
+    code = "request_too_large"
+    retryable = False
+
+
+class BusUnavailableError(PublishError):
+    code = "bus_unavailable"
+    retryable = True
+
+
+class ReplyError(JetserveError):
+    code = "reply_failed"
+
+
+class DeadlineExceededError(ReplyError):
+    code = "deadline_exceeded"
+
+
+class StreamInterruptedError(ReplyError):
+    code = "stream_interrupted"
+    retryable = True
+
+
+class FramesLostError(StreamInterruptedError):
+    """A gap in the tokens that the frames capture could not fill either."""
+
+
+class ReaderTooSlowError(ReplyError):
+    code = "client_too_slow"

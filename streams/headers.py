@@ -10,9 +10,6 @@ class Header(StrEnum):
     TRACEPARENT = "traceparent"
     TRACESTATE = "tracestate"
     DEADLINE = "Jetserve-Deadline"  # absolute unix seconds, mirrors the payload for routing
-    TENANT = "Jetserve-Tenant"
-    API_KEY = "Authorization"  # NATS-native ingress: "Bearer sk-..."
-    CONTENT_TYPE = "Content-Type"
     DLQ_REASON = "Jetserve-Dlq-Reason"  # why the message was dead-lettered
     DLQ_SOURCE = "Jetserve-Dlq-Source"  # the subject it came on
     DLQ_SEQ = "Jetserve-Dlq-Seq"  # its sequence in the source stream, when it had one

@@ -15,7 +15,6 @@ The writer and reader live in ``gateway.tenancy.request_ledger``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import msgspec
@@ -23,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from streams.errors import JetserveError
+from streams.ids import is_safe_id
 from streams.provision import ensure_stream
 from streams.subjects import PREFIX
 from streams.wire import Op, Usage
@@ -83,13 +83,10 @@ def decode_record(data: bytes) -> LedgerRecord:
     return _decoder.decode(data)
 
 
-_TENANT = re.compile(r"[A-Za-z0-9_-]+")
-
-
 def check_tenant(tenant: str) -> str:
     """A tenant id must be one safe subject token: no '.', '*', '>' or spaces,
     which would let a subject (or a filter) reach other tenants' records."""
-    if not isinstance(tenant, str) or _TENANT.fullmatch(tenant) is None:
+    if not is_safe_id(tenant):
         raise InvalidTenantError(f"invalid tenant id for the ledger: {tenant!r}")
     return tenant
 

@@ -36,7 +36,8 @@ import msgspec
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tools.effects import Clock, Effect, EffectLedger, kv_key
+from tools.arguments import parse_arguments
+from tools.effects import Clock, Effect, EffectLedger
 from tools.errors import (
     DispatchConfigError,
     EffectUnknownError,
@@ -48,23 +49,19 @@ from tools.errors import (
 )
 from tools.registry import InProcess, Reconcile, Registry, Remote, Tier, Tool
 from tools.remote import call_remote, reconcile_remote
+from tools.results import ambiguous, from_effect, from_outcome, refuse, settled
 from tools.wire import (
-    AMBIGUOUS_MESSAGE,
-    EffectEntry,
     NeedsApproval,
     Outcome,
-    ResultSource,
     ToolContext,
     ToolResult,
     args_hash,
-    decode_json,
     to_json_value,
 )
 
 log = logging.getLogger(__name__)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_MAX_ERRORS = 5  # schema violations reported per call
 
 
 class ToolMetrics:
@@ -151,12 +148,12 @@ class ToolDispatcher:
     ) -> ToolResult | NeedsApproval:
         tool = self.registry.find(name)
         if tool is None:
-            return _refuse(ctx, name, f"unknown tool: {name}")
+            return refuse(ctx, name, f"unknown tool: {name}")
         if name not in authority:
-            return _refuse(ctx, name, f"tool not permitted for this run: {name}")
-        args_or_error = _parse_arguments(tool, raw_arguments)
+            return refuse(ctx, name, f"tool not permitted for this run: {name}")
+        args_or_error = parse_arguments(tool, raw_arguments)
         if isinstance(args_or_error, str):
-            return _refuse(ctx, name, f"invalid arguments: {args_or_error}", retryable=True)
+            return refuse(ctx, name, f"invalid arguments: {args_or_error}", retryable=True)
         args = args_or_error
         budget = self._budget(tool, ctx)
         if budget <= 0:
@@ -166,7 +163,7 @@ class ToolDispatcher:
                 eff = await self.ledger.get(ctx.key)
                 if eff is not None:
                     return await self._drive(tool, args, ctx, eff)
-            return _refuse(ctx, name, "deadline exceeded")
+            return refuse(ctx, name, "deadline exceeded")
         if tool.tier is Tier.REQUIRES_APPROVAL and not approved:
             return NeedsApproval(
                 call_id=ctx.call_id,
@@ -205,10 +202,10 @@ class ToolDispatcher:
         try:
             out = await self._invoke(tool, args, ctx, budget)
         except ToolTimeoutError:
-            return _result(ctx, tool.name, Outcome.failure("timeout", retryable=True))
+            return from_outcome(ctx, tool.name, Outcome.failure("timeout", retryable=True))
         except ToolCallError as exc:
-            return _result(ctx, tool.name, Outcome.failure(exc.message, exc.retryable))
-        return _result(ctx, tool.name, out)
+            return from_outcome(ctx, tool.name, Outcome.failure(exc.message, exc.retryable))
+        return from_outcome(ctx, tool.name, out)
 
     # -- side-effecting -------------------------------------------------------
 
@@ -236,13 +233,13 @@ class ToolDispatcher:
         for _ in range(16):  # each turn settles, or waits out a lease, or wins a write
             entry = eff.entry
             if entry.tool != tool.name or entry.args_hash != digest:
-                return _refuse(
+                return refuse(
                     ctx, tool.name, "idempotency key reused with different arguments or tool"
                 )
             if eff.won:
                 return await self._run_effect(tool, args, ctx, eff, max(budget, 0.001))
             if entry.state == "done":
-                return _settled(ctx, entry, "ledger")
+                return settled(ctx, entry, "ledger")
             now = self._clock()
             if now < entry.lease_until:
                 # Another caller holds the intent and may still be running it.
@@ -250,7 +247,7 @@ class ToolDispatcher:
                 if ctx.deadline:
                     until = min(until, ctx.deadline)
                 if now >= until:
-                    return _refuse(
+                    return refuse(
                         ctx,
                         tool.name,
                         "in progress: a call with this key is running elsewhere",
@@ -260,7 +257,7 @@ class ToolDispatcher:
                 if changed is None:  # withdrawn (never delivered): the key is free again
                     budget = self._budget(tool, ctx)
                     if budget <= 0:
-                        return _refuse(ctx, tool.name, "deadline exceeded")
+                        return refuse(ctx, tool.name, "deadline exceeded")
                     changed = await ledger.record_intent(
                         key, tool.name, digest, lease_s=budget + self._grace
                     )
@@ -269,21 +266,21 @@ class ToolDispatcher:
             # The holder is gone without an outcome: did the effect happen?
             reconcile = self._reconciler(tool)
             if reconcile is None:
-                return _ambiguous(ctx, tool.name, "no outcome recorded")
+                return ambiguous(ctx, tool.name, "no outcome recorded")
             try:
                 found = await self._ask(reconcile, key)
             except ToolCallError as exc:
-                return _ambiguous(ctx, tool.name, f"reconcile failed: {exc.message}")
+                return ambiguous(ctx, tool.name, f"reconcile failed: {exc.message}")
             if found is not None:
                 eff = await ledger.record_outcome(key, found, eff.revision, settled_by="reconciled")
                 if eff.won:
-                    return _settled(ctx, eff.entry, "reconciled")
+                    return settled(ctx, eff.entry, "reconciled")
                 continue
             budget = self._budget(tool, ctx)
             if budget <= 0:
-                return _refuse(ctx, tool.name, "deadline exceeded")
+                return refuse(ctx, tool.name, "deadline exceeded")
             eff = await ledger.take_over(key, eff.revision, lease_s=budget + self._grace)
-        return _refuse(ctx, tool.name, "in progress: effect ledger contention", retryable=True)
+        return refuse(ctx, tool.name, "in progress: effect ledger contention", retryable=True)
 
     async def _run_effect(
         self, tool: Tool, args: dict[str, Any], ctx: ToolContext, eff: Effect, budget: float
@@ -295,27 +292,27 @@ class ToolDispatcher:
         except NotDeliveredError as exc:
             # Certainly no effect: free the key so a retry may run it.
             await self.ledger.withdraw(key, eff.revision)
-            return _result(ctx, tool.name, Outcome.failure(exc.message, retryable=True))
+            return from_outcome(ctx, tool.name, Outcome.failure(exc.message, retryable=True))
         except EffectUnknownError as exc:
             reason = "timeout" if isinstance(exc, ToolTimeoutError) else exc.message
             reconcile = self._reconciler(tool)
             if reconcile is None:
-                return _ambiguous(ctx, tool.name, reason)
+                return ambiguous(ctx, tool.name, reason)
             try:
                 found = await self._ask(reconcile, key)
             except ToolCallError as rexc:
-                return _ambiguous(ctx, tool.name, f"{reason}; reconcile failed: {rexc.message}")
+                return ambiguous(ctx, tool.name, f"{reason}; reconcile failed: {rexc.message}")
             if found is None:
                 # It did not happen (yet). The intent stays: a later call with
                 # this key reconciles again before running, so a late effect of
                 # this attempt is never doubled.
-                return _result(ctx, tool.name, Outcome.failure(reason, retryable=True))
+                return from_outcome(ctx, tool.name, Outcome.failure(reason, retryable=True))
             settled = await self.ledger.record_outcome(
                 key, found, eff.revision, settled_by="reconciled"
             )
-            return _from_effect(ctx, tool.name, settled, "reconciled")
+            return from_effect(ctx, tool.name, settled, "reconciled")
         settled = await self.ledger.record_outcome(key, out, eff.revision, settled_by="run")
-        return _from_effect(ctx, tool.name, settled, "run")
+        return from_effect(ctx, tool.name, settled, "run")
 
     async def _await_change(self, key: str, eff: Effect, until: float) -> Effect | None:
         """Re-read ``key`` until it changes or ``until`` (unix s) passes;
@@ -396,87 +393,3 @@ class ToolDispatcher:
         except (TypeError, msgspec.EncodeError) as exc:
             # It ran: this is its (final) outcome, not an unknown one.
             return Outcome.failure(f"tool returned a non-JSON result: {exc}")
-
-
-def _parse_arguments(tool: Tool, raw: str) -> dict[str, Any] | str:
-    """The arguments object, or a readable reason it is not acceptable."""
-    text = raw.strip()
-    if not text:
-        text = "{}"  # some engines send "" for a call without arguments
-    try:
-        args = decode_json(text)
-    except msgspec.DecodeError as exc:
-        return f"not valid JSON ({exc})"
-    if not isinstance(args, dict):
-        return f"expected a JSON object, got {_json_type(args)}"
-    errors = tool.validation_errors(args)
-    if errors:
-        more = len(errors) - _MAX_ERRORS
-        msg = "; ".join(errors[:_MAX_ERRORS])
-        return msg + (f"; and {more} more" if more > 0 else "")
-    return args
-
-
-def _json_type(v: Any) -> str:
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int | float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    return "null" if v is None else type(v).__name__
-
-
-def _refuse(ctx: ToolContext, tool: str, error: str, *, retryable: bool = False) -> ToolResult:
-    return ToolResult(
-        call_id=ctx.call_id,
-        tool=tool,
-        status="error",
-        error=error,
-        retryable=retryable,
-        source="dispatcher",
-        key=ctx.key,
-    )
-
-
-def _result(ctx: ToolContext, tool: str, out: Outcome, source: ResultSource = "run") -> ToolResult:
-    return ToolResult(
-        call_id=ctx.call_id,
-        tool=tool,
-        status="ok" if out.ok else "error",
-        result=out.result if out.ok else None,
-        error=out.error,
-        retryable=out.retryable,
-        source=source,
-        key=ctx.key,
-    )
-
-
-def _settled(ctx: ToolContext, entry: EffectEntry, source: ResultSource) -> ToolResult:
-    assert entry.outcome is not None
-    return _result(ctx, entry.tool, entry.outcome, source)
-
-
-def _from_effect(ctx: ToolContext, tool: str, eff: Effect, source: ResultSource) -> ToolResult:
-    """After our record_outcome: ours if it won, else whatever settled first."""
-    if eff.entry.state == "done":
-        return _settled(ctx, eff.entry, source if eff.won else "ledger")
-    # Our lease ran out and another caller took the key over: it will settle it.
-    return _refuse(
-        ctx, tool, "in progress: a call with this key was taken over elsewhere", retryable=True
-    )
-
-
-def _ambiguous(ctx: ToolContext, tool: str, reason: str) -> ToolResult:
-    log.warning("tool %s: ambiguous effect, %s (%s)", tool, kv_key(ctx.key), reason)
-    return ToolResult(
-        call_id=ctx.call_id,
-        tool=tool,
-        status="ambiguous",
-        error=f"{reason}: {AMBIGUOUS_MESSAGE}",
-        retryable=False,
-        source="dispatcher",
-        key=ctx.key,
-    )

@@ -116,7 +116,8 @@ class EffectLedger:
             return None
         except NatsError as exc:
             raise EffectLedgerError(f"effect ledger read failed: {exc}") from exc
-        assert e.value is not None and e.revision is not None
+        assert e.value is not None
+        assert e.revision is not None
         return Effect(decode_entry(e.value), e.revision, won=False)
 
     async def status(self, key: str) -> EffectEntry | None:

@@ -1,12 +1,12 @@
 """Errors of the tool runtime.
 
-JetserveError (streams.errors)   base: ``code`` and ``retryable`` travel with it
+JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
 └── ToolError                    base of the tool runtime
     ├── ToolDefinitionError      a Tool is malformed: bad name, invalid JSON Schema, ...
     │   └── DuplicateToolError   a second, different tool under a registered name
     ├── UnknownToolError         Registry.get / openai_tools of a name never registered
     ├── DispatchConfigError      the dispatcher lacks what a tool needs (a ledger, a NATS client)
-    ├── EffectLedgerError              the effect ledger could not be read or written (retryable):
+    ├── EffectLedgerError        the effect ledger could not be read or written (retryable):
     │                            the outcome is not durable, so the caller must not ack
     ├── ToolFailure              raised BY a tool: a definite failure, nothing (more) to
     │                            reconcile; reported to the model as {error, retryable}
@@ -68,8 +68,7 @@ class ToolFailure(ToolError):
     code = "tool_failed"
 
     def __init__(self, message: str, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.retryable = retryable
+        super().__init__(message, retryable=retryable)
 
 
 class ToolCallError(ToolError):

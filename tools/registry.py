@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 from jsonschema import Draft202012Validator
 
+from streams.ids import is_safe_id
 from tools.errors import DuplicateToolError, ToolDefinitionError, UnknownToolError
 from tools.wire import Outcome, ToolContext
 
@@ -34,8 +35,6 @@ Reconcile = Callable[[str], Awaitable[Outcome | None]]
 """``async def reconcile(key) -> Outcome | None``: the outcome of the effect with
 that idempotency key if it happened, ``None`` if it did not; raise if unknown."""
 
-# OpenAI function names: ^[a-zA-Z0-9_-]{1,64}$
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")  # a concrete subject: no wildcards
 
 
@@ -87,7 +86,7 @@ class Tool:
     _validator: Draft202012Validator = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not is_safe_id(self.name):  # OpenAI function names: the same rule
             raise ToolDefinitionError(f"invalid tool name {self.name!r}: 1-64 of A-Z a-z 0-9 _ -")
         if not self.timeout_s > 0:
             raise ToolDefinitionError(f"tool {self.name}: timeout_s must be > 0")

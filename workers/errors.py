@@ -1,25 +1,30 @@
 """Errors of the worker package.
 
-WorkerError                      base: ``code``, ``status``, ``retryable``
-├── EngineError                  the engine answered with an error or broke
-│   ├── EngineRateLimited        429 (retryable before the first token)
-│   ├── EngineUnavailable        503, 5xx or connect failure (retryable before the first token)
-│   ├── EngineRejected           4xx: the request itself is bad (never retried)
-│   └── EngineStreamBroken       the stream ended without a finish (never retried)
-└── DeadlineExceeded             the request's absolute deadline passed
+JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
+└── WorkerError                  base: adds ``status``, the HTTP status of the error frame
+    ├── EngineError              the engine answered with an error or broke
+    │   ├── EngineRateLimited    429 (retryable before the first token)
+    │   ├── EngineUnavailable    503, 5xx or connect failure (retryable before the first token)
+    │   ├── EngineRejected       4xx: the request itself is bad (never retried)
+    │   └── EngineStreamBroken   the stream ended without a finish (never retried)
+    └── DeadlineExceeded         the request's absolute deadline passed
+
+The worker retries an engine call (before the first token) only when the error's
+``retryable`` says so (workers/inference/worker.py).
 """
 
 from __future__ import annotations
 
+from streams.errors import JetserveError
 
-class WorkerError(Exception):
+
+class WorkerError(JetserveError):
     code = "internal_error"
     status = 500
     retryable = False
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
-        self.message = message
         if status is not None:
             self.status = status
 

@@ -1,7 +1,8 @@
 """The small HTTP surface of a worker or an agent executor: /metrics, /healthz,
-/readyz. Readiness is what an operator needs (the process's own checks, e.g.
-NATS connected and the engine healthy). It runs inside the owner's task group,
-so it stops with it (no thread, no signal handling of its own)."""
+/readyz. Readiness is what an operator needs: the owner's own checks (e.g.
+NATS connected and the engine healthy); each owner builds its probe from
+:func:`probe_server`. It runs inside the owner's task group, so it stops with
+it (no thread, no signal handling of its own)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from workers.inference.worker import Worker
-
 Checks = Callable[[], dict[str, bool]]
 
 
-class _Server(uvicorn.Server):
+class ProbeServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # the owner handles SIGTERM (drain); this server just follows
@@ -44,8 +43,8 @@ def probe_app(registry: CollectorRegistry, checks: Checks) -> Starlette:
     )
 
 
-def probe_server(registry: CollectorRegistry, checks: Checks, host: str, port: int) -> _Server:
-    return _Server(
+def probe_server(registry: CollectorRegistry, checks: Checks, host: str, port: int) -> ProbeServer:
+    return ProbeServer(
         uvicorn.Config(
             probe_app(registry, checks),
             host=host,
@@ -57,10 +56,3 @@ def probe_server(registry: CollectorRegistry, checks: Checks, host: str, port: i
             access_log=False,
         )
     )
-
-
-def server(worker: Worker, host: str, port: int) -> _Server:
-    def checks() -> dict[str, bool]:
-        return {"nats": worker.connected, "engine": worker.engine_up}
-
-    return probe_server(worker.metrics.registry, checks, host, port)

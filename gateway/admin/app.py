@@ -3,13 +3,15 @@
 Tenants, keys, limits, spend and the ledger of any tenant. Every route needs
 ``Authorization: Bearer <admin token>``; a gateway started without an admin
 token refuses every admin call (fail closed).
+
+Handlers are module functions; the runtime and the token digest live on
+``app.state`` (set by :func:`create_admin_app`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -21,15 +23,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import web
-from gateway.admin.route_contracts import route_admin_routes
+from gateway.admin.route_contracts import ROUTE_CONTRACT_ROUTES, Handler
 from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
 from gateway.runtime import Runtime
-from gateway.tenancy.accounting import LimitSpec
-from gateway.tenancy.keys import KeyRecord, Scopes
+from gateway.tenancy.accounting import Accountant, LimitSpec
+from gateway.tenancy.keys import KeyRecord, Scopes, Tenancy
 from streams.request_ledger import InvalidTenantError, encode_record
 
 T = TypeVar("T")
-Handler = Callable[[Request], Awaitable[Response]]
 Level = Literal["org", "tenant", "key"]
 
 
@@ -65,143 +66,6 @@ def _key_view(record: KeyRecord) -> dict[str, Any]:
     return msgspec.to_builtins(record)  # type: ignore[no-any-return]
 
 
-def create_admin_app(rt: Runtime, token_sha256: str | None) -> Starlette:
-    tenancy = rt.gateway.tenancy
-    accountant = rt.gateway.accountant
-
-    def guarded(handler: Handler) -> Handler:
-        async def wrapped(request: Request) -> Response:
-            given = request.headers.get("authorization", "")
-            digest = hashlib.sha256(given[7:].strip().encode()).hexdigest()
-            ok = (
-                token_sha256 is not None
-                and given.lower().startswith("bearer ")
-                and hmac.compare_digest(digest, token_sha256)
-            )
-            if not ok:
-                raise AuthenticationFailed("Admin credential required.", code="invalid_admin_token")
-            try:
-                return await handler(request)
-            except (RedisError, OSError) as exc:
-                raise Unavailable("The control-plane store (Redis) is unavailable.") from exc
-            except InvalidTenantError as exc:
-                raise BadRequest(str(exc), param="tenant") from exc
-
-        return wrapped
-
-    async def create_tenant(request: Request) -> Response:
-        body = _decode(await request.body(), NewTenant)
-        tenant = await tenancy.create_tenant(body.id, body.org or body.id, body.name)
-        return web.json_response(msgspec.to_builtins(tenant), 201)
-
-    async def list_tenants(request: Request) -> Response:
-        tenants = await tenancy.list_tenants()
-        return web.json_response({"data": msgspec.to_builtins(tenants)})
-
-    async def show_tenant(request: Request) -> Response:
-        tenant = await tenancy.get_tenant(request.path_params["tenant"])
-        limits = await accountant.get_limits("tenant", tenant.id)
-        spent, reserved = await accountant.spend("tenant", tenant.id)
-        keys = await tenancy.list_keys(tenant.id)
-        return web.json_response(
-            {
-                **msgspec.to_builtins(tenant),
-                "limits": _limits_view(limits),
-                "spent_micros": spent,
-                "reserved_micros": reserved,
-                "keys": [_key_view(k) for k in keys],
-            }
-        )
-
-    async def create_key(request: Request) -> Response:
-        body = _decode(await request.body(), NewKey)
-        if body.api_key is not None and len(body.api_key) < 6:
-            raise BadRequest("api_key must be at least 6 characters.", param="api_key")
-        key, record = await tenancy.create_key(
-            body.tenant, name=body.name, scopes=body.scopes, plaintext=body.api_key
-        )
-        return web.json_response({"api_key": key, "key": _key_view(record)}, 201)
-
-    async def list_keys(request: Request) -> Response:
-        tenant = request.query_params.get("tenant")
-        if not tenant:
-            raise BadRequest("'tenant' is required.", param="tenant")
-        return web.json_response({"data": [_key_view(k) for k in await tenancy.list_keys(tenant)]})
-
-    async def rotate_key(request: Request) -> Response:
-        key, record = await tenancy.rotate_key(request.path_params["key_id"])
-        return web.json_response({"api_key": key, "key": _key_view(record)}, 201)
-
-    async def revoke_key(request: Request) -> Response:
-        record = await tenancy.revoke_key(request.path_params["key_id"])
-        return web.json_response({"key": _key_view(record)})
-
-    def level_of(request: Request) -> tuple[Level, str]:
-        level = request.path_params["level"]
-        if level not in ("org", "tenant", "key"):
-            raise BadRequest("level must be org, tenant or key.", param="level")
-        return level, request.path_params["ident"]
-
-    async def put_limits(request: Request) -> Response:
-        level, ident = level_of(request)
-        # Limits for an id that does not exist would silently never apply.
-        if level == "tenant":
-            await tenancy.get_tenant(ident)
-        elif level == "org":
-            await tenancy.get_org(ident)
-        else:
-            await tenancy.get_key(ident)
-        body = _decode(await request.body(), Limits)
-        try:
-            spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        await accountant.set_limits(level, ident, spec)
-        return web.json_response(_limits_view(spec))
-
-    async def get_limits(request: Request) -> Response:
-        level, ident = level_of(request)
-        spec = await accountant.get_limits(level, ident)
-        spent, reserved = await accountant.spend(level, ident)
-        return web.json_response(
-            {**_limits_view(spec), "spent_micros": spent, "reserved_micros": reserved}
-        )
-
-    async def ledger(request: Request) -> Response:
-        tenant = request.query_params.get("tenant")
-        if not tenant:
-            raise BadRequest("'tenant' is required.", param="tenant")
-        since, until, limit = web.ledger_window(request)
-        lines = [
-            encode_record(r) async for r in rt.ledger_reader.query(tenant, since, until, limit)
-        ]
-        body = b"\n".join(lines) + (b"\n" if lines else b"")
-        return Response(body, media_type="application/x-ndjson")
-
-    async def healthz(request: Request) -> Response:
-        return web.json_response({"status": "ok"})
-
-    g = guarded
-    routes = [
-        Route("/admin/healthz", healthz, methods=["GET"]),
-        Route("/admin/tenants", g(create_tenant), methods=["POST"]),
-        Route("/admin/tenants", g(list_tenants), methods=["GET"]),
-        Route("/admin/tenants/{tenant}", g(show_tenant), methods=["GET"]),
-        Route("/admin/keys", g(create_key), methods=["POST"]),
-        Route("/admin/keys", g(list_keys), methods=["GET"]),
-        Route("/admin/keys/{key_id}/rotate", g(rotate_key), methods=["POST"]),
-        Route("/admin/keys/{key_id}/revoke", g(revoke_key), methods=["POST"]),
-        Route("/admin/limits/{level}/{ident}", g(put_limits), methods=["PUT"]),
-        Route("/admin/limits/{level}/{ident}", g(get_limits), methods=["GET"]),
-        Route("/admin/ledger", g(ledger), methods=["GET"]),
-        *route_admin_routes(rt, g),
-    ]
-    return Starlette(
-        routes=routes,
-        exception_handlers={GatewayError: web.on_gateway_error, HTTPException: web.on_http_error},
-    )
-
-
 def _limits_view(spec: LimitSpec) -> dict[str, Any]:
     return {
         "budget_micros": spec.budget_micros,
@@ -209,3 +73,175 @@ def _limits_view(spec: LimitSpec) -> dict[str, Any]:
         "rpm": spec.rpm,
         "tpm": spec.tpm,
     }
+
+
+def _runtime(request: Request) -> Runtime:
+    rt: Runtime = request.app.state.rt
+    return rt
+
+
+def _tenancy(request: Request) -> Tenancy:
+    return _runtime(request).gateway.tenancy
+
+
+def _accountant(request: Request) -> Accountant:
+    return _runtime(request).gateway.accountant
+
+
+def guarded(handler: Handler) -> Handler:
+    """The admin credential, then the store failures a handler may raise."""
+
+    async def wrapped(request: Request) -> Response:
+        token_sha256: str | None = request.app.state.admin_token_sha256
+        given = request.headers.get("authorization", "")
+        digest = hashlib.sha256(given[7:].strip().encode()).hexdigest()
+        ok = (
+            token_sha256 is not None
+            and given.lower().startswith("bearer ")
+            and hmac.compare_digest(digest, token_sha256)
+        )
+        if not ok:
+            raise AuthenticationFailed("Admin credential required.", code="invalid_admin_token")
+        try:
+            return await handler(request)
+        except (RedisError, OSError) as exc:
+            raise Unavailable("The control-plane store (Redis) is unavailable.") from exc
+        except InvalidTenantError as exc:
+            raise BadRequest(str(exc), param="tenant") from exc
+
+    return wrapped
+
+
+async def create_tenant(request: Request) -> Response:
+    body = _decode(await request.body(), NewTenant)
+    tenant = await _tenancy(request).create_tenant(body.id, body.org or body.id, body.name)
+    return web.json_response(msgspec.to_builtins(tenant), 201)
+
+
+async def list_tenants(request: Request) -> Response:
+    tenants = await _tenancy(request).list_tenants()
+    return web.json_response({"data": msgspec.to_builtins(tenants)})
+
+
+async def show_tenant(request: Request) -> Response:
+    tenancy, accountant = _tenancy(request), _accountant(request)
+    tenant = await tenancy.get_tenant(request.path_params["tenant"])
+    limits = await accountant.get_limits("tenant", tenant.id)
+    spent, reserved = await accountant.spend("tenant", tenant.id)
+    keys = await tenancy.list_keys(tenant.id)
+    return web.json_response(
+        {
+            **msgspec.to_builtins(tenant),
+            "limits": _limits_view(limits),
+            "spent_micros": spent,
+            "reserved_micros": reserved,
+            "keys": [_key_view(k) for k in keys],
+        }
+    )
+
+
+async def create_key(request: Request) -> Response:
+    body = _decode(await request.body(), NewKey)
+    if body.api_key is not None and len(body.api_key) < 6:
+        raise BadRequest("api_key must be at least 6 characters.", param="api_key")
+    key, record = await _tenancy(request).create_key(
+        body.tenant, name=body.name, scopes=body.scopes, plaintext=body.api_key
+    )
+    return web.json_response({"api_key": key, "key": _key_view(record)}, 201)
+
+
+async def list_keys(request: Request) -> Response:
+    tenant = request.query_params.get("tenant")
+    if not tenant:
+        raise BadRequest("'tenant' is required.", param="tenant")
+    keys = await _tenancy(request).list_keys(tenant)
+    return web.json_response({"data": [_key_view(k) for k in keys]})
+
+
+async def rotate_key(request: Request) -> Response:
+    key, record = await _tenancy(request).rotate_key(request.path_params["key_id"])
+    return web.json_response({"api_key": key, "key": _key_view(record)}, 201)
+
+
+async def revoke_key(request: Request) -> Response:
+    record = await _tenancy(request).revoke_key(request.path_params["key_id"])
+    return web.json_response({"key": _key_view(record)})
+
+
+def _level_of(request: Request) -> tuple[Level, str]:
+    level = request.path_params["level"]
+    if level not in ("org", "tenant", "key"):
+        raise BadRequest("level must be org, tenant or key.", param="level")
+    return level, request.path_params["ident"]
+
+
+async def put_limits(request: Request) -> Response:
+    level, ident = _level_of(request)
+    tenancy = _tenancy(request)
+    # Limits for an id that does not exist would silently never apply.
+    if level == "tenant":
+        await tenancy.get_tenant(ident)
+    elif level == "org":
+        await tenancy.get_org(ident)
+    else:
+        await tenancy.get_key(ident)
+    body = _decode(await request.body(), Limits)
+    try:
+        spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    await _accountant(request).set_limits(level, ident, spec)
+    return web.json_response(_limits_view(spec))
+
+
+async def get_limits(request: Request) -> Response:
+    level, ident = _level_of(request)
+    accountant = _accountant(request)
+    spec = await accountant.get_limits(level, ident)
+    spent, reserved = await accountant.spend(level, ident)
+    return web.json_response(
+        {**_limits_view(spec), "spent_micros": spent, "reserved_micros": reserved}
+    )
+
+
+async def ledger(request: Request) -> Response:
+    tenant = request.query_params.get("tenant")
+    if not tenant:
+        raise BadRequest("'tenant' is required.", param="tenant")
+    since, until, limit = web.ledger_window(request)
+    reader = _runtime(request).ledger_reader
+    lines = [encode_record(r) async for r in reader.query(tenant, since, until, limit)]
+    body = b"\n".join(lines) + (b"\n" if lines else b"")
+    return Response(body, media_type="application/x-ndjson")
+
+
+async def healthz(request: Request) -> Response:
+    return web.json_response({"status": "ok"})
+
+
+# (path, method, handler); every one but the health check needs the credential.
+ADMIN_ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("/admin/tenants", "POST", create_tenant),
+    ("/admin/tenants", "GET", list_tenants),
+    ("/admin/tenants/{tenant}", "GET", show_tenant),
+    ("/admin/keys", "POST", create_key),
+    ("/admin/keys", "GET", list_keys),
+    ("/admin/keys/{key_id}/rotate", "POST", rotate_key),
+    ("/admin/keys/{key_id}/revoke", "POST", revoke_key),
+    ("/admin/limits/{level}/{ident}", "PUT", put_limits),
+    ("/admin/limits/{level}/{ident}", "GET", get_limits),
+    ("/admin/ledger", "GET", ledger),
+    *ROUTE_CONTRACT_ROUTES,
+)
+
+
+def create_admin_app(rt: Runtime, token_sha256: str | None) -> Starlette:
+    routes = [Route("/admin/healthz", healthz, methods=["GET"])]
+    routes += [Route(path, guarded(h), methods=[method]) for path, method, h in ADMIN_ROUTES]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={GatewayError: web.on_gateway_error, HTTPException: web.on_http_error},
+    )
+    app.state.rt = rt
+    app.state.admin_token_sha256 = token_sha256
+    return app

@@ -26,12 +26,10 @@ from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from gateway import web
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.inference.route_table import RouteTable
-from gateway.runtime import Runtime
 from streams.routes import (
     RouteContract,
     RouteRecord,
@@ -108,167 +106,173 @@ class RouteStore:
             return []
 
 
-def route_admin_routes(rt: Runtime, guarded: Callable[[Handler], Handler]) -> list[Route]:
-    """The routes endpoints, each behind the admin credential (``guarded``)."""
-    table = rt.gateway.routes
+def _store(request: Request) -> RouteStore:
+    table: RouteTable | None = request.app.state.rt.gateway.routes
+    if table is None:
+        raise Unavailable("This gateway has no route table.")
+    return RouteStore(table.kv, table)
 
-    def store() -> RouteStore:
-        if table is None:
-            raise Unavailable("This gateway has no route table.")
-        return RouteStore(table.kv, table)
 
-    def nats_guarded(handler: Handler) -> Handler:
-        async def wrapped(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except (nats.errors.Error, TimeoutError) as exc:
-                raise Unavailable(f"The route store (NATS KV) is unavailable: {exc}") from exc
+def _nats_guarded(handler: Handler) -> Handler:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise Unavailable(f"The route store (NATS KV) is unavailable: {exc}") from exc
 
-        return guarded(wrapped)
+    return wrapped
 
-    async def apply(request: Request) -> Response:
-        name = request.path_params["name"]
-        contract, expected = _parse_apply(await request.body())
-        if contract.name != name:
-            raise BadRequest(
-                f"The contract names route '{contract.name}', the path '{name}'.", param="name"
-            )
-        s = store()
-        cur = await s.current(name)
-        cur_rev = cur[0].revision if cur else 0
-        if expected is not None and expected != cur_rev:
-            return _conflict(
-                name, cur_rev, f"Route '{name}' is at revision {cur_rev}, not {expected}."
-            )
-        if cur is not None and cur[0].contract == contract:
-            return web.json_response({**_view(cur[0]), "changed": False})
+
+async def _next_revision(s: RouteStore, name: str, cur: tuple[RouteRecord, int] | None) -> int:
+    if cur is not None:
+        return cur[0].revision + 1
+    # After a delete, numbering continues from the history (a revision number
+    # never names two different contracts).
+    return 1 + max((e.record.revision for e in await s.history(name) if e.record), default=0)
+
+
+async def apply(request: Request) -> Response:
+    name = request.path_params["name"]
+    contract, expected = _parse_apply(await request.body())
+    if contract.name != name:
+        raise BadRequest(
+            f"The contract names route '{contract.name}', the path '{name}'.", param="name"
+        )
+    s = _store(request)
+    cur = await s.current(name)
+    cur_rev = cur[0].revision if cur else 0
+    if expected is not None and expected != cur_rev:
+        return _conflict(name, cur_rev, f"Route '{name}' is at revision {cur_rev}, not {expected}.")
+    if cur is not None and cur[0].contract == contract:
+        return web.json_response({**_view(cur[0]), "changed": False})
+    actor = request.headers.get(ACTOR_HEADER, "admin")[:128] or "admin"
+    record = RouteRecord(
+        contract=contract,
+        revision=await _next_revision(s, name, cur),
+        updated_at=time.time(),
+        updated_by=actor,
+        fingerprints=fingerprints(contract),
+    )
+    try:
         if cur is not None:
-            revision = cur_rev + 1
+            kv_rev = await s.kv.update(name, encode(record), last=cur[1])
         else:
-            # After a delete, numbering continues from the history (a revision
-            # number never names two different contracts).
-            revision = 1 + max(
-                (e.record.revision for e in await s.history(name) if e.record), default=0
-            )
-        actor = request.headers.get(ACTOR_HEADER, "admin")[:128] or "admin"
-        record = RouteRecord(
-            contract=contract,
-            revision=revision,
-            updated_at=time.time(),
-            updated_by=actor,
-            fingerprints=fingerprints(contract),
+            kv_rev = await s.kv.create(name, encode(record))
+    except KeyWrongLastSequenceError:
+        now = await s.current(name)
+        now_rev = now[0].revision if now else 0
+        return _conflict(
+            name, now_rev, f"Route '{name}' changed concurrently (now revision {now_rev})."
         )
-        try:
-            if cur is not None:
-                kv_rev = await s.kv.update(name, encode(record), last=cur[1])
-            else:
-                kv_rev = await s.kv.create(name, encode(record))
-        except KeyWrongLastSequenceError:
-            now = await s.current(name)
-            now_rev = now[0].revision if now else 0
-            return _conflict(
-                name, now_rev, f"Route '{name}' changed concurrently (now revision {now_rev})."
-            )
-        if table is not None:
-            await table.wait_for(kv_rev, LOCAL_PICKUP_S)
-        return web.json_response({**_view(record), "changed": True}, 201 if cur is None else 200)
+    if s.table is not None:
+        await s.table.wait_for(kv_rev, LOCAL_PICKUP_S)
+    return web.json_response({**_view(record), "changed": True}, 201 if cur is None else 200)
 
-    async def list_routes(request: Request) -> Response:
-        s = store()
-        data = []
-        for name in await s.names():
-            cur = await s.current(name)
-            if cur is not None:
-                data.append(_view(cur[0]))
-        return web.json_response({"data": data})
 
-    async def show(request: Request) -> Response:
-        name = request.path_params["name"]
-        cur = await store().current(name)
-        if cur is None:
-            raise _not_found(name)
-        return web.json_response(_view(cur[0]))
-
-    async def history(request: Request) -> Response:
-        name = request.path_params["name"]
-        entries = await store().history(name)
-        if not entries:
-            raise _not_found(name)
-        data = [
-            _view(e.record)
-            if e.record is not None
-            else {"name": name, "deleted": True, "updated_at": e.at}
-            for e in entries
-        ]
-        return web.json_response({"name": name, "data": data})
-
-    async def diff(request: Request) -> Response:
-        name = request.path_params["name"]
-        records = [e.record for e in await store().history(name) if e.record is not None]
-        if not records:
-            raise _not_found(name)
-        by_rev = {r.revision: r for r in records}
-        to_rev = _revision_param(request, "to")
-        from_rev = _revision_param(request, "from")
-        after = records[-1] if to_rev is None else by_rev.get(to_rev)
-        if after is None:
-            raise _revision_not_found(name, to_rev)
-        before: RouteRecord | None
-        if from_rev is None:
-            older = [r for r in records if r.revision < after.revision]
-            before = older[-1] if older else None
-        else:
-            before = by_rev.get(from_rev)
-            if before is None:
-                raise _revision_not_found(name, from_rev)
-        changes = diff_contracts(before.contract if before else None, after.contract)
-        return web.json_response(
-            {
-                "name": name,
-                "from": before.revision if before else None,
-                "to": after.revision,
-                "changes": msgspec.to_builtins(changes),
-                "fingerprints": {
-                    "from": before.fingerprints if before else {},
-                    "to": after.fingerprints,
-                },
-            }
-        )
-
-    async def delete(request: Request) -> Response:
-        name = request.path_params["name"]
-        expected = _revision_param(request, "expected_revision")
-        s = store()
+async def list_routes(request: Request) -> Response:
+    s = _store(request)
+    data = []
+    for name in await s.names():
         cur = await s.current(name)
-        if cur is None:
-            raise _not_found(name)
-        if expected is not None and expected != cur[0].revision:
-            return _conflict(
-                name,
-                cur[0].revision,
-                f"Route '{name}' is at revision {cur[0].revision}, not {expected}.",
-            )
-        try:
-            await s.kv.delete(name, last=cur[1])
-        except APIError as exc:
-            if exc.err_code != _WRONG_LAST_SEQUENCE:
-                raise
-            now = await s.current(name)
-            now_rev = now[0].revision if now else 0
-            return _conflict(name, now_rev, f"Route '{name}' changed concurrently.")
-        return web.json_response({"name": name, "deleted": True, "revision": cur[0].revision})
+        if cur is not None:
+            data.append(_view(cur[0]))
+    return web.json_response({"data": data})
 
-    g = nats_guarded
-    # Route names may hold '/' (``org/model``): ``path`` parameters, and the
-    # suffixed paths first so they win the match.
-    return [
-        Route("/admin/routes", g(list_routes), methods=["GET"]),
-        Route("/admin/routes/{name:path}/history", g(history), methods=["GET"]),
-        Route("/admin/routes/{name:path}/diff", g(diff), methods=["GET"]),
-        Route("/admin/routes/{name:path}", g(apply), methods=["PUT"]),
-        Route("/admin/routes/{name:path}", g(show), methods=["GET"]),
-        Route("/admin/routes/{name:path}", g(delete), methods=["DELETE"]),
+
+async def show(request: Request) -> Response:
+    name = request.path_params["name"]
+    cur = await _store(request).current(name)
+    if cur is None:
+        raise _not_found(name)
+    return web.json_response(_view(cur[0]))
+
+
+async def history(request: Request) -> Response:
+    name = request.path_params["name"]
+    entries = await _store(request).history(name)
+    if not entries:
+        raise _not_found(name)
+    data = [
+        _view(e.record)
+        if e.record is not None
+        else {"name": name, "deleted": True, "updated_at": e.at}
+        for e in entries
     ]
+    return web.json_response({"name": name, "data": data})
+
+
+async def diff(request: Request) -> Response:
+    name = request.path_params["name"]
+    records = [e.record for e in await _store(request).history(name) if e.record is not None]
+    if not records:
+        raise _not_found(name)
+    by_rev = {r.revision: r for r in records}
+    to_rev = _revision_param(request, "to")
+    from_rev = _revision_param(request, "from")
+    after = records[-1] if to_rev is None else by_rev.get(to_rev)
+    if after is None:
+        raise _revision_not_found(name, to_rev)
+    before: RouteRecord | None
+    if from_rev is None:
+        older = [r for r in records if r.revision < after.revision]
+        before = older[-1] if older else None
+    else:
+        before = by_rev.get(from_rev)
+        if before is None:
+            raise _revision_not_found(name, from_rev)
+    changes = diff_contracts(before.contract if before else None, after.contract)
+    return web.json_response(
+        {
+            "name": name,
+            "from": before.revision if before else None,
+            "to": after.revision,
+            "changes": msgspec.to_builtins(changes),
+            "fingerprints": {
+                "from": before.fingerprints if before else {},
+                "to": after.fingerprints,
+            },
+        }
+    )
+
+
+async def delete(request: Request) -> Response:
+    name = request.path_params["name"]
+    expected = _revision_param(request, "expected_revision")
+    s = _store(request)
+    cur = await s.current(name)
+    if cur is None:
+        raise _not_found(name)
+    if expected is not None and expected != cur[0].revision:
+        return _conflict(
+            name,
+            cur[0].revision,
+            f"Route '{name}' is at revision {cur[0].revision}, not {expected}.",
+        )
+    try:
+        await s.kv.delete(name, last=cur[1])
+    except APIError as exc:
+        if exc.err_code != _WRONG_LAST_SEQUENCE:
+            raise
+        now = await s.current(name)
+        now_rev = now[0].revision if now else 0
+        return _conflict(name, now_rev, f"Route '{name}' changed concurrently.")
+    return web.json_response({"name": name, "deleted": True, "revision": cur[0].revision})
+
+
+# (path, method, handler), each mapping NATS failures to 503; the admin app puts
+# them behind its credential. Route names may hold '/' (``org/model``): ``path``
+# parameters, and the suffixed paths first so they win the match.
+ROUTE_CONTRACT_ROUTES: tuple[tuple[str, str, Handler], ...] = tuple(
+    (path, method, _nats_guarded(handler))
+    for path, method, handler in (
+        ("/admin/routes", "GET", list_routes),
+        ("/admin/routes/{name:path}/history", "GET", history),
+        ("/admin/routes/{name:path}/diff", "GET", diff),
+        ("/admin/routes/{name:path}", "PUT", apply),
+        ("/admin/routes/{name:path}", "GET", show),
+        ("/admin/routes/{name:path}", "DELETE", delete),
+    )
+)
 
 
 def _parse_apply(raw: bytes) -> tuple[RouteContract, int | None]:

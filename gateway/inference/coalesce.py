@@ -46,16 +46,9 @@ from typing import Any
 
 import msgspec
 
-from gateway.errors import GatewayError, Timeout
-from gateway.inference.dispatch import (
-    OVERFLOW,
-    ClientTooSlow,
-    Dispatcher,
-    Event,
-    FrameBuffer,
-    FrameStream,
-)
-from gateway.inference.dispatch import StreamInterrupted as _Interrupted
+from gateway.errors import GatewayError
+from gateway.inference.dispatch import Dispatcher, FrameStream
+from streams.inference.frames import Event, FrameBuffer, FrameReader
 from streams.routes import CoalescePolicy
 from streams.wire import ErrorFrame, Final, Heartbeat, InferenceRequest, Token
 
@@ -255,15 +248,19 @@ class _Group:
 
 class MemberStream(FrameStream):
     """One member's view of a shared execution: its own request (id, deadline,
-    tenant) and bounded queue, fed by the group's pump instead of NATS."""
+    tenant) and bounded buffer, fed by the group's pump instead of NATS. The
+    pump hands over the upstream's events already ordered and checked; the
+    reader keeps the waiting rule and this member's own overflow."""
+
+    silence_message = "The shared execution stopped responding mid-stream."
 
     def __init__(
         self, group: _Group, upstream: FrameStream, req: InferenceRequest, *, leader: bool
     ) -> None:
-        super().__init__(group.owner.dispatcher, req, FrameBuffer(), duplicate=False)
+        owner = group.owner
+        super().__init__(owner.dispatcher, req, FrameBuffer(owner.max_buffered), duplicate=False)
         self.group = group
         self.coalesced_with = "" if leader else upstream.req.id
-        self._max = group.owner.max_buffered
 
     @property
     def pays(self) -> bool:
@@ -271,49 +268,14 @@ class MemberStream(FrameStream):
         return self.group.payer is self
 
     def feed(self, frame: Token | Final | ErrorFrame | Heartbeat) -> None:
-        queue = self._queue
-        if queue.overflowed.is_set():
-            return
-        if queue.qsize() < self._max:
-            queue.put_nowait(frame)
-        else:
-            queue.put_nowait(OVERFLOW)  # this member is too slow; the others go on
-            queue.overflowed.set()
+        self._queue.offer(frame)  # too slow: this member ends; the others go on
 
-    async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
-        # The pump hands over the upstream's events already ordered and checked;
-        # this only keeps the waiting rules (deadline before the first token,
-        # heartbeat silence after it) and this member's own overflow.
-        while True:
-            timeout = heartbeat_timeout if self.started else self.req.deadline - time.time() + 0.5
-            if wait_limit is not None:
-                timeout = min(timeout, wait_limit)
-            if self._ahead:
-                frame = self._ahead.popleft()
-            else:
-                try:
-                    frame = await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
-                except TimeoutError:
-                    if wait_limit is not None and timeout == wait_limit:
-                        raise
-                    if self.started:
-                        raise _Interrupted(
-                            "The shared execution stopped responding mid-stream."
-                        ) from None
-                    raise Timeout("The request did not complete before its deadline.") from None
-            if frame is OVERFLOW:
-                await self.cancel("client_too_slow")
-                raise ClientTooSlow("The client read the stream too slowly; it was ended.")
-            if isinstance(frame, Token):
-                if self.attempt is None:
-                    self.attempt = frame.attempt
-                    self.first_token_at = time.monotonic()
-                self.last_seq = frame.seq
-                return frame
-            if isinstance(frame, Final | ErrorFrame):
-                self.done = True
-                return frame
-            # Heartbeats (and anything else) only prove liveness.
+    async def on_first_token(self, attempt: int) -> None:
+        # The upstream observed the class's first-token delay and settled any hedge.
+        await FrameReader.on_first_token(self, attempt)
+
+    async def recover(self, attempt: int, after: int, through: int) -> list[Token] | None:
+        return None  # the pump relays the upstream's tokens in sequence: no gaps
 
     async def cancel(self, reason: str = "client_disconnected") -> None:
         if not self.done:

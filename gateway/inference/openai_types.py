@@ -19,6 +19,9 @@ from streams.wire import Usage
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 # No model has a context this long; a larger value is bad input, not a budget question.
 MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
+# Examples for the OpenAPI document (gateway/ingress/openapi.py); they do not validate.
+ModelName = Annotated[str, msgspec.Meta(examples=["sim-8b"])]
+EmbeddingModelName = Annotated[str, msgspec.Meta(examples=["sim-embed"])]
 
 
 class FunctionSpec(msgspec.Struct):
@@ -46,7 +49,7 @@ class ChatMessage(msgspec.Struct):
 
 
 class _Common(msgspec.Struct):
-    model: str
+    model: ModelName
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: MaxTokens | None = None
@@ -58,6 +61,10 @@ class _Common(msgspec.Struct):
 
 
 class ChatRequest(_Common):
+    """A chat completion request. Fields jetserve does not read pass through to the
+    engine unchanged. `n` must be 1. Without `max_tokens` (or `max_completion_tokens`)
+    the output is bounded by the gateway's default."""
+
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] = []
     max_completion_tokens: MaxTokens | None = None
     tools: list[ToolSpec] | None = None
@@ -66,12 +73,17 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    """A (legacy) completion request: a prompt as text, token ids, or a batch of either.
+    Without `max_tokens` the output is bounded at 16 tokens, as OpenAI's is."""
+
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str | int | list[int]] = ""
 
 
 class EmbeddingRequest(msgspec.Struct):
-    model: str
+    """An embeddings request. `base64` encodes each vector as little-endian float32."""
+
+    model: EmbeddingModelName
     input: str | list[str | int | list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
@@ -191,24 +203,6 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def merge_tool_calls(acc: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
-    """Fold streamed tool-call deltas (by index) into complete tool calls."""
-    for d in deltas:
-        idx = int(d.get("index", len(acc)))
-        while len(acc) <= idx:
-            acc.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-        call = acc[idx]
-        if d.get("id"):
-            call["id"] = d["id"]
-        if d.get("type"):
-            call["type"] = d["type"]
-        fn = d.get("function") or {}
-        if fn.get("name"):
-            call["function"]["name"] += fn["name"]
-        if fn.get("arguments"):
-            call["function"]["arguments"] += fn["arguments"]
 
 
 class ChunkWriter:

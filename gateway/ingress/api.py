@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import nats.errors
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -11,8 +9,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
-from gateway.inference.dispatch import Event, error_from_frame
-from gateway.inference.service import Admitted, InferenceService, Replayed
+from gateway.inference.dispatch import error_from_frame
+from gateway.inference.service import InferenceService
+from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.sse import (
     ClientGone,
     EventStreamResponse,
@@ -22,6 +21,8 @@ from gateway.ingress.sse import (
 )
 from gateway.tenancy.request_ledger import LedgerReader
 from gateway.web import error_response, json_response, ledger_window
+from streams.ids import is_safe_id
+from streams.inference.frames import Event
 from streams.request_ledger import encode_record
 from streams.wire import ErrorFrame, Op
 
@@ -81,7 +82,7 @@ async def resume_stream(request: Request) -> Response:
     except ValueError:
         raise BadRequest("Last-Event-ID must be an integer.", param="Last-Event-ID") from None
     include_usage = request.query_params.get("include_usage") in ("1", "true")
-    if not REQUEST_ID.match(request.path_params["request_id"]):
+    if not is_safe_id(request.path_params["request_id"]):
         # Ids are tokens we made; anything else (a subject wildcard) resumes nothing.
         raise NotFound("No such request.", code="stream_not_found")
     session = await gw.resume(
@@ -132,9 +133,6 @@ async def tenant_ledger(request: Request) -> Response:
     return Response(
         b"\n".join(lines) + (b"\n" if lines else b""), media_type="application/x-ndjson"
     )
-
-
-REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 async def healthz(request: Request) -> Response:

@@ -10,8 +10,8 @@ from gateway import web
 from gateway.errors import GatewayError
 from gateway.ingress import api as http
 from gateway.ingress import openapi, playground
+from gateway.ingress import runs_http as runs
 from gateway.ingress.ws import websocket_endpoint
-from gateway.runs import service as runs
 from gateway.runtime import Runtime
 
 

@@ -21,7 +21,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.inference.service import InferenceService, Replayed
+from gateway.inference.service import InferenceService
+from gateway.inference.sessions import Replayed
 from gateway.ingress.sse import client_events
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
 from streams.wire import Op

@@ -26,7 +26,8 @@ from nats.aio.subscription import Subscription
 
 from gateway.errors import BadRequest, GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
-from gateway.runs.service import RunsService, view
+from gateway.runs.service import RunsService
+from gateway.runs.views import view
 from streams.subjects import INGRESS_RUNS
 
 _encoder = msgspec.json.Encoder()

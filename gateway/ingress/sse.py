@@ -13,10 +13,12 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
-from gateway.inference.dispatch import Event, error_from_frame
+from gateway.errors import ClientTooSlow, GatewayError
+from gateway.inference.dispatch import error_from_frame
 from gateway.inference.openai_types import ChunkWriter
-from gateway.inference.service import InferenceService, Session
+from gateway.inference.service import InferenceService
+from gateway.inference.sessions import Session
+from streams.inference.frames import Event
 from streams.wire import ErrorFrame, Token
 
 _encoder = msgspec.json.Encoder()
@@ -101,17 +103,12 @@ class EventStreamResponse(Response):
                 if too_slow:
                     # The blocked write was abandoned mid-body: the server closes
                     # the connection, which is the only signal left to give.
-                    raise ClientTooSlowError
+                    raise ClientTooSlow("The client read the stream too slowly; it was ended.")
         if not pump.cancelled() and (exc := pump.exception()) is not None:
             if isinstance(exc, OSError):  # the write failed: the client is gone
                 await self._on_disconnect("client_disconnected")
                 return
             raise exc
-
-
-class ClientTooSlowError(Exception):
-    """Raised out of a response whose client stopped reading (the server then
-    closes the connection)."""
 
 
 class ClientEvent(NamedTuple):

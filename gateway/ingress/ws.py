@@ -19,7 +19,8 @@ import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.inference.service import Admitted, InferenceService, Replayed
+from gateway.inference.service import InferenceService
+from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.sse import client_events
 from streams.wire import Op
 

@@ -1,12 +1,8 @@
-"""Agent runs: the API (protocol-independent :class:`RunsService`, and its HTTP
-routes). The executors (``workers/agent``) do the work; the gateway creates,
-shows, decides and cancels runs through the run store, and streams run events.
-
-    POST /v1/runs                             create (model, messages, tools, budget, deadline)
-    GET  /v1/runs/{id}                        the run: status, messages, usage, pending approval
-    GET  /v1/runs/{id}/events                 SSE, resumable with Last-Event-ID
-    POST /v1/runs/{id}/approvals/{call_id}    {"approve": true|false, "reason": "..."}
-    POST /v1/runs/{id}/cancel                 cancel the run and all its descendants
+"""Agent runs: the protocol-independent :class:`RunsService`, which HTTP
+(``gateway/ingress/runs_http.py``) and NATS (``gateway/ingress/runs_nats.py``)
+both serve. The executors (``workers/agent``) do the work; the gateway creates,
+shows, decides and cancels runs through the run store, and streams run events
+(typed items, ``gateway.runs.views``).
 
 Tenant-scoped: a run of another tenant is a 404, as if it did not exist.
 
@@ -22,9 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import msgspec
@@ -32,23 +27,35 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
-from starlette.requests import Request
-from starlette.responses import Response
 
-from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.errors import (
+    BadRequest,
+    BudgetExceeded,
+    Conflict,
+    GatewayError,
+    NotFound,
+    RateLimited,
+    Unavailable,
+)
 from gateway.inference.service import InferenceService
-from gateway.ingress.sse import EventStreamResponse
-from gateway.tenancy.accounting import BudgetExceeded, RateLimited, Scope
+from gateway.runs.bodies import (
+    Decision,
+    RunCreate,
+    check_messages,
+    decode_body,
+    run_budget,
+    run_deadline,
+)
+from gateway.runs.views import Ended, Idle, RunEvent, RunStreamItem
+from gateway.tenancy.accounting import Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.keys import KeyRecord
 from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError
 from gateway.tracing import child_traceparent
-from gateway.web import json_response
 from streams.agent import (
     TERMINAL,
     ApprovalDecision,
-    Budget,
     Run,
     RunPrice,
     decode_event,
@@ -58,92 +65,13 @@ from streams.agent import (
 )
 from streams.agent_store import RunStore
 from streams.errors import RunExistsError, RunStoreError
+from streams.ids import is_safe_id
 from streams.subjects import RequestClass, run_events_subject
-from streams.wire import Usage
 
 log = logging.getLogger(__name__)
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MAX_STEPS = 1000
-MAX_TOKENS = 10_000_000
 # The hold on the tenant's budget outlives the deadline by this much: time for
 # the tree to end and the settler to turn the hold into the actual charge.
 SETTLE_GRACE_S = 600.0
-_encoder = msgspec.json.Encoder()
-
-
-class Conflict(GatewayError):
-    status = 409
-    type = "invalid_request_error"
-    code = "conflict"
-
-
-class BudgetIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    max_steps: int | None = None
-    max_tokens: int | None = None
-    max_cost: float | None = None  # USD
-    max_cost_micros: int | None = None  # or integer micro-USD (wins)
-
-
-class RunCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model: str
-    messages: list[dict[str, Any]]
-    tools: list[str] = []
-    budget: BudgetIn | None = None
-    deadline: float | None = None  # absolute unix seconds
-    timeout: float | None = None  # or seconds from now
-
-
-class Decision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    approve: bool
-    reason: str = ""
-
-
-def _decode(raw: bytes, kind: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(raw or b"null", type=kind)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"Invalid body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"Invalid JSON: {exc}") from None
-
-
-def view(run: Run) -> dict[str, Any]:
-    """The public shape of a run."""
-    spent = run.spent.plus(run.children_spent)
-    out: dict[str, Any] = {
-        "id": run.id,
-        "object": "agent.run",
-        "status": run.status,
-        "reason": run.reason or None,
-        "result": run.result,
-        "model": run.model,
-        "tools": list(run.tools),
-        "parent": run.parent or None,
-        "root": run.root_id,
-        "depth": run.depth,
-        "children": list(run.children),
-        "step": run.step,
-        "budget": msgspec.to_builtins(run.budget),
-        "usage": {
-            "steps": spent.steps,
-            "prompt_tokens": spent.prompt_tokens,
-            "completion_tokens": spent.completion_tokens,
-            "total_tokens": spent.tokens,
-            "cost_micros": spent.cost_micros,
-        },
-        "remaining": msgspec.to_builtins(run.remaining()),
-        "deadline": run.deadline,
-        "created": run.created,
-        "updated": run.updated,
-        "pending_approval": msgspec.to_builtins(run.pending_approval)
-        if run.pending_approval
-        else None,
-        "ambiguous_key": run.ambiguous_key or None,
-        "messages": run.messages,
-        "traceparent": run.traceparent,
-    }
-    return out
 
 
 class RunsService:
@@ -156,7 +84,7 @@ class RunsService:
 
     async def _run(self, key: KeyRecord, run_id: str) -> Run:
         stored = None
-        if _TOOL_NAME.match(run_id):
+        if is_safe_id(run_id):
             try:
                 stored = await self.store.get(run_id)
             except RunStoreError as exc:
@@ -170,18 +98,18 @@ class RunsService:
     async def create(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Run, bool]:
         """The new run, or (``Idempotency-Key`` retry) the run it made first: (run, replayed)."""
         key = await self._key(headers.get("authorization"))
-        body: RunCreate = _decode(raw, RunCreate)
+        body = decode_body(raw, RunCreate)
         cfg = self.gw.cfg
         if body.model not in cfg.models:
             raise NotFound(f"The model '{body.model}' does not exist.", param="model")
         tools = tuple(dict.fromkeys(body.tools))
         for name in tools:
-            if not _TOOL_NAME.match(name):
+            if not is_safe_id(name):
                 raise BadRequest(f"Invalid tool name {name!r}.", param="tools")
         key.scopes.check(model=body.model, cls=RequestClass.AGENT.value, tools=tools)
-        _check_messages(body.messages)
+        check_messages(body.messages)
         now = time.time()
-        deadline = _deadline(body, now, cfg.run_default_timeout_s, cfg.run_max_timeout_s)
+        deadline = run_deadline(body, now, cfg.run_default_timeout_s, cfg.run_max_timeout_s)
         price = cfg.prices.for_model(body.model)
         run_price = RunPrice(
             version=cfg.prices.version,
@@ -189,7 +117,7 @@ class RunsService:
             output_per_1k=price.output_per_1k,
             cached_per_1k=price.cached_per_1k,
         )
-        budget = _budget(body.budget, run_price)
+        budget = run_budget(body.budget, run_price)
         idem = headers.get(IDEM_HEADER)
         run_id = run_id_for(key.tenant, idem) if idem else new_run_id()
         if idem:
@@ -280,7 +208,7 @@ class RunsService:
         self, authorization: str | None, run_id: str, call_id: str, raw: bytes
     ) -> dict[str, Any]:
         key = await self._key(authorization)
-        body: Decision = _decode(raw, Decision)
+        body = decode_body(raw, Decision)
         run = await self._run(key, run_id)
         pending = run.pending_approval
         if run.status != "awaiting_approval" or pending is None or pending.call_id != call_id:
@@ -324,9 +252,11 @@ class RunsService:
 
     async def events(
         self, authorization: str | None, run_id: str, last_event_id: int
-    ) -> AsyncIterator[bytes]:
-        """SSE bytes: the run's events after ``last_event_id`` (their stream
-        sequence), then live ones, until a terminal status event."""
+    ) -> AsyncGenerator[RunStreamItem, None]:
+        """The run's events after ``last_event_id`` (their stream sequence), then
+        live ones, until a terminal status event; :class:`Idle` after each
+        ``keepalive_s`` without one. Checked (key, run, subscription) before the
+        first item, so a refusal is an error, not an empty stream."""
         key = await self._key(authorization)
         run = await self._run(key, run_id)
         subject = run_events_subject(run.tenant, run.id)
@@ -355,138 +285,31 @@ class RunsService:
             )
         except (nats.errors.Error, APIError, TimeoutError) as exc:
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
-        return _sse(queue, sub, self.gw.cfg.keepalive_s)
+        return _follow(queue, sub, self.gw.cfg.keepalive_s)
 
 
-async def _ended() -> AsyncIterator[bytes]:
-    yield b": run ended\n\n"
+async def _ended() -> AsyncGenerator[RunStreamItem, None]:
+    yield Ended()
 
 
-async def _sse(queue: asyncio.Queue[Msg], sub: Any, keepalive_s: float) -> AsyncIterator[bytes]:
+async def _follow(
+    queue: asyncio.Queue[Msg], sub: Any, keepalive_s: float
+) -> AsyncGenerator[RunStreamItem, None]:
     try:
         while True:
             try:
                 msg = await asyncio.wait_for(queue.get(), keepalive_s)
             except TimeoutError:
-                yield b": keep-alive\n\n"
+                yield Idle()
                 continue
             try:
                 event = decode_event(msg.data)
             except msgspec.DecodeError:
                 continue
             seq = msg.metadata.sequence.stream if msg.metadata.sequence else 0
-            yield b"id: %d\nevent: %s\ndata: %s\n\n" % (seq, event.kind.encode(), msg.data)
+            yield RunEvent(seq, event.kind, msg.data)
             if event.kind == "status" and event.status in TERMINAL:
                 return
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
-
-
-def _check_messages(messages: list[dict[str, Any]]) -> None:
-    if not messages:
-        raise BadRequest("'messages' must not be empty.", param="messages")
-    for i, m in enumerate(messages):
-        if m.get("role") not in _ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {sorted(_ROLES)}.")
-        content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise BadRequest(f"messages[{i}].content must be a string, a list or null.")
-
-
-def _deadline(body: RunCreate, now: float, default_s: float, max_s: float) -> float:
-    if body.deadline is not None and body.timeout is not None:
-        raise BadRequest("Give 'deadline' or 'timeout', not both.", param="deadline")
-    if body.deadline is not None:
-        deadline = body.deadline
-    else:
-        deadline = now + (body.timeout if body.timeout is not None else default_s)
-    if not now < deadline <= now + max_s:
-        raise BadRequest(
-            f"The deadline must be in the future and at most {max_s:g}s away.", param="deadline"
-        )
-    return deadline
-
-
-def _budget(asked: BudgetIn | None, price: RunPrice) -> Budget:
-    asked = asked or BudgetIn()
-    steps = asked.max_steps if asked.max_steps is not None else Budget().max_steps
-    tokens = asked.max_tokens if asked.max_tokens is not None else Budget().max_tokens
-    if not 1 <= steps <= MAX_STEPS:
-        raise BadRequest(f"budget.max_steps must be in [1, {MAX_STEPS}].", param="budget")
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise BadRequest(f"budget.max_tokens must be in [1, {MAX_TOKENS}].", param="budget")
-    if asked.max_cost_micros is not None:
-        cost = asked.max_cost_micros
-    elif asked.max_cost is not None:
-        cost = round(asked.max_cost * 1_000_000)
-    else:
-        # Default: every token at the output price, the most the tokens can cost.
-        cost = price.cost(Usage(prompt_tokens=0, completion_tokens=tokens))
-    if cost < 1:
-        raise BadRequest("budget.max_cost must be positive.", param="budget")
-    return Budget(max_steps=steps, max_tokens=tokens, max_cost_micros=cost)
-
-
-# -- HTTP ------------------------------------------------------------------------------
-
-
-def runs_of(request: Request) -> RunsService:
-    runs: RunsService | None = request.app.state.runs
-    if runs is None:
-        raise Unavailable("Agent runs are not enabled on this gateway.")
-    return runs
-
-
-async def create_run(request: Request) -> Response:
-    run, replayed = await runs_of(request).create(await request.body(), request.headers)
-    headers = {"X-Run-Id": run.id}
-    if replayed:
-        headers["Idempotent-Replayed"] = "true"
-    return json_response(view(run), 200 if replayed else 201, headers)
-
-
-async def get_run(request: Request) -> Response:
-    run = await runs_of(request).get(
-        request.headers.get("authorization"), request.path_params["run_id"]
-    )
-    return json_response(view(run))
-
-
-async def decide_call(request: Request) -> Response:
-    out = await runs_of(request).decide(
-        request.headers.get("authorization"),
-        request.path_params["run_id"],
-        request.path_params["call_id"],
-        await request.body(),
-    )
-    return json_response(out, 202)
-
-
-async def cancel_run(request: Request) -> Response:
-    run = await runs_of(request).cancel(
-        request.headers.get("authorization"), request.path_params["run_id"]
-    )
-    out = view(run)
-    out["cancel_requested"] = run.status not in TERMINAL
-    return json_response(out, 202 if out["cancel_requested"] else 200)
-
-
-async def run_events(request: Request) -> Response:
-    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
-    try:
-        last = int(raw)
-    except ValueError:
-        raise BadRequest("Last-Event-ID must be an integer.", param="Last-Event-ID") from None
-    body = await runs_of(request).events(
-        request.headers.get("authorization"), request.path_params["run_id"], last
-    )
-
-    async def nothing(reason: str) -> None:  # the subscription ends with the generator
-        return None
-
-    return EventStreamResponse(body, nothing, {"X-Run-Id": request.path_params["run_id"]})
-
-
-def encode_view(run: Run) -> bytes:
-    return _encoder.encode(view(run))

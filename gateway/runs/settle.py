@@ -27,6 +27,7 @@ from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.agent import Run, Spend, decode_settle
 from streams.agent_store import RunStore
+from streams.consumer import Limit, PullConsumer, PullLoop
 from streams.errors import RunStoreError
 from streams.subjects import RequestClass
 
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 # Past the root's deadline by this much, a tree with runs that never ended (an
 # executor fleet that was down) is settled with what they recorded so far.
 _STRAGGLER_GRACE_S = 120.0
+_BATCH = 16  # requests one pull may bring, and settled at once
+_GRACE_S = 5.0  # for settlements in flight at shutdown (then redelivered)
 
 
 class RunSettler:
@@ -51,36 +54,32 @@ class RunSettler:
         self._accountant = accountant
         self._ledger = ledger
         self._gateway_id = gateway_id
+        self._slots = Limit(_BATCH)
+        self._consumer = PullConsumer(
+            self._serve, graceful_timeout_s=_GRACE_S, name=f"run settler {gateway_id}"
+        )
         self._task: asyncio.Task[None] | None = None
-        self._sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         topo = self._store.topo
-        self._sub = await self._js.pull_subscribe_bind(topo.settle_consumer, topo.stream)
-        self._task = asyncio.create_task(self._loop(self._sub))
+        sub = await self._js.pull_subscribe_bind(topo.settle_consumer, topo.stream)
+        loop = PullLoop(
+            sub, self._consumer.start, slots=self._slots, batch=_BATCH, error_backoff_s=1.0
+        )
+        self._consumer.add(loop)
+        self._task = asyncio.create_task(self._consumer.run())
 
     async def stop(self) -> None:
+        """Stop pulling, hand strays back, let settlements in flight finish."""
+        self._consumer.shutdown()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._sub is not None:
-            # Else the connection's drain waits on the pull's inbox until it times out.
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
+            await self._task
 
-    async def _loop(self, sub: JetStreamContext.PullSubscription) -> None:
-        while True:
-            try:
-                msgs = await sub.fetch(16, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except nats.errors.Error as exc:
-                log.warning("settle fetch failed: %s", exc)
-                await asyncio.sleep(1.0)
-                continue
-            for msg in msgs:
-                await self._one(msg)
+    async def _serve(self, msg: Msg) -> None:
+        try:
+            await self._one(msg)
+        finally:
+            await self._slots.release()
 
     async def _one(self, msg: Msg) -> None:
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 import secrets
 import time
 
@@ -20,9 +19,9 @@ import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationFailed, BadRequest, NotFound, PermissionDenied, Unavailable
+from streams.ids import is_safe_id
 
 P = "jetserve:"
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ANY = ("*",)
 
 
@@ -86,7 +85,7 @@ def new_plaintext_key() -> str:
 
 
 def check_id(kind: str, ident: str) -> str:
-    if not _ID.match(ident):
+    if not is_safe_id(ident):
         raise BadRequest(f"{kind} id must match [A-Za-z0-9_-]{{1,64}}: {ident!r}", param="id")
     return ident
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError
-from gateway.tenancy.accounting import Scope
+from gateway.tenancy.limits import Scope
 from streams.request_ledger import LedgerRecord
 from streams.wire import InferenceRequest, Op, Usage
 

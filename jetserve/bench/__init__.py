@@ -6,13 +6,17 @@ The pieces, in the order a run meets them:
 - ``arrivals``: Poisson / gamma (burstiness) arrival times;
 - ``workload``, ``prompts``, ``trace``: the request schedule (classes, lengths, shared
   prefixes, cancellations), its prompts, and JSONL trace replay;
-- ``targets``, ``peer_litellm``, ``fleet_targets``: what is measured;
-- ``client``, ``timeline``, ``loadgen``: the streaming client that records per-request
-  timelines, driven open-loop in a process of its own;
-- ``slo``, ``metrics``: vLLM's metric definitions, goodput, added latency;
+- ``targets``, ``peer_litellm``, ``fleet.targets``: what is measured;
+- ``client``, ``timeline``, ``openloop``, ``loadgen``: the streaming client that
+  records per-request timelines, driven open-loop (the one driver, ``openloop``) in
+  a process of its own;
+- ``slo``, ``metrics``: vLLM's metric definitions (and the one ``percentile``),
+  goodput, added latency;
 - ``cpu``: CPU time of the fleet's processes (and everyone else's) around each run;
-- ``sweep``, ``report``, ``plots``, ``progress``, ``plan``, ``cli``: orchestration and
-  output.
+- ``sweep``, ``report``, ``summary``, ``plots``, ``progress``, ``plan``: orchestration
+  and output;
+- ``cli``, ``commands``: the flags and the four commands (run, plan, report, fleet);
+- ``fleet/``: ``jetserve bench fleet``, the fleet-routing scenarios on real fleets.
 
 Nothing here is imported by the gateway or the workers.
 """

@@ -1,11 +1,11 @@
 """The open-loop load generator: sends each request at its scheduled time, whether
 or not earlier ones have answered, and records what it sent when.
 
-`run_job` is the driver. `run_in_subprocess` runs it in a process of its own (so the
-generator shares its event loop with nothing else: not the orchestrator, not a
-fleet, not the progress bar); that process is `python -m jetserve.bench.loadgen JOB
-OUT`, which reads a msgpack `Job`, prints `progress SENT DONE BAD` lines and writes a
-msgpack `LoadResult`.
+`run_job` drives one run through `openloop.open_loop`. `run_in_subprocess` runs
+it in a process of its own (so the generator shares its event loop with nothing
+else: not the orchestrator, not a fleet, not the progress bar); that process is
+`python -m jetserve.bench.loadgen JOB OUT`, which reads a msgpack `Job`, prints
+`progress SENT DONE BAD` lines and writes a msgpack `LoadResult`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import msgspec
 import uvloop
 
 from jetserve.bench.client import ClientPool, stream_one
+from jetserve.bench.openloop import open_loop
 from jetserve.bench.prompts import Api, api_path, request_body
 from jetserve.bench.targets import Target
 from jetserve.bench.timeline import Timeline
@@ -105,19 +106,10 @@ async def run_job(
     freeze_gc: bool = False,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> LoadResult:
-    model = job.target.model or job.model
     url = job.target.url + api_path(job.api)
     headers = _headers(job)
-    # Encoded up front: no JSON or prompt work competes with sending on time.
-    bodies = [
-        request_body(
-            r, api=job.api, model=model, seed=job.seed, salt=job.salt, ignore_eos=job.ignore_eos
-        )
-        for r in job.requests
-    ]
     pool = ClientPool(job.conns_per_client, job.max_clients, transport=transport)
-    timelines: list[Timeline | None] = [None] * len(job.requests)
-    sent = done = bad = 0
+    sender = _Sender(job, pool, url, headers, clock)
     try:
         pool.prestart(4)
         warm_headers = next(iter(headers.values()), {})
@@ -129,58 +121,7 @@ async def run_job(
             gc.freeze()
         started_unix = time.time() + job.lead
         cpu0 = time.process_time()
-        t0 = clock() + job.lead
-        last = job.requests[-1].at if job.requests else 0.0
-        drain_deadline = t0 + last + job.drain
-
-        async def one(i: int, req: RequestSpec) -> None:
-            nonlocal sent, done, bad
-            slot = pool.acquire()
-            sent += 1
-            try:
-                tl = await stream_one(
-                    pool.client(slot),
-                    url,
-                    headers[req.cls],
-                    bodies[i],
-                    req,
-                    t0=t0,
-                    deadline=min(clock() + job.request_timeout, drain_deadline),
-                    clock=clock,
-                )
-            finally:
-                pool.release(slot)
-            timelines[i] = tl
-            done += 1
-            if tl.outcome not in ("ok", "cancelled"):
-                bad += 1
-
-        async def report() -> None:
-            while True:
-                if on_progress is not None:
-                    on_progress(sent, done, bad)
-                await asyncio.sleep(job.progress_every)
-
-        reporter = asyncio.create_task(report())
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for i, req in enumerate(job.requests):
-                # Timers may fire a little early; sleep again rather than send early.
-                for _ in range(3):
-                    delay = t0 + req.at - clock()
-                    if delay <= 0.0005:
-                        break
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(i, req)))
-            await asyncio.gather(*tasks)
-        finally:
-            reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporter
-            for t in tasks:
-                t.cancel()
-        if on_progress is not None:
-            on_progress(sent, done, bad)
+        timelines = await sender.run(clock() + job.lead, on_progress)
         cpu_s = time.process_time() - cpu0
     finally:
         if freeze_gc:
@@ -188,12 +129,81 @@ async def run_job(
         clients = pool.size
         await pool.aclose()
     return LoadResult(
-        timelines=[t for t in timelines if t is not None],
+        timelines=timelines,
         started_unix=started_unix,
         clients=clients,
         warmup_errors=warmup_errors,
         cpu_s=cpu_s,
     )
+
+
+class _Sender:
+    """One run's requests through the open-loop driver, counting as they go."""
+
+    def __init__(
+        self,
+        job: Job,
+        pool: ClientPool,
+        url: str,
+        headers: dict[str, dict[str, str]],
+        clock: Callable[[], float],
+    ) -> None:
+        self.job, self.pool, self.url, self.headers, self.clock = job, pool, url, headers, clock
+        model = job.target.model or job.model
+        # Encoded up front: no JSON or prompt work competes with sending on time.
+        self.bodies = [
+            request_body(
+                r, api=job.api, model=model, seed=job.seed, salt=job.salt, ignore_eos=job.ignore_eos
+            )
+            for r in job.requests
+        ]
+        self.sent = self.done = self.bad = 0
+        self.t0 = 0.0
+        self.drain_deadline = 0.0
+
+    async def run(self, t0: float, on_progress: OnProgress | None) -> list[Timeline]:
+        self.t0 = t0
+        last = self.job.requests[-1].at if self.job.requests else 0.0
+        self.drain_deadline = t0 + last + self.job.drain
+        reporter = asyncio.create_task(self._report(on_progress))
+        try:
+            arrivals = (r.at for r in self.job.requests)
+            timelines = await open_loop(arrivals, self._one, t0=t0, clock=self.clock)
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+        if on_progress is not None:
+            on_progress(self.sent, self.done, self.bad)
+        return timelines
+
+    async def _one(self, i: int) -> Timeline:
+        req = self.job.requests[i]
+        slot = self.pool.acquire()
+        self.sent += 1
+        try:
+            tl = await stream_one(
+                self.pool.client(slot),
+                self.url,
+                self.headers[req.cls],
+                self.bodies[i],
+                req,
+                t0=self.t0,
+                deadline=min(self.clock() + self.job.request_timeout, self.drain_deadline),
+                clock=self.clock,
+            )
+        finally:
+            self.pool.release(slot)
+        self.done += 1
+        if tl.outcome not in ("ok", "cancelled"):
+            self.bad += 1
+        return tl
+
+    async def _report(self, on_progress: OnProgress | None) -> None:
+        while True:
+            if on_progress is not None:
+                on_progress(self.sent, self.done, self.bad)
+            await asyncio.sleep(self.job.progress_every)
 
 
 def run_in_subprocess(job: Job, on_progress: OnProgress | None = None) -> LoadResult:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -31,11 +32,17 @@ CDF_POINTS = 51  # TTFT quantiles kept per run for CDF plots (every 2%)
 DEFAULT_MAX_LAG = 0.025  # seconds of p99 send lag before a run is flagged (docs/bench.md)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks, as numpy's default."""
+def percentile(
+    values: Sequence[float], q: float, *, method: Literal["linear", "nearest"] = "linear"
+) -> float:
+    """The q-th percentile (0..100) of the whole bench package. ``linear``: between
+    closest ranks, as numpy's default (vLLM's definitions); ``nearest``: the
+    nearest-rank value, always a sample (the fleet scenarios' tables)."""
     if not values:
         raise ValueError("percentile of nothing")
     ordered = sorted(values)
+    if method == "nearest":
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
     rank = q / 100 * (len(ordered) - 1)
     lo = math.floor(rank)
     hi = min(lo + 1, len(ordered) - 1)

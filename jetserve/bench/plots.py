@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jetserve.bench.metrics import CDF_POINTS
 from jetserve.bench.report import Results
@@ -14,6 +14,7 @@ from jetserve.bench.units import fmt_rate
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
 
 DPI = 90
 FILES = ("latency_vs_load.png", "throughput_vs_load.png", "ttft_cdf.png")
@@ -32,13 +33,15 @@ def write_plots(res: Results, out_dir: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
+    colors = {n: f"C{i}" for i, n in enumerate(res.target_names())}
+    return [plot(res, out_dir, colors) for plot in (_latency, _throughput, _ttft_cdf)]
+
+
+def _latency(res: Results, out_dir: Path, colors: dict[str, str]) -> str:
     from matplotlib.figure import Figure
 
     names = res.target_names()
-    colors = {n: f"C{i}" for i, n in enumerate(names)}
-    written: list[str] = []
-
-    # 1. Latency percentiles vs offered load.
+    # Latency percentiles vs offered load.
     fig = Figure(figsize=(13, 3.8), dpi=DPI, layout="constrained")
     axes = fig.subplots(1, 3)
     panels = (
@@ -60,9 +63,14 @@ def write_plots(res: Results, out_dir: Path) -> list[str]:
         _style(ax, title + " (ms)", log=key != "tpot")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle("Latency vs offered load (solid p50, dashed p99)", fontsize=10)
-    written.append(_save(fig, out_dir, FILES[0]))
+    return _save(fig, out_dir, FILES[0])
 
-    # 2. Throughput, goodput and SLO attainment vs offered load.
+
+def _throughput(res: Results, out_dir: Path, colors: dict[str, str]) -> str:
+    from matplotlib.figure import Figure
+
+    names = res.target_names()
+    # Throughput, goodput and SLO attainment vs offered load.
     fig = Figure(figsize=(10, 3.6), dpi=DPI, layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     top = max(res.rates) if res.rates else 1.0
@@ -105,9 +113,14 @@ def write_plots(res: Results, out_dir: Path) -> list[str]:
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     fig.suptitle("Throughput and SLO attainment vs offered load", fontsize=10)
-    written.append(_save(fig, out_dir, FILES[1]))
+    return _save(fig, out_dir, FILES[1])
 
-    # 3. TTFT CDFs, one panel per offered load.
+
+def _ttft_cdf(res: Results, out_dir: Path, colors: dict[str, str]) -> str:
+    from matplotlib.figure import Figure
+
+    names = res.target_names()
+    # TTFT CDFs, one panel per offered load.
     n = len(res.rates)
     cols = min(n, 3) or 1
     rows = (n + cols - 1) // cols or 1
@@ -136,8 +149,7 @@ def write_plots(res: Results, out_dir: Path) -> list[str]:
         grid[j // cols][j % cols].set_visible(False)
     grid[0][0].legend(fontsize=7)
     fig.suptitle("TTFT CDF by offered load", fontsize=10)
-    written.append(_save(fig, out_dir, FILES[2]))
-    return written
+    return _save(fig, out_dir, FILES[2])
 
 
 def _ms(v: float | None) -> float:
@@ -153,7 +165,7 @@ def _tick(v: float, _pos: object = None) -> str:
     return f"{v:g}" if round(mantissa, 6) in (1.0, 2.0, 5.0) else ""
 
 
-def _plain(axis: Any) -> None:
+def _plain(axis: Axis) -> None:
     from matplotlib.ticker import FuncFormatter
 
     axis.set_major_formatter(FuncFormatter(_tick))

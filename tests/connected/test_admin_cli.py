@@ -72,11 +72,13 @@ def test_tenant_key_limits_ledger_lifecycle(fleet: Fleet, tmp_path: Path) -> Non
     )
     assert limits.returncode == 0, limits.stderr
     over = httpx.post(chat, json=body, headers={"Authorization": f"Bearer {key}"})
-    assert over.status_code == 429 and over.json()["error"]["code"] == "budget_exceeded"
+    assert over.status_code == 429
+    assert over.json()["error"]["code"] == "budget_exceeded"
     shown_limits = json.loads(
         cli(fleet, "limits", "show", "--level", "tenant", "--id", "initech").stdout
     )
-    assert shown_limits["rpm"] == 100 and shown_limits["spent_micros"] > 0
+    assert shown_limits["rpm"] == 100
+    assert shown_limits["spent_micros"] > 0
 
     rotated = cli(fleet, "keys", "rotate", key_id)
     new_key = api_key_of(rotated.stdout)
@@ -94,7 +96,8 @@ def test_tenant_key_limits_ledger_lifecycle(fleet: Fleet, tmp_path: Path) -> Non
 
 def test_admin_api_needs_its_own_credential(fleet: Fleet) -> None:
     denied = cli(fleet, "tenants", "list", token="not-the-token")
-    assert denied.returncode != 0 and "401" in denied.stderr
+    assert denied.returncode != 0
+    assert "401" in denied.stderr
     # A tenant API key is not an admin credential, and the public port has no admin routes.
     r = httpx.get(
         f"{fleet.base_url}/admin/tenants", headers={"Authorization": f"Bearer {fleet.api_key}"}

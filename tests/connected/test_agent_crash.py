@@ -162,7 +162,8 @@ async def _matrix(
     bank = redis.Redis.from_url(fleet.redis_url)
     try:
         log = [json.loads(e) for e in await bank.lrange("jetserve:demo:log", 0, -1)]
-        repeats = [k.decode() for k in await bank.lrange("jetserve:demo:repeats", 0, -1)]
+        raw = await bank.lrange("jetserve:demo:repeats", 0, -1)
+        repeats = [k.decode() if isinstance(k, bytes) else k for k in raw]
     finally:
         await bank.aclose()
     return reconciled, blind, runs, restarts, settled_s, log, repeats
@@ -238,6 +239,7 @@ def test_crash_matrix(fleet: Fleet, crash_log: Path) -> None:
             assert json.loads(tool_msg["content"])["key"] == f"{run_id}/0/call_1"
         if run.status == "ambiguous":
             assert run_id in blind, "a reconcilable transfer must never end ambiguous"
-            assert "awaiting reconciliation" in run.reason and run.ambiguous_key
+            assert "awaiting reconciliation" in run.reason
+            assert run.ambiguous_key
     for run_id in reconciled:
         assert runs[run_id].status == "completed", (run_id, runs[run_id].reason)

@@ -116,7 +116,8 @@ def test_run_transfers_once_streams_events_and_is_settled(fleet: Fleet, api: htt
         ("tool", m, {"content": "Sent 5 to bob."}),
     )
     created = create(api, f"{m}: send 5 to bob", ["transfer"])
-    assert created["status"] == "queued" and created["tools"] == ["transfer"]
+    assert created["status"] == "queued"
+    assert created["tools"] == ["transfer"]
     run = wait(api, created["id"])
     assert run["status"] == "completed", run
     assert run["result"] == "Sent 5 to bob."
@@ -124,12 +125,14 @@ def test_run_transfers_once_streams_events_and_is_settled(fleet: Fleet, api: htt
     (receipt,) = tool_messages(run)
     assert json.loads(receipt["content"])["key"] == f"{run['id']}/0/call_1"
     assert len(bank_effects(fleet, run["id"])) == 1
-    assert run["usage"]["steps"] == 2 and run["usage"]["cost_micros"] > 0
+    assert run["usage"]["steps"] == 2
+    assert run["usage"]["cost_micros"] > 0
 
     # SSE: every event of the run, ending with the terminal status ...
     events = sse_events(api.get(f"/v1/runs/{run['id']}/events"))
     ids = [i for i, _, _ in events]
-    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)
     kinds = [(k, e.get("status"), e.get("index")) for _, k, e in events]
     assert kinds[0] == ("status", "queued", None)
     assert kinds[-1] == ("status", "completed", None)
@@ -140,7 +143,8 @@ def test_run_transfers_once_streams_events_and_is_settled(fleet: Fleet, api: htt
     )
     assert resumed == events[3:]
     after_end = api.get(f"/v1/runs/{run['id']}/events", headers={"Last-Event-ID": str(ids[-1])})
-    assert after_end.status_code == 200 and sse_events(after_end) == []
+    assert after_end.status_code == 200
+    assert sse_events(after_end) == []
 
     # The tenant is charged once, for the run's actual usage, in one ledger record.
     end = time.monotonic() + 10
@@ -151,7 +155,8 @@ def test_run_transfers_once_streams_events_and_is_settled(fleet: Fleet, api: htt
             break
         time.sleep(0.1)
     (record,) = mine
-    assert record["cls"] == "agent" and record["outcome"] == "completed"
+    assert record["cls"] == "agent"
+    assert record["outcome"] == "completed"
     assert record["charge_micros"] == run["usage"]["cost_micros"]
     assert record["usage"]["completion_tokens"] == run["usage"]["completion_tokens"]
     assert record["reserved_micros"] == run["budget"]["max_cost_micros"]
@@ -164,7 +169,8 @@ def test_idempotency_key_returns_the_same_run(fleet: Fleet, api: httpx.Client) -
     key = {"Idempotency-Key": m}
     first = api.post("/v1/runs", json=body, headers=key)
     again = api.post("/v1/runs", json=body, headers=key)
-    assert first.status_code == 201 and again.status_code == 200
+    assert first.status_code == 201
+    assert again.status_code == 200
     assert again.headers["Idempotent-Replayed"] == "true"
     assert first.json()["id"] == again.json()["id"]
 
@@ -213,7 +219,8 @@ def test_key_scopes_bound_the_tools_a_run_may_ask_for(fleet: Fleet, api: httpx.C
     headers = {"Authorization": f"Bearer {key['api_key']}"}
     body = {"model": "sim-8b", "messages": [{"role": "user", "content": "x"}]}
     r = api.post("/v1/runs", json={**body, "tools": ["transfer"]}, headers=headers)
-    assert r.status_code == 403 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 403
+    assert r.json()["error"]["param"] == "tools"
     r = api.post("/v1/runs", json={**body, "tools": ["balance"]}, headers=headers)
     assert r.status_code == 201
     api.post(f"/v1/runs/{r.json()['id']}/cancel")
@@ -276,7 +283,8 @@ def test_approval_gate_survives_an_executor_restart(fleet: Fleet, api: httpx.Cli
     run = wait(api, create(api, m, ["payout"])["id"], {"awaiting_approval"})
     assert run["status"] == "awaiting_approval"
     pending = run["pending_approval"]
-    assert pending["call_id"] == "call_1" and pending["tool"] == "payout"
+    assert pending["call_id"] == "call_1"
+    assert pending["tool"] == "payout"
     assert pending["arguments"] == {"to": "carol", "amount": 7}
     assert bank_effects(fleet, run["id"]) == []
     wrong = api.post(f"/v1/runs/{run['id']}/approvals/call_9", json={"approve": True})
@@ -290,11 +298,14 @@ def test_approval_gate_survives_an_executor_restart(fleet: Fleet, api: httpx.Cli
         fleet.start_agent(wait=False)
     fleet.wait_agents(len(live))
     r = api.post(f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": True})
-    assert r.status_code == 202 and r.json()["approve"] is True
+    assert r.status_code == 202
+    assert r.json()["approve"] is True
     done = wait(api, run["id"])
-    assert done["status"] == "completed" and done["result"] == "Paid carol."
+    assert done["status"] == "completed"
+    assert done["result"] == "Paid carol."
     (effect,) = bank_effects(fleet, run["id"])  # the tool ran once
-    assert effect["kind"] == "payout" and effect["amount"] == 7
+    assert effect["kind"] == "payout"
+    assert effect["amount"] == 7
     # A decision stands: denying it now is a conflict.
     r = api.post(f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": False})
     assert r.status_code == 409
@@ -348,13 +359,17 @@ def test_subagent_gets_a_carved_budget_and_returns_its_result(
         budget={"max_steps": 6, "max_cost_micros": 2000},
     )
     parent = wait(api, created["id"])
-    assert parent["status"] == "completed" and parent["result"] == "The sub-agent says 42."
+    assert parent["status"] == "completed"
+    assert parent["result"] == "The sub-agent says 42."
     (child_id,) = parent["children"]
     child = api.get(f"/v1/runs/{child_id}").json()
-    assert child["status"] == "completed" and child["result"] == "42"
-    assert child["parent"] == parent["id"] and child["root"] == parent["id"]
+    assert child["status"] == "completed"
+    assert child["result"] == "42"
+    assert child["parent"] == parent["id"]
+    assert child["root"] == parent["id"]
     assert child["tools"] == ["balance"]  # a subset, as asked
-    assert child["budget"]["max_steps"] == 2 and child["budget"]["max_cost_micros"] == 400
+    assert child["budget"]["max_steps"] == 2
+    assert child["budget"]["max_cost_micros"] == 400
     assert child["budget"]["max_tokens"] <= 16000  # half the parent's remainder by default
     assert child["traceparent"].split("-")[1] == parent["traceparent"].split("-")[1]
     assert child["deadline"] <= parent["deadline"]
@@ -409,10 +424,12 @@ def test_cancelling_a_parent_stops_a_running_grandchild_within_a_second(
         if len(grandchild["messages"]) == 2:
             break
         time.sleep(0.02)
-    assert grandchild["status"] == "running" and grandchild["depth"] == 2
+    assert grandchild["status"] == "running"
+    assert grandchild["depth"] == 2
     t0 = time.monotonic()
     r = api.post(f"/v1/runs/{parent['id']}/cancel")
-    assert r.status_code == 202 and r.json()["cancel_requested"] is True
+    assert r.status_code == 202
+    assert r.json()["cancel_requested"] is True
     stopped = wait(api, grandchild_id, timeout=1.0)
     elapsed = time.monotonic() - t0
     assert stopped["status"] == "cancelled", stopped
@@ -457,7 +474,8 @@ async def test_runs_over_nats(fleet: Fleet) -> None:
         r = await nc.request(
             f"{INGRESS_RUNS}.create", json.dumps(body).encode(), timeout=5, headers=headers
         )
-        assert r.headers is not None and r.headers["Jetserve-Status"] == "201"
+        assert r.headers is not None
+        assert r.headers["Jetserve-Status"] == "201"
         run_id = json.loads(r.data)["id"]
         status = ""
         for _ in range(100):
@@ -468,11 +486,13 @@ async def test_runs_over_nats(fleet: Fleet) -> None:
             if status == "completed":
                 break
             await asyncio.sleep(0.05)
-        assert status == "completed" and json.loads(r.data)["result"] == "over nats"
+        assert status == "completed"
+        assert json.loads(r.data)["result"] == "over nats"
         r = await nc.request(
             f"{INGRESS_RUNS}.get", json.dumps({"run_id": "run_nope"}).encode(), headers=headers
         )
-        assert r.headers is not None and r.headers["Jetserve-Status"] == "404"
+        assert r.headers is not None
+        assert r.headers["Jetserve-Status"] == "404"
     finally:
         await nc.close()
 

@@ -76,7 +76,8 @@ async def test_concurrent_embeddings_are_batched_and_exact(
             for line in r.text.splitlines()
             if line.startswith("jetserve_worker_embed_batch_size_count")
         ]
-        assert counts and counts[0] >= batched_calls
+        assert counts
+        assert counts[0] >= batched_calls
 
         # The same fleet with batching off: one engine call per request.
         fleet.workers[0].stop()

@@ -34,7 +34,7 @@ def slow_sim() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_port(port, 20.0, proc)  # type: ignore[arg-type]
+        wait_port(port, 20.0, proc)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()
@@ -63,8 +63,10 @@ def test_open_loop_sends_on_schedule_while_the_server_is_slow(slow_sim: str) -> 
     # On schedule: a generator that waited for answers would be late by seconds. The
     # bounds leave room for a busy 2-core machine (other processes may take the CPU).
     check = generator_check(tls)
-    assert check.lag.p50 is not None and check.lag.p50 < 0.02, check.lag
-    assert check.lag.max is not None and check.lag.max < 0.15 * slowest_first, check.lag
+    assert check.lag.p50 is not None, check.lag
+    assert check.lag.p50 < 0.02, check.lag
+    assert check.lag.max is not None, check.lag
+    assert check.lag.max < 0.15 * slowest_first, check.lag
     assert check.achieved_rate == pytest.approx(check.scheduled_rate, rel=0.1)
     # Open loop: the last request went out before the first answer was complete.
     assert max(t.sent for t in tls) < min(t.end for t in tls)
@@ -88,7 +90,8 @@ def test_fleet_sweep_writes_results_and_summary(
     assert "max rate under SLO" in printed.out
     assert "done 8 bad 0" in printed.err  # the progress bar
     res = json.loads((out / "results.json").read_text())
-    assert res["schema"] == "jetserve-bench/1" and res["baseline"] == "direct"
+    assert res["schema"] == "jetserve-bench/1"
+    assert res["baseline"] == "direct"
     assert [t["name"] for t in res["targets"]] == ["direct", "jetserve"]
     assert res["rates"] == [20.0, 40.0]
     assert len(res["runs"]) == 4
@@ -101,4 +104,5 @@ def test_fleet_sweep_writes_results_and_summary(
     assert "## Added latency vs `direct`" in md
     assert bench_main(["plan", "--results", str(out / "results.json")]) == 0
     plan = capsys.readouterr().out
-    assert "capacity plan for target 'jetserve'" in plan and "the open-loop sweep" in plan
+    assert "capacity plan for target 'jetserve'" in plan
+    assert "the open-loop sweep" in plan

@@ -64,7 +64,8 @@ async def test_websocket_rejects_bad_key(fleet: Fleet) -> None:
     with pytest.raises(websockets.exceptions.ConnectionClosed) as info:
         async with websockets.connect(url) as ws:
             await ws.recv()
-    assert info.value.rcvd is not None and info.value.rcvd.code == 4401
+    assert info.value.rcvd is not None
+    assert info.value.rcvd.code == 4401
 
 
 async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
@@ -72,7 +73,8 @@ async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
     try:
         hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
         reply = await nc.request(INGRESS_CHAT, msgspec.json.encode(BODY), timeout=10, headers=hdrs)
-        assert reply.headers and reply.headers["Jetserve-Status"] == "200"
+        assert reply.headers
+        assert reply.headers["Jetserve-Status"] == "200"
         text = msgspec.json.decode(reply.data)["choices"][0]["message"]["content"]
         assert text == await reference(fleet)
 
@@ -102,7 +104,8 @@ async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
             timeout=10,
             headers={"Authorization": "Bearer nope"},
         )
-        assert bad.headers and bad.headers["Jetserve-Status"] == "401"
+        assert bad.headers
+        assert bad.headers["Jetserve-Status"] == "401"
         assert msgspec.json.decode(bad.data)["error"]["code"] == "invalid_api_key"
     finally:
         await nc.close()

@@ -114,7 +114,8 @@ async def test_identical_t0_requests_share_one_generation(fleet: Fleet) -> None:
     ids = [rid for rid, _ in results]
     texts = {text for _, text in results}
     assert len(set(ids)) == N  # each its own accepted request
-    assert len(texts) == 1 and texts.pop()  # every client got the full, same text
+    assert len(texts) == 1  # every client got the full, same text
+    assert texts.pop()
     records = ledger(fleet, fleet.spec.tenant, set(ids))
     assert set(records) == set(ids)  # one record each
     leaders = [r for r in records.values() if not r["coalesced_with"]]
@@ -195,4 +196,5 @@ async def test_leader_leaving_mid_stream_does_not_break_followers(fleet: Fleet) 
     assert records[leader_id]["outcome"] == "cancelled"
     assert records[leader_id]["charge_micros"] == 0  # the payer role moved on
     charged = [r for r in records.values() if r["charge_micros"] > 0]
-    assert len(charged) == 1 and charged[0]["coalesced_with"] == leader_id
+    assert len(charged) == 1
+    assert charged[0]["coalesced_with"] == leader_id

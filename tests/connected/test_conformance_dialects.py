@@ -59,4 +59,5 @@ def test_tgi_worker_serves_chat_through_gateway(make_fleet: Callable[..., Fleet]
             for choice in chunk["choices"]:
                 parts.append(choice["delta"].get("content") or "")
     assert "".join(parts) == "one two three "
-    assert usage is not None and usage["completion_tokens"] == 4
+    assert usage is not None
+    assert usage["completion_tokens"] == 4

@@ -8,9 +8,11 @@ import time
 
 import httpx
 import pytest
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 
 from gateway.inference.deadletters import MaxDeliveriesWatch
-from gateway.inference.dispatch import ToolDispatcher
+from gateway.inference.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from jetserve.fleet import Fleet
 from jetserve.services import Service
@@ -43,11 +45,11 @@ def request(topo_reply: str, rid: str) -> tuple[InferenceRequest, Meta]:
     return req, meta
 
 
-async def dlq_messages(js: object, stream: str) -> list[object]:
-    info = await js.stream_info(stream)  # type: ignore[attr-defined]
+async def dlq_messages(js: JetStreamContext, stream: str) -> list[RawStreamMsg]:
+    info = await js.stream_info(stream)
     return (
         [
-            await js.get_msg(stream, seq)  # type: ignore[attr-defined]
+            await js.get_msg(stream, seq)
             for seq in range(info.state.first_seq, info.state.last_seq + 1)
         ]
         if info.state.messages
@@ -67,8 +69,8 @@ async def test_poison_request_is_dead_lettered_and_the_worker_carries_on(fleet: 
             await asyncio.sleep(0.05)
         assert msgs, "nothing was dead-lettered"
         poison = msgs[-1]
-        assert poison.data == b"\x00not a request"  # type: ignore[attr-defined]
-        headers = poison.headers or {}  # type: ignore[attr-defined]
+        assert poison.data == b"\x00not a request"
+        headers = poison.headers or {}
         assert headers[Header.DLQ_REASON.value].startswith("undecodable request")
         assert headers[Header.DLQ_SOURCE.value] == "jetserve.req.interactive"
     finally:
@@ -98,7 +100,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
-        dispatcher = ToolDispatcher(nc, js, "gw", topo)
+        dispatcher = Dispatcher(nc, js, "gw", topo)
         await dispatcher.start()
         watch = MaxDeliveriesWatch(nc, js, topo, GatewayMetrics())
         await watch.start()
@@ -114,15 +116,12 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
             await sub.fetch(1, timeout=1)
         event = await stream.next_event(heartbeat_timeout=5)
         assert isinstance(event, ErrorFrame)
-        assert event.code == "max_deliveries_exceeded" and event.status == 503
+        assert event.code == "max_deliveries_exceeded"
+        assert event.status == 503
         dead = await dlq_messages(js, "MD_DLQ")
-        assert (
-            len(dead) == 1
-            and "max_deliver reached"
-            in dead[0].headers[  # type: ignore[attr-defined]
-                Header.DLQ_REASON.value
-            ]
-        )
+        assert len(dead) == 1
+        assert dead[0].headers is not None
+        assert "max_deliver reached" in dead[0].headers[Header.DLQ_REASON.value]
         assert (await js.stream_info("MD")).state.messages == 0  # not left stuck
         assert msg is not None
         await watch.stop()
@@ -139,7 +138,7 @@ async def test_malformed_frame_is_dead_lettered_and_the_stream_continues(
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
-        dispatcher = ToolDispatcher(nc, js, "gw", topo)
+        dispatcher = Dispatcher(nc, js, "gw", topo)
         await dispatcher.start()
         req, meta = request(reply_subject("acme", "gw", "r2"), "r2")
         stream = await dispatcher.submit(req, meta)
@@ -149,6 +148,6 @@ async def test_malformed_frame_is_dead_lettered_and_the_stream_continues(
         assert isinstance(event, Final)
         await dispatcher.stop()  # waits for the dead-letter write it owns
         dead = await dlq_messages(js, "MF_DLQ")
-        assert [d.data for d in dead] == [b"{garbage"]  # type: ignore[attr-defined]
+        assert [d.data for d in dead] == [b"{garbage"]
     finally:
         await nc.close()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import msgspec
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from jetserve.fleet import Fleet
 from streams.connect import connect
@@ -18,7 +19,10 @@ from streams.definitions import DEFAULT_TOPOLOGY
 
 pytestmark = pytest.mark.connected
 
-CHAT = {"model": "sim-8b", "messages": [{"role": "user", "content": "Stream me a long story."}]}
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Stream me a long story."}
+]
+CHAT = {"model": "sim-8b", "messages": MESSAGES}
 
 
 def auth(fleet: Fleet, **extra: str) -> dict[str, str]:
@@ -36,10 +40,10 @@ async def sim_stats(fleet: Fleet) -> dict[str, int]:
         return dict((await c.get(f"{fleet.sim_url}/sim/stats")).json())
 
 
-async def wait_for(pred: Callable[[], object], limit: float, step: float = 0.01) -> None:
+async def wait_for(pred: Callable[[], Awaitable[object]], limit: float, step: float = 0.01) -> None:
     end = time.monotonic() + limit
     while time.monotonic() < end:
-        if await pred():  # type: ignore[misc]
+        if await pred():
             return
         await asyncio.sleep(step)
     raise AssertionError("condition not met in time")
@@ -88,9 +92,10 @@ async def test_worker_killed_before_first_token_is_redelivered(
     c = openai.AsyncOpenAI(base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0)
     call = asyncio.create_task(
         c.chat.completions.create(
-            **CHAT,
+            model="sim-8b",
+            messages=MESSAGES,
             max_tokens=16,
-            extra_headers={"X-Sim-Fault": "stall:1500"},  # type: ignore[arg-type]
+            extra_headers={"X-Sim-Fault": "stall:1500"},
         )
     )
 
@@ -140,7 +145,8 @@ async def test_worker_killed_after_first_token_interrupts_stream(
                 fleet.workers[0].signal(signal.SIGKILL)
                 killed_at = time.monotonic()
     assert killed_at is not None
-    assert error is not None and error["code"] == "stream_interrupted"
+    assert error is not None
+    assert error["code"] == "stream_interrupted"
     assert time.monotonic() - killed_at < 10.0
 
 

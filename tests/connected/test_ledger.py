@@ -101,8 +101,10 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
         await ensure_ledger(js)
         cfg = (await js.stream_info(STREAM)).config
         assert cfg.subjects == ["jetserve.ledger.*"]
-        assert cfg.retention == "limits" and cfg.storage == "file"
-        assert cfg.max_age == 90 * 86_400 and cfg.duplicate_window == 600
+        assert cfg.retention == "limits"
+        assert cfg.storage == "file"
+        assert cfg.max_age == 90 * 86_400
+        assert cfg.duplicate_window == 600
         assert cfg.deny_delete
         # A changed limit is applied in place, concurrently too.
         short = LedgerTopology(max_age_s=7 * 86_400)
@@ -172,7 +174,8 @@ async def test_append_gives_up_with_a_clear_error(bus: Bus) -> None:
     writer = LedgerWriter(dead, attempts=3, backoff_s=0.01)  # type: ignore[arg-type]
     with pytest.raises(LedgerWriteError, match="after 3 attempts") as info:
         await writer.append(record("acme", 0))
-    assert dead.calls == 3 and info.value.code == "ledger_write_failed"
+    assert dead.calls == 3
+    assert info.value.code == "ledger_write_failed"
     # A refusal by the server is not retried: an oversized record (text smuggled in).
     with pytest.raises(LedgerWriteError, match="refused"):
         await LedgerWriter(bus.js).append(record("acme", 1, model="x" * 100_000))
@@ -186,7 +189,8 @@ async def test_tenants_never_see_each_other(bus: Bus) -> None:
         await writer.append(record(tenants[i % 3], i))
     for t in tenants:
         got = await collect(reader, t)
-        assert len(got) == 10 and {r.tenant for r in got} == {t}
+        assert len(got) == 10
+        assert {r.tenant for r in got} == {t}
         assert [r.request_id for r in got] == [
             f"{t}-req-{i}" for i in range(30) if i % 3 == tenants.index(t)
         ]
@@ -307,7 +311,8 @@ async def test_a_thousand_records_read_back_fast(bus: Bus) -> None:
     t2 = time.perf_counter()
     total = await reader.sum_charges("acme", base, base + 5)  # i < 500 (+ float edge)
     t3 = time.perf_counter()
-    assert len(got) == 1000 and len({r.request_id for r in got}) == 1000
+    assert len(got) == 1000
+    assert len({r.request_id for r in got}) == 1000
     assert total == sum(100 + i for i in range(1000) if base + i / 100 <= base + 5)
     print(f"\nledger: append 1000 {t1 - t0:.3f}s, query 1000 {t2 - t1:.3f}s, sum {t3 - t2:.3f}s")
     assert t2 - t1 < 2.0
@@ -327,7 +332,8 @@ async def test_export_jsonl_parses_back(bus: Bus) -> None:
     lines = text.getvalue().splitlines()
     rows = [json.loads(line) for line in lines]
     assert [row["request_id"] for row in rows] == [r.request_id for r in written]
-    assert rows[1]["first_token_ms"] is None and rows[0]["route"] == "chat-default"
+    assert rows[1]["first_token_ms"] is None
+    assert rows[0]["route"] == "chat-default"
     assert rows[0]["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "cached_tokens": 2}
     assert [decode_record(line.encode()) for line in lines] == written
     assert not any("prompt" in k and k != "usage" for row in rows for k in row)
@@ -355,4 +361,5 @@ def test_record_has_no_text_fields_and_decodes_old_records() -> None:
     for optional in ("route", "route_revision", "deployment", "idempotency_key_hash"):
         del full[optional]
     old = decode_record(msgspec.json.encode(full))
-    assert old.route == "" and old.route_revision == 0
+    assert old.route == ""
+    assert old.route_revision == 0

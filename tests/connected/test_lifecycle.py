@@ -67,7 +67,9 @@ async def test_sigterm_drains_in_flight_stream(make_fleet: Callable[..., Fleet])
             if not signalled and "".join(text):
                 fleet.workers[0].signal(signal.SIGTERM)  # mid-stream
                 signalled = True
-    assert signalled and finish in ("stop", "length") and "".join(text)
+    assert signalled
+    assert finish in ("stop", "length")
+    assert "".join(text)
     # The worker finished the stream, then exited by itself.
     assert await asyncio.to_thread(fleet.workers[0].proc.wait, 10) == 0
 
@@ -104,5 +106,6 @@ async def test_gateway_sigterm_finishes_open_streams_then_exits(
                     await asyncio.sleep(0.3)
                     with pytest.raises(httpx.ConnectError):
                         await c.get(f"{fleet.base_url}/healthz")  # no longer accepting
-    assert done and "".join(text)
+    assert done
+    assert "".join(text)
     assert await asyncio.to_thread(gw.proc.wait, 10) == 0

@@ -40,7 +40,9 @@ def test_new_trace_when_none_or_malformed(fleet: Fleet) -> None:
             headers["traceparent"] = bad
         r = httpx.post(f"{fleet.base_url}/v1/chat/completions", json=BODY, headers=headers)
         tp = r.headers["traceparent"].split("-")
-        assert len(tp) == 4 and len(tp[1]) == 32 and tp[1] != "0" * 32
+        assert len(tp) == 4
+        assert len(tp[1]) == 32
+        assert tp[1] != "0" * 32
 
 
 def test_worker_metrics_and_readiness(fleet: Fleet) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from jetserve.fleet import Fleet
 
 pytestmark = pytest.mark.connected
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Tell me about message queues and GPUs."},
 ]
@@ -49,9 +50,11 @@ def test_chat_non_streaming(fleet: Fleet) -> None:
 def test_chat_streaming_reassembles_exactly(fleet: Fleet) -> None:
     body = {"model": "sim-8b", "messages": MESSAGES, "max_tokens": 64}
     stream = client(fleet).chat.completions.create(
-        **body,
+        model="sim-8b",
+        messages=MESSAGES,
+        max_tokens=64,
         stream=True,
-        stream_options={"include_usage": True},  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
     )
     parts: list[str] = []
     finish = None
@@ -74,14 +77,17 @@ def test_chat_streaming_reassembles_exactly(fleet: Fleet) -> None:
 def test_completions_endpoint(fleet: Fleet) -> None:
     resp = client(fleet).completions.create(model="sim-8b", prompt="Once upon a time", max_tokens=8)
     assert resp.choices[0].text
-    assert resp.usage is not None and resp.usage.completion_tokens <= 8
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens <= 8
 
 
 def test_embeddings(fleet: Fleet) -> None:
     resp = client(fleet).embeddings.create(model="sim-embed", input=["alpha", "beta", "alpha"])
     vecs = [d.embedding for d in resp.data]
-    assert len(vecs) == 3 and len(vecs[0]) > 0
-    assert vecs[0] == vecs[2] and vecs[0] != vecs[1]  # deterministic per input
+    assert len(vecs) == 3
+    assert len(vecs[0]) > 0
+    assert vecs[0] == vecs[2]  # deterministic per input
+    assert vecs[0] != vecs[1]
     assert resp.usage.prompt_tokens > 0
 
 
@@ -101,7 +107,7 @@ def test_bad_body_is_bad_request(fleet: Fleet) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client(fleet).chat.completions.create(
             model="sim-8b",
-            messages=[{"role": "wizard", "content": "hi"}],  # type: ignore[list-item]
+            messages=[{"role": "wizard", "content": "hi"}],  # type: ignore[list-item, misc]  # a bad role, on purpose
         )
     assert info.value.status_code == 400
     assert "role" in str(info.value)

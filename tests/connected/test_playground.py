@@ -288,7 +288,8 @@ def png_size(data: bytes) -> tuple[int, int]:
         assert zlib.crc32(kind + body) == crc, f"bad CRC in {kind!r}"
         chunks.append((kind, body))
         pos += 12 + length
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    assert chunks[0][0] == b"IHDR"
+    assert chunks[-1][0] == b"IEND"
     zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
     width, height = struct.unpack(">II", chunks[0][1][:8])
     return width, height
@@ -308,11 +309,15 @@ async def test_page_is_static_and_locked_down(fleet: Fleet) -> None:
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/html")
     csp = r.headers["content-security-policy"]
-    assert "default-src 'none'" in csp and "script-src 'sha256-" in csp
-    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert "default-src 'none'" in csp
+    assert "script-src 'sha256-" in csp
+    assert "unsafe-inline" not in csp
+    assert "unsafe-eval" not in csp
     assert r.headers["x-content-type-options"] == "nosniff"
-    assert fleet.api_key not in r.text and "Bearer sk-" not in r.text
-    assert "http://" not in r.text and "https://" not in r.text  # no CDN, no absolute URLs
+    assert fleet.api_key not in r.text
+    assert "Bearer sk-" not in r.text
+    assert "http://" not in r.text  # no CDN, no absolute URLs
+    assert "https://" not in r.text
 
 
 async def test_sse_streams_the_engine_text(fleet: Fleet, page: Page, tmp_path: Path) -> None:
@@ -322,7 +327,8 @@ async def test_sse_streams_the_engine_text(fleet: Fleet, page: Page, tmp_path: P
     await page.click("send-sse")
     await page.wait("['done', 'error'].includes(document.body.dataset.state)")
     state = await page.state()
-    assert state["state"] == "done" and state["error"] == "", state
+    assert state["state"] == "done", state
+    assert state["error"] == "", state
     assert state["output"] == await reference(fleet, prompt, 24)
     assert state["usage"].endswith("completion tokens"), state
     assert len(state["requestId"]) == 32, state
@@ -339,7 +345,8 @@ async def test_websocket_streams_the_engine_text(fleet: Fleet, page: Page) -> No
     await page.click("send-ws")
     await page.wait("['done', 'error'].includes(document.body.dataset.state)")
     state = await page.state()
-    assert state["state"] == "done" and state["error"] == "", state
+    assert state["state"] == "done", state
+    assert state["error"] == "", state
     assert state["output"] == await reference(fleet, prompt, 24)
     assert state["usage"].endswith("completion tokens"), state
     assert state["csp"] == [], state
@@ -362,7 +369,8 @@ async def test_stop_cancels_cleanly(fleet: Fleet, page: Page, transport: str) ->
     await page.wait("document.getElementById('output').textContent.length > 0")
     await page.click("stop")
     state = await page.state()
-    assert state["state"] == "cancelled" and state["error"] == "", state
+    assert state["state"] == "cancelled", state
+    assert state["error"] == "", state
     assert await page.js("document.getElementById('stop').disabled") is True
 
     rec = await wait_aborted(fleet, state["requestId"])
@@ -370,7 +378,8 @@ async def test_stop_cancels_cleanly(fleet: Fleet, page: Page, transport: str) ->
     assert (await sim_stats(fleet))["aborted"] == aborted_before + 1
     # Nothing more reaches the page, and it still reads as a clean cancel.
     after = await page.state()
-    assert after["state"] == "cancelled" and after["error"] == "", after
+    assert after["state"] == "cancelled", after
+    assert after["error"] == "", after
     assert after["output"] == state["output"]
     assert after["csp"] == [], after
 

@@ -44,4 +44,5 @@ async def test_interactive_overtakes_queued_batch_without_starving_it(
     # Interactive did not wait for the batch backlog (6 jobs, one at a time) ...
     assert interactive < 2 * one_job
     # ... and every batch job still completed.
-    assert len(batch_times) == 6 and max(batch_times) > 3 * one_job
+    assert len(batch_times) == 6
+    assert max(batch_times) > 3 * one_job

@@ -75,7 +75,8 @@ async def test_resume_after_disconnect_on_the_same_replica(
         ) as r2:
             assert r2.status_code == 200
             rest, _, done, error = await read_events(r2)
-    assert error is None and done
+    assert error is None
+    assert done
     assert "".join(first) + "".join(rest) == reference(fleet)
     await _await_ledger(fleet, request_id)
 
@@ -90,7 +91,8 @@ async def _await_ledger(fleet: Fleet, request_id: str) -> None:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)  # a second writer, if any, would have landed by now
     rows = ledger_records(fleet, request_id)
-    assert len(rows) == 1 and rows[0]["outcome"] in ("length", "stop"), rows
+    assert len(rows) == 1, rows
+    assert rows[0]["outcome"] in ("length", "stop"), rows
 
 
 async def test_resume_through_another_replica_after_a_gateway_dies(
@@ -103,7 +105,9 @@ async def test_resume_through_another_replica_after_a_gateway_dies(
         texts: list[str] = []
         last_id = 0
         request_id = ""
-        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+
+        async def read_until_the_replica_dies() -> None:
+            nonlocal last_id, request_id
             async with c.stream(
                 "POST", f"{fleet.base_urls[0]}/v1/chat/completions", json=BODY, headers=headers
             ) as r:
@@ -118,6 +122,9 @@ async def test_resume_through_another_replica_after_a_gateway_dies(
                         last_id = pending_id
                         if len([t for t in texts if t]) >= 5 and gw0.proc.poll() is None:
                             gw0.kill()  # the replica dies with the client attached
+
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            await read_until_the_replica_dies()
         async with c.stream(
             "GET",
             f"{fleet.base_urls[1]}/v1/requests/{request_id}/stream",
@@ -125,7 +132,8 @@ async def test_resume_through_another_replica_after_a_gateway_dies(
         ) as r2:
             assert r2.status_code == 200
             rest, _, done, error = await read_events(r2)
-    assert error is None and done
+    assert error is None
+    assert done
     assert "".join(texts) + "".join(rest) == reference(fleet)
     await _await_ledger(fleet, request_id)  # the resuming replica kept the books
 
@@ -151,5 +159,7 @@ async def test_another_tenant_cannot_resume(fleet: Fleet) -> None:
             f"{fleet.base_url}/v1/requests/{request_id}/stream",
             headers={"Authorization": f"Bearer {fleet.api_key}", "Last-Event-ID": "0"},
         )
-    assert denied.status_code == 404 and denied.json()["error"]["code"] == "stream_not_found"
-    assert mine.status_code == 200 and "data: [DONE]" in mine.text  # a full replay
+    assert denied.status_code == 404
+    assert denied.json()["error"]["code"] == "stream_not_found"
+    assert mine.status_code == 200
+    assert "data: [DONE]" in mine.text  # a full replay

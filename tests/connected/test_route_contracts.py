@@ -71,15 +71,18 @@ def test_apply_revisions_history_and_diff(fleet: Fleet) -> None:
     with admin_http(fleet) as c:
         first = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a"))
         assert first.status_code == 201, first.text
-        assert first.json()["revision"] == 1 and first.json()["changed"] is True
+        assert first.json()["revision"] == 1
+        assert first.json()["changed"] is True
         fp1 = first.json()["fingerprints"]["dep-a"]
 
         again = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a"))
         assert again.status_code == 200
-        assert again.json()["changed"] is False and again.json()["revision"] == 1
+        assert again.json()["changed"] is False
+        assert again.json()["revision"] == 1
 
         second = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a", deadline_s=5))
-        assert second.status_code == 200 and second.json()["revision"] == 2
+        assert second.status_code == 200
+        assert second.json()["revision"] == 2
         assert second.json()["fingerprints"]["dep-a"] != fp1
 
         history = c.get("/admin/routes/r-apply/history").json()["data"]
@@ -109,7 +112,8 @@ def test_apply_revisions_history_and_diff(fleet: Fleet) -> None:
             bad = c.put("/admin/routes/r-apply", json=body)
             assert bad.status_code == 400, bad.text
             err = bad.json()["error"]
-            assert err["type"] == "invalid_request_error" and err["message"]
+            assert err["type"] == "invalid_request_error"
+            assert err["message"]
             if param is not None:
                 assert err["param"] == param
         assert c.get("/admin/routes/r-apply").json()["revision"] == 2  # nothing written
@@ -118,7 +122,8 @@ def test_apply_revisions_history_and_diff(fleet: Fleet) -> None:
         assert c.get("/admin/routes/r-apply").status_code == 404
         # Numbering continues after a delete: a revision never names two contracts.
         back = c.put("/admin/routes/r-apply", json=contract("r-apply", "dep-a"))
-        assert back.status_code == 201 and back.json()["revision"] == 3
+        assert back.status_code == 201
+        assert back.json()["revision"] == 3
         kinds = [
             h.get("deleted", False) for h in c.get("/admin/routes/r-apply/history").json()["data"]
         ]
@@ -132,7 +137,8 @@ def test_compare_and_set_conflict_is_409(fleet: Fleet) -> None:
             "/admin/routes/r-cas",
             json={**contract("r-cas", "dep-a", deadline_s=9), "expected_revision": 1},
         )
-        assert ok.status_code == 200 and ok.json()["revision"] == 2
+        assert ok.status_code == 200
+        assert ok.json()["revision"] == 2
         # A second admin still working from revision 1 loses, and is told the current one.
         stale = c.put(
             "/admin/routes/r-cas",
@@ -150,7 +156,8 @@ def test_admin_routes_need_the_admin_token(fleet: Fleet) -> None:
     with admin_http(fleet, token="wrong") as c:
         assert c.get("/admin/routes").status_code == 401
         put = c.put("/admin/routes/r-x", json=contract("r-x", "dep-a"))
-        assert put.status_code == 401 and put.json()["error"]["code"] == "invalid_admin_token"
+        assert put.status_code == 401
+        assert put.json()["error"]["code"] == "invalid_admin_token"
     # The public port has no admin routes at all.
     r = httpx.get(
         f"{fleet.base_url}/admin/routes", headers={"Authorization": f"Bearer {fleet.api_key}"}
@@ -192,8 +199,10 @@ def test_gateway_picks_up_a_change_live_and_the_ledger_names_it(fleet: Fleet) ->
     records = ledger(fleet, "r-live")
     served = [r for r in records if r["status"] == 200]
     timed_out = [r for r in records if r["status"] == 504]
-    assert len(served) == 1 and len(timed_out) == 1
-    assert served[0]["route_revision"] == 2 and timed_out[0]["route_revision"] == 1
+    assert len(served) == 1
+    assert len(timed_out) == 1
+    assert served[0]["route_revision"] == 2
+    assert timed_out[0]["route_revision"] == 1
     assert served[0]["deployment"] in ("dep-a", "dep-b")
     assert served[0]["fingerprint"] == fps[served[0]["deployment"]]
 
@@ -250,9 +259,12 @@ def test_cli_apply_diff_history(fleet: Fleet, tmp_path: Path) -> None:
     assert json.loads(cli(fleet, "show", "r-cli").stdout)["contract"]["deadline_s"] == 12.5
 
     stale = cli(fleet, "apply", str(path), "--expected-revision", "1")
-    assert stale.returncode == 1 and "409" in stale.stderr
+    assert stale.returncode == 1
+    assert "409" in stale.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(contract("r-cli", "dep-a", deadline_s="soon")))
     refused = cli(fleet, "apply", str(bad))
-    assert refused.returncode == 1 and "400" in refused.stderr and "deadline_s" in refused.stderr
+    assert refused.returncode == 1
+    assert "400" in refused.stderr
+    assert "deadline_s" in refused.stderr
     assert cli(fleet, "delete", "r-cli").stdout.startswith("deleted r-cli")

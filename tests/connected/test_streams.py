@@ -8,11 +8,12 @@ import time
 
 import pytest
 
-from gateway.errors import RateLimited
-from gateway.inference.dispatch import FrameBuffer, FrameStream, StreamInterrupted, ToolDispatcher
+from gateway.errors import RateLimited, StreamInterrupted
+from gateway.inference.dispatch import Dispatcher, FrameStream
 from jetserve.services import Service
 from streams.connect import connect
 from streams.definitions import Limits, Topology
+from streams.inference.frames import FrameBuffer
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, reply_subject
 from streams.wire import Final, InferenceRequest, Meta, Token, Usage, encode
@@ -66,15 +67,17 @@ async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> No
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
-        d = ToolDispatcher(nc, js, "gw", topo)
+        d = Dispatcher(nc, js, "gw", topo)
         first = await d.submit(*request(0))
         again = await d.submit(*request(0))  # a gateway retry with the same request id
-        assert not first.duplicate and again.duplicate
+        assert not first.duplicate
+        assert again.duplicate
         await d.submit(*request(1))
         await d.submit(*request(2))
         with pytest.raises(RateLimited) as info:
             await d.submit(*request(3))
-        assert info.value.code == "queue_full" and info.value.headers()["Retry-After"] == "1"
+        assert info.value.code == "queue_full"
+        assert info.value.headers()["Retry-After"] == "1"
         assert (await js.stream_info("SMALL")).state.messages == 3
     finally:
         await nc.close()
@@ -91,7 +94,7 @@ async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
         js = nc.jetstream()
         await ensure_topology(js)
         # Not started: no live subscription, so only the capture sees what we publish.
-        d = ToolDispatcher(nc, js, "gw", Topology(), gap_recovery_s=0.5)
+        d = Dispatcher(nc, js, "gw", Topology(), gap_recovery_s=0.5)
 
         def make(rid: str) -> InferenceRequest:
             return InferenceRequest(

@@ -136,22 +136,30 @@ async def test_ledger_bucket_is_created_idempotently(nc: Client) -> None:
     status = await again.kv.status()
     assert status.bucket == EffectLedgerConfig().bucket == "JETSERVE_EFFECTS"
     info = await js.stream_info("KV_JETSERVE_EFFECTS")
-    assert info.config.storage == StorageType.FILE and info.config.max_msgs_per_subject == 1
+    assert info.config.storage == StorageType.FILE
+    assert info.config.max_msgs_per_subject == 1
     # Any idempotency key maps to one legal KV token.
     weird = "run with spaces/*.>/3/call:é"
-    assert kv_key(weird).startswith("fx.") and len(kv_key(weird)) == 67
+    assert kv_key(weird).startswith("fx.")
+    assert len(kv_key(weird)) == 67
     eff = await ledgers[0].record_intent(weird, "t", "h", lease_s=1)
-    assert eff.won and (await ledgers[1].status(weird)) == eff.entry
+    assert eff.won
+    assert (await ledgers[1].status(weird)) == eff.entry
 
 
 async def test_intent_is_create_only_and_first_outcome_wins(ledger: EffectLedger) -> None:
     a = await ledger.record_intent("k1", "transfer", "h", lease_s=5)
     b = await ledger.record_intent("k1", "transfer", "h", lease_s=5)
-    assert a.won and not b.won and b.entry == a.entry and b.revision == a.revision
+    assert a.won
+    assert not b.won
+    assert b.entry == a.entry
+    assert b.revision == a.revision
     first = await ledger.record_outcome("k1", Outcome.success({"n": 1}), a.revision)
-    assert first.won and first.entry.state == "done"
+    assert first.won
+    assert first.entry.state == "done"
     late = await ledger.record_outcome("k1", Outcome.success({"n": 2}), a.revision)
-    assert not late.won and late.entry.outcome == Outcome.success({"n": 1})
+    assert not late.won
+    assert late.entry.outcome == Outcome.success({"n": 1})
     assert await ledger.status("never") is None
 
 
@@ -165,18 +173,26 @@ async def test_same_key_twice_runs_once_and_returns_the_first_outcome(
     d = dispatcher(ledger, transfer_tool(bank))
     first = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}))
     again = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}))
-    assert first.ok and first.source == "run"
-    assert again.ok and again.source == "ledger" and again.result == first.result
-    assert bank.entered == 1 and bank.balances == {"alice": 70, "bob": 30}
+    assert first.ok
+    assert first.source == "run"
+    assert again.ok
+    assert again.source == "ledger"
+    assert again.result == first.result
+    assert bank.entered == 1
+    assert bank.balances == {"alice": 70, "bob": 30}
     # Past the run's deadline nothing runs, but a settled key still answers.
     late = as_result(await d.call("transfer", ARGS, ctx(deadline=time.time() - 1), {"transfer"}))
-    assert late.source == "ledger" and late.result == first.result
+    assert late.source == "ledger"
+    assert late.result == first.result
     fresh = as_result(
         await d.call("transfer", ARGS, ctx("call_0", deadline=time.time() - 1), {"transfer"})
     )
-    assert fresh.error == "deadline exceeded" and await ledger.status(ctx("call_0").key) is None
+    assert fresh.error == "deadline exceeded"
+    assert await ledger.status(ctx("call_0").key) is None
     entry = await ledger.status(ctx().key)
-    assert entry is not None and entry.state == "done" and entry.settled_by == "run"
+    assert entry is not None
+    assert entry.state == "done"
+    assert entry.settled_by == "run"
     assert entry.args_hash == args_hash({"from": "alice", "to": "bob", "amount": 30})
 
     # A new call id is a new effect; a definite failure is recorded as the outcome.
@@ -184,13 +200,15 @@ async def test_same_key_twice_runs_once_and_returns_the_first_outcome(
     fail = as_result(await d.call("transfer", big, ctx("call_2"), {"transfer"}))
     assert (fail.status, fail.error, fail.retryable) == ("error", "insufficient funds", False)
     replay = as_result(await d.call("transfer", big, ctx("call_2"), {"transfer"}))
-    assert replay.source == "ledger" and replay.error == "insufficient funds"
+    assert replay.source == "ledger"
+    assert replay.error == "insufficient funds"
     assert bank.entered == 2
 
     # The same key with other arguments is refused, never run.
     other = '{"from": "alice", "to": "bob", "amount": 1}'
     r = as_result(await d.call("transfer", other, ctx(), {"transfer"}))
-    assert r.status == "error" and "different arguments" in r.error
+    assert r.status == "error"
+    assert "different arguments" in r.error
     assert bank.entered == 2
 
 
@@ -206,12 +224,16 @@ async def test_approval_gate_then_once_through_the_ledger(ledger: EffectLedger) 
     )
     d = dispatcher(ledger, gated)
     ask = await d.call("transfer", ARGS, ctx(), {"transfer"})
-    assert isinstance(ask, NeedsApproval) and ask.arguments["amount"] == 30
-    assert bank.entered == 0 and await ledger.status(ctx().key) is None
+    assert isinstance(ask, NeedsApproval)
+    assert ask.arguments["amount"] == 30
+    assert bank.entered == 0
+    assert await ledger.status(ctx().key) is None
     # Approved (say after an executor restart): runs once; a repeat replays.
     first = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}, approved=True))
     again = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}, approved=True))
-    assert first.ok and again.source == "ledger" and bank.entered == 1
+    assert first.ok
+    assert again.source == "ledger"
+    assert bank.entered == 1
     no = ToolDispatcher.denied(ask)
     assert json.loads(no.content()) == {"error": "denied by the approver", "retryable": False}
 
@@ -237,24 +259,35 @@ async def test_crash_after_intent_is_reconciled_or_ambiguous(ledger: EffectLedge
     # Crash between intent and the effect: reconcile says "not done" -> it runs now.
     await ledger.record_intent(ctx("c1").key, "transfer", digest, lease_s=0)
     r = as_result(await d.call("transfer", ARGS, ctx("c1"), {"transfer"}))
-    assert r.ok and r.source == "run" and bank.entered == 1
+    assert r.ok
+    assert r.source == "run"
+    assert bank.entered == 1
     entry = await ledger.status(ctx("c1").key)
-    assert entry is not None and entry.attempt == 2 and entry.state == "done"
+    assert entry is not None
+    assert entry.attempt == 2
+    assert entry.state == "done"
 
     # Crash between the effect and its outcome: reconcile says "done" -> that outcome.
     await ledger.record_intent(ctx("c2").key, "transfer", digest, lease_s=0)
     await bank.transfer({"from": "alice", "to": "bob", "amount": 30}, ctx("c2"))
     r = as_result(await d.call("transfer", ARGS, ctx("c2"), {"transfer"}))
-    assert r.ok and r.source == "reconciled" and r.result == bank.applied[ctx("c2").key]
-    assert bank.entered == 2 and bank.balances == {"alice": 40, "bob": 60}
+    assert r.ok
+    assert r.source == "reconciled"
+    assert r.result == bank.applied[ctx("c2").key]
+    assert bank.entered == 2
+    assert bank.balances == {"alice": 40, "bob": 60}
     again = as_result(await d.call("transfer", ARGS, ctx("c2"), {"transfer"}))
-    assert again.source == "ledger" and again.result == r.result and bank.entered == 2
+    assert again.source == "ledger"
+    assert again.result == r.result
+    assert bank.entered == 2
 
     # Without reconcile: ambiguous, never blindly repeated, until an operator resolves.
     blind = dispatcher(ledger, transfer_tool(bank, reconcile=False))
     await ledger.record_intent(ctx("c3").key, "transfer", digest, lease_s=0)
     r = as_result(await blind.call("transfer", ARGS, ctx("c3"), {"transfer"}))
-    assert r.status == "ambiguous" and not r.retryable and bank.entered == 2
+    assert r.status == "ambiguous"
+    assert not r.retryable
+    assert bank.entered == 2
     assert "awaiting reconciliation" in json.loads(r.content())["error"]
     late = as_result(
         await blind.call("transfer", ARGS, ctx("c3", deadline=time.time() - 1), {"transfer"})
@@ -263,7 +296,8 @@ async def test_crash_after_intent_is_reconciled_or_ambiguous(ledger: EffectLedge
     assert [e.key for e in await ledger.pending()] == [ctx("c3").key]
     await ledger.resolve(ctx("c3").key, Outcome.failure("never happened"))
     r = as_result(await blind.call("transfer", ARGS, ctx("c3"), {"transfer"}))
-    assert (r.source, r.error) == ("ledger", "never happened") and bank.entered == 2
+    assert (r.source, r.error) == ("ledger", "never happened")
+    assert bank.entered == 2
     assert await ledger.pending() == []
 
 
@@ -273,14 +307,18 @@ async def test_side_effecting_timeout_is_reconciled_or_ambiguous(ledger: EffectL
     d = dispatcher(ledger, transfer_tool(bank, timeout_s=0.2))
     t0 = time.monotonic()
     r = as_result(await d.call("transfer", ARGS, ctx(), {"transfer"}))
-    assert r.ok and r.source == "reconciled" and r.result == bank.applied[ctx().key]
+    assert r.ok
+    assert r.source == "reconciled"
+    assert r.result == bank.applied[ctx().key]
     assert time.monotonic() - t0 < 1.0
 
     blind = dispatcher(ledger, transfer_tool(bank, reconcile=False, timeout_s=0.2))
     r = as_result(await blind.call("transfer", ARGS, ctx("c9"), {"transfer"}))
-    assert r.status == "ambiguous" and r.error.startswith("timeout: ")
+    assert r.status == "ambiguous"
+    assert r.error.startswith("timeout: ")
     entry = await ledger.status(ctx("c9").key)
-    assert entry is not None and entry.state == "intent"
+    assert entry is not None
+    assert entry.state == "intent"
 
 
 async def test_executor_killed_between_effect_and_outcome(
@@ -326,7 +364,8 @@ async def test_executor_killed_between_effect_and_outcome(
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     key = ctx("call_k").key
     entry = await ledger.status(key)
-    assert entry is not None and entry.state == "intent"
+    assert entry is not None
+    assert entry.state == "intent"
 
     def applied() -> list[dict[str, Any]]:
         return [json.loads(line) for line in book.read_text().splitlines()]
@@ -361,10 +400,14 @@ async def test_executor_killed_between_effect_and_outcome(
     r = as_result(
         await dispatcher(ledger, tool(True)).call("transfer", ARGS, ctx("call_k"), {"transfer"})
     )
-    assert r.ok and r.source == "reconciled" and r.result == {"amount": 30}
+    assert r.ok
+    assert r.source == "reconciled"
+    assert r.result == {"amount": 30}
     assert len(applied()) == 1
     entry = await ledger.status(key)
-    assert entry is not None and entry.state == "done" and entry.settled_by == "reconciled"
+    assert entry is not None
+    assert entry.state == "done"
+    assert entry.settled_by == "reconciled"
 
 
 # -- remote tools ------------------------------------------------------------
@@ -477,14 +520,18 @@ async def test_remote_tool_round_trip_across_processes(
     d = dispatcher(ledger, *remote_tools(), nc=nc)
     deadline = time.time() + 30
     r = as_result(await d.call("echo", '{"x": [1, 2]}', ctx(deadline=deadline), ALL_REMOTE))
-    assert r.ok and r.result["pid"] == tool_host.pid != os.getpid()
-    assert r.result["args"] == {"x": [1, 2]} and r.result["key"] == ctx().key
+    assert r.ok
+    assert r.result["pid"] == tool_host.pid != os.getpid()
+    assert r.result["args"] == {"x": [1, 2]}
+    assert r.result["key"] == ctx().key
     assert r.result["deadline"] == deadline
 
     # Side-effecting over NATS: once per key; the tool's own error is structured.
     first = as_result(await d.call("transfer", ARGS, ctx("t1"), ALL_REMOTE))
     again = as_result(await d.call("transfer", ARGS, ctx("t1"), ALL_REMOTE))
-    assert first.ok and again.source == "ledger" and again.result == first.result
+    assert first.ok
+    assert again.source == "ledger"
+    assert again.result == first.result
     assert first.result["entered"] == 1
     poor = as_result(
         await d.call(
@@ -508,23 +555,30 @@ async def test_remote_failures_are_structured(
     d = dispatcher(ledger, *remote_tools(), nc=nc)
     # Nobody serves the subject: retryable, and for an effect the key is freed.
     r = as_result(await d.call("nobody", "{}", ctx(), ALL_REMOTE))
-    assert (r.status, r.retryable) == ("error", True) and "no responders" in r.error
+    assert (r.status, r.retryable) == ("error", True)
+    assert "no responders" in r.error
     r = as_result(await d.call("nobody_fx", "{}", ctx("n1"), ALL_REMOTE))
-    assert (r.status, r.retryable) == ("error", True) and "no responders" in r.error
+    assert (r.status, r.retryable) == ("error", True)
+    assert "no responders" in r.error
     assert await ledger.status(ctx("n1").key) is None
     r = as_result(await d.call("nobody_fx", "{}", ctx("n1"), ALL_REMOTE))  # the key is free
-    assert r.retryable and await ledger.status(ctx("n1").key) is None
+    assert r.retryable
+    assert await ledger.status(ctx("n1").key) is None
 
     # A remote crash: an error for a read-only tool, ambiguous for an effect.
     r = as_result(await d.call("crash", "{}", ctx(), ALL_REMOTE))
-    assert r.status == "error" and "remote bug" in r.error
+    assert r.status == "error"
+    assert "remote bug" in r.error
     r = as_result(await d.call("crash_fx", "{}", ctx("x1"), ALL_REMOTE))
-    assert r.status == "ambiguous" and "remote bug" in r.error
+    assert r.status == "ambiguous"
+    assert "remote bug" in r.error
 
     # A remote timeout after the effect landed: the remote reconcile answers.
     unlucky = '{"from": "alice", "to": "bob", "amount": 13}'
     r = as_result(await d.call("transfer", unlucky, ctx("u1"), ALL_REMOTE))
-    assert r.ok and r.source == "reconciled" and r.result["amount"] == 13
+    assert r.ok
+    assert r.source == "reconciled"
+    assert r.result["amount"] == 13
 
     # Schema-invalid arguments never leave this process.
     r = as_result(await d.call("transfer", '{"from": "alice"}', ctx("v1"), ALL_REMOTE))

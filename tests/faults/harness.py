@@ -218,7 +218,9 @@ async def check(fleet: Fleet, outcomes: list[Outcome], refs: list[str]) -> Repor
         rows = [msgspec.json.decode(x) for x in text.splitlines() if x]
         if wanted <= {str(r["request_id"]) for r in rows}:
             break
-    admitted = Counter(r["request_id"] for r in rows if str(r["policy"]).startswith("admitted"))
+    admitted = Counter(
+        str(r["request_id"]) for r in rows if str(r["policy"]).startswith("admitted")
+    )
     rep = Report(outcomes)
     for o in outcomes:
         if o.kind == "rejected":

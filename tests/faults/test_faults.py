@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from faults.harness import Load, check, references
 from jetserve.fleet import Fleet
+from tests.faults.harness import Load, check, references
 
 pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
 

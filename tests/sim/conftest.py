@@ -7,9 +7,9 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
-from simkit import SimHandle, StartSim, serve
 
 from sim.config import SimConfig
+from tests.sim.simkit import SimHandle, StartSim, serve
 
 
 @pytest.fixture

@@ -37,7 +37,8 @@ async def test_cli_serves_until_sigterm() -> None:
             models = (await client.get("/v1/models")).json()
             assert models["data"][0]["id"] == "cli-model"
             stats = (await client.get("/sim/stats")).json()
-            assert stats["max_num_seqs"] == 3 and stats["profile"] == "fast"
+            assert stats["max_num_seqs"] == 3
+            assert stats["profile"] == "fast"
             r = await client.post(
                 "/v1/chat/completions",
                 json={"model": "cli-model", "messages": [{"role": "user", "content": "hi"}]},
@@ -58,7 +59,8 @@ def test_cli_parses_and_rejects_bad_config() -> None:
         ["--profile", "cpu-tiny", "--fault-rate", "429=0.1", "--fault-rate", "drop:3=0.05"]
     )
     cfg = config_from_args(ns)
-    assert cfg.fault_rates == {"429": 0.1, "drop:3": 0.05} and cfg.eff_max_model_len == 1024
+    assert cfg.fault_rates == {"429": 0.1, "drop:3": 0.05}
+    assert cfg.eff_max_model_len == 1024
     assert main(["--fault-rate", "meteor=0.5"]) == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--fault-rate", "nonsense"])

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from simkit import SimHandle, StartSim, chat_body
+
+from tests.sim.simkit import SimHandle, StartSim, chat_body
 
 TRITON = "/v2/models/sim-8b"
 # Long enough to fill KV blocks (16 tokens each), so a repeat hits the prefix cache.
@@ -54,9 +55,12 @@ async def test_tgi_stream_shape_usage_and_prefix_cache(fast: SimHandle) -> None:
     status, events = await _events(
         fast.client, "/generate_stream", _tgi(max_new_tokens=5), {"X-Request-Id": rid}
     )
-    assert status == 200 and len(events) == 5
+    assert status == 200
+    assert len(events) == 5
     for i, ev in enumerate(events[:-1]):
-        assert ev["index"] == i + 1 and ev["generated_text"] is None and ev["details"] is None
+        assert ev["index"] == i + 1
+        assert ev["generated_text"] is None
+        assert ev["details"] is None
         assert set(ev["token"]) == {"id", "text", "logprob", "special"}
     last = events[-1]
     text = "".join(e["token"]["text"] for e in events)
@@ -64,7 +68,8 @@ async def test_tgi_stream_shape_usage_and_prefix_cache(fast: SimHandle) -> None:
     assert last["details"]["finish_reason"] == "length"
     assert last["details"]["generated_tokens"] == 5
     rec = await fast.record(rid)
-    assert rec["endpoint"] == "tgi_generate_stream" and rec["status"] == "finished"
+    assert rec["endpoint"] == "tgi_generate_stream"
+    assert rec["status"] == "finished"
     assert last["details"]["input_length"] == rec["prompt_tokens"]
     # The same prompt again through the OpenAI surface would hit the same prefix cache.
     rid2 = uuid.uuid4().hex
@@ -73,7 +78,8 @@ async def test_tgi_stream_shape_usage_and_prefix_cache(fast: SimHandle) -> None:
     )
     assert r.status_code == 200
     body = r.json()
-    assert body["details"]["generated_tokens"] == 3 and body["generated_text"]
+    assert body["details"]["generated_tokens"] == 3
+    assert body["generated_text"]
     assert (await fast.record(rid2))["cached_tokens"] > 0
 
 
@@ -88,7 +94,8 @@ async def test_tgi_keeps_stop_string_and_honours_json_grammar(fast: SimHandle) -
     r = await fast.client.post("/generate", json=_tgi(grammar={"type": "json", "value": schema}))
     assert json.loads(r.json()["generated_text"]) == {"city": "sim"}
     r = await fast.client.post("/generate", json=_tgi(grammar={"type": "yaml", "value": 1}))
-    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation"
 
 
 @pytest.mark.parametrize(
@@ -101,7 +108,8 @@ async def test_tgi_status_faults(fast: SimHandle, fault: str, status: int, error
         "/generate_stream", json=_tgi(), headers={"X-Sim-Fault": fault, "X-Request-Id": rid}
     )
     assert r.status_code == status
-    assert r.json()["error_type"] == error_type and r.json()["error"]
+    assert r.json()["error_type"] == error_type
+    assert r.json()["error"]
     assert (await fast.record(rid))["status"] == "failed"
 
 
@@ -111,7 +119,8 @@ async def test_tgi_validation_errors_are_422(start_sim: StartSim) -> None:
     assert r.status_code == 422
     assert "maximum context length is 64" in r.json()["error"]
     r = await sim.client.post("/generate_stream", json={"parameters": {}})
-    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation"
 
 
 async def test_triton_stream_shape_and_usage(fast: SimHandle) -> None:
@@ -119,7 +128,8 @@ async def test_triton_stream_shape_and_usage(fast: SimHandle) -> None:
     status, events = await _events(
         fast.client, f"{TRITON}/generate_stream", _triton(max_tokens=4), {"X-Request-Id": rid}
     )
-    assert status == 200 and len(events) == 4
+    assert status == 200
+    assert len(events) == 4
     assert all(e["model_name"] == "sim-8b" and e["model_version"] == "1" for e in events)
     assert [e.get("finish_reason") for e in events] == [None, None, None, "length"]
     rec = await fast.record(rid)
@@ -146,15 +156,18 @@ async def test_triton_cuts_stop_like_vllm(fast: SimHandle) -> None:
 
 async def test_triton_errors(fast: SimHandle) -> None:
     r = await fast.client.post("/v2/models/nope/generate_stream", json=_triton())
-    assert r.status_code == 400 and "unknown model" in r.json()["error"]
+    assert r.status_code == 400
+    assert "unknown model" in r.json()["error"]
     r = await fast.client.post(
         f"{TRITON}/generate_stream", json=_triton(), headers={"X-Sim-Fault": "429"}
     )
-    assert r.status_code == 503 and r.json() == {"error": "Exceeds maximum queue size"}
+    assert r.status_code == 503
+    assert r.json() == {"error": "Exceeds maximum queue size"}
     r = await fast.client.post(
         f"{TRITON}/generate_stream", json=_triton(max_tokens=10**7), headers={}
     )
-    assert r.status_code == 400 and "maximum context length" in r.json()["error"]
+    assert r.status_code == 400
+    assert "maximum context length" in r.json()["error"]
 
 
 async def test_health_routes_and_tgi_gauges(fast: SimHandle) -> None:
@@ -197,5 +210,6 @@ async def test_client_disconnect_aborts_in_engine(
             break
         await asyncio.sleep(0.01)
     rec = await fast.record(rid)
-    assert rec["status"] == "aborted" and rec["generated_tokens"] < 16
+    assert rec["status"] == "aborted"
+    assert rec["generated_tokens"] < 16
     assert (await fast.stats())["running"] == 0

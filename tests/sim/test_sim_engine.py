@@ -8,7 +8,8 @@ import uuid
 from typing import Any
 
 import httpx
-from simkit import SimHandle, StartSim, chat_body, sse
+
+from tests.sim.simkit import SimHandle, StartSim, chat_body, sse
 
 LONG_SYSTEM = " ".join(f"rule{i}" for i in range(700))  # ~700 prompt tokens
 
@@ -47,7 +48,9 @@ async def test_prefix_cache_hit_lowers_ttft(start_sim: StartSim) -> None:
     assert u1["prompt_tokens"] > 600
     assert u1["prompt_tokens_details"]["cached_tokens"] == 0
     cached = u2["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 600 and cached % 16 == 0 and cached < u2["prompt_tokens"]
+    assert cached > 600
+    assert cached % 16 == 0
+    assert cached < u2["prompt_tokens"]
     # Model: 30 ms + 0.25 ms x ~700 uncached tokens (~205 ms) vs ~30 ms when cached.
     assert first > 0.15
     assert repeat < 0.7 * first
@@ -72,7 +75,8 @@ async def test_kv_usage_returns_to_zero_when_idle(start_sim: StartSim) -> None:
     assert await h.metric("vllm:kv_cache_usage_perc") == 0.0
     assert await h.metric("vllm:num_requests_running") == 0.0
     stats = await h.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_cached"] > 0
+    assert stats["kv_blocks_used"] == 0
+    assert stats["kv_blocks_cached"] > 0
 
 
 async def test_waiting_queue_forms_above_max_num_seqs(start_sim: StartSim) -> None:
@@ -89,9 +93,12 @@ async def test_waiting_queue_forms_above_max_num_seqs(start_sim: StartSim) -> No
         peak_running = max(peak_running, await h.metric("vllm:num_requests_running"))
         await asyncio.sleep(0.01)
     assert all(t.result().status_code == 200 for t in tasks)
-    assert peak_waiting > 0 and peak_running == 2
+    assert peak_waiting > 0
+    assert peak_running == 2
     stats = await h.stats()
-    assert stats["finished"] == 6 and stats["waiting"] == 0 and stats["running"] == 0
+    assert stats["finished"] == 6
+    assert stats["waiting"] == 0
+    assert stats["running"] == 0
 
 
 async def test_preemption_under_kv_pressure_still_completes(start_sim: StartSim) -> None:
@@ -103,7 +110,8 @@ async def test_preemption_under_kv_pressure_still_completes(start_sim: StartSim)
     )
     assert [r.json()["usage"]["completion_tokens"] for r in rs] == [56] * 4
     stats = await h.stats()
-    assert stats["preemptions"] > 0 and stats["finished"] == 4
+    assert stats["preemptions"] > 0
+    assert stats["finished"] == 4
     assert stats["kv_blocks_used"] == 0
     # A preempted request's text is unaffected (recompute, not a different answer).
     solo = await h.client.post("/v1/chat/completions", json={**body, "seed": 0})
@@ -138,14 +146,17 @@ async def test_disconnect_mid_stream_aborts_at_once(start_sim: StartSim) -> None
     # Leaving the block closed the connection mid-stream.
     closed_at = time.time()
     rec = await _wait_status(h, rid, "aborted")
-    assert rec["aborted_at"] is not None and rec["aborted_at"] <= time.time()
+    assert rec["aborted_at"] is not None
+    assert rec["aborted_at"] <= time.time()
     assert rec["aborted_at"] >= closed_at - 0.05
     generated = rec["generated_tokens"]
     assert 3 <= generated < 500
     await asyncio.sleep(0.15)
     assert (await h.record(rid))["generated_tokens"] == generated
     stats = await h.stats()
-    assert stats["aborted"] == 1 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["aborted"] == 1
+    assert stats["running"] == 0
+    assert stats["kv_blocks_used"] == 0
     assert await h.metric("vllm:kv_cache_usage_perc") == 0.0
 
 
@@ -187,7 +198,8 @@ async def test_disconnect_while_waiting_leaves_queue(start_sim: StartSim) -> Non
         await _wait_status(h, rid, "waiting")
         assert (await h.stats())["waiting"] == 1
     rec = await _wait_status(h, rid, "aborted")
-    assert rec["generated_tokens"] == 0 and rec["first_token_at"] is None
+    assert rec["generated_tokens"] == 0
+    assert rec["first_token_at"] is None
     assert (await h.stats())["waiting"] == 0
     assert (await busy).status_code == 200
 
@@ -205,5 +217,6 @@ async def test_zero_latency_profile_serves_200_concurrent_streams(fast: SimHandl
     elapsed = time.perf_counter() - t0
     assert counts == [16] * 200
     stats = await fast.stats()
-    assert stats["finished"] == 200 and stats["kv_blocks_used"] == 0
+    assert stats["finished"] == 200
+    assert stats["kv_blocks_used"] == 0
     assert elapsed < 15.0  # client and server share one loop here; typically ~1-2 s

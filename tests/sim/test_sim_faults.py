@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from simkit import SimHandle, StartSim, chat_body, sse
+
+from tests.sim.simkit import SimHandle, StartSim, chat_body, sse
 
 
 @pytest.mark.parametrize(
@@ -30,27 +31,36 @@ async def test_status_faults(fast: SimHandle, fault: str, status: int, kind: str
         )
         assert r.status_code == status
         err = r.json()["error"]
-        assert err["type"] == kind and err["code"] == status and err["message"]
+        assert err["type"] == kind
+        assert err["code"] == status
+        assert err["message"]
         if status in (429, 503):
             assert r.headers["retry-after"] == "1"
     rec = await fast.record(rid)
-    assert rec["status"] == "failed" and rec["fault"] == fault
+    assert rec["status"] == "failed"
+    assert rec["fault"] == fault
     stats = await fast.stats()
-    assert stats["faults"] == {fault: 4} and stats["failed"] == 4 and stats["started"] == 0
+    assert stats["faults"] == {fault: 4}
+    assert stats["failed"] == 4
+    assert stats["started"] == 0
 
 
 async def _read_until_error(
     client: httpx.AsyncClient, body: dict[str, Any], fault: str
 ) -> list[str]:
     lines: list[str] = []
-    with pytest.raises(httpx.RemoteProtocolError):
+
+    async def read() -> None:
         async with client.stream(
             "POST", "/v1/chat/completions", json=body, headers={"X-Sim-Fault": fault}
         ) as r:
             assert r.status_code == 200
-            async for line in r.aiter_lines():
+            async for line in r.aiter_lines():  # kept line by line: the stream breaks
                 if line:
                     lines.append(line)
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        await read()
     return lines
 
 
@@ -58,10 +68,13 @@ async def test_drop_mid_stream(fast: SimHandle) -> None:
     lines = await _read_until_error(fast.client, chat_body(stream=True, max_tokens=20), "drop:3")
     # Role chunk plus three content chunks, then the connection is cut: no finish, no [DONE].
     assert len(lines) == 4
-    assert "[DONE]" not in "".join(lines) and '"finish_reason":"' not in "".join(lines)
+    assert "[DONE]" not in "".join(lines)
+    assert '"finish_reason":"' not in "".join(lines)
     stats = await fast.stats()
-    assert stats["failed"] == 1 and stats["faults"] == {"drop:3": 1}
-    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+    assert stats["failed"] == 1
+    assert stats["faults"] == {"drop:3": 1}
+    assert stats["kv_blocks_used"] == 0
+    assert stats["running"] == 0
     # The server keeps serving on fresh connections.
     assert (await fast.client.post("/v1/chat/completions", json=chat_body())).status_code == 200
 
@@ -74,7 +87,8 @@ async def test_drop_non_stream(fast: SimHandle) -> None:
             headers={"X-Sim-Fault": "drop:2", "X-Request-Id": rid},
         )  # fmt: skip
     rec = await fast.record(rid)
-    assert rec["status"] == "failed" and rec["generated_tokens"] == 2
+    assert rec["status"] == "failed"
+    assert rec["generated_tokens"] == 2
 
 
 async def test_stall_after_first_token_until_client_leaves(fast: SimHandle) -> None:
@@ -98,7 +112,8 @@ async def test_stall_after_first_token_until_client_leaves(fast: SimHandle) -> N
         if rec["status"] == "aborted":
             break
         await asyncio.sleep(0.005)
-    assert rec["status"] == "aborted" and rec["generated_tokens"] == 1
+    assert rec["status"] == "aborted"
+    assert rec["generated_tokens"] == 1
 
 
 async def test_stall_before_first_token(fast: SimHandle) -> None:
@@ -107,7 +122,8 @@ async def test_stall_before_first_token(fast: SimHandle) -> None:
         fast.client, "/v1/chat/completions", chat_body(stream=True, max_tokens=2),
         headers={"X-Sim-Fault": "stall:250"},
     )  # fmt: skip
-    assert s.done and time.perf_counter() - t0 >= 0.25
+    assert s.done
+    assert time.perf_counter() - t0 >= 0.25
 
 
 async def test_slow_stream(fast: SimHandle) -> None:
@@ -116,7 +132,8 @@ async def test_slow_stream(fast: SimHandle) -> None:
         fast.client, "/v1/chat/completions", chat_body(stream=True, max_tokens=6),
         headers={"X-Sim-Fault": "slow:40"},
     )  # fmt: skip
-    assert s.done and time.perf_counter() - t0 >= 5 * 0.04  # 5 gaps between 6 tokens
+    assert s.done
+    assert time.perf_counter() - t0 >= 5 * 0.04  # 5 gaps between 6 tokens
 
 
 async def test_bad_fault_header_is_400(fast: SimHandle) -> None:

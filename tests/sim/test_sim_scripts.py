@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from simkit import SimHandle, StartSim, chat_body, sse
+from tests.sim.simkit import SimHandle, StartSim, chat_body, sse
 
 TRANSFER = {
     "match": {"last_user": r"(?i)send \d+"},
@@ -35,7 +35,8 @@ async def test_scripted_tool_call_non_stream(fast: SimHandle) -> None:
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
-    assert call["id"] == "call_1" and call["type"] == "function"
+    assert call["id"] == "call_1"
+    assert call["type"] == "function"
     assert call["function"]["name"] == "transfer"
     assert json.loads(call["function"]["arguments"]) == {"amount": 100, "to": "bob"}
     # The next turn (a tool result) matches the second rule.

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from simkit import SimHandle, StartSim, chat_body, sse
+from tests.sim.simkit import SimHandle, StartSim, chat_body, sse
 
 
 def _content(events: list[dict[str, Any]]) -> list[str]:
@@ -25,7 +25,8 @@ def _content(events: list[dict[str, Any]]) -> list[str]:
 async def test_chat_stream_shape(fast: SimHandle) -> None:
     body = chat_body(stream=True, stream_options={"include_usage": True})
     s = await sse(fast.client, "/v1/chat/completions", body)
-    assert s.status == 200 and s.done
+    assert s.status == 200
+    assert s.done
     assert s.headers["content-type"].startswith("text/event-stream")
     first, *middle, last_content, usage_chunk = s.events
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -44,7 +45,8 @@ async def test_chat_stream_shape(fast: SimHandle) -> None:
 
 async def test_stream_without_usage_has_no_usage_chunk(fast: SimHandle) -> None:
     s = await sse(fast.client, "/v1/chat/completions", chat_body(stream=True))
-    assert s.done and all(e["choices"] for e in s.events)
+    assert s.done
+    assert all(e["choices"] for e in s.events)
     assert all("usage" not in e for e in s.events)
 
 
@@ -68,7 +70,8 @@ async def test_usage_is_exact_and_stream_equals_non_stream(fast: SimHandle) -> N
     assert usage["completion_tokens"] == len(pieces) == full["usage"]["completion_tokens"]
     assert "".join(pieces) == full["choices"][0]["message"]["content"]
     assert 16 <= len(pieces) <= 64  # the natural length range
-    assert full["object"] == "chat.completion" and full["id"].startswith("chatcmpl-")
+    assert full["object"] == "chat.completion"
+    assert full["id"].startswith("chatcmpl-")
     assert full["choices"][0]["finish_reason"] == "stop"
     # Deterministic: the same request gives the same text again.
     again = (await fast.client.post("/v1/chat/completions", json=body)).json()
@@ -84,16 +87,19 @@ async def test_text_completions_stream_and_non_stream(fast: SimHandle) -> None:
         {**body, "stream": True, "stream_options": {"include_usage": True}},
     )  # fmt: skip
     texts = [e["choices"][0]["text"] for e in s.events if e["choices"]]
-    assert full["object"] == "text_completion" and full["id"].startswith("cmpl-")
+    assert full["object"] == "text_completion"
+    assert full["id"].startswith("cmpl-")
     assert s.events[0]["object"] == "text_completion"
     assert "".join(texts) == full["choices"][0]["text"]
     assert full["usage"]["prompt_tokens"] == tok["count"] == 4
     assert full["usage"]["completion_tokens"] == len(texts) == 12
     assert s.events[-2]["choices"][0]["finish_reason"] == "length"
-    assert s.events[-1]["choices"] == [] and s.done
+    assert s.events[-1]["choices"] == []
+    assert s.done
     # Token-id prompts are accepted too.
     by_ids = await fast.client.post("/v1/completions", json={"prompt": tok["tokens"]})
-    assert by_ids.status_code == 200 and by_ids.json()["usage"]["prompt_tokens"] == 4
+    assert by_ids.status_code == 200
+    assert by_ids.json()["usage"]["prompt_tokens"] == 4
 
 
 async def test_max_tokens_gives_length(fast: SimHandle) -> None:
@@ -137,7 +143,8 @@ async def test_unknown_model_is_404(fast: SimHandle) -> None:
     assert r.status_code == 404
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == 404 and "nope" in err["message"]
+    assert err["code"] == 404
+    assert "nope" in err["message"]
 
 
 async def test_bad_requests_are_400(start_sim: StartSim) -> None:
@@ -158,7 +165,8 @@ async def test_bad_requests_are_400(start_sim: StartSim) -> None:
     r = await h.client.post(
         "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
-    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "BadRequestError"
     r = await h.client.post("/v1/chat/completions", json=chat_body(long_prompt))
     assert "maximum context length is 64" in r.json()["error"]["message"]
 
@@ -166,9 +174,11 @@ async def test_bad_requests_are_400(start_sim: StartSim) -> None:
 async def test_models_tokenize_health_version(fast: SimHandle) -> None:
     models = (await fast.client.get("/v1/models")).json()
     assert models["object"] == "list"
-    assert models["data"][0]["id"] == "sim-8b" and models["data"][0]["max_model_len"] == 8192
+    assert models["data"][0]["id"] == "sim-8b"
+    assert models["data"][0]["max_model_len"] == 8192
     h = await fast.client.get("/health")
-    assert h.status_code == 200 and h.content == b""
+    assert h.status_code == 200
+    assert h.content == b""
     tok = (
         await fast.client.post("/tokenize", json={"prompt": "a b, c", "return_token_strs": True})
     ).json()
@@ -187,7 +197,8 @@ async def test_request_id_and_record(fast: SimHandle) -> None:
     assert r.json()["id"] == f"chatcmpl-{rid}"
     assert r.headers["x-request-id"] == rid
     rec = await fast.record(rid)
-    assert rec["status"] == "finished" and rec["generated_tokens"] == 4
+    assert rec["status"] == "finished"
+    assert rec["generated_tokens"] == 4
     assert rec["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert before <= rec["arrived_at"] <= rec["first_token_at"] <= rec["finished_at"] <= after
     assert rec["aborted_at"] is None
@@ -199,11 +210,13 @@ async def test_embeddings_deterministic_unit_vectors(fast: SimHandle) -> None:
     body = {"model": "sim-8b", "input": ["hello world", "something else"]}
     a = (await fast.client.post("/v1/embeddings", json=body)).json()
     b = (await fast.client.post("/v1/embeddings", json=body)).json()
-    assert a["object"] == "list" and len(a["data"]) == 2
+    assert a["object"] == "list"
+    assert len(a["data"]) == 2
     v0, v1 = (d["embedding"] for d in a["data"])
     assert len(v0) == 384
     assert math.isclose(math.fsum(x * x for x in v0), 1.0, rel_tol=1e-9)
-    assert v0 == b["data"][0]["embedding"] and v0 != v1
+    assert v0 == b["data"][0]["embedding"]
+    assert v0 != v1
     assert a["usage"]["prompt_tokens"] == 4 == a["usage"]["total_tokens"]
     one = (await fast.client.post("/v1/embeddings", json={"input": "hello world"})).json()
     assert one["data"][0]["embedding"] == v0
@@ -218,11 +231,13 @@ async def test_embeddings_deterministic_unit_vectors(fast: SimHandle) -> None:
     ).json()
     raw = base64.b64decode(b64["data"][0]["embedding"])
     floats = struct.unpack(f"<{len(raw) // 4}f", raw)
-    assert len(floats) == 384 and math.isclose(floats[0], v0[0], rel_tol=1e-6)
+    assert len(floats) == 384
+    assert math.isclose(floats[0], v0[0], rel_tol=1e-6)
     small = (
         await fast.client.post("/v1/embeddings", json={"input": "hello world", "dimensions": 64})
     ).json()["data"][0]["embedding"]
-    assert len(small) == 64 and math.isclose(math.fsum(x * x for x in small), 1.0)
+    assert len(small) == 64
+    assert math.isclose(math.fsum(x * x for x in small), 1.0)
     bad = await fast.client.post("/v1/embeddings", json={"input": []})
     assert bad.status_code == 400
 
@@ -250,7 +265,9 @@ async def test_metrics_use_vllm_names(fast: SimHandle) -> None:
         in text
     )
     info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
-    assert 'block_size="16"' in info and 'num_gpu_blocks="8192"' in info and info.endswith(" 1.0")
+    assert 'block_size="16"' in info
+    assert 'num_gpu_blocks="8192"' in info
+    assert info.endswith(" 1.0")
     assert await fast.metric("vllm:generation_tokens_total") == 3
     assert await fast.metric("vllm:time_to_first_token_seconds_count") == 1
     assert await fast.metric("vllm:inter_token_latency_seconds_count") == 2

@@ -23,17 +23,23 @@ def test_prefix_hits_need_the_same_parent_chain() -> None:
     kv = BlockManager(num_blocks=8, block_size=4)
     a = list(range(10))  # 2 full blocks + 2 tokens
     got = kv.allocate(_hashes(a), kv.blocks_for(len(a)), (len(a) - 1) // 4)
-    assert got is not None and got[1] == 0 and kv.used_blocks == 3
+    assert got is not None
+    assert got[1] == 0
+    assert kv.used_blocks == 3
     kv.free(got[0])
-    assert kv.used_blocks == 0 and kv.usage() == 0.0 and kv.cached_blocks == 2
+    assert kv.used_blocks == 0
+    assert kv.usage() == 0.0
+    assert kv.cached_blocks == 2
     # Same first block, different second: only one block hits.
     b = [0, 1, 2, 3, 9, 9, 9, 9, 1]
     got_b = kv.allocate(_hashes(b), 3, (len(b) - 1) // 4)
-    assert got_b is not None and got_b[1] == 1
+    assert got_b is not None
+    assert got_b[1] == 1
     # Same second block content after a different first block: no hit (chained hash).
     c = [7, 7, 7, 7, 4, 5, 6, 7, 1]
     got_c = kv.allocate(_hashes(c), 3, 2)
-    assert got_c is not None and got_c[1] == 0
+    assert got_c is not None
+    assert got_c[1] == 0
 
 
 def test_never_a_full_prompt_hit() -> None:
@@ -43,7 +49,8 @@ def test_never_a_full_prompt_hit() -> None:
     assert first is not None
     kv.free(first[0])
     again = kv.allocate(_hashes(ids), 2, (len(ids) - 1) // 4)
-    assert again is not None and again[1] == 1  # the last block is recomputed
+    assert again is not None
+    assert again[1] == 1  # the last block is recomputed
 
 
 def test_lru_eviction_and_capacity() -> None:
@@ -51,15 +58,20 @@ def test_lru_eviction_and_capacity() -> None:
     old = kv.allocate(_hashes([1] * 8), 2, 1)
     assert old is not None
     kv.free(old[0])
-    assert kv.available == 4 and kv.evictable_blocks == 2
+    assert kv.available == 4
+    assert kv.evictable_blocks == 2
     big = kv.allocate(_hashes([2] * 16), 4, 3)  # needs every block: evicts the cached ones
-    assert big is not None and kv.cached_blocks == 4 and kv.usage() == 1.0
-    assert kv.allocate(_hashes([3] * 4), 1, 0) is None and kv.append() is None
+    assert big is not None
+    assert kv.cached_blocks == 4
+    assert kv.usage() == 1.0
+    assert kv.allocate(_hashes([3] * 4), 1, 0) is None
+    assert kv.append() is None
     kv.free(big[0])
     assert kv.usage() == 0.0
     # The old prefix was evicted.
     again = kv.allocate(_hashes([1] * 8), 2, 1)
-    assert again is not None and again[1] == 0
+    assert again is not None
+    assert again[1] == 0
 
 
 def test_shared_blocks_are_refcounted() -> None:
@@ -67,7 +79,9 @@ def test_shared_blocks_are_refcounted() -> None:
     ids = list(range(9))
     a = kv.allocate(_hashes(ids), 3, 2)
     b = kv.allocate(_hashes(ids), 3, 2)
-    assert a is not None and b is not None and b[1] == 2
+    assert a is not None
+    assert b is not None
+    assert b[1] == 2
     assert kv.used_blocks == 4  # two shared full blocks + one partial each
     kv.free(a[0])
     assert kv.used_blocks == 3
@@ -80,7 +94,8 @@ def test_tokenizer_is_lossless_and_stable() -> None:
     text = "  Hello, world!\n<|im_start|>user\nIt's 3.14  ok?  "
     pieces = tok.pieces(text)
     assert "".join(pieces) == text
-    assert "\n<|im_start|>" in pieces and " world" in pieces
+    assert "\n<|im_start|>" in pieces
+    assert " world" in pieces
     assert tok.encode(text) == Tokenizer().encode(text)
     assert all(0 <= t < 128256 for t in tok.encode(text))
 
@@ -101,10 +116,12 @@ def test_stop_scanner_holds_back_partial_matches() -> None:
     assert s.push(" abc") == " a"
     assert s.push(" E") == "bc"  # " E" might start END: held back
     assert s.push("N") == " "  # "EN" still might
-    assert s.push("D more") == "" and s.matched == "END"
+    assert s.push("D more") == ""
+    assert s.matched == "END"
     assert s.text == " abc "
     plain = StopScanner([])
-    assert plain.push(" x") == " x" and plain.flush() == ""
+    assert plain.push(" x") == " x"
+    assert plain.flush() == ""
 
 
 def test_itl_grows_with_load() -> None:
@@ -112,20 +129,23 @@ def test_itl_grows_with_load() -> None:
     rng = random.Random(0)
     light = sum(p.itl(1, 16, rng) for _ in range(200)) / 200
     heavy = sum(p.itl(16, 16, rng) for _ in range(200)) / 200
-    assert 0.011 < light < 0.013 and heavy > 1.5 * light
-    assert PROFILES["fast"].itl(64, 64, rng) == 0.0 and PROFILES["fast"].prefill(1000) == 0.0
+    assert 0.011 < light < 0.013
+    assert heavy > 1.5 * light
+    assert PROFILES["fast"].itl(64, 64, rng) == 0.0
+    assert PROFILES["fast"].prefill(1000) == 0.0
     assert p.prefill(100) == pytest.approx(0.030 + 0.025)
 
 
 def test_config_overrides_and_validation() -> None:
     cfg = SimConfig(profile="fast", max_num_seqs=3)
-    assert cfg.eff_max_num_seqs == 3 and cfg.eff_num_gpu_blocks == 8192
+    assert cfg.eff_max_num_seqs == 3
+    assert cfg.eff_num_gpu_blocks == 8192
     assert SimConfig().eff_max_num_seqs == 16
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown profile 'nope'"):
         SimConfig(profile="nope")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must sum to <= 1"):
         SimConfig(fault_rates={"429": 0.7, "503": 0.7})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown fault 'boom'"):
         SimConfig(fault_rates={"boom": 0.1})
 
 
@@ -136,7 +156,7 @@ def test_fault_specs() -> None:
     assert parse_fault("stall:200").spec == "stall:200"
     assert parse_fault("429").status == 429
     for bad in ("slow", "429:1", "drop:x", "drop:-1", "meteor"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"{bad}'$"):
             parse_fault(bad)
     picker = FaultPicker({"503": 1.0}, seed=0)
     assert picker.pick(None) == Fault(FaultKind.UNAVAILABLE)

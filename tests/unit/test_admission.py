@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from workers.engines.base import EngineLoad
-from workers.engines.openai import parse_vllm_metrics
+from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.inference.admission import Admission, AdmissionConfig
 
 
 async def test_slots_bounded_by_max_inflight() -> None:
     adm = Admission(AdmissionConfig(max_inflight=2, reserve=0))
-    assert await adm.acquire(0) and await adm.acquire(0)
+    assert await adm.acquire(0)
+    assert await adm.acquire(0)
     assert adm.free_slots() == 0
     third = asyncio.create_task(adm.acquire(0))
     await asyncio.sleep(0.05)

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.runs.service import BudgetIn, RunCreate, _budget, _deadline
+from gateway.runs.bodies import BudgetIn, RunCreate, run_budget, run_deadline
 from gateway.tenancy.pricing import Price
 from streams.agent import (
     NO_BUDGET,
@@ -35,11 +35,12 @@ from streams.agent import (
     token,
 )
 from streams.agent_store import Stored, approval_key
+from streams.inference.tool_calls import ToolCalls
 from streams.wire import Usage
 from workers.agent.crash import POINTS, CrashPoints, parse_crash_specs
 from workers.agent.errors import CrashSpecError
 from workers.agent.handle import RunHandle, unanswered_calls
-from workers.agent.model import ModelReply, merge_tool_calls
+from workers.agent.model import ModelReply
 from workers.agent.spawn import Spawner, spawn_tool
 from workers.agent.step import budget_halt
 
@@ -79,11 +80,14 @@ def test_ids_are_safe_tokens_and_deterministic_where_they_must_be() -> None:
     assert child_run_id("run_a", 2, "call_1") == child_run_id("run_a", 2, "call_1")
     assert child_run_id("run_a", 2, "call_1") != child_run_id("run_a", 3, "call_1")
     assert run_id_for("t", "k") == run_id_for("t", "k") != run_id_for("u", "k")
-    assert is_run_id(run_id_for("t", "k")) and not is_run_id("run.x")
+    assert is_run_id(run_id_for("t", "k"))
+    assert not is_run_id("run.x")
     assert token("call_1") == "call_1"
-    assert token("call 1.*>") != "call 1.*>" and token("call 1.*>").isalnum()
+    assert token("call 1.*>") != "call 1.*>"
+    assert token("call 1.*>").isalnum()
     assert approval_key("run_a", 2, "call_1") == "run_a.approval.2.call_1"
-    assert step_msg_id("run_a", 2) == "run_a:2" and step_msg_id("run_a", 2, "x") == "run_a:2:x"
+    assert step_msg_id("run_a", 2) == "run_a:2"
+    assert step_msg_id("run_a", 2, "x") == "run_a:2:x"
 
 
 def test_child_traceparent_stays_in_the_trace() -> None:
@@ -139,27 +143,28 @@ def test_run_price_is_the_gateway_price(usage: Usage) -> None:
 
 def test_budget_defaults_and_bounds() -> None:
     price = RunPrice(input_per_1k=100, output_per_1k=300)
-    default = _budget(None, price)
-    assert default.max_steps == 16 and default.max_cost_micros == 32_000 * 300 // 1000
-    assert _budget(BudgetIn(max_cost=0.5), price).max_cost_micros == 500_000
-    assert _budget(BudgetIn(max_cost=1.0, max_cost_micros=7), price).max_cost_micros == 7
+    default = run_budget(None, price)
+    assert default.max_steps == 16
+    assert default.max_cost_micros == 32_000 * 300 // 1000
+    assert run_budget(BudgetIn(max_cost=0.5), price).max_cost_micros == 500_000
+    assert run_budget(BudgetIn(max_cost=1.0, max_cost_micros=7), price).max_cost_micros == 7
     for bad in (BudgetIn(max_steps=0), BudgetIn(max_tokens=0), BudgetIn(max_cost_micros=0)):
         with pytest.raises(BadRequest):
-            _budget(bad, price)
+            run_budget(bad, price)
 
 
 def test_deadline_is_absolute_bounded_and_not_both() -> None:
     now = 1000.0
-    assert _deadline(RunCreate(model="m", messages=[]), now, 600, 3600) == 1600
-    assert _deadline(RunCreate(model="m", messages=[], timeout=5), now, 600, 3600) == 1005
-    assert _deadline(RunCreate(model="m", messages=[], deadline=2000), now, 600, 3600) == 2000
+    assert run_deadline(RunCreate(model="m", messages=[]), now, 600, 3600) == 1600
+    assert run_deadline(RunCreate(model="m", messages=[], timeout=5), now, 600, 3600) == 1005
+    assert run_deadline(RunCreate(model="m", messages=[], deadline=2000), now, 600, 3600) == 2000
     for body in (
         RunCreate(model="m", messages=[], deadline=999),
         RunCreate(model="m", messages=[], timeout=4000),
         RunCreate(model="m", messages=[], timeout=5, deadline=1100),
     ):
         with pytest.raises(BadRequest):
-            _deadline(body, now, 600, 3600)
+            run_deadline(body, now, 600, 3600)
 
 
 # -- crash points ------------------------------------------------------------------------
@@ -212,19 +217,19 @@ def test_unanswered_calls_are_those_of_the_last_assistant_turn() -> None:
 
 
 def test_streamed_tool_call_deltas_merge_into_whole_calls() -> None:
-    acc: dict[int, dict[str, Any]] = {}
+    acc = ToolCalls()
     fn0 = {"name": "transfer", "arguments": ""}
-    merge_tool_calls(acc, [{"index": 0, "id": "call_1", "type": "function", "function": fn0}])
-    merge_tool_calls(acc, [{"index": 0, "function": {"arguments": '{"amount": '}}])
-    merge_tool_calls(acc, [{"index": 1, "id": "call_2", "function": {"name": "balance"}}])
-    merge_tool_calls(acc, [{"index": 0, "function": {"arguments": "5}"}}])
-    merge_tool_calls(acc, [{"index": 1, "function": {"arguments": {"account": "a"}}}])
-    assert acc[0]["function"] == {"name": "transfer", "arguments": '{"amount": 5}'}
-    assert acc[1]["id"] == "call_2" and json.loads(acc[1]["function"]["arguments"]) == {
-        "account": "a"
-    }
-    reply = ModelReply(None, [acc[0]], "tool_calls", Usage())
-    assert reply.message() == {"role": "assistant", "content": None, "tool_calls": [acc[0]]}
+    acc.add([{"index": 0, "id": "call_1", "type": "function", "function": fn0}])
+    acc.add([{"index": 0, "function": {"arguments": '{"amount": '}}])
+    acc.add([{"index": 1, "id": "call_2", "function": {"name": "balance"}}])
+    acc.add([{"index": 0, "function": {"arguments": "5}"}}])
+    acc.add([{"index": 1, "function": {"arguments": {"account": "a"}}}])
+    first, second = acc.merged()
+    assert first["function"] == {"name": "transfer", "arguments": '{"amount": 5}'}
+    assert second["id"] == "call_2"
+    assert json.loads(second["function"]["arguments"]) == {"account": "a"}
+    reply = ModelReply(None, [first], "tool_calls", Usage())
+    assert reply.message() == {"role": "assistant", "content": None, "tool_calls": [first]}
 
 
 # -- spawn refusals (nothing is written for them) ------------------------------------------

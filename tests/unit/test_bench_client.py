@@ -68,7 +68,9 @@ async def test_a_vllm_style_stream() -> None:
     assert (t.outcome, t.status, t.error) == ("ok", 200, "")
     assert len(t.chunks) == 3  # the empty role chunk is not a token
     assert (t.output_tokens, t.prompt_tokens, t.cached_tokens) == (3, 8, 4)
-    assert t.ttft == t.chunks[0] and t.e2e is not None and t.e2e >= t.chunks[-1]
+    assert t.ttft == t.chunks[0]
+    assert t.e2e is not None
+    assert t.e2e >= t.chunks[-1]
 
 
 async def test_a_litellm_style_stream_without_done() -> None:
@@ -76,7 +78,9 @@ async def test_a_litellm_style_stream_without_done() -> None:
     usage = {"choices": [{"index": 0, "delta": {}}], "usage": {"completion_tokens": 2}}
     body = sse(chat(" a"), chat(" b"), chat(None, finish="stop"), usage, done=False)
     t = await run_one(lambda r: httpx.Response(200, content=body))
-    assert t.outcome == "ok" and len(t.chunks) == 2 and t.output_tokens == 2
+    assert t.outcome == "ok"
+    assert len(t.chunks) == 2
+    assert t.output_tokens == 2
 
 
 async def test_completions_text_chunks() -> None:
@@ -84,7 +88,9 @@ async def test_completions_text_chunks() -> None:
         {"choices": [{"text": " x"}]}, {"choices": [{"text": " y", "finish_reason": "stop"}]}
     )
     t = await run_one(lambda r: httpx.Response(200, content=body))
-    assert t.outcome == "ok" and len(t.chunks) == 2 and t.output_tokens is None
+    assert t.outcome == "ok"
+    assert len(t.chunks) == 2
+    assert t.output_tokens is None
 
 
 @pytest.mark.parametrize(
@@ -95,7 +101,8 @@ async def test_statuses(status: int, outcome: str) -> None:
     err = {"error": {"message": "m", "type": "t", "code": "queue_full"}}
     t = await run_one(lambda r: httpx.Response(status, json=err))
     assert (t.outcome, t.status, t.error) == (outcome, status, "queue_full")
-    assert t.ttft is None and t.e2e is None
+    assert t.ttft is None
+    assert t.e2e is None
 
 
 async def test_error_event_mid_stream() -> None:
@@ -132,7 +139,8 @@ def slow_stream(gap: float, n: int) -> Callable[[httpx.Request], httpx.Response]
 async def test_cancel_after_and_deadline() -> None:
     cancel = RequestSpec(index=1, at=0, cls="x", input_tokens=1, output_tokens=9, cancel_after=0.12)
     t = await run_one(slow_stream(0.05, 10), cancel)
-    assert t.outcome == "cancelled" and 1 <= len(t.chunks) <= 3
+    assert t.outcome == "cancelled"
+    assert 1 <= len(t.chunks) <= 3
     t = await run_one(slow_stream(0.05, 10), REQ, deadline_s=0.12)
     assert (t.outcome, t.error) == ("timeout", "client deadline")
 
@@ -141,10 +149,12 @@ async def test_pool_grows_small_clients_and_caps() -> None:
     pool = ClientPool(conns=2, max_clients=3)
     try:
         slots = [pool.acquire() for _ in range(6)]
-        assert slots == [0, 0, 1, 1, 2, 2] and pool.size == 3
+        assert slots == [0, 0, 1, 1, 2, 2]
+        assert pool.size == 3
         pool.release(1)
         assert pool.acquire() == 1  # a free slot first
-        assert pool.acquire() in (0, 1, 2) and pool.size == 3  # full: least busy, no growth
+        assert pool.acquire() in (0, 1, 2)  # full: least busy, no growth
+        assert pool.size == 3
     finally:
         await pool.aclose()
 
@@ -169,9 +179,11 @@ async def test_open_loop_keeps_its_schedule_when_the_server_is_slow() -> None:
     )
     result = await run_job(job, transport=httpx.MockTransport(slow))
     tls = result.timelines
-    assert len(tls) == 40 and all(t.outcome == "ok" for t in tls)
+    assert len(tls) == 40
+    assert all(t.outcome == "ok" for t in tls)
     lags = sorted(t.lag for t in tls)
-    assert lags[len(lags) // 2] < 0.01 and lags[-1] < 0.2  # answers take 0.6 s each
+    assert lags[len(lags) // 2] < 0.01  # answers take 0.6 s each
+    assert lags[-1] < 0.2
     assert max(t.sent for t in tls) < min(t.end for t in tls)
     assert min(t.e2e or 0 for t in tls) >= 0.6
     assert result.clients >= 10  # 40 in flight at 4 connections each

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from jetserve.bench.fleet_client import Shot, summarize
-from jetserve.bench.fleet_plots import _labels
-from jetserve.bench.fleet_scenarios import render
+from jetserve.bench.fleet.client import Shot, summarize
+from jetserve.bench.fleet.plots import _labels
+from jetserve.bench.fleet.scenarios import render
 
 
 def shots() -> list[Shot]:

@@ -56,13 +56,15 @@ def test_percentile_interpolates_linearly_like_numpy() -> None:
     # numpy.percentile([1, 2, 3, 4], 99) == 3.97
     assert percentile(vals, 99) == pytest.approx(3.97)
     assert percentile([7.0], 95) == 7.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="percentile of nothing"):
         percentile([], 50)
 
 
 def test_stat_of_nothing_is_empty() -> None:
     s = stat([])
-    assert s.n == 0 and s.mean is None and s.p99 is None
+    assert s.n == 0
+    assert s.mean is None
+    assert s.p99 is None
 
 
 def test_ttft_tpot_itl_e2e_of_one_request() -> None:
@@ -95,10 +97,14 @@ def test_latency_covers_completed_requests_and_pools_itl() -> None:
         tl(2, chunks=(), out=None, outcome="rejected", status=429),
     ]
     lat = latency(tls)
-    assert lat.ttft.n == 2 and lat.ttft.mean == pytest.approx(0.2)
-    assert lat.e2e.n == 2 and lat.e2e.p50 == pytest.approx(0.4)  # (0.2 + 0.6) / 2
-    assert lat.tpot.n == 2 and lat.tpot.mean == pytest.approx((0.1 + 0.15) / 2)
-    assert lat.itl.n == 3 and lat.itl.max == pytest.approx(0.2)
+    assert lat.ttft.n == 2
+    assert lat.ttft.mean == pytest.approx(0.2)
+    assert lat.e2e.n == 2
+    assert lat.e2e.p50 == pytest.approx(0.4)  # (0.2 + 0.6) / 2
+    assert lat.tpot.n == 2
+    assert lat.tpot.mean == pytest.approx((0.1 + 0.15) / 2)
+    assert lat.itl.n == 3
+    assert lat.itl.max == pytest.approx(0.2)
 
 
 def test_counts_by_outcome() -> None:
@@ -147,10 +153,11 @@ def test_slo_objectives() -> None:
     assert not parse_slo(["tpot=0.049s"]).meets(t)
     assert not parse_slo(["e2e=200ms"]).meets(t)
     assert parse_slo(["e2el:300"]).meets(t)  # vLLM's spelling, bare ms
-    assert Slo().meets(t) and not Slo().meets(tl(outcome="error", chunks=()))
+    assert Slo().meets(t)
+    assert not Slo().meets(tl(outcome="error", chunks=()))
     # One output token: TPOT is undefined and meets any TPOT objective (as vLLM).
     assert parse_slo(["tpot=1ms"]).meets(tl(chunks=(0.1,), out=1))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected ttft="):
         parse_slo(["latency=1s"])
 
 
@@ -197,10 +204,12 @@ def test_added_latency_is_the_difference_at_each_percentile() -> None:
 
 def test_max_rate_under_slo() -> None:
     cap = max_rate_under_slo([(2, 1.0), (4, 0.95), (8, 0.5), (16, 0.95)], 0.9)
-    assert cap.max_rate == 4 and not cap.all_held  # 16 held by luck: past the failure
+    assert cap.max_rate == 4
+    assert not cap.all_held  # 16 held by luck: past the failure
     assert cap.highest_held == 16
     assert max_rate_under_slo([(4, 0.99), (2, 1.0)], 0.9).all_held
     assert max_rate_under_slo([(4, 0.99), (2, 1.0)], 0.9).max_rate == 4
     none = max_rate_under_slo([(2, 0.5), (4, 1.0)], 0.9)
-    assert none.max_rate is None and not none.all_held
+    assert none.max_rate is None
+    assert not none.all_held
     assert max_rate_under_slo([(2, None)], 0.9).max_rate is None

@@ -18,8 +18,9 @@ from jetserve.bench.loadgen import Job, LoadResult
 from jetserve.bench.metrics import added_latency, summarise
 from jetserve.bench.plan import WARNING, capacity_plan, render
 from jetserve.bench.progress import ProgressBar
-from jetserve.bench.report import Results, build_results, load_results, markdown, write_json
+from jetserve.bench.report import Results, build_results, load_results, write_json
 from jetserve.bench.slo import parse_slo
+from jetserve.bench.summary import markdown
 from jetserve.bench.sweep import RunRecord, SweepConfig, run_salt
 from jetserve.bench.targets import Target
 from jetserve.bench.timeline import Timeline
@@ -90,10 +91,14 @@ def results() -> Results:
 def test_results_capacity_and_headline() -> None:
     res = results()
     assert res.rates == [2.0, 4.0, 8.0]
-    assert res.capacity["direct"].max_rate == 8.0 and res.capacity["direct"].all_held
-    assert res.capacity["gw"].max_rate == 4.0 and not res.capacity["gw"].all_held
+    assert res.capacity["direct"].max_rate == 8.0
+    assert res.capacity["direct"].all_held
+    assert res.capacity["gw"].max_rate == 4.0
+    assert not res.capacity["gw"].all_held
     (h,) = res.headline
-    assert h.target == "gw" and h.light_rate == 2.0 and h.held_rate == 8.0
+    assert h.target == "gw"
+    assert h.light_rate == 2.0
+    assert h.held_rate == 8.0
     assert h.added_ttft_p50_light == pytest.approx(0.005)
     assert h.max_rate_under_slo == 4.0
 
@@ -105,7 +110,8 @@ def test_json_round_trip_and_markdown(tmp_path: Path) -> None:
     assert back == res
     assert b"chunks" not in (tmp_path / "results.json").read_bytes()  # no per-request data
     md = markdown(back, ["latency_vs_load.png"])
-    assert "## Headline" in md and "| gw | +5.0 / +5.0 |" in md
+    assert "## Headline" in md
+    assert "| gw | +5.0 / +5.0 |" in md
     assert "| direct | >= 8 (every rate held) |" in md
     assert "![latency_vs_load.png](latency_vs_load.png)" in md
     (tmp_path / "bad.json").write_text('{"schema": "other/1"}')
@@ -126,19 +132,21 @@ def test_capacity_plan() -> None:
     res = results()
     p = capacity_plan(res, target="gw", peak_rate=30.0, rho_max=0.8)
     x_sat = max(r.summary.request_throughput for r in res.runs if r.target == "gw")
-    assert p.x_sat == pytest.approx(x_sat) and p.replicas == 1
+    assert p.x_sat == pytest.approx(x_sat)
+    assert p.replicas == 1
     assert p.e_s == pytest.approx(1 / x_sat)
     assert p.g_min == math.ceil(30.0 * (1 / x_sat) / 0.8)
     assert p.g_slo == math.ceil(30.0 / 4.0)
-    assert not p.saturated and p.notes  # the synthetic sweep never saturated
+    assert not p.saturated  # the synthetic sweep never saturated
+    assert p.notes
     text = render(p, "r.json")
     assert "g_min       = ceil(lambda_peak * E[S] / rho_max)" in text
     assert "lambda_peak = 30 req/s  (--peak-rate)" in text
     assert text.endswith(WARNING)
     assert capacity_plan(res).target == "gw"  # the non-baseline target by default
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no target 'nope'"):
         capacity_plan(res, target="nope")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rho_max must be"):
         capacity_plan(res, rho_max=0)
 
 
@@ -163,8 +171,10 @@ def test_progress_bar_on_a_terminal_and_in_a_log() -> None:
     bar.update(2, 1, 0)
     bar.end_run()
     lines = log.getvalue().splitlines()
-    assert "\r" not in log.getvalue() and len(lines) == 2
-    assert "sent 2/10 done 1 bad 0" in lines[0] and "100% x  sent 10/10 done 10" in lines[1]
+    assert "\r" not in log.getvalue()
+    assert len(lines) == 2
+    assert "sent 2/10 done 1 bad 0" in lines[0]
+    assert "100% x  sent 10/10 done 10" in lines[1]
     quiet = io.StringIO()
     off = ProgressBar(10, quiet, enabled=False)
     off.start_run("x", 10)
@@ -175,7 +185,8 @@ def test_progress_bar_on_a_terminal_and_in_a_log() -> None:
 
 def test_run_salts_differ_per_target_and_rate() -> None:
     salts = {run_salt(0, r, t) for r in (2.0, 4.0) for t in ("a", "b")}
-    assert len(salts) == 4 and all(s.isalnum() for s in salts)
+    assert len(salts) == 4
+    assert all(s.isalnum() for s in salts)
 
 
 def test_cli_plan_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,7 +195,9 @@ def test_cli_plan_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         bench_main(["plan", "--results", str(tmp_path / "results.json"), "--peak-rate", "20"]) == 0
     )
     out = capsys.readouterr().out
-    assert "capacity plan for target 'gw'" in out and "g_min" in out and "warning:" in out
+    assert "capacity plan for target 'gw'" in out
+    assert "g_min" in out
+    assert "warning:" in out
     assert bench_main(["report", "--results", str(tmp_path / "results.json"), "--no-plots"]) == 0
     assert (tmp_path / "summary.md").read_text().startswith("# jetserve bench")
     assert bench_main(["plan", "--results", str(tmp_path / "results.json"), "--target", "x"]) == 2
@@ -219,14 +232,17 @@ def test_cpu_meter_counts_a_process_tree_and_the_rest_of_the_machine() -> None:
         pass
     d = CpuMeter.delta(before, meter.sample())
     assert d["me"] >= 0.15
-    assert "other" in d and d["other"] >= 0.0
+    assert "other" in d
+    assert d["other"] >= 0.0
     assert set(CpuMeter({}).sample()) <= {"_machine", "_self"}  # no groups: machine only
 
 
 def test_wait_quiet_returns_what_others_use() -> None:
     slept: list[float] = []
     cores = wait_quiet(CpuMeter({}), max_cores=64.0, timeout=0.0, window=0.01, sleep=slept.append)
-    assert slept == [0.01] and cores is not None and cores >= 0.0
+    assert slept == [0.01]
+    assert cores is not None
+    assert cores >= 0.0
 
 
 def test_a_run_disturbed_by_other_processes_is_repeated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,7 +271,9 @@ def test_a_run_disturbed_by_other_processes_is_repeated(monkeypatch: pytest.Monk
     cfg = SweepConfig(rates=[10.0], count=20, cooldown=0, max_other=0.25, retries=2)
     bar = ProgressBar(20, io.StringIO(), enabled=False)
     (rec,) = sweep.run_sweep(cfg, [Target(name="a", url="http://a/v1")], progress=bar)
-    assert rec.attempts == 2 and bar.total == 40
-    assert rec.other_cores is not None and rec.other_cores < 0.25
+    assert rec.attempts == 2
+    assert bar.total == 40
+    assert rec.other_cores is not None
+    assert rec.other_cores < 0.25
     assert rec.cpu == {"other": 0.2, "generator": 0.1}
     assert len(set(salts)) == 2  # the repeat must not meet the cache its first attempt warmed

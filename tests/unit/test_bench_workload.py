@@ -42,9 +42,10 @@ def test_gamma_burstiness_keeps_the_rate_and_sets_cv(burstiness: float) -> None:
 
 def test_arrivals_by_duration_start_at_zero_and_stop_in_time() -> None:
     times = arrival_times(random.Random(3), 20.0, duration=10.0)
-    assert times[0] == 0.0 and times[-1] < 10.0
+    assert times[0] == 0.0
+    assert times[-1] < 10.0
     assert 150 < len(times) < 250
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be > 0"):
         arrival_times(random.Random(3), 0.0, count=1)
 
 
@@ -104,7 +105,8 @@ def test_prompts_have_the_length_and_share_group_prefixes() -> None:
     tok = Tokenizer()
     ta, tb = prompt_text(a, seed=0, salt="zsalt"), prompt_text(b, seed=0, salt="zsalt")
     # One word, one token in the simulator's tokenizer.
-    assert len(tok.encode(ta)) == 64 and len(tok.encode(tb)) == 64
+    assert len(tok.encode(ta)) == 64
+    assert len(tok.encode(tb)) == 64
     wa, wb = ta.split(), tb.split()
     assert wa[:33] == wb[:33]  # the salt and the group prefix
     assert wa[33] != wb[33]  # then each its own
@@ -116,13 +118,16 @@ def test_request_body_asks_for_usage_and_exact_output() -> None:
     spec = WorkloadSpec()
     (r,) = build_schedule(spec, 1.0, count=1)
     body = msgspec.json.decode(request_body(r, api="chat", model="m", seed=0, salt="s"))
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert body["max_tokens"] == 128 and body["ignore_eos"] is True
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 128
+    assert body["ignore_eos"] is True
     assert body["messages"][0]["role"] == "user"
     plain = msgspec.json.decode(
         request_body(r, api="completions", model="m", seed=0, salt="s", ignore_eos=False)
     )
-    assert "ignore_eos" not in plain and isinstance(plain["prompt"], str)
+    assert "ignore_eos" not in plain
+    assert isinstance(plain["prompt"], str)
 
 
 def test_trace_round_trip_and_rescale() -> None:
@@ -158,24 +163,25 @@ def test_trace_lines_and_errors() -> None:
 
 def test_parsers() -> None:
     assert parse_duration("200ms") == pytest.approx(0.2)
-    assert parse_duration("1.5") == 1.5 and parse_duration("2m") == 120.0
-    with pytest.raises(ValueError):
+    assert parse_duration("1.5") == 1.5
+    assert parse_duration("2m") == 120.0
+    with pytest.raises(ValueError, match="not a duration: 'fast'"):
         parse_duration("fast")
     assert parse_rates("2, 4,8") == [2.0, 4.0, 8.0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a rate must be > 0"):
         parse_rates("0,1")
     assert parse_dist("256") == Dist("fixed", 256)
     assert parse_dist("lognormal:256:0.5").mean() == pytest.approx(256 * 1.1331, rel=1e-3)
     for bad in ("uniform:5:1", "zipf:1:2", "x", "normal:1"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="distribution"):
             parse_dist(bad)
     t = parse_target("gw=http://127.0.0.1:8080,key=sk-1,model=m")
     assert (t.name, t.url, t.key, t.model) == ("gw", "http://127.0.0.1:8080/v1", "sk-1", "m")
     assert parse_target("v=http://h:1/openai/v1/").url == "http://h:1/openai/v1"
     assert "sk-1" not in str(t.public())
     for bad in ("nourl", "x=ftp://h", "x=http://h,token=1"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"^(expected|not an http|unknown target option)"):
             parse_target(bad)
     assert parse_header("X-Sim-Fault: slow:50") == ("X-Sim-Fault", "slow:50")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected NAME=WEIGHT"):
         parse_class("batch")

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from jetserve import cli as jetserve_cli
+from jetserve.commands.common import split_csv
 from sim import cli as sim_cli
 from streams.subjects import RequestClass
 
@@ -117,7 +118,8 @@ def _jetserve_commands() -> list[tuple[str, argparse.Namespace, list[str]]]:
             name, ns = _parse(argv)
             parsed.append((name, ns, argv))
         else:
-            assert argv[:1] and argv[0] in THIRD_PARTY_HEADS, f"unrecognised command: {argv}"
+            assert argv[:1], f"unrecognised command: {argv}"
+            assert argv[0] in THIRD_PARTY_HEADS, f"unrecognised command: {argv}"
     return parsed
 
 
@@ -157,7 +159,7 @@ def test_workers_name_valid_classes_and_a_served_engine_port() -> None:
     workers = _by_name("worker")
     assert len(workers) == 2
     for ns in workers:
-        for cls in jetserve_cli._csv(ns.classes):
+        for cls in split_csv(ns.classes):
             RequestClass(cls)  # what cmd_worker does at start-up
         assert urlsplit(ns.engine).port in engine_ports
 
@@ -167,7 +169,8 @@ def test_shared_addresses_agree() -> None:
     (keys,) = _by_name("keys")
     assert {ns.nats for ns in _by_name("worker")} == {gateway.nats}
     # The key tool talks to the gateway's admin API, on the port the gateway opens.
-    assert keys.action == "create" and keys.create_tenant
+    assert keys.action == "create"
+    assert keys.create_tenant
     assert keys.admin_url == f"http://gateway:{gateway.admin_port}"
     assert gateway.admin_host == "0.0.0.0"
 
@@ -176,9 +179,9 @@ def test_engines_serve_the_gateways_models() -> None:
     (gateway,) = _by_name("gateway")
     (sim,) = _by_name("sim")
     cfg = sim_cli.config_from_args(sim)
-    models = set(jetserve_cli._csv(gateway.models))
+    models = set(split_csv(gateway.models))
     assert cfg.model in models
-    assert set(jetserve_cli._csv(gateway.embedding_models)) <= {cfg.model, *cfg.aliases}
+    assert set(split_csv(gateway.embedding_models)) <= {cfg.model, *cfg.aliases}
     vllm = next(argv for argv in _command_lines() if argv[:1] == ["--model"])
     assert vllm[vllm.index("--served-model-name") + 1] in models
 

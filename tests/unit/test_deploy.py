@@ -30,6 +30,7 @@ import pytest
 
 from gateway.metrics import GatewayMetrics
 from jetserve import cli as jetserve_cli
+from jetserve.commands.common import split_csv
 from jetserve.scale import (
     OptionError,
     Policy,
@@ -275,7 +276,9 @@ def test_configmap_addresses_name_services() -> None:
         ("JETSERVE_ADMIN_URL", "http"),
     ):
         url = urlsplit(data[key])
-        assert url.scheme == scheme and url.hostname and url.port, key
+        assert url.scheme == scheme, key
+        assert url.hostname, key
+        assert url.port, key
         _service_port(url.hostname, url.port)
     # jetserve reads these from the environment (the defaults of --nats/--redis).
     for workload, command, container, _ in _commands():
@@ -286,12 +289,14 @@ def test_configmap_addresses_name_services() -> None:
 
 def test_gateway_ports_probes_and_admin_secret() -> None:
     container, ns = _container("gateway", "gateway")
-    assert ns.host == "0.0.0.0" and ns.admin_host == "0.0.0.0"
+    assert ns.host == "0.0.0.0"
+    assert ns.admin_host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": ns.port, "admin": ns.admin_port}
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
-        assert get["path"] == path and ports.get(get["port"], get["port"]) == ns.port
+        assert get["path"] == path
+        assert ports.get(get["port"], get["port"]) == ns.port
     env = {e["name"]: e for e in container["env"]}
     assert "secretKeyRef" in env["JETSERVE_ADMIN_TOKEN"]["valueFrom"]
     # The admin API has its own ClusterIP Service; the public one does not carry it.
@@ -341,7 +346,8 @@ def test_each_worker_has_its_own_engine_sized_like_it() -> None:
         assert sim["restartPolicy"] == "Always"
         assert sim["startupProbe"]["httpGet"]["port"] == ns.port
         engine = urlsplit(worker.engine)
-        assert engine.hostname in ("127.0.0.1", "localhost") and engine.port == ns.port
+        assert engine.hostname in ("127.0.0.1", "localhost")
+        assert engine.port == ns.port
         assert sim_cli.config_from_args(ns).max_num_seqs == worker.max_inflight, workload
 
 
@@ -382,12 +388,13 @@ def test_one_scaled_object_per_class_on_jetserves_consumers() -> None:
         assert target is not None, f"{name}: no Deployment {ref['name']} in deploy/"
         assert "replicas" not in target["spec"], f"{ref['name']}: KEDA owns its replicas"
         _, worker = _container(ref["name"], "worker")
-        assert jetserve_cli._csv(worker.classes) == (cls.value,), name
+        assert split_csv(worker.classes) == (cls.value,), name
         assert int(meta["lagThreshold"]) == worker.max_inflight, name
         assert int(meta["activationLagThreshold"]) >= 0, name
 
         low, high = spec["minReplicaCount"], spec["maxReplicaCount"]
-        assert 0 <= low <= high and high >= 1, name
+        assert 0 <= low <= high, name
+        assert high >= 1, name
         if cls is RequestClass.INTERACTIVE:
             assert low >= 1, "interactive requests must not wait for a cold start"
 
@@ -553,7 +560,8 @@ def test_dashboard_desired_workers_use_the_scaled_objects(dashboard: dict[str, A
 def test_dashboard_is_importable(dashboard: dict[str, Any]) -> None:
     ids = [p["id"] for p in _panels(dashboard)]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
-    assert dashboard["uid"] and dashboard["title"]
+    assert dashboard["uid"]
+    assert dashboard["title"]
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     for panel in _panels(dashboard):

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from jetserve.routes_cli import format_diff, load_contract
+from jetserve.commands.routes import format_diff, load_contract
 from streams.routes import (
     CoalescePolicy,
     Deployment,
@@ -45,10 +45,14 @@ def raw(**over: Any) -> dict[str, Any]:
 
 def test_defaults_match_the_documented_contract() -> None:
     c = decode_contract(json.dumps(raw()).encode())
-    assert c.deadline_s == 60.0 and c.retry.max_attempts == 3
+    assert c.deadline_s == 60.0
+    assert c.retry.max_attempts == 3
     assert c.retry.on == ("engine_unavailable", "engine_rate_limited")
-    assert c.fallback.enabled and not c.hedge.enabled and c.hedge.delay == "p95"
-    assert c.routing.mode == "affinity" and not c.coalesce.enabled
+    assert c.fallback.enabled
+    assert not c.hedge.enabled
+    assert c.hedge.delay == "p95"
+    assert c.routing.mode == "affinity"
+    assert not c.coalesce.enabled
     assert c.telemetry == TelemetryPolicy(record_content=False, sample_rate=1.0)
     dep = c.candidates[0]
     assert (dep.template, dep.precision, dep.kv_policy, dep.batching, dep.hardware) == (
@@ -141,7 +145,8 @@ POLICY_CHANGES: list[dict[str, Any]] = [
 
 def test_fingerprint_is_stable_for_equal_contracts() -> None:
     fp = fingerprint(DEP, BASE)
-    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert len(fp) == 16
+    assert int(fp, 16) >= 0
     same = decode_contract(encode(BASE))
     assert fingerprint(same.candidates[0], same) == fp
     # Terms that don't change behaviour don't change it either.
@@ -167,10 +172,12 @@ def test_fingerprints_per_candidate_and_record_round_trip() -> None:
     other = msgspec.structs.replace(DEP, name="d2", hardware="a100")
     c = msgspec.structs.replace(BASE, candidates=(DEP, other))
     fps = fingerprints(c)
-    assert set(fps) == {"d1", "d2"} and fps["d1"] != fps["d2"]
+    assert set(fps) == {"d1", "d2"}
+    assert fps["d1"] != fps["d2"]
     rec = RouteRecord(contract=c, revision=3, updated_at=1.0, updated_by="me", fingerprints=fps)
     assert decode_record(encode(rec)) == rec
-    assert c.deployment("d2") == other and c.deployment("nope") is None
+    assert c.deployment("d2") == other
+    assert c.deployment("nope") is None
 
 
 def test_diff_names_the_changed_leaves() -> None:
@@ -217,7 +224,8 @@ def test_cli_diff_format() -> None:
 @pytest.mark.parametrize("name", ["sim-8b.json", "sim-8b-fallback.json"])
 def test_example_contracts_are_valid(name: str) -> None:
     c = contract_from_builtins(load_contract(str(ROOT / "deploy" / "routes" / name)))
-    assert c.name == "sim-8b" and c.candidates[0].name == "sim-8b-h100"
+    assert c.name == "sim-8b"
+    assert c.candidates[0].name == "sim-8b-h100"
 
 
 def test_yaml_contract_with_a_bare_on_key(tmp_path: Path) -> None:

@@ -153,7 +153,9 @@ async def test_schema_errors_are_structured_and_readable() -> None:
     d = ToolDispatcher(registry())
     r = await d.call("weather", '{"city": "", "days": 9, "extra": 1}', ctx(), ALL)
     assert isinstance(r, ToolResult)
-    assert r.status == "error" and r.retryable and r.source == "dispatcher"
+    assert r.status == "error"
+    assert r.retryable
+    assert r.source == "dispatcher"
     assert r.error.startswith("invalid arguments: ")
     assert "$: Additional properties are not allowed ('extra' was unexpected)" in r.error
     assert "$.city: '' should be non-empty" in r.error
@@ -166,7 +168,8 @@ async def test_schema_errors_are_structured_and_readable() -> None:
 
     r = await d.call("weather", '{"city": "Oslo",', ctx(), ALL)
     assert isinstance(r, ToolResult)
-    assert r.error.startswith("invalid arguments: not valid JSON") and r.retryable
+    assert r.error.startswith("invalid arguments: not valid JSON")
+    assert r.retryable
 
     r = await d.call("weather", '["Oslo"]', ctx(), ALL)
     assert isinstance(r, ToolResult)
@@ -184,7 +187,9 @@ async def test_valid_call_runs_and_content_is_the_result() -> None:
     d = ToolDispatcher(registry())
     r = await d.call("weather", '{"city": "Oslo"}', ctx(), ALL)
     assert isinstance(r, ToolResult)
-    assert r.ok and r.source == "run" and r.key == "run1/3/call_a"
+    assert r.ok
+    assert r.source == "run"
+    assert r.key == "run1/3/call_a"
     assert r.result == {"city": "Oslo", "temp": 21, "key": "run1/3/call_a"}
     assert msgspec.json.decode(r.content()) == r.result
 
@@ -196,7 +201,8 @@ async def test_unknown_or_unauthorised_tools_are_refused() -> None:
     assert (r.status, r.error, r.retryable) == ("error", "unknown tool: rm_rf", False)
     r = await d.call("guarded", '{"city": "Oslo"}', ctx(), {"weather"})
     assert isinstance(r, ToolResult)
-    assert r.error == "tool not permitted for this run: guarded" and not r.retryable
+    assert r.error == "tool not permitted for this run: guarded"
+    assert not r.retryable
     assert msgspec.json.decode(r.content()) == {"error": r.error, "retryable": False}
 
 
@@ -208,7 +214,8 @@ async def test_approval_tier_pauses_without_running() -> None:
     assert (r.tool, r.call_id, r.key) == ("wire_money", "call_a", "run1/3/call_a")
     # Validation comes first: a bad call is not put in front of a human.
     bad = await d.call("wire_money", '{"from": "a", "to": "b", "amount": 0}', ctx(), ALL)
-    assert isinstance(bad, ToolResult) and bad.error.startswith("invalid arguments")
+    assert isinstance(bad, ToolResult)
+    assert bad.error.startswith("invalid arguments")
     # Approved, it is side-effecting: it needs the effect ledger.
     with pytest.raises(DispatchConfigError):
         await d.call(
@@ -231,7 +238,8 @@ async def test_read_only_timeout_failure_crash_and_deadline() -> None:
 
     r = await d.call("broken", "{}", ctx(), ALL)
     assert isinstance(r, ToolResult)
-    assert r.error == "tool failed: RuntimeError: boom" and not r.retryable
+    assert r.error == "tool failed: RuntimeError: boom"
+    assert not r.retryable
 
     r = await d.call("weather", '{"city": "Oslo"}', ctx(deadline=time.time() - 1), ALL)
     assert isinstance(r, ToolResult)
@@ -240,7 +248,8 @@ async def test_read_only_timeout_failure_crash_and_deadline() -> None:
     # The run's deadline caps the tool's own timeout.
     t0 = time.monotonic()
     r = await d.call("slow", "{}", ctx(deadline=time.time() + 0.05), ALL)
-    assert isinstance(r, ToolResult) and r.error == "timeout"
+    assert isinstance(r, ToolResult)
+    assert r.error == "timeout"
     assert time.monotonic() - t0 < 0.1
 
 

@@ -69,5 +69,7 @@ def test_subjects_do_not_overlap_between_consumers() -> None:
     assert len(set(filters)) == len(filters)
     assert request_subject("batch") == "jetserve.req.batch"
     cfg = DEFAULT_TOPOLOGY.stream_config()
-    assert cfg.discard is not None and cfg.discard.value == "new"
-    assert cfg.duplicate_window and cfg.duplicate_window > 0
+    assert cfg.discard is not None
+    assert cfg.discard.value == "new"
+    assert cfg.duplicate_window
+    assert cfg.duplicate_window > 0

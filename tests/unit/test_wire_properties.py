@@ -186,7 +186,9 @@ any_message = st.one_of([strategy for _, strategy, _ in CODECS])
 
 
 def tag_of(cls: type[Any]) -> str:
-    tag = msgspec.inspect.type_info(cls).tag
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    tag = info.tag
     assert isinstance(tag, str)
     return tag
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllmkit import SERVE, STARTUP_S, VllmServer, healthy, stop, tail, tree_rss_mb
 
 from jetserve.services import free_port
+from tests.vllm.vllmkit import SERVE, STARTUP_S, VllmServer, healthy, stop, tail, tree_rss_mb
 
 
 @pytest.fixture(scope="session")

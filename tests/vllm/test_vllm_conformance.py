@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from vllmkit import VllmServer
 
 from jetserve.conformance.corpus import CASES, Case
 from jetserve.conformance.report import Status
 from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
+from tests.vllm.vllmkit import VllmServer
 from workers.engines import translation as tr
 from workers.engines.base import Delta, Done
 from workers.engines.openai import OpenAIAdapter
@@ -259,10 +259,13 @@ async def test_unknown_model_is_engine_rejected_404(
 async def test_load_reads_real_vllm_metrics(adapter: OpenAIAdapter) -> None:
     """Admission sizes KV budgets from these: they must parse from the real /metrics."""
     load = await adapter.load()
-    assert load.num_gpu_blocks is not None and load.num_gpu_blocks > 0
+    assert load.num_gpu_blocks is not None
+    assert load.num_gpu_blocks > 0
     assert load.block_size == 128
-    assert load.running == 0 and load.waiting == 0
-    assert load.kv_usage is not None and 0.0 <= load.kv_usage <= 1.0
+    assert load.running == 0
+    assert load.waiting == 0
+    assert load.kv_usage is not None
+    assert 0.0 <= load.kv_usage <= 1.0
     assert await adapter.healthy()
 
 

@@ -1,11 +1,13 @@
 """Errors of the agent executor.
 
-AgentError (streams.errors.JetserveError)   base: ``code`` and ``retryable``
-├── ModelCallFailed       the model call ended in an error (``retryable``: a new
-│                         attempt may succeed: interrupted stream, 429/503)
-├── StepInterrupted       a cancel notice for the run (or an ancestor) arrived
-│                         while the step waited on the model or a read-only tool
-└── CrashSpecError        a ``--crash-at POINT:PROBABILITY`` that does not parse
+JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
+└── AgentError                   base of the agent executor
+    ├── ModelCallFailed          the model call ended in an error (``retryable``: a new
+    │                            attempt may succeed: interrupted stream, 429/503; the
+    │                            step retries only then, workers/agent/step.py)
+    ├── StepInterrupted          a cancel notice for the run (or an ancestor) arrived
+    │                            while the step waited on the model or a read-only tool
+    └── CrashSpecError           a ``--crash-at POINT:PROBABILITY`` that does not parse
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ class ModelCallFailed(AgentError):
     code = "model_call_failed"
 
     def __init__(self, message: str, *, code: str = "model_call_failed", retryable: bool) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retryable = retryable
+        super().__init__(message, code=code, retryable=retryable)  # each caller decides
 
 
 class StepInterrupted(AgentError):

@@ -32,6 +32,7 @@ from nats.js import JetStreamContext
 from streams.agent import StepMsg, decode_step
 from streams.agent_store import Lease, RunStore
 from streams.connect import connect
+from streams.consumer import Limit, PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.errors import LeaseLostError, RunConflictError, RunStoreError, RunTooLargeError
 from streams.provision import ensure_topology
@@ -53,6 +54,7 @@ from workers.agent.metrics import AgentMetrics
 from workers.agent.model import ModelClient
 from workers.agent.spawn import spawn_tool
 from workers.agent.step import Stepper, Verdict
+from workers.probe import ProbeServer, probe_server
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,11 @@ class Executor:
         self.crash = crash or CrashPoints()
         self.metrics = metrics or AgentMetrics()
         self.ready = asyncio.Event()
-        self._stop = asyncio.Event()
-        self._handlers: set[asyncio.Task[None]] = set()  # owned: awaited by _drain
+        self._slots = Limit(cfg.concurrency)
+        # A step past its grace is cancelled: not acked, so another executor redoes it.
+        self._consumer = PullConsumer(
+            self._serve, graceful_timeout_s=cfg.drain_timeout_s, name=f"executor {cfg.executor_id}"
+        )
         self._guards: dict[str, Guard] = {}
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -96,11 +101,11 @@ class Executor:
         return self._nc is not None and self._nc.is_connected
 
     async def shutdown(self) -> None:
-        self._stop.set()
+        self._consumer.shutdown()
 
     def request_stop(self) -> None:
         """:meth:`shutdown` from a signal handler (sync)."""
-        self._stop.set()
+        self._consumer.shutdown()
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -122,17 +127,17 @@ class Executor:
             )
             notices = await nc.subscribe(RUN_CANCEL_WILDCARD, cb=self._on_cancel)
             sub = await js.pull_subscribe_bind(cfg.agent.step_consumer, cfg.agent.stream)
+            # One message per pull, only with a free slot, started at once: nothing
+            # waits in a buffer while its ack_wait runs out. (A pull for more would
+            # hold the first message until the rest arrived or the pull expired.)
+            self._consumer.add(
+                PullLoop(sub, self._consumer.start, slots=self._slots, poll_s=cfg.poll_s)
+            )
             self.ready.set()
             log.info("agent executor %s serving", cfg.executor_id)
-            fetcher = asyncio.create_task(self._fetch_loop(sub))
             try:
-                await self._stop.wait()
+                await self._consumer.run()
             finally:
-                fetcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await fetcher
-                await self._return_strays(sub)
-                await self._drain()
                 await notices.unsubscribe()
             log.info("agent executor %s drained", cfg.executor_id)
         finally:
@@ -140,54 +145,13 @@ class Executor:
                 await nc.flush(timeout=2)
             await nc.close()
 
-    # -- consuming ----------------------------------------------------------------
+    def probe(self, host: str, port: int) -> ProbeServer:
+        """/metrics, /healthz and /readyz (NATS connected, serving)."""
 
-    async def _fetch_loop(self, sub: JetStreamContext.PullSubscription) -> None:
-        # One message per pull, only with a free slot, started at once: nothing
-        # waits in a buffer while its ack_wait runs out. (A pull for more would
-        # hold the first message until the rest arrived or the pull expired.)
-        while not self._stop.is_set():
-            if len(self._handlers) >= self.cfg.concurrency:
-                await asyncio.wait(set(self._handlers), return_when=asyncio.FIRST_COMPLETED)
-                continue
-            try:
-                msgs = await sub.fetch(1, timeout=self.cfg.poll_s)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except nats.errors.Error as exc:
-                log.warning("fetch failed: %s", exc)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                task = asyncio.create_task(self._handle(msg))
-                self._handlers.add(task)
-                task.add_done_callback(self._handlers.discard)
+        def checks() -> dict[str, bool]:
+            return {"nats": self.connected, "serving": self.ready.is_set()}
 
-    async def _return_strays(self, sub: JetStreamContext.PullSubscription) -> None:
-        """A pull outlives its cancelled fetch until it expires: hand back (nak)
-        whatever the server delivers meanwhile, so another executor starts it now."""
-        inbox = sub._sub  # nats-py has no public handle on the pull's inbox
-        end = time.monotonic() + self.cfg.poll_s + 0.2
-        while (left := end - time.monotonic()) > 0:
-            try:
-                msg = await inbox.next_msg(timeout=left)
-            except (nats.errors.TimeoutError, TimeoutError):
-                return
-            if msg.headers and msg.headers.get("Status"):
-                continue
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak()
-
-    async def _drain(self) -> None:
-        pending = set(self._handlers)
-        if not pending:
-            return
-        log.info("draining %d steps", len(pending))
-        _, still = await asyncio.wait(pending, timeout=self.cfg.drain_timeout_s)
-        for task in still:
-            task.cancel()  # not acked: redelivered to another executor
-        if still:
-            await asyncio.wait(still)
+        return probe_server(self.metrics.registry, checks, host, port)
 
     async def _on_cancel(self, msg: Msg) -> None:
         run_id = msg.subject.rsplit(".", 1)[-1]
@@ -197,9 +161,16 @@ class Executor:
 
     # -- one message ----------------------------------------------------------------
 
+    async def _serve(self, msg: Msg) -> None:
+        try:
+            await self._handle(msg)
+        finally:
+            await self._slots.release()
+
     async def _handle(self, msg: Msg) -> None:
         store, stepper = self._store, self._stepper
-        assert store is not None and stepper is not None
+        assert store is not None
+        assert stepper is not None
         try:
             nudge = decode_step(msg.data)
         except msgspec.DecodeError as exc:
@@ -342,7 +313,8 @@ class Executor:
 
     async def _fail_run(self, nudge: StepMsg, reason: str) -> None:
         store, stepper = self._store, self._stepper
-        assert store is not None and stepper is not None
+        assert store is not None
+        assert stepper is not None
         stored = await store.get(nudge.run_id)
         if stored is None or stored.run.terminal:
             return

@@ -1,11 +1,20 @@
 """The HTTP plumbing every engine adapter shares: one pooled client per
-adapter, the health probe and the metrics scrape."""
+adapter, the streaming call, the health probe, the metrics scrape, and the one
+mapping from an engine's HTTP status to a worker error (``workers.errors``)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
 import httpx
+import msgspec
+
+from workers.errors import EngineRateLimited, EngineRejected, EngineUnavailable
 
 PROBE_TIMEOUT_S = 2.0
+
+StatusCheck = Callable[[int, bytes], None]
 
 
 def engine_client(
@@ -26,6 +35,53 @@ def engine_client(
         # deadline bounds the whole call instead.
         timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=30.0),
     )
+
+
+def error_message(body: bytes) -> str:
+    """The message of an engine's error body (OpenAI-shaped, ``{"message"}`` or text)."""
+    try:
+        err = msgspec.json.decode(body)
+        if isinstance(err, dict):
+            inner = err.get("error", err)
+            if isinstance(inner, dict):
+                return str(inner.get("message", body[:200]))
+            return str(err.get("message", inner))
+    except msgspec.DecodeError:
+        pass
+    return body[:200].decode("utf-8", "replace")
+
+
+def raise_for_status(status: int, body: bytes) -> None:
+    """429: rate limited; 5xx: unavailable (retryable before the first token);
+    other 4xx: the request itself is bad. An adapter with dialect quirks maps
+    them to one of these statuses first."""
+    if status < 400:
+        return
+    message = error_message(body)
+    if status == 429:
+        raise EngineRateLimited(message)
+    if status >= 500:
+        raise EngineUnavailable(message, status=503 if status == 503 else 502)
+    raise EngineRejected(message, status=status)
+
+
+@contextlib.asynccontextmanager
+async def open_stream(
+    client: httpx.AsyncClient, request: httpx.Request, check: StatusCheck = raise_for_status
+) -> AsyncIterator[httpx.Response]:
+    """Send a streaming request: the open response, closed on exit (closing it
+    mid-stream is how the engine learns to stop). Unreachable: EngineUnavailable;
+    an error status goes through ``check``."""
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.TransportError as exc:
+        raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+    try:
+        if response.status_code >= 400:
+            check(response.status_code, await response.aread())
+        yield response
+    finally:
+        await response.aclose()
 
 
 async def probe(client: httpx.AsyncClient, path: str) -> bool:

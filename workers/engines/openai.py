@@ -8,7 +8,6 @@ and lets the worker emit heartbeats and frames as tokens arrive.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -17,14 +16,9 @@ import msgspec
 
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
-from workers.engines.http import engine_client, probe, scrape
-from workers.errors import (
-    EngineError,
-    EngineRateLimited,
-    EngineRejected,
-    EngineStreamBroken,
-    EngineUnavailable,
-)
+from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.vllm_metrics import parse_vllm_metrics
+from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
 
 class _PromptDetails(msgspec.Struct):
@@ -84,33 +78,7 @@ class _TokenizeResponse(msgspec.Struct):
 
 _tokenize_decoder = msgspec.json.Decoder(_TokenizeResponse)
 _encoder = msgspec.json.Encoder()
-_METRIC_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 _PATHS: dict[Op, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-
-
-def _error_message(body: bytes) -> str:
-    try:
-        err = msgspec.json.decode(body)
-        if isinstance(err, dict):
-            inner = err.get("error", err)
-            if isinstance(inner, dict):
-                return str(inner.get("message", body[:200]))
-            return str(err.get("message", inner))
-    except msgspec.DecodeError:
-        pass
-    return body[:200].decode("utf-8", "replace")
-
-
-def raise_for_status(status: int, body: bytes) -> None:
-    if status < 400:
-        return
-    message = _error_message(body)
-    if status == 429:
-        raise EngineRateLimited(message)
-    if status >= 500:
-        raise EngineUnavailable(message, status=503 if status == 503 else 502)
-    raise EngineRejected(message, status=status)
 
 
 class OpenAIAdapter(EngineAdapter):
@@ -143,17 +111,9 @@ class OpenAIAdapter(EngineAdapter):
         request = self._client.build_request(
             "POST", _PATHS[op], content=_encoder.encode(payload), headers=hdrs
         )
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
-        try:
-            if response.status_code >= 400:
-                raise_for_status(response.status_code, await response.aread())
+        async with open_stream(self._client, request) as response:
             async for event in self._events(response):
                 yield event
-        finally:
-            await response.aclose()
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[Delta | Done]:
         finish: str | None = None
@@ -239,33 +199,3 @@ class OpenAIAdapter(EngineAdapter):
     async def load(self) -> EngineLoad:
         text = await scrape(self._client, "/metrics")
         return EngineLoad() if text is None else parse_vllm_metrics(text)
-
-
-def parse_vllm_metrics(text: str) -> EngineLoad:
-    """Sum vLLM gauges over label sets (one engine may serve several model names)."""
-    sums: dict[str, float] = {}
-    blocks: int | None = None
-    block_size: int | None = None
-    for line in text.splitlines():
-        m = _METRIC_LINE.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        if name == "vllm:cache_config_info":
-            found = dict(_LABEL.findall(labels))
-            if found.get("num_gpu_blocks", "").isdigit():
-                blocks = int(found["num_gpu_blocks"])
-            if found.get("block_size", "").isdigit():
-                block_size = int(found["block_size"])
-            continue
-        try:
-            sums[name] = sums.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return EngineLoad(
-        kv_usage=sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc")),
-        waiting=sums.get("vllm:num_requests_waiting"),
-        running=sums.get("vllm:num_requests_running"),
-        num_gpu_blocks=blocks,
-        block_size=block_size,
-    )

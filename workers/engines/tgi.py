@@ -21,10 +21,9 @@ from streams.wire import Op, Usage
 from workers.engines import prompted
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
-from workers.engines.http import engine_client, probe, scrape
-from workers.engines.openai import raise_for_status
+from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
 from workers.engines.translation import FieldStatus, Translated
-from workers.errors import EngineRejected, EngineStreamBroken, EngineUnavailable
+from workers.errors import EngineRejected, EngineStreamBroken
 
 T, E, R, P = (
     FieldStatus.TRANSFORMED,
@@ -212,17 +211,9 @@ class TGIAdapter(EngineAdapter):
         request = self._client.build_request(
             "POST", "/generate_stream", content=_encoder.encode(req.payload), headers=hdrs
         )
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
-        try:
-            if response.status_code >= 400:
-                _raise(response.status_code, await response.aread())
+        async with open_stream(self._client, request, _raise) as response:
             async for event in self._events(response, req):
                 yield event
-        finally:
-            await response.aclose()
 
     async def _events(self, response: httpx.Response, req: _Request) -> AsyncIterator[Delta | Done]:
         trimmer = prompted.StopTrimmer(req.stops)

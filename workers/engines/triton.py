@@ -24,14 +24,13 @@ from streams.wire import Op, Usage
 from workers.engines import prompted
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
-from workers.engines.http import engine_client, probe, scrape
-from workers.engines.openai import parse_vllm_metrics, raise_for_status
+from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
 from workers.engines.translation import FieldStatus, Translated
+from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import (
     EngineRateLimited,
     EngineRejected,
     EngineStreamBroken,
-    EngineUnavailable,
 )
 
 T, R, P = FieldStatus.TRANSFORMED, FieldStatus.REJECTED, FieldStatus.PASSED
@@ -174,17 +173,9 @@ class TritonAdapter(EngineAdapter):
         request = self._client.build_request(
             "POST", self._path, content=_encoder.encode(payload), headers=hdrs
         )
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
-        try:
-            if response.status_code >= 400:
-                _raise(response.status_code, await response.aread())
+        async with open_stream(self._client, request, _raise) as response:
             async for event in self._events(response):
                 yield event
-        finally:
-            await response.aclose()
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[Delta | Done]:
         finish: str | None = None

@@ -131,3 +131,22 @@ class Admission:
         async with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def slots(self, rank: int) -> RankSlots:
+        """One class's view of the slots, for its pull loop (``streams.consumer.Slots``)."""
+        return RankSlots(self, rank)
+
+
+@dataclass(frozen=True)
+class RankSlots:
+    admission: Admission
+    rank: int
+
+    async def acquire(self) -> bool:
+        return await self.admission.acquire(self.rank)
+
+    def try_acquire(self) -> bool:
+        return self.admission.try_acquire(self.rank)
+
+    async def release(self) -> None:
+        await self.admission.release()

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
@@ -104,7 +105,8 @@ class Membership:
                 tell()
 
     async def run(self) -> None:
-        assert self._kv is not None and self._watcher is not None
+        assert self._kv is not None
+        assert self._watcher is not None
         follow = asyncio.create_task(self._follow(self._watcher))
         try:
             while True:
@@ -166,29 +168,34 @@ class LanePuller:
         self._current = [0] * topology.lanes  # the newest pull per lane (reply token)
         self._left = [0] * topology.lanes  # messages the newest pull may still bring
         self._wake = asyncio.Event()
+        self._sub: Subscription | None = None
         membership.changed.append(self._reprioritize)
         self.handed_back = 0  # over-fetched messages returned to the lane
 
     async def run(self) -> None:
+        """Pull until admission closes (or cancelled): a source of
+        ``streams.consumer.PullConsumer``."""
         loop = asyncio.get_running_loop()
-        sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
-        try:
-            while await self._admission.wait_room(self._rank):
-                self._wake.clear()  # before pulling: an answer meanwhile wakes us again
-                now = loop.time()
-                for lane, until in enumerate(self._live_until):
-                    if until <= now:
-                        await self._pull(lane, now)
-                left = min(self._live_until) - loop.time()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(left, 0.01))
-        finally:
-            # Pulls still waiting at the server may deliver until they expire:
-            # keep listening (and handing back) that long, then leave.
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
+        while await self._admission.wait_room(self._rank):
+            self._wake.clear()  # before pulling: an answer meanwhile wakes us again
+            now = loop.time()
+            for lane, until in enumerate(self._live_until):
+                if until <= now:
+                    await self._pull(lane, now)
+            left = min(self._live_until) - loop.time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(left, 0.01))
+
+    async def hand_back(self) -> None:
+        """Pulls still waiting at the server may deliver until they expire: keep
+        listening that long (admission is closed: what arrives goes back), then leave."""
+        if self._sub is None:
+            return
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
 
     def _reprioritize(self) -> None:
         """Ranks moved: pull every lane again at the new priority (the old pulls

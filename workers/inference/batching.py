@@ -34,12 +34,9 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
-import nats.errors
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from streams.wire import Usage
 from workers.engines.base import Embeddings, EngineAdapter
@@ -111,42 +108,6 @@ class _Batch:
     fire: asyncio.Event = field(default_factory=asyncio.Event)
     members: list[_Member] = field(default_factory=list)
     size: int = 0  # inputs, not requests
-
-
-class Slots(Protocol):
-    """The admission calls the embed fetcher uses (workers.inference.admission.Admission)."""
-
-    def try_acquire(self, rank: int) -> bool: ...
-
-    async def release(self, blocks: int = 0) -> None: ...
-
-
-async def fetch_more(
-    sub: JetStreamContext.PullSubscription,
-    slots: Slots,
-    rank: int,
-    limit: int,
-    wait_s: float = 0.01,
-) -> list[Msg]:
-    """Embedding messages already waiting, after the one just pulled, so they can
-    share a batch. One slot is taken per message *before* the pull and unused
-    slots are given back, so every message fetched starts at once: this is not
-    over-fetching. ``wait_s`` is short: the pull takes what is there now
-    (no_wait) and never lingers holding a message for company."""
-    held = 0
-    while held < limit and slots.try_acquire(rank):
-        held += 1
-    if not held:
-        return []
-    msgs: list[Msg] = []
-    try:
-        msgs = await sub.fetch(held, timeout=wait_s)
-    except (nats.errors.TimeoutError, TimeoutError):
-        pass
-    finally:
-        for _ in range(held - len(msgs)):
-            await slots.release()
-    return msgs
 
 
 class EmbedBatcher:

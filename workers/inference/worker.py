@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from streams.connect import connect
+from streams.consumer import PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.provision import ensure_topology
@@ -33,9 +34,10 @@ from workers.engines.base import Delta, EngineAdapter
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.inference.admission import Admission, AdmissionConfig
 from workers.inference.affinity import LanePuller, Membership
-from workers.inference.batching import EmbedBatcher, fetch_more
+from workers.inference.batching import EmbedBatcher
 from workers.inference.metrics import WorkerMetrics
 from workers.inference.relay import FrameSender
+from workers.probe import ProbeServer, probe_server
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,9 @@ class Worker:
         self.engine = engine
         self.admission = Admission(cfg.admission)
         self._stop = asyncio.Event()
-        self._handlers: set[asyncio.Task[None]] = set()  # owned here, awaited by _drain
+        self.consumer = PullConsumer(
+            self._handle, graceful_timeout_s=cfg.drain_timeout_s, name=f"worker {cfg.worker_id}"
+        )
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self.ready = asyncio.Event()
@@ -94,47 +98,51 @@ class Worker:
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
-        nc = self._nc = await connect(self.cfg.nats_url, self.cfg.worker_id)
+        cfg, topo = self.cfg, self.cfg.topology
+        nc = self._nc = await connect(cfg.nats_url, cfg.worker_id)
         try:
             js = self._js = nc.jetstream()
-            await ensure_topology(js, self.cfg.topology)
+            await ensure_topology(js, topo)
             await self._observe_engine()
-            subs = []
-            for cls in self.cfg.classes:
-                subs.append(
-                    await js.pull_subscribe_bind(
-                        self.cfg.topology.consumer_name(cls), self.cfg.topology.stream
-                    )
+            for rank, cls in enumerate(cfg.classes):
+                sub = await js.pull_subscribe_bind(topo.consumer_name(cls), topo.stream)
+                # One message per pull, and only with a slot in hand. A polling
+                # fetch holds its slot, so lower classes poll briefly: an idle
+                # batch queue does not keep slots from interactive work.
+                # Embeddings waiting behind one may share its batch
+                # (workers/inference/batching.py).
+                more = cfg.embed_batch_max - 1 if cls is RequestClass.EMBED else 0
+                poll = cfg.poll_s if rank == 0 else cfg.poll_s / 4
+                slots = self.admission.slots(rank)
+                self.consumer.add(
+                    PullLoop(sub, self.consumer.start, slots=slots, poll_s=poll, more=more)
                 )
-            topo = self.cfg.topology
-            members = Membership(js, self.cfg.worker_id, topo.replicas)
+            members = Membership(js, cfg.worker_id, topo.replicas)
             await members.start()
             self.lanes = [
                 LanePuller(
-                    nc, topo, cls, rank, self.admission, members, self._start, self.cfg.poll_s
+                    nc, topo, cls, rank, self.admission, members, self.consumer.start, cfg.poll_s
                 )
-                for rank, cls in enumerate(self.cfg.classes)
+                for rank, cls in enumerate(cfg.classes)
                 if cls in topo.lane_classes
             ]
+            for lane in self.lanes:
+                self.consumer.add(lane)
             async with asyncio.TaskGroup() as tg:
-                fetchers = [
-                    tg.create_task(self._fetch_loop(rank, sub)) for rank, sub in enumerate(subs)
-                ]
-                pullers = [tg.create_task(lane.run()) for lane in self.lanes]
+                serving = tg.create_task(self.consumer.run())
                 poller = tg.create_task(self._poll_engine())
                 heartbeat = tg.create_task(members.run())
                 self.ready.set()
-                log.info("worker %s serving %s", self.cfg.worker_id, list(self.cfg.classes))
+                log.info("worker %s serving %s", cfg.worker_id, list(cfg.classes))
                 await self._stop.wait()
                 await members.leave()
+                # Closed admission ends the pulls; a lane's late arrivals go back.
                 await self.admission.close()
-                for task in (*fetchers, poller, heartbeat):
-                    task.cancel()
-                # Lane pullers end by themselves once admission is closed, after
-                # handing back what their last pulls still bring.
-                await asyncio.gather(*pullers, *(self._return_strays(sub) for sub in subs))
-                await self._drain()
-                log.info("worker %s drained", self.cfg.worker_id)
+                poller.cancel()
+                heartbeat.cancel()
+                self.consumer.shutdown()
+                await serving
+                log.info("worker %s drained", cfg.worker_id)
         finally:
             # Every handler has finished: flush their last frames and leave.
             # (drain() would wait on the pull subscriptions' expired requests.)
@@ -143,37 +151,18 @@ class Worker:
             await self.embed_batcher.aclose()  # after the drain: no member still waits
             await nc.close()
             self.tracer.shutdown()
-            log.info("worker %s disconnected", self.cfg.worker_id)
+            log.info("worker %s disconnected", cfg.worker_id)
 
     async def shutdown(self) -> None:
         self._stop.set()
 
-    async def _return_strays(self, sub: JetStreamContext.PullSubscription) -> None:
-        """A pull request outlives a cancelled fetch until it expires: a message
-        the server hands over meanwhile would sit here unseen for ack_wait. Hand
-        each one straight back (nak) so another worker starts it now."""
-        inbox = sub._sub  # the core subscription behind the pull (nats-py has no public one)
-        end = time.monotonic() + self.cfg.poll_s + 0.2
-        while (left := end - time.monotonic()) > 0:
-            try:
-                msg = await inbox.next_msg(timeout=left)
-            except (nats.errors.TimeoutError, TimeoutError):
-                return
-            if msg.headers and msg.headers.get("Status"):
-                continue  # the server's note that a pull request expired or ended
-            with contextlib.suppress(nats.errors.Error):
-                await msg.nak()
+    def probe(self, host: str, port: int) -> ProbeServer:
+        """/metrics, /healthz and /readyz (NATS connected, engine healthy)."""
 
-    async def _drain(self) -> None:
-        pending = set(self._handlers)
-        if not pending:
-            return
-        log.info("draining %d in-flight requests", len(pending))
-        _, still = await asyncio.wait(pending, timeout=self.cfg.drain_timeout_s)
-        for task in still:
-            task.cancel()
-        if still:
-            await asyncio.wait(still)
+        def checks() -> dict[str, bool]:
+            return {"nats": self.connected, "engine": self.engine_up}
+
+        return probe_server(self.metrics.registry, checks, host, port)
 
     async def _poll_engine(self) -> None:
         while True:
@@ -194,38 +183,8 @@ class Worker:
     def connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
 
-    async def _fetch_loop(self, rank: int, sub: JetStreamContext.PullSubscription) -> None:
-        # One message per pull, and only with a slot in hand: never over-fetch
-        # (buffered, unstarted messages would age out and be redelivered).
-        while not self._stop.is_set():
-            if not await self.admission.acquire(rank):
-                return
-            # A polling fetcher holds its slot; lower classes poll briefly so an
-            # idle batch queue does not keep slots from interactive work.
-            poll = self.cfg.poll_s if rank == 0 else self.cfg.poll_s / 4
-            try:
-                msgs = await sub.fetch(1, timeout=poll)
-            except (nats.errors.TimeoutError, TimeoutError):
-                await self.admission.release()
-                continue
-            except BaseException:
-                await self.admission.release()
-                raise
-            for msg in msgs:
-                self._start(msg)
-            if msgs and self.cfg.classes[rank] is RequestClass.EMBED:
-                # Embeddings waiting behind it may share its batch (workers/inference/batching.py).
-                limit = self.cfg.embed_batch_max - 1
-                for msg in await fetch_more(sub, self.admission, rank, limit):
-                    self._start(msg)
-
-    def _start(self, msg: Msg) -> None:
-        """Serve one message; its admission slot is already held (released by _handle)."""
-        task = asyncio.create_task(self._handle(msg))
-        self._handlers.add(task)
-        task.add_done_callback(self._handlers.discard)
-
     async def _handle(self, msg: Msg) -> None:
+        """Serve one message; its admission slot is already held (released here)."""
         blocks = 0
         try:
             try:

@@ -1,4 +1,5 @@
-"""`jetserve conformance`: run the corpus against a live engine and print the report."""
+"""``jetserve conformance``: run the adapter corpus (``jetserve/conformance/``)
+against a live engine and print the translation-loss report."""
 
 from __future__ import annotations
 
@@ -6,10 +7,20 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jetserve.conformance.report import Report
 from jetserve.conformance.runner import run_corpus
 from workers.engines.factory import DIALECTS, make_adapter
+
+if TYPE_CHECKING:
+    from jetserve.commands.common import Subparsers
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser("conformance", allow_abbrev=False, help="adapter translation-loss report")
+    add_arguments(p)
+    p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +44,7 @@ async def _run(args: argparse.Namespace) -> Report:
         )
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Exit 0 when nothing was silently dropped and nothing failed, else 1."""
     report = asyncio.run(_run(args))
     print(report.to_markdown())

@@ -28,8 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jetserve.bench.fleet_client import (
+from jetserve.bench.fleet.client import (
     Driver,
+    Fault,
+    MakeRequest,
     Shot,
     chat,
     gateway_metric,
@@ -46,12 +48,19 @@ def _fleet(**kw: Any) -> Fleet:
     return Fleet(FleetSpec(**kw)).start()
 
 
-async def _run(fleet: Fleet, seed: int, patience: float, *args: Any, **kw: Any) -> list[Shot]:
+async def _run(
+    fleet: Fleet,
+    seed: int,
+    patience: float,
+    rate: float,
+    duration: float,
+    make: MakeRequest,
+    during: Fault | None = None,
+) -> list[Shot]:
     driver = Driver(fleet, seed, patience)
     try:
         await asyncio.sleep(1.5)  # lane priorities settle after the last worker joined
-        shots, _ = await driver.run(*args, **kw)
-        return shots
+        return await driver.run(rate, duration, make, during)
     finally:
         await driver.aclose()
 
@@ -104,7 +113,7 @@ async def saturation(opts: Options) -> dict[str, Any]:
     sim = ["--max-num-seqs", "4"]
     worker = ["--max-inflight", "4"]
 
-    def make_cls(mix: float) -> Any:
+    def make_cls(mix: float) -> MakeRequest:
         def make(rng: random.Random, i: int) -> tuple[str, dict[str, Any], dict[str, str]]:
             cls = "interactive" if rng.random() < mix else "batch"
             body = chat(None, f"Request {i}: summarise the ticket queue.", 48)

@@ -5,19 +5,25 @@ beside the admission rate), and the ledger reconciliation."""
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import msgspec
 
+from jetserve.bench.arrivals import gap
+from jetserve.bench.metrics import percentile
+from jetserve.bench.openloop import open_loop
 from jetserve.fleet import Fleet
+
+# (rng, i) -> (class, request body, extra headers): the i-th arrival's request.
+MakeRequest = Callable[[random.Random, int], tuple[str, dict[str, Any], dict[str, str]]]
+Fault = Callable[[], Coroutine[Any, Any, None]]  # run alongside the load (a kill, say)
 
 WORDS = (
     "policy",
@@ -78,10 +84,10 @@ class Summary:
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile in ms (a value some request saw), None when empty."""
     if not values:
         return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] * 1000, 1)
+    return round(percentile(values, q, method="nearest") * 1000, 1)
 
 
 def summarize(name: str, shots: list[Shot], duration: float, **extra: Any) -> Summary:
@@ -102,8 +108,8 @@ def summarize(name: str, shots: list[Shot], duration: float, **extra: Any) -> Su
         failed=sum(1 for s in shots if s.outcome == "failed"),
         lost=sum(1 for s in shots if s.outcome == "lost"),
         errors=dict(Counter(s.error for s in shots if s.error)),
-        ttft_ms={f"p{q}": _pct(ttfts, q / 100) for q in (50, 90, 95, 99)},
-        e2e_ms={f"p{q}": _pct(e2es, q / 100) for q in (50, 90, 99)},
+        ttft_ms={f"p{q}": _pct(ttfts, q) for q in (50, 90, 95, 99)},
+        e2e_ms={f"p{q}": _pct(e2es, q) for q in (50, 90, 99)},
         prefix_hit_rate=round(sum(s.cached_tokens for s in done) / prompt, 3) if prompt else None,
         extra=extra,
     )
@@ -130,30 +136,27 @@ class Driver:
             await c.aclose()
 
     async def run(
-        self,
-        rate: float,
-        duration: float,
-        make: Any,  # (rng, i) -> (cls, body, headers)
-        during: Any = None,  # an optional coroutine run alongside (a fault)
-    ) -> tuple[list[Shot], float]:
+        self, rate: float, duration: float, make: MakeRequest, during: Fault | None = None
+    ) -> list[Shot]:
+        """Poisson arrivals at ``rate`` for ``duration`` seconds, ``during`` (a
+        fault) alongside; every shot once all have ended."""
         t0 = time.monotonic()
-        tasks: list[asyncio.Task[Shot]] = []
-        side = asyncio.create_task(during()) if during is not None else None
-        at, i = 0.0, 0
-        while True:
-            at += self.rng.expovariate(rate)
-            if at >= duration:
-                break
-            delay = t0 + at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+
+        def arrivals() -> Iterator[float]:
+            at = gap(self.rng, rate, 1.0)
+            while at < duration:
+                yield at
+                at += gap(self.rng, rate, 1.0)
+
+        def start(i: int) -> Coroutine[Any, Any, Shot]:
             cls, body, headers = make(self.rng, i)
-            tasks.append(asyncio.create_task(self.one(cls, body, headers, t0)))
-            i += 1
-        shots = list(await asyncio.gather(*tasks))
-        if side is not None:
-            await side
-        return shots, duration
+            return self.one(cls, body, headers, t0)
+
+        async with asyncio.TaskGroup() as tg:
+            if during is not None:
+                tg.create_task(during())
+            shots = await open_loop(arrivals(), start, t0=t0, clock=time.monotonic)
+        return shots
 
     async def one(self, cls: str, body: dict[str, Any], headers: dict[str, str], t0: float) -> Shot:
         client = self.clients[self._turn % len(self.clients)]

@@ -8,20 +8,22 @@ import getpass
 import importlib
 import json
 import socket
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from jetserve.admin_client import AdminClient
+from jetserve.commands.admin import admin_command, admin_group
+from jetserve.commands.admin_client import AdminClient
 
-Opts = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+if TYPE_CHECKING:
+    from jetserve.commands.common import Subparsers
 
 
-def add_routes_parser(actions: argparse._SubParsersAction[Any], opts: Opts) -> None:
-    ap = opts(actions.add_parser("apply", allow_abbrev=False, help="apply a contract file"))
+def register(sub: Subparsers) -> None:
+    actions = admin_group(sub, "routes", "route contracts (admin API)")
+    ap = admin_command(actions, "apply", _apply, "apply a contract file")
     ap.add_argument("file", help="a route contract, .json or .yaml")
     ap.add_argument(
         "--expected-revision",
@@ -29,14 +31,14 @@ def add_routes_parser(actions: argparse._SubParsersAction[Any], opts: Opts) -> N
         default=None,
         help="refuse (409) unless the route is at this revision (0: must not exist)",
     )
-    opts(actions.add_parser("list", allow_abbrev=False))
-    opts(actions.add_parser("show", allow_abbrev=False)).add_argument("name")
-    d = opts(actions.add_parser("diff", allow_abbrev=False, help="field diff of two revisions"))
+    admin_command(actions, "list", _list)
+    admin_command(actions, "show", _show).add_argument("name")
+    d = admin_command(actions, "diff", _diff, "field diff of two revisions")
     d.add_argument("name")
     d.add_argument("--from", dest="from_rev", type=int, default=None, help="default: previous")
     d.add_argument("--to", dest="to_rev", type=int, default=None, help="default: current")
-    opts(actions.add_parser("history", allow_abbrev=False)).add_argument("name")
-    rm = opts(actions.add_parser("delete", allow_abbrev=False))
+    admin_command(actions, "history", _history).add_argument("name")
+    rm = admin_command(actions, "delete", _delete)
     rm.add_argument("name")
     rm.add_argument("--expected-revision", type=int, default=None)
 
@@ -66,38 +68,44 @@ def load_contract(path: str) -> dict[str, Any]:
     return data
 
 
-def routes_command(admin: AdminClient, args: argparse.Namespace) -> None:
-    action = args.action
-    if action == "apply":
-        contract = load_contract(args.file)
-        actor = f"{getpass.getuser()}@{socket.gethostname()}"
-        out = admin.apply_route(contract, args.expected_revision, actor)
-        if out["changed"]:
-            print(f"revision {out['revision']}")
-        else:
-            print(f"unchanged at revision {out['revision']}")
-        for dep, fp in sorted(out["fingerprints"].items()):
-            print(f"  {dep}  {fp}")
-    elif action == "list":
-        for r in admin.list_routes():
-            cands = ",".join(c["name"] for c in r["contract"]["candidates"])
-            print(f"{r['name']}\trevision {r['revision']}\t{_when(r['updated_at'])}\t{cands}")
-    elif action == "show":
-        print(json.dumps(admin.show_route(args.name), indent=2, sort_keys=True))
-    elif action == "history":
-        for h in admin.route_history(args.name):
-            if h.get("deleted"):
-                print(f"--   {_when(h['updated_at'])}  deleted")
-                continue
-            fps = " ".join(f"{k}={v}" for k, v in sorted(h["fingerprints"].items()))
-            print(f"r{h['revision']:<3} {_when(h['updated_at'])}  {h['updated_by']}  {fps}")
-    elif action == "diff":
-        print(format_diff(admin.route_diff(args.name, args.from_rev, args.to_rev)), end="")
-    elif action == "delete":
-        out = admin.delete_route(args.name, args.expected_revision)
-        print(f"deleted {out['name']} (was revision {out['revision']})")
-    else:  # pragma: no cover - argparse enforces the choices
-        raise SystemExit(f"unknown routes action {action}")
+def _apply(admin: AdminClient, args: argparse.Namespace) -> None:
+    contract = load_contract(args.file)
+    actor = f"{getpass.getuser()}@{socket.gethostname()}"
+    out = admin.apply_route(contract, args.expected_revision, actor)
+    if out["changed"]:
+        print(f"revision {out['revision']}")
+    else:
+        print(f"unchanged at revision {out['revision']}")
+    for dep, fp in sorted(out["fingerprints"].items()):
+        print(f"  {dep}  {fp}")
+
+
+def _list(admin: AdminClient, args: argparse.Namespace) -> None:
+    for r in admin.list_routes():
+        cands = ",".join(c["name"] for c in r["contract"]["candidates"])
+        print(f"{r['name']}\trevision {r['revision']}\t{_when(r['updated_at'])}\t{cands}")
+
+
+def _show(admin: AdminClient, args: argparse.Namespace) -> None:
+    print(json.dumps(admin.show_route(args.name), indent=2, sort_keys=True))
+
+
+def _history(admin: AdminClient, args: argparse.Namespace) -> None:
+    for h in admin.route_history(args.name):
+        if h.get("deleted"):
+            print(f"--   {_when(h['updated_at'])}  deleted")
+            continue
+        fps = " ".join(f"{k}={v}" for k, v in sorted(h["fingerprints"].items()))
+        print(f"r{h['revision']:<3} {_when(h['updated_at'])}  {h['updated_by']}  {fps}")
+
+
+def _diff(admin: AdminClient, args: argparse.Namespace) -> None:
+    print(format_diff(admin.route_diff(args.name, args.from_rev, args.to_rev)), end="")
+
+
+def _delete(admin: AdminClient, args: argparse.Namespace) -> None:
+    out = admin.delete_route(args.name, args.expected_revision)
+    print(f"deleted {out['name']} (was revision {out['revision']})")
 
 
 def format_diff(diff: dict[str, Any]) -> str:
@@ -114,7 +122,7 @@ def format_diff(diff: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _value(v: Any) -> str:
+def _value(v: object) -> str:
     return msgspec.json.encode(v).decode()
 
 

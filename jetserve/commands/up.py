@@ -6,10 +6,24 @@ import argparse
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 
 from jetserve.fleet import Fleet, FleetSpec
+
+if TYPE_CHECKING:
+    from jetserve.commands.common import Subparsers
+
+
+def register(sub: Subparsers) -> None:
+    u = sub.add_parser("up", allow_abbrev=False, help="run the whole fleet on loopback")
+    u.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    u.add_argument("--api-key", default=None, help="demo key (default: a fresh random one)")
+    u.add_argument("--workers", type=int, default=2)
+    u.add_argument("--profile", default="h100-8b", help="simulator latency profile")
+    u.add_argument("--check", action="store_true", help="run the self-check, then stop")
+    u.set_defaults(func=run_up)
 
 
 def self_check(fleet: Fleet) -> str:

@@ -1,0 +1,147 @@
+"""The books of the request path: a request's budget hold reconciled to what it
+used, its one ledger record (records built by gateway/tenancy/records.py), the
+refusal records, and the idempotency store's side of an outcome. Failures of
+the stores are logged, never raised: a request's outcome is already decided."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
+from gateway.inference.coalesce import MemberStream
+from gateway.inference.route_table import RouteTable
+from gateway.inference.sessions import Admitted, Session
+from gateway.metrics import GatewayMetrics
+from gateway.tenancy.accounting import Accountant, Scope
+from gateway.tenancy.idempotency import Claim, IdempotencyStore
+from gateway.tenancy.keys import KeyRecord
+from gateway.tenancy.records import RecordHead, Serving
+from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
+from streams.request_ledger import LedgerRecord
+from streams.wire import HEDGE_ATTEMPT_BASE, Final, InferenceRequest, Usage
+
+log = logging.getLogger(__name__)
+
+
+class Books:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        accountant: Accountant,
+        idempotency: IdempotencyStore,
+        ledger: LedgerWriter,
+        metrics: GatewayMetrics,
+        routes: RouteTable | None,
+    ) -> None:
+        self.cfg = cfg
+        self.accountant = accountant
+        self.idempotency = idempotency
+        self.ledger = ledger
+        self.metrics = metrics
+        self.routes = routes
+
+    async def settle(
+        self,
+        adm: Session,
+        outcome: str,
+        status: int,
+        final: Final | None,
+        duration_s: float,
+        first_token_ms: float | None,
+    ) -> None:
+        """Reconcile the hold to the actual cost and record the outcome. Whoever
+        *settles* the hold writes the record: when a resumed stream is followed
+        by two replicas, the books still get exactly one."""
+        req = adm.stream.req
+        if final is not None:
+            usage = final.usage
+        else:
+            # No usage from the engine (cancelled, interrupted): charge what was
+            # evidently produced; a request that never started costs nothing.
+            usage = Usage(req.prompt_tokens_est if adm.tokens_seen else 0, adm.tokens_seen)
+        actual = self.cfg.prices.for_model(req.model).cost(usage)
+        coalesced = adm.stream if isinstance(adm.stream, MemberStream) else None
+        if coalesced is not None and not coalesced.pays:
+            actual = 0  # one shared execution is charged once (gateway/inference/coalesce.py)
+        try:
+            settled, charge = await self.accountant.settle(req.id, actual)
+        except GatewayError as exc:
+            # The hold stays until it expires (sweep_expired): never under-held,
+            # at worst over-held for a while; this gateway writes the record.
+            log.error("reconcile of %s failed: %s", req.id, exc.message)
+            settled, charge = True, 0
+        if not settled:
+            return  # another replica settled it and wrote the record
+        claim = adm.claim if isinstance(adm, Admitted) else None
+        head = RecordHead.of_request(req, adm.scope, self.cfg.prices.version, self.cfg.gateway_id)
+        serving = Serving(
+            deployment=final.deployment if final else "",
+            fingerprint=self._fingerprint(req, final),
+            worker=final.worker if final else "",
+            hedged=adm.stream.hedge_seq is not None,
+            coalesced_with=coalesced.coalesced_with if coalesced else "",
+            first_token_ms=first_token_ms,
+            idempotency_key_hash=claim.key_hash if claim else "",
+        )
+        await self.append(
+            head.settled(
+                policy="admitted" if isinstance(adm, Admitted) else "admitted:resumed",
+                attempts=_attempts(final.attempt if final else (adm.stream.attempt or 1)),
+                usage=usage,
+                charge_micros=charge,
+                reserved_micros=adm.reserved_micros,
+                outcome=final.finish_reason if final else outcome,
+                status=status,
+                duration_ms=duration_s * 1000,
+                serving=serving,
+            )
+        )
+
+    def refusal(
+        self, req: InferenceRequest, key: KeyRecord, policy: str, exc: GatewayError
+    ) -> LedgerRecord:
+        head = RecordHead.of_request(
+            req, Scope.of(key), self.cfg.prices.version, self.cfg.gateway_id
+        )
+        return head.refused(policy, exc)
+
+    def _fingerprint(self, req: InferenceRequest, final: Final | None) -> str:
+        """The serving deployment's fingerprint under the revision the request ran on."""
+        if final is None or not final.deployment or not req.route or self.routes is None:
+            return ""
+        return final.fingerprint or self.routes.fingerprint(
+            req.route, req.route_revision, final.deployment
+        )
+
+    async def append(self, record: LedgerRecord) -> None:
+        try:
+            await self.ledger.append(record)
+        except LedgerWriteError as exc:
+            self.metrics.rejected.labels("ledger_write_failed").inc()
+            log.error("ledger append for %s failed: %s", record.request_id, exc.message)
+
+    async def release(self, request_id: str) -> None:
+        try:
+            await self.accountant.release(request_id)
+        except GatewayError as exc:
+            log.error("release of %s failed: %s", request_id, exc.message)
+
+    async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
+        if adm.claim is not None:
+            try:
+                await self.idempotency.complete(adm.claim, adm.raw, 200, response)
+            except GatewayError as exc:
+                log.error("storing idempotent response %s failed: %s", adm.request_id, exc)
+
+    async def idem_fail(self, claim: Claim, raw: bytes, exc: GatewayError) -> None:
+        try:
+            await self.idempotency.fail(claim, raw, exc)
+        except GatewayError as err:
+            log.error("idempotency release failed: %s", err.message)
+
+
+def _attempts(attempt: int) -> int:
+    """Deliveries of the copy that served (a hedge copy numbers from HEDGE_ATTEMPT_BASE)."""
+    return attempt - HEDGE_ATTEMPT_BASE if attempt > HEDGE_ATTEMPT_BASE else attempt

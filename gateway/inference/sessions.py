@@ -1,0 +1,107 @@
+"""The sessions of the request path: an admitted request, a resumed stream,
+and an idempotent replay. Each admitted or resumed one ends in exactly one
+recorded outcome (gateway/inference/service.py, ``finish``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.inference.dispatch import FrameStream
+from gateway.inference.openai_types import Parsed
+from gateway.tenancy.accounting import Reservation, Scope
+from gateway.tenancy.idempotency import Claim
+from gateway.tenancy.keys import KeyRecord
+from gateway.tracing import Span
+from streams.wire import Meta, Op
+
+
+@dataclass
+class Admitted:
+    """An accepted request: from here on it must end in one recorded outcome."""
+
+    op: Op
+    parsed: Parsed
+    key: KeyRecord
+    stream: FrameStream
+    reservation: Reservation
+    raw: bytes
+    claim: Claim | None = None
+    span: Span | None = None
+    started: float = field(default_factory=time.monotonic)
+    outcome: str | None = None
+    tokens_seen: int = 0  # token frames relayed, for a charge when no usage arrives
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.req.id
+
+    @property
+    def wants_stream(self) -> bool:
+        return bool(getattr(self.parsed, "stream", False))
+
+    @property
+    def include_usage(self) -> bool:
+        opts = getattr(self.parsed, "stream_options", None)
+        return bool(opts and opts.include_usage)
+
+    @property
+    def model(self) -> str:
+        return self.parsed.model
+
+    @property
+    def scope(self) -> Scope:
+        return Scope.of(self.key)
+
+    @property
+    def reserved_micros(self) -> int:
+        return self.reservation.cost_micros
+
+
+@dataclass
+class Resumed:
+    """A client picking up a stream from the frames capture, on any replica."""
+
+    stream: FrameStream
+    include_usage: bool = False
+    started: float = field(default_factory=time.monotonic)
+    outcome: str | None = None
+    tokens_seen: int = 0
+
+    @property
+    def meta(self) -> Meta:
+        assert self.stream.meta is not None
+        return self.stream.meta
+
+    @property
+    def op(self) -> Op:
+        return self.meta.op
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.req.id
+
+    @property
+    def model(self) -> str:
+        return self.meta.model
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.meta.org, self.meta.tenant, self.meta.key_id)
+
+    @property
+    def reserved_micros(self) -> int:
+        return self.meta.reserved_micros
+
+
+Session = Admitted | Resumed
+
+
+@dataclass
+class Replayed:
+    """An Idempotency-Key retry: the stored response, nothing run or charged."""
+
+    status: int
+    response: dict[str, Any]
+    request_id: str

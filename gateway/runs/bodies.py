@@ -1,0 +1,91 @@
+"""The run API's request bodies and their checks (whatever protocol brought them)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from gateway.errors import BadRequest
+from streams.agent import Budget, RunPrice
+from streams.wire import Usage
+
+T = TypeVar("T")
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STEPS = 1000
+MAX_TOKENS = 10_000_000
+
+
+class BudgetIn(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_steps: int | None = None
+    max_tokens: int | None = None
+    max_cost: float | None = None  # USD
+    max_cost_micros: int | None = None  # or integer micro-USD (wins)
+
+
+class RunCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[str] = []
+    budget: BudgetIn | None = None
+    deadline: float | None = None  # absolute unix seconds
+    timeout: float | None = None  # or seconds from now
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    approve: bool
+    reason: str = ""
+
+
+def decode_body(raw: bytes, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(raw or b"null", type=kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Invalid JSON: {exc}") from None
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    if not messages:
+        raise BadRequest("'messages' must not be empty.", param="messages")
+    for i, m in enumerate(messages):
+        if m.get("role") not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {sorted(_ROLES)}.")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(f"messages[{i}].content must be a string, a list or null.")
+
+
+def run_deadline(body: RunCreate, now: float, default_s: float, max_s: float) -> float:
+    if body.deadline is not None and body.timeout is not None:
+        raise BadRequest("Give 'deadline' or 'timeout', not both.", param="deadline")
+    if body.deadline is not None:
+        deadline = body.deadline
+    else:
+        deadline = now + (body.timeout if body.timeout is not None else default_s)
+    if not now < deadline <= now + max_s:
+        raise BadRequest(
+            f"The deadline must be in the future and at most {max_s:g}s away.", param="deadline"
+        )
+    return deadline
+
+
+def run_budget(asked: BudgetIn | None, price: RunPrice) -> Budget:
+    asked = asked or BudgetIn()
+    steps = asked.max_steps if asked.max_steps is not None else Budget().max_steps
+    tokens = asked.max_tokens if asked.max_tokens is not None else Budget().max_tokens
+    if not 1 <= steps <= MAX_STEPS:
+        raise BadRequest(f"budget.max_steps must be in [1, {MAX_STEPS}].", param="budget")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise BadRequest(f"budget.max_tokens must be in [1, {MAX_TOKENS}].", param="budget")
+    if asked.max_cost_micros is not None:
+        cost = asked.max_cost_micros
+    elif asked.max_cost is not None:
+        cost = round(asked.max_cost * 1_000_000)
+    else:
+        # Default: every token at the output price, the most the tokens can cost.
+        cost = price.cost(Usage(prompt_tokens=0, completion_tokens=tokens))
+    if cost < 1:
+        raise BadRequest("budget.max_cost must be positive.", param="budget")
+    return Budget(max_steps=steps, max_tokens=tokens, max_cost_micros=cost)

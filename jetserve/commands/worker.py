@@ -1,0 +1,140 @@
+"""``jetserve worker``: the inference worker; pulls requests, calls an engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import TYPE_CHECKING
+
+from jetserve.commands.common import (
+    DEFAULT_NATS,
+    OTEL_EXPORTER,
+    OTEL_HELP,
+    REPLICAS_HELP,
+    split_csv,
+)
+
+if TYPE_CHECKING:
+    from jetserve.commands.common import Subparsers
+    from streams.routes import Deployment
+
+
+def register(sub: Subparsers) -> None:
+    w = sub.add_parser(
+        "worker", allow_abbrev=False, help="inference worker: pulls requests, calls an engine"
+    )
+    w.add_argument("--nats", default=DEFAULT_NATS)
+    w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
+    w.add_argument("--engine-api-key", default=None)
+    w.add_argument(
+        "--engine-dialect",
+        dest="dialect",
+        default="openai",
+        choices=["openai", "tgi", "triton"],
+        help="engine API; triton needs --deployment-name (the model)",
+    )
+    w.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
+    w.add_argument("--replicas", type=int, default=1, help=REPLICAS_HELP)
+    w.add_argument("--classes", default="interactive,agent,embed,batch", help="in priority order")
+    w.add_argument("--max-inflight", type=int, default=16, help="the engine's max_num_seqs")
+    w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")
+    w.add_argument("--heartbeat", type=float, default=1.0)
+    w.add_argument("--worker-id", default="")
+    w.add_argument("--grace", type=float, default=30.0, help="drain timeout on SIGTERM (s)")
+    w.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /readyz")
+    w.add_argument("--metrics-host", default="127.0.0.1")
+    w.add_argument("--deployment-name", default="", help="route deployment served (default: model)")
+    w.add_argument("--deployment-engine", default="", help="default: the engine's owned_by")
+    w.add_argument("--deployment-hardware", default="unspecified")
+    w.add_argument("--deployment-precision", default="bf16")
+    w.add_argument("--embed-batch-max", type=int, default=32, help="inputs per engine call")
+    w.add_argument("--embed-batch-delay-ms", type=float, default=5.0, help="batch fill wait")
+    w.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    return uvloop.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from streams.definitions import Topology
+    from streams.subjects import RequestClass
+    from workers.engines.factory import make_adapter
+    from workers.inference.admission import AdmissionConfig
+    from workers.inference.worker import Worker, WorkerConfig
+
+    kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
+    cfg = WorkerConfig(
+        nats_url=args.nats,
+        classes=tuple(RequestClass(c) for c in split_csv(args.classes)),
+        admission=AdmissionConfig(max_inflight=args.max_inflight, target_util=args.target_util),
+        heartbeat_s=args.heartbeat,
+        drain_timeout_s=args.grace,
+        otel_exporter=args.otel_exporter,
+        embed_batch_max=args.embed_batch_max,
+        embed_batch_delay_ms=args.embed_batch_delay_ms,
+        topology=Topology(replicas=args.replicas),
+        deployment=await deployment(args),
+        **kwargs,
+    )
+    model = args.deployment_name  # names the model in Triton's URL
+    async with make_adapter(args.dialect, args.engine, args.engine_api_key, model) as engine:
+        worker = Worker(cfg, engine)
+        loop = asyncio.get_running_loop()
+        http = None
+        if args.metrics_port is not None:
+            http = worker.probe(args.metrics_host, args.metrics_port)
+        async with asyncio.TaskGroup() as tg:
+            http_task = tg.create_task(http.serve()) if http is not None else None
+
+            def stop() -> None:
+                tg.create_task(worker.shutdown())
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop)
+            await worker.run()
+            if http is not None and http_task is not None:
+                http.should_exit = True
+    return 0
+
+
+async def deployment(args: argparse.Namespace) -> Deployment | None:
+    """The route deployment a worker declares. Unset flags come from the engine:
+    name and model = the model it serves, engine = its ``owned_by``; None when the
+    engine can't say (then the worker serves only requests whose route lists no
+    candidates)."""
+    import httpx
+
+    from streams.routes import Deployment
+
+    name, engine, model = args.deployment_name, args.deployment_engine, args.deployment_name
+    if not (name and engine):
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                r = await client.get(f"{args.engine.rstrip('/')}/v1/models")
+                r.raise_for_status()
+                first = r.json()["data"][0]
+            model = model or str(first["id"])
+            name, engine = name or model, engine or str(first.get("owned_by") or "unknown")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            if not name:
+                logging.getLogger("jetserve.worker").warning(
+                    "no --deployment-name and the engine did not name its model (%s): "
+                    "this worker serves no route with candidates",
+                    exc,
+                )
+                return None
+            engine = engine or "unknown"
+    dialect = getattr(args, "dialect", None)
+    return Deployment(
+        name=name,
+        adapter=dialect if dialect in ("openai", "tgi", "triton") else "openai",
+        engine=engine,
+        model=model or name,
+        hardware=args.deployment_hardware,
+        precision=args.deployment_precision,
+    )

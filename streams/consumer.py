@@ -1,0 +1,233 @@
+"""One lifecycle for every JetStream work queue we consume (the inference
+worker, the agent executor, run settlement): pull while there is room, run
+each message as an owned handler task, and on shutdown stop pulling, hand the
+strays back and drain.
+
+As with temporalio's worker, :meth:`PullConsumer.run` serves until
+:meth:`PullConsumer.shutdown`; then the handlers in flight get
+``graceful_timeout_s`` to finish and the rest are cancelled (a cancelled
+handler leaves its message unacked: it is redelivered).
+
+Strays: a pull request outlives a cancelled fetch until it expires at the
+server, and a message it hands over meanwhile would sit unseen until its
+ack_wait ran out. Each source listens until its last pull has expired and
+hands back (naks) what arrives, so another consumer starts it now.
+
+A source is anything with ``run()`` (pull and start messages until cancelled,
+or until its slots close) and ``hand_back()``: :class:`PullLoop` fetches from
+a pull subscription; the worker's prefix lanes (``workers/inference/affinity.py``)
+pull on priority groups through the raw JetStream API instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Protocol
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+log = logging.getLogger(__name__)
+
+Handle = Callable[[Msg], Coroutine[None, None, None]]
+_EXPIRY_MARGIN_S = 0.2  # the server's expiry runs a little after our clock's
+
+
+class Slots(Protocol):
+    """Room for messages in flight. A slot is taken before the message is
+    pulled (never over-fetch: a buffered, unstarted message ages towards its
+    redelivery); a pull that brings fewer gives the rest back, and the handler
+    gives its own back when it ends."""
+
+    async def acquire(self) -> bool:
+        """Wait for one slot; False: closed, stop pulling."""
+        ...
+
+    def try_acquire(self) -> bool: ...
+
+    async def release(self) -> None: ...
+
+
+class Source(Protocol):
+    async def run(self) -> None: ...
+
+    async def hand_back(self) -> None: ...
+
+
+class Limit:
+    """At most ``n`` messages in flight."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._room = asyncio.Event()
+        if n > 0:
+            self._room.set()
+
+    async def acquire(self) -> bool:
+        while self._free <= 0:
+            self._room.clear()
+            await self._room.wait()
+        self._free -= 1
+        return True
+
+    def try_acquire(self) -> bool:
+        if self._free <= 0:
+            return False
+        self._free -= 1
+        return True
+
+    async def release(self) -> None:
+        self._free += 1
+        self._room.set()
+
+
+class PullLoop:
+    """Fetches from one pull subscription: up to ``batch`` messages a pull, as
+    many as it holds slots for (one waited for, the rest free now). ``more``:
+    after a pull brings something, take up to this many already waiting at once
+    (they may share work with it, e.g. an embedding batch), never lingering."""
+
+    def __init__(
+        self,
+        sub: JetStreamContext.PullSubscription,
+        start: Callable[[Msg], None],
+        *,
+        slots: Slots | None = None,
+        batch: int = 1,
+        poll_s: float = 1.0,
+        more: int = 0,
+        error_backoff_s: float = 0.5,
+    ) -> None:
+        self._sub = sub
+        self._start = start
+        self._slots = slots
+        self._batch = batch
+        self._poll = poll_s
+        self._more = more
+        self._backoff = error_backoff_s
+        self._pull_until = 0.0  # when the newest pull expires at the server
+
+    async def run(self) -> None:
+        while held := await self._take(self._batch, wait=True):
+            msgs = await self._fetch(held, self._poll)
+            if msgs is None:
+                await asyncio.sleep(self._backoff)
+                continue
+            for msg in msgs:
+                self._start(msg)
+            if msgs and self._more:
+                for msg in await self._fetch(await self._take(self._more), 0.01) or ():
+                    self._start(msg)
+
+    async def _take(self, n: int, *, wait: bool = False) -> int:
+        """Slots for up to ``n`` messages (waiting for the first if ``wait``)."""
+        if self._slots is None:
+            return n
+        held = 0
+        if wait:
+            if not await self._slots.acquire():
+                return 0
+            held = 1
+        while held < n and self._slots.try_acquire():
+            held += 1
+        return held
+
+    async def _fetch(self, held: int, poll_s: float) -> list[Msg] | None:
+        """Up to ``held`` messages; the slots they did not use go back. None:
+        the fetch failed (logged), try again after the backoff."""
+        if not held:
+            return []
+        msgs: list[Msg] | None = []
+        self._pull_until = max(self._pull_until, time.monotonic() + poll_s)
+        try:
+            msgs = await self._sub.fetch(held, timeout=poll_s)
+        except (nats.errors.TimeoutError, TimeoutError):
+            pass
+        except nats.errors.Error as exc:
+            log.warning("fetch failed: %s", exc)
+            msgs = None
+        finally:
+            if self._slots is not None:
+                for _ in range(held - len(msgs or ())):
+                    await self._slots.release()
+        return msgs
+
+    async def hand_back(self) -> None:
+        """Nak what the last pull still delivers (and what arrived unfetched),
+        then drop the subscription."""
+        inbox = self._sub._sub  # the core subscription behind the pull (nats-py has no public one)
+        end = self._pull_until + _EXPIRY_MARGIN_S
+        while (left := end - time.monotonic()) > 0 or inbox.pending_msgs:
+            try:
+                msg = await inbox.next_msg(timeout=max(left, 0.001))
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            if msg.headers and msg.headers.get("Status"):
+                continue  # the server's note that a pull request expired or ended
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak()
+        # Else the connection's drain would wait on the pull's inbox.
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
+
+
+class PullConsumer:
+    """Owns the handler tasks of its sources; see the module docstring."""
+
+    def __init__(self, handle: Handle, *, graceful_timeout_s: float, name: str) -> None:
+        self._handle = handle
+        self._grace = graceful_timeout_s
+        self._name = name
+        self._sources: list[Source] = []
+        self._handlers: set[asyncio.Task[None]] = set()  # owned: awaited by _drain
+        self._stopping = asyncio.Event()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._handlers)
+
+    def add(self, source: Source) -> None:
+        self._sources.append(source)
+
+    def start(self, msg: Msg) -> None:
+        """Handle one message in a task of its own (its slot is already held)."""
+        task = asyncio.create_task(self._handle(msg))
+        self._handlers.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._handlers.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("%s: handler failed", self._name, exc_info=exc)
+
+    def shutdown(self) -> None:
+        """Stop pulling and drain (sync: a signal handler may call it)."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Serve until :meth:`shutdown`; returns once drained."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pulls = [tg.create_task(source.run()) for source in self._sources]
+                await self._stopping.wait()
+                for task in pulls:
+                    task.cancel()
+        finally:
+            await asyncio.gather(*(source.hand_back() for source in self._sources))
+            await self._drain()
+
+    async def _drain(self) -> None:
+        pending = set(self._handlers)
+        if not pending:
+            return
+        log.info("%s: draining %d in flight", self._name, len(pending))
+        _, still = await asyncio.wait(pending, timeout=self._grace)
+        for task in still:
+            task.cancel()  # not acked: redelivered
+        if still:
+            await asyncio.wait(still)

@@ -1,0 +1,162 @@
+"""Publishing inference requests and cancels, and reading the frames capture.
+
+The work queue dedupes on ``Nats-Msg-Id`` (the request id), so a caller that
+publishes the same request twice (a retry, an agent step taken over) gets one
+execution. Failures come back as streams errors (streams/errors.py); each
+caller maps them to its own (the gateway to HTTP errors, the agent to a
+retryable model-call failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import PubAck
+from nats.js.client import JetStreamContext
+from nats.js.errors import APIError
+
+from streams.definitions import Topology
+from streams.errors import (
+    BusUnavailableError,
+    PublishError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+from streams.headers import Header
+from streams.subjects import cancel_subject, frames_filter
+from streams.wire import Cancel, InferenceRequest, Meta, Token, decode_frame, encode
+
+PUBLISH_TIMEOUT_S = 5.0
+# JetStream API errors of a full work queue: maximum messages / maximum bytes
+# exceeded (discard new).
+QUEUE_FULL_CODES = (10077, 10047)
+_BUS_ERRORS = (nats.errors.Error, TimeoutError, OSError)
+
+
+def request_headers(req: InferenceRequest, msg_id: str | None = None) -> dict[str, str]:
+    """The publish headers: the dedupe key (the request id unless given), the
+    deadline for routing, and the trace context."""
+    headers = {
+        Header.MSG_ID.value: msg_id or req.id,
+        Header.DEADLINE.value: f"{req.deadline:.3f}",
+    }
+    if req.traceparent:
+        headers[Header.TRACEPARENT.value] = req.traceparent
+    if req.tracestate:
+        headers[Header.TRACESTATE.value] = req.tracestate
+    return headers
+
+
+class InferenceClient:
+    def __init__(self, nc: Client, js: JetStreamContext, topology: Topology) -> None:
+        self._nc = nc
+        self._js = js
+        self.topology = topology
+
+    def encode(self, req: InferenceRequest) -> bytes:
+        """The request's payload; RequestTooLargeError past the bus's message size."""
+        payload = encode(req)
+        if len(payload) > self._nc.max_payload:
+            raise RequestTooLargeError(
+                f"Request of {len(payload)} bytes exceeds the bus limit of "
+                f"{self._nc.max_payload} bytes."
+            )
+        return payload
+
+    async def announce(self, req: InferenceRequest, meta: Meta) -> None:
+        """The Meta frame, first on the reply subject: what the frames capture
+        needs to resume the stream from."""
+        try:
+            await self._nc.publish(req.reply, encode(meta))
+        except _BUS_ERRORS as exc:
+            raise BusUnavailableError(repr(exc)) from exc
+
+    async def publish(
+        self,
+        subject: str,
+        req: InferenceRequest,
+        payload: bytes | None = None,
+        msg_id: str | None = None,
+    ) -> PubAck:
+        """Enqueue one request (``payload``: its encoding, when already made).
+        QueueFullError when the work queue is full, BusUnavailableError when the
+        bus does not answer, else PublishError."""
+        headers = request_headers(req, msg_id)
+        data = encode(req) if payload is None else payload
+        try:
+            return await self._js.publish(subject, data, headers=headers, timeout=PUBLISH_TIMEOUT_S)
+        except APIError as exc:
+            text = f"{exc.description}"
+            if exc.err_code in QUEUE_FULL_CODES or "maximum messages" in text:
+                raise QueueFullError(text) from exc
+            raise PublishError(text) from exc
+        except _BUS_ERRORS as exc:
+            raise BusUnavailableError(repr(exc)) from exc
+
+    async def cancel(
+        self, request_id: str, reason: str, *seqs: int | None, keep_attempt: int = 0
+    ) -> None:
+        """Tell the worker to stop (all attempts but ``keep_attempt``). With the
+        bus down the worker's deadline ends the work instead."""
+        note = Cancel(request_id, reason, keep_attempt)
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(cancel_subject(request_id), encode(note))
+        for seq in seqs:
+            if seq is None:
+                continue
+            # Not picked up yet? Then no worker hears the cancel: remove the
+            # message itself (a no-op if a worker already holds it).
+            with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
+                await self._js.delete_msg(self.topology.stream, seq)
+
+    async def follow(
+        self, tenant: str, request_id: str, cb: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
+        """An ordered consumer on one request's captured frames, from the start.
+        Raises the bus's own errors (nats.errors.Error, TimeoutError, APIError)."""
+        return await self._js.subscribe(
+            frames_filter(tenant, request_id),
+            stream=self.topology.frames_stream,
+            cb=cb,
+            ordered_consumer=True,
+        )
+
+    async def recover(
+        self, tenant: str, request_id: str, attempt: int, after: int, through: int, wait_s: float
+    ) -> list[Token] | None:
+        """Tokens ``after+1 .. through`` of one attempt, read back from the frames
+        capture: core NATS delivers at most once, so a server dying between the
+        worker and the reader can drop a frame the (replicated) capture kept.
+        None when the capture does not hold them all within ``wait_s``."""
+        want = set(range(after + 1, through + 1))
+        found: dict[int, Token] = {}
+        complete = asyncio.Event()
+
+        async def on_msg(msg: Msg) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                frame = decode_frame(msg.data)
+                if isinstance(frame, Token) and frame.attempt == attempt and frame.seq in want:
+                    found[frame.seq] = frame
+                    if len(found) == len(want):
+                        complete.set()
+
+        try:
+            sub = await self.follow(tenant, request_id, on_msg)
+        except (nats.errors.Error, TimeoutError, APIError):
+            return None
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(complete.wait(), wait_s)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if len(found) != len(want):
+            return None
+        return [found[s] for s in sorted(found)]

@@ -1,0 +1,197 @@
+"""One request's frames, read as the events its caller acts on.
+
+The waiting rule (the liveness rules of DESIGN.md): before the first token the
+request may be queued or redelivered, so only its deadline ends the wait; after
+it, silence longer than the heartbeat timeout means the worker is gone.
+
+De-duplication: the first token locks the attempt (redelivered or hedged copies
+racing it are ignored), and tokens are taken in sequence. A sequence gap is
+handed to :meth:`FrameReader.recover` (the gateway reads the frames capture);
+if that cannot fill it the stream ends visibly, never as a text with a hole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from streams.errors import (
+    DeadlineExceededError,
+    FramesLostError,
+    ReaderTooSlowError,
+    StreamInterruptedError,
+)
+from streams.wire import ErrorFrame, Final, Frame, Heartbeat, Meta, Token
+
+# Per-request frame buffer. Workers publish at engine speed; a reader slower
+# than that gets the buffered tokens in one go (FrameReader.drain_tokens).
+MAX_BUFFERED_FRAMES = 1024
+# Past the deadline the worker reports expiry itself; this lets its frame win.
+DEADLINE_GRACE_S = 0.5
+
+Event = Token | Final | ErrorFrame
+
+
+class Overflow:
+    """Mark in a frame buffer: its reader fell too far behind."""
+
+
+OVERFLOW = Overflow()
+Item = Frame | Overflow
+
+
+class FrameBuffer(asyncio.Queue[Item]):
+    """One request's frames, bounded (``limit`` None: unbounded). ``overflowed``
+    is set the moment the bound is hit, so a response can end at once even
+    while a write is blocked on a client that stopped reading."""
+
+    def __init__(self, limit: int | None = MAX_BUFFERED_FRAMES) -> None:
+        super().__init__()
+        self.limit = limit
+        self.overflowed = asyncio.Event()
+
+    def offer(self, frame: Frame) -> bool:
+        """Queue a frame. True when this one hit the bound: the caller stops the
+        producer. Nothing is dropped silently: the reader meets the mark and fails."""
+        if self.overflowed.is_set():
+            return False
+        if self.limit is None or self.qsize() < self.limit:
+            self.put_nowait(frame)
+            return False
+        self.put_nowait(OVERFLOW)
+        self.overflowed.set()
+        return True
+
+
+class FrameReader:
+    """Reads one request's :class:`FrameBuffer` under the waiting rule."""
+
+    def __init__(self, queue: FrameBuffer, deadline: float) -> None:
+        self._queue = queue
+        self.deadline = deadline
+        self.attempt: int | None = None  # the delivery whose tokens we relay
+        self.last_seq = 0
+        self.skip_through = 0  # a resumed stream: tokens the reader already has
+        self.copies = 1  # copies that may still answer before the first token (hedging)
+        self.done = False
+        self.first_token_at: float | None = None
+        # Frames to handle before the queue's: recovered tokens, then the frame
+        # that revealed the gap; or frames drain_tokens left for next_event.
+        self._ahead: deque[Item] = deque()
+
+    @property
+    def started(self) -> bool:
+        return self.last_seq > 0
+
+    @property
+    def overflowed(self) -> asyncio.Event:
+        return self._queue.overflowed
+
+    async def _next_item(self, heartbeat_timeout: float, wait_limit: float | None) -> Item:
+        if self.started:
+            timeout = heartbeat_timeout
+        else:
+            timeout = self.deadline - time.time() + DEADLINE_GRACE_S
+        if wait_limit is not None:
+            timeout = min(timeout, wait_limit)
+        if self._ahead:
+            return self._ahead.popleft()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+        except TimeoutError:
+            if wait_limit is not None and timeout == wait_limit:
+                raise
+            if self.started:
+                raise StreamInterruptedError(
+                    f"no frame for {heartbeat_timeout}s after token {self.last_seq}"
+                ) from None
+            raise DeadlineExceededError("no answer before the request's deadline") from None
+
+    async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
+        """The next token, final or error frame. Raises TimeoutError only when
+        ``wait_limit`` (a caller's keep-alive tick) expires first; otherwise a
+        :class:`streams.errors.ReplyError` when the frames end abnormally."""
+        while True:
+            item = await self._next_item(heartbeat_timeout, wait_limit)
+            if isinstance(item, Overflow):
+                raise ReaderTooSlowError("the reader fell a buffer's length behind")
+            event = await self._accept(item)
+            if event is not None:
+                return event
+
+    async def _accept(self, frame: Frame) -> Event | None:
+        """The frame as an event for the caller, or None: nothing to relay."""
+        if isinstance(frame, Meta):
+            return None
+        if self.attempt is not None and frame.attempt != self.attempt:
+            return None  # a redelivered or hedged attempt racing the one we relay
+        # A heartbeat carries the last token's seq; tokens and finals their own.
+        ahead = 0 if isinstance(frame, Heartbeat) else 1
+        if isinstance(frame, Token | Final | Heartbeat) and frame.seq > self.last_seq + ahead:
+            await self._fill_gap(frame)
+            return None
+        if isinstance(frame, Heartbeat):
+            return None
+        if isinstance(frame, Token):
+            if frame.seq <= self.last_seq:
+                return None
+            if frame.seq <= self.skip_through:
+                # Replayed to a resuming reader: it has these. Track them so
+                # liveness and attempt locking behave as if relayed.
+                self.attempt = self.attempt or frame.attempt
+                self.last_seq = frame.seq
+                return None
+            if self.attempt is None:
+                await self.on_first_token(frame.attempt)
+            self.last_seq = frame.seq
+            return frame
+        if isinstance(frame, ErrorFrame) and self.attempt is None and self.copies > 1:
+            self.copies -= 1  # one copy of a hedged request failed: the other may not
+            return None
+        self.done = True
+        return frame
+
+    async def _fill_gap(self, frame: Token | Final | Heartbeat) -> None:
+        through = frame.seq if isinstance(frame, Heartbeat) else frame.seq - 1
+        if through <= self.skip_through:
+            # A resumed stream whose reader already has these: nothing to relay.
+            self.attempt = self.attempt or frame.attempt
+            self.last_seq = through
+            self._ahead.appendleft(frame)
+            return
+        tokens = await self.recover(frame.attempt, self.last_seq, through)
+        if tokens is None:
+            raise FramesLostError(f"tokens {self.last_seq + 1}..{through} were lost in transit")
+        self._ahead.extendleft([frame, *reversed(tokens)])
+
+    async def recover(self, attempt: int, after: int, through: int) -> list[Token] | None:
+        """Tokens ``after+1 .. through`` of ``attempt`` that never arrived, from
+        elsewhere (the frames capture); None: they are lost."""
+        return None
+
+    async def on_first_token(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.first_token_at = time.monotonic()
+
+    def drain_tokens(self) -> list[Token]:
+        """Tokens already buffered and in sequence (coalesced into one write)."""
+        out: list[Token] = []
+        while not self._ahead and not self._queue.empty():
+            frame = self._queue.get_nowait()
+            if isinstance(frame, Token) and self.attempt is not None:
+                if frame.attempt != self.attempt or frame.seq <= self.last_seq:
+                    continue
+                if frame.seq == self.last_seq + 1:
+                    self.last_seq = frame.seq
+                    out.append(frame)
+                    continue
+            # Anything else (a gap, a terminal frame, the overflow mark, a
+            # heartbeat) is next_event's to judge, in order.
+            self._ahead.append(frame)
+        return out
+
+    async def events(self, heartbeat_timeout: float) -> AsyncIterator[Event]:
+        while not self.done:
+            yield await self.next_event(heartbeat_timeout)

@@ -1,0 +1,58 @@
+"""The gateway runtime's start and stop (gateway/runtime.py): a start that fails
+halfway tears down what it had started."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client
+from nats.js.api import StreamConfig
+
+import gateway.runtime
+from gateway.config import GatewayConfig
+from gateway.runtime import open_runtime
+from jetserve.services import Service
+from streams.connect import connect
+from streams.errors import ProvisioningError
+from streams.subjects import AGENT_STEP
+
+
+async def _settled(before: set[asyncio.Task[object]], timeout_s: float = 2.0) -> set[str]:
+    """The tasks started since ``before`` that are still alive after ``timeout_s``."""
+    end = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        alive = asyncio.all_tasks() - before - {asyncio.current_task()}
+        if not alive or asyncio.get_running_loop().time() > end:
+            return {repr(task.get_coro()) for task in alive}
+        await asyncio.sleep(0.05)
+
+
+async def test_failed_start_tears_down_what_started(
+    nats_server: Service, redis_server: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"nats://127.0.0.1:{nats_server.port}"
+    # A stream that already holds the agent step subject: the runs' store cannot
+    # be provisioned, after the dispatcher, route table, queue watch and the
+    # NATS ingress have started.
+    admin = await connect(url, "blocker")
+    await admin.jetstream().add_stream(StreamConfig(name="BLOCKER", subjects=[AGENT_STEP]))
+    opened: list[Client] = []
+
+    async def recording_connect(nats_url: str, name: str) -> Client:
+        nc = await connect(nats_url, name)
+        opened.append(nc)
+        return nc
+
+    monkeypatch.setattr(gateway.runtime, "connect", recording_connect)
+    cfg = GatewayConfig(nats_url=url, redis_url=f"redis://127.0.0.1:{redis_server.port}")
+    before = asyncio.all_tasks()
+    try:
+        with pytest.raises(ProvisioningError):
+            async with open_runtime(cfg):
+                pytest.fail("the runtime must not open")
+        assert len(opened) == 1
+        assert opened[0].is_closed
+        assert await _settled(before) == set()
+    finally:
+        await admin.close()
