@@ -20,7 +20,6 @@ JetserveError                  base: ``code`` and ``retryable`` travel with it
 ├── ProvisioningError          a stream/consumer could not be created or updated
 ├── PublishError               a request could not be enqueued
 │   ├── QueueFullError         the work-queue stream is full (retryable, -> 429)
-│   ├── DuplicateRequestError  same Nats-Msg-Id inside the dedupe window
 │   ├── RequestTooLargeError   the request exceeds the bus's message size
 │   └── BusUnavailableError    the bus did not take the publish (retryable)
 ├── ReplyError                 a request's frames ended without a terminal frame
@@ -65,11 +64,6 @@ class PublishError(JetserveError):
 class QueueFullError(PublishError):
     code = "queue_full"
     retryable = True
-
-
-class DuplicateRequestError(PublishError):
-    code = "duplicate_request"
-    retryable = False
 
 
 class RunStoreError(JetserveError):
