@@ -151,7 +151,9 @@ async def test_other_tenants_and_sampled_requests_are_not_coalesced(fleet: Fleet
 
 
 async def test_leader_leaving_mid_stream_does_not_break_followers(fleet: Fleet) -> None:
-    body = chat(max_tokens=60)
+    # Long enough (about 4 s of decode on h100-8b) that the leader leaves while the
+    # generation still runs, even when joining three followers is slow on a loaded box.
+    body = chat(max_tokens=400)
     async with httpx.AsyncClient(timeout=30) as c:
         before = await sim_stats(c, fleet)
         leader_started = asyncio.Event()
