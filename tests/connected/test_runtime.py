@@ -23,8 +23,9 @@ def _filename(task: asyncio.Task[object]) -> str:
     return code.co_filename if code is not None else ""
 
 
-async def _settled(before: set[asyncio.Task[object]], timeout_s: float = 2.0) -> set[str]:
-    """The tasks started since ``before`` that are still alive after ``timeout_s``."""
+async def _settled(before: set[asyncio.Task[object]], timeout_s: float = 30.0) -> set[str]:
+    """The tasks started since ``before`` still alive when none is left or ``timeout_s``
+    passed: a generous bound, since it returns as soon as the condition holds."""
     end = asyncio.get_running_loop().time() + timeout_s
     while True:
         # nats-py parks a consumer's heartbeat check on the loop until its own
