@@ -39,6 +39,7 @@ from streams.agent_topology import AgentTopology
 from streams.connect import connect
 from streams.provision import ensure_routes, ensure_topology
 from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
+from streams.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,6 @@ async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
             log.warning("released %d expired reservations", released)
 
 
-async def _cancelled(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
 async def _connected(
     stack: contextlib.AsyncExitStack, cfg: GatewayConfig
 ) -> tuple[Client, redis.Redis]:
@@ -167,5 +162,5 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         runs = RunsService(gw, run_store)
         await _started(stack, RunsNatsIngress(nc, runs))
         await _started(stack, RunSettler(js, run_store, gw.accountant, gw.ledger, cfg.gateway_id))
-        stack.push_async_callback(_cancelled, asyncio.create_task(_sweep(gw.accountant)))
+        stack.push_async_callback(stop_task, asyncio.create_task(_sweep(gw.accountant)))
         yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo), runs)

@@ -32,6 +32,8 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from streams.tasks import stop_task
+
 log = logging.getLogger(__name__)
 
 Handle = Callable[[Msg], Coroutine[None, None, None]]
@@ -215,8 +217,7 @@ class PullConsumer:
             async with asyncio.TaskGroup() as tg:
                 pulls = [tg.create_task(source.run()) for source in self._sources]
                 await self._stopping.wait()
-                for task in pulls:
-                    task.cancel()
+                await asyncio.gather(*(stop_task(task) for task in pulls))
         finally:
             await asyncio.gather(*(source.hand_back() for source in self._sources))
             await self._drain()

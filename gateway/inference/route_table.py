@@ -23,6 +23,7 @@ import nats.errors
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from streams.routes import RouteRecord, decode_record
+from streams.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,7 @@ class RouteTable:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
             self._task = None
 
     async def wait_for(self, kv_revision: int, within_s: float) -> bool:

@@ -24,6 +24,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
 from streams.definitions import Topology
+from streams.tasks import stop_task
 
 # Too little evidence to refuse anyone: a short queue drains whatever the rate.
 MIN_DEPTH = 2
@@ -65,9 +66,7 @@ class QueueWatch:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -39,6 +39,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from streams.definitions import PRIORITY_GROUP, Topology
 from streams.subjects import RequestClass
+from streams.tasks import stop_task
 from workers.inference.admission import Admission
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,8 @@ class Membership:
                     await self._kv.put(self.worker_id, b"")
                 self._recompute()
         finally:
-            follow.cancel()
-            with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
-                await follow
+            with contextlib.suppress(nats.errors.Error):
+                await stop_task(follow)
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._watcher.stop()  # type: ignore[no-untyped-call]
 
