@@ -15,9 +15,16 @@ COPY gateway/ gateway/
 COPY workers/ workers/
 COPY tools/ tools/
 COPY jetserve/ jetserve/
+# /creds and /bus-auth: mount points of compose.yml's credential volumes. A fresh
+# named volume takes the owner and mode of the image's directory, so the one-shot
+# `jetserve credentials` (uid 10001) can write there and every jetserve
+# container (same uid) can read its 0600 files; /bus-auth holds only the servers'
+# public files (readable by nats-server and redis-server, which run as other users).
 RUN pip install . \
     && rm -rf /src \
-    && useradd --create-home --uid 10001 --user-group jetserve
+    && useradd --create-home --uid 10001 --user-group jetserve \
+    && install -d -o 10001 -g 10001 -m 0700 /creds \
+    && install -d -o 10001 -g 10001 -m 0755 /bus-auth
 
 USER 10001:10001
 WORKDIR /home/jetserve

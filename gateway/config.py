@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from gateway.tenancy.pricing import PriceBook
+from streams.connect import OPEN, BusAuth
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.routes import CoalescePolicy, HedgePolicy, RoutingPolicy
 
@@ -14,6 +15,9 @@ from streams.routes import CoalescePolicy, HedgePolicy, RoutingPolicy
 class GatewayConfig:
     nats_url: str
     redis_url: str
+    # The gateway's own credentials (jetserve/credentials.py); OPEN only with --insecure.
+    nats_auth: BusAuth = OPEN
+    redis_password: str | None = None
     models: tuple[str, ...] = ("sim-8b",)
     embedding_models: tuple[str, ...] = ("sim-embed",)
     gateway_id: str = field(default_factory=lambda: f"gw{uuid.uuid4().hex[:10]}")
@@ -45,6 +49,16 @@ class GatewayConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None
     admin_token_sha256: str | None = None
+    # API keys are stored as HMAC-SHA-256 under this secret (JETSERVE_KEY_SECRET),
+    # the same on every replica. Empty: not configured, and the runtime refuses
+    # to start (the CLI passes a public development value under --insecure).
+    key_secret: bytes = field(default=b"", repr=False)
+    # Separation of duties: the key that created a run may not decide its gated
+    # calls unless this is set (single-operator development setups).
+    allow_self_approval: bool = False
+    # /metrics on its own listener, never on the public port; None: not served.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
     metrics_tenants: tuple[str, ...] = ()
     # OpenTelemetry span export (needs the ``otel`` extra): "otlp+http://host:4318"
     # or "file:///path.jsonl". None: only W3C ids travel, nothing is exported.
@@ -60,3 +74,14 @@ class GatewayConfig:
     shed: bool = True
     # Identical temperature-0 requests share one execution (gateway/inference/coalesce.py).
     coalesce: CoalescePolicy = field(default_factory=CoalescePolicy)
+    # The HTTP and WebSocket edge (gateway/ingress/limits.py, http_protocol.py, ws.py):
+    # every limit is checked before any work (no body read, no auth, no parse).
+    max_body_bytes: int = 4 * 1024 * 1024  # 413 past it; a chunked body is cut there
+    max_header_bytes: int = 64 * 1024  # the request line and headers together: 431
+    max_headers: int = 100  # 431 past it
+    ws_max_message_bytes: int = 1024 * 1024  # a larger message closes the socket (1009)
+    ws_max_inflight: int = 16  # requests per socket; past it that request gets a 429
+    ws_idle_timeout_s: float = 300.0  # no frame and nothing in flight: closed (1000)
+    ws_ticket_ttl_s: int = 30  # POST /v1/ws/tickets: single use, this long
+    # ``?api_key=`` on the upgrade puts the key in URLs (proxy logs, history): off.
+    ws_allow_query_key: bool = False

@@ -5,8 +5,11 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     ├── AuthenticationFailed     401 missing or unknown API key
     ├── PermissionDenied         403 the key may not use this model or class
     ├── BadRequest               400 malformed body or parameters
-    │   └── RequestTooLarge      413 over the bus's message size; 400 over a whole
-    │                            minute of ``tpm`` (never admitted: not retryable)
+    │   ├── RequestTooLarge      413 over the bus's message size; 400 over a whole
+    │   │   │                    minute of ``tpm`` (never admitted: not retryable)
+    │   │   └── BodyTooLarge     413 over the gateway's body cap (``--max-body-bytes``);
+    │   │                        the connection is closed after the answer
+    │   └── HeadersTooLarge      431 too many request headers, or too many bytes of them
     ├── NotFound                 404 unknown model or route
     ├── ClientTooSlow            408 the client read the stream too slowly; it was ended
     ├── Conflict                 409 a run id taken or settled; an approval not pending
@@ -113,6 +116,24 @@ class RequestTooLarge(BadRequest):
         )
         exc.level, exc.tokens, exc.tpm = level, tokens, tpm
         return exc
+
+
+class BodyTooLarge(RequestTooLarge):
+    """413 before any work: the body is over the gateway's cap. The answer closes
+    the connection, so the rest of the body is never read."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
+
+
+class HeadersTooLarge(BadRequest):
+    """431 before any work: too many request headers, or too many bytes of them."""
+
+    status = 431
+    code = "request_headers_too_large"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
 
 
 class NotFound(GatewayError):

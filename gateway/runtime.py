@@ -107,7 +107,7 @@ async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
 async def _connected(
     stack: contextlib.AsyncExitStack, cfg: GatewayConfig
 ) -> tuple[Client, redis.Redis]:
-    nc = await connect(cfg.nats_url, f"gateway-{cfg.gateway_id}")
+    nc = await connect(cfg.nats_url, f"gateway-{cfg.gateway_id}", cfg.nats_auth)
 
     async def drain() -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -117,6 +117,7 @@ async def _connected(
     # A bounded pool: bursts queue for a connection instead of opening thousands.
     pool = redis.BlockingConnectionPool.from_url(
         cfg.redis_url,
+        password=cfg.redis_password,
         max_connections=64,
         timeout=2.0,
         socket_timeout=2.0,
@@ -145,7 +146,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         queue_watch = await _started(stack, QueueWatch(js, cfg.topology))
         gw = InferenceService(
             cfg,
-            Tenancy(rds, cfg.key_cache_s),
+            Tenancy(rds, cfg.key_cache_s, key_secret=cfg.key_secret),
             Accountant(rds),
             IdempotencyStore(rds),
             # Patient: a JetStream leader election (a node lost) takes seconds.

@@ -1,5 +1,6 @@
-"""Run a gateway process: one runtime, the public app and the admin app on
-their own ports, one signal handler that stops both gracefully."""
+"""Run a gateway process: one runtime, the public app, and the admin and
+metrics apps on their own ports when configured, one signal handler that stops
+them all gracefully."""
 
 from __future__ import annotations
 
@@ -9,28 +10,41 @@ import signal
 from collections.abc import Iterator
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from gateway.admin.app import create_admin_app
 from gateway.config import GatewayConfig
 from gateway.ingress.app import create_app
+from gateway.ingress.http_protocol import protocol_class
+from gateway.ingress.limits import RequestLimits
+from gateway.metrics_app import create_metrics_app
 from gateway.runtime import open_runtime
 
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        # Two servers share one process: signals are handled once, in serve().
+        # Several servers share one process: signals are handled once, in serve().
         yield
 
 
-def _config(app: object, host: str, port: int, log_level: str, grace: float) -> uvicorn.Config:
+def _config(
+    cfg: GatewayConfig, app: ASGIApp, host: str, port: int, log_level: str, grace: float
+) -> uvicorn.Config:
+    # Every listener gets the request limits (gateway/ingress/limits.py) and the
+    # bounded HTTP protocol (gateway/ingress/http_protocol.py): they cost a length
+    # check per request, and an admin or metrics port is no reason to buffer 1 GB.
+    limited = RequestLimits(app, max_body_bytes=cfg.max_body_bytes, max_headers=cfg.max_headers)
     return uvicorn.Config(
-        app,  # type: ignore[arg-type]
+        limited,
         host=host,
         port=port,
         loop="none",
-        http="httptools",
+        http=protocol_class(cfg.max_header_bytes),
         ws="websockets-sansio",
+        # The WebSocket protocol's own bound: a longer message closes with 1009
+        # before any of it reaches the app (it applies after decompression).
+        ws_max_size=cfg.ws_max_message_bytes,
         lifespan="off",
         log_level=log_level,
         access_log=False,
@@ -42,11 +56,16 @@ async def serve(
     cfg: GatewayConfig, host: str, port: int, *, log_level: str = "warning", grace: float = 30.0
 ) -> None:
     async with open_runtime(cfg) as rt:
-        servers = [_Server(_config(create_app(rt), host, port, log_level, grace))]
+        servers = [_Server(_config(cfg, create_app(rt), host, port, log_level, grace))]
         if cfg.admin_port is not None:
             admin = create_admin_app(rt, cfg.admin_token_sha256)
             servers.append(
-                _Server(_config(admin, cfg.admin_host, cfg.admin_port, log_level, grace))
+                _Server(_config(cfg, admin, cfg.admin_host, cfg.admin_port, log_level, grace))
+            )
+        if cfg.metrics_port is not None:
+            scrape = create_metrics_app(rt)
+            servers.append(
+                _Server(_config(cfg, scrape, cfg.metrics_host, cfg.metrics_port, log_level, grace))
             )
 
         def stop() -> None:

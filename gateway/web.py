@@ -10,6 +10,7 @@ import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Scope, Send
 
 from gateway.errors import BadRequest, GatewayError, NotFound
 
@@ -24,6 +25,25 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 def error_response(exc: GatewayError) -> Response:
     return json_response(exc.body(), exc.status, exc.headers())
+
+
+async def refuse(scope: Scope, send: Send, exc: GatewayError) -> None:
+    """Answer ``exc`` at the ASGI level, before any app or endpoint has run. A
+    WebSocket upgrade gets it as an HTTP response (the ASGI denial response: the
+    status and the JSON body) where the server supports that, else the server's
+    plain 403; either way the socket is never accepted."""
+    prefix = "" if scope["type"] == "http" else "websocket."
+    if prefix and "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008, "reason": ""})
+        return
+    body = exc.json()
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers().items()]
+    headers += [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": f"{prefix}http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": f"{prefix}http.response.body", "body": body})
 
 
 def ledger_window(request: Request) -> tuple[float | None, float | None, int | None]:

@@ -14,6 +14,7 @@ from jetserve.commands import (
     agent,
     bench,
     conformance,
+    credentials,
     gateway,
     keys,
     ledger,
@@ -25,11 +26,12 @@ from jetserve.commands import (
     up,
     worker,
 )
+from streams.errors import CredentialError, SecretError
 
 # In `jetserve --help` order.
 GROUPS = (
     gateway, worker, agent, sim, tenants, keys, limits, ledger, routes, scale, up, bench,
-    conformance,
+    conformance, credentials,
 )  # fmt: skip
 
 
@@ -56,5 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except (CredentialError, SecretError) as exc:
+        # Fail closed, and say why in one line (no traceback to dig through).
+        print(f"jetserve {args.cmd}: {exc.message}", file=sys.stderr)
+        return 2
     return result

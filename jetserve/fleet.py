@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from nats.aio.client import Client
 
 from jetserve.commands.admin_client import AdminClient
+from jetserve.credentials import Credentials, generate
 from jetserve.fleet_probes import pulling, run_sync, wait_jetstream
 from jetserve.services import (
     Service,
@@ -32,6 +34,8 @@ from jetserve.services import (
     wait_port,
 )
 from streams.agent_topology import DEFAULT_AGENT
+from streams.auth import Role, inbox_prefix
+from streams.connect import OPEN, BusAuth, connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
 
@@ -59,6 +63,10 @@ class FleetSpec:
     # The simulator's fault hooks (X-Sim-*) pass through: demos and tests only.
     forward_header_prefix: str = "x-sim-"
     log_level: str = "warning"
+    # Tenants that get a service credential for the NATS-native API (the fleet's
+    # own tenant always does). insecure: an open bus, no credentials at all.
+    service_tenants: tuple[str, ...] = ()
+    insecure: bool = False
 
 
 @dataclass
@@ -101,12 +109,32 @@ class Fleet:
         self.gateway_ports: list[int] = []
         self.worker_metrics_ports: list[int] = []
         self.admin_ports: list[int] = []
+        # /metrics has its own listener per gateway (never the public port).
+        self.gateway_metrics_ports: list[int] = []
+        self.gateway_metrics_urls: list[str] = []
         self.admin_token = secrets.token_urlsafe(24)
+        # Every gateway of the fleet hashes API keys under this one secret.
+        self.key_secret = secrets.token_urlsafe(32)
+        # Gateways get their secrets as files (0600, in the 0700 workdir), named
+        # in the environment: never in a command line, which `ps` shows to
+        # everyone. The plain variables are set empty so that ones inherited
+        # from the caller's environment (which read_secret prefers) cannot win.
+        self.secret_env: dict[str, str] = {}
+        for name, value in (
+            ("JETSERVE_ADMIN_TOKEN", self.admin_token),
+            ("JETSERVE_KEY_SECRET", self.key_secret),
+        ):
+            path = self.workdir / f"{name.lower()}.secret"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(value)
+            self.secret_env |= {name: "", f"{name}_FILE": str(path)}
         self.workers: list[Proc] = []
         self.agents: list[Proc] = []
         self.sim_port = 0
         self.api_key = ""
         self.key_id = ""
+        self.creds: Credentials | None = None
 
     # -- addresses ---------------------------------------------------------
     @property
@@ -116,8 +144,43 @@ class Fleet:
 
     @property
     def redis_url(self) -> str:
+        """Redis as its admin user, password included: for this process (tests,
+        demos), never for a child's command line."""
         assert self.redis is not None
-        return f"redis://127.0.0.1:{self.redis.port}/0"
+        if self.creds is None:
+            return f"redis://127.0.0.1:{self.redis.port}/0"
+        return f"redis://admin:{self.creds.redis_password('admin')}@127.0.0.1:{self.redis.port}/0"
+
+    def redis_url_of(self, user: str) -> str:
+        """Redis as one ACL user, without its password (that travels in the env)."""
+        assert self.redis is not None
+        who = f"{user}@" if self.creds is not None else ""
+        return f"redis://{who}127.0.0.1:{self.redis.port}/0"
+
+    def bus_auth(self, role: Role = Role.ADMIN, tenant: str | None = None) -> BusAuth:
+        """A role's NATS credential, for connections from this process."""
+        if self.creds is None:
+            return OPEN
+        return BusAuth(self.creds.seed(role, tenant), inbox_prefix(role, tenant))
+
+    async def connect(
+        self, role: Role = Role.ADMIN, tenant: str | None = None, name: str = "fleet-client"
+    ) -> Client:
+        """A NATS connection as ``role`` (a service: of ``tenant``)."""
+        return await connect(self.nats_url, name, self.bus_auth(role, tenant))
+
+    def _env(self, role: Role, redis_user: str | None = None) -> dict[str, str]:
+        """A child's credentials, as files named in its environment."""
+        if self.creds is None:
+            return {}
+        env = self.creds.nats_env(role)
+        if redis_user is not None:
+            env.update(self.creds.redis_env(redis_user))
+        return env
+
+    @property
+    def _bus_flags(self) -> list[str]:
+        return ["--insecure"] if self.creds is None else []
 
     @property
     def sim_url(self) -> str:
@@ -168,14 +231,21 @@ class Fleet:
 
     def start(self) -> Fleet:
         try:
+            if not self.spec.insecure:
+                tenants = tuple(dict.fromkeys((self.spec.tenant, *self.spec.service_tenants)))
+                self.creds = generate(self.workdir / "creds", tenants)
+            conf = self.creds.nats_conf if self.creds is not None else None
+            acl = self.creds.redis_acl if self.creds is not None else None
             if self.spec.nats_nodes > 1:
-                self.nats_nodes = start_nats_cluster(self.workdir / "nats", self.spec.nats_nodes)
+                self.nats_nodes = start_nats_cluster(
+                    self.workdir / "nats", self.spec.nats_nodes, auth_conf=conf
+                )
                 self.nats = self.nats_nodes[0]
-                run_sync(wait_jetstream(self.nats_url, 30.0))
+                run_sync(wait_jetstream(self.nats_url, 30.0, self.bus_auth()))
             else:
-                self.nats_nodes = [start_nats(self.workdir / "nats")]
+                self.nats_nodes = [start_nats(self.workdir / "nats", auth_conf=conf)]
                 self.nats = self.nats_nodes[0]
-            self.redis = start_redis(self.workdir / "redis")
+            self.redis = start_redis(self.workdir / "redis", acl=acl)
             if self.spec.engine_url is None and not self.spec.engine_per_worker:
                 self.start_sim()
             for _ in range(self.spec.gateways):
@@ -220,30 +290,37 @@ class Fleet:
         n = len(self.gateways)
         port = (self.spec.gateway_port if n == 0 else 0) or free_port()
         admin_port = free_port()
+        metrics_port = free_port()
         gw = self._spawn(
             f"gateway{n}",
             "gateway",
             "--nats",
             self.nats_url,
             "--redis",
-            self.redis_url,
+            self.redis_url_of("gateway"),
             "--port",
             str(port),
             "--admin-port",
             str(admin_port),
+            "--metrics-port",
+            str(metrics_port),
             "--models",
             self.spec.model,
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
+            *self._bus_flags,
             *self.spec.gateway_args,
-            env={"JETSERVE_ADMIN_TOKEN": self.admin_token},
+            env={**self.secret_env, **self._env(Role.GATEWAY, "gateway")},
         )
         self.gateways.append(gw)
         self.gateway_ports.append(port)
         self.admin_ports.append(admin_port)
+        self.gateway_metrics_ports.append(metrics_port)
+        self.gateway_metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
         self._wait_ready(gw, port)
+        wait_port(metrics_port, 10.0, gw.proc)  # its own listener starts alongside
         return gw
 
     def _wait_ready(self, gw: Proc, port: int, timeout: float = 30.0) -> None:
@@ -287,8 +364,10 @@ class Fleet:
             str(metrics_port),
             *self._replica_args,
             *self._span_args(f"worker{n}"),
+            *self._bus_flags,
             *self.spec.worker_args,
             *extra,
+            env=self._env(Role.WORKER),
         )
         self.workers.append(worker)
         if wait:
@@ -304,13 +383,15 @@ class Fleet:
             "--nats",
             self.nats_url,
             "--redis",
-            self.redis_url,
+            self.redis_url_of("agent"),
             "--demo-tools",
             "--executor-id",
             f"agent{n}-{int(time.time() * 1000) % 100000}",
             *self._replica_args,
+            *self._bus_flags,
             *self.spec.agent_args,
             *extra,
+            env=self._env(Role.AGENT, "agent"),
         )
         self.agents.append(agent)
         if wait:
@@ -320,13 +401,19 @@ class Fleet:
     def wait_agents(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the step consumer: executors are live."""
         agent = DEFAULT_AGENT
-        if not run_sync(pulling(self.nats_url, agent.stream, agent.step_consumer, n, timeout)):
+        probe = pulling(
+            self.nats_url, agent.stream, agent.step_consumer, n, timeout, self.bus_auth()
+        )
+        if not run_sync(probe):
             raise ServiceError(f"{n} executors not pulling after {timeout}s; see {self.workdir}")
 
     def wait_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the interactive consumer: workers are live."""
         consumer = DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE)
-        if not run_sync(pulling(self.nats_url, DEFAULT_TOPOLOGY.stream, consumer, n, timeout)):
+        probe = pulling(
+            self.nats_url, DEFAULT_TOPOLOGY.stream, consumer, n, timeout, self.bus_auth()
+        )
+        if not run_sync(probe):
             raise ServiceError(f"{n} workers not pulling after {timeout}s; see {self.workdir}")
 
     def _span_args(self, name: str) -> list[str]:
@@ -337,6 +424,11 @@ class Fleet:
     @property
     def _replica_args(self) -> list[str]:
         return ["--replicas", "3"] if self.spec.nats_nodes >= 3 else []
+
+    def violations(self) -> list[str]:
+        """Every permission violation the bus logged: a role that tried what its
+        credential does not allow (a missing grant, or an attack)."""
+        return [line for node in self.nats_nodes for line in node.violations()]
 
     def stop(self) -> None:
         # Executors and workers first (they drain), then the gateway, then the

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import nats.errors
 
-from streams.connect import connect
+from streams.connect import OPEN, BusAuth, connect
 
 T = TypeVar("T")
 
@@ -25,10 +25,12 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coro).result()
 
 
-async def pulling(nats_url: str, stream: str, consumer: str, n: int, limit_s: float) -> bool:
+async def pulling(
+    nats_url: str, stream: str, consumer: str, n: int, limit_s: float, auth: BusAuth = OPEN
+) -> bool:
     """Whether ``n`` pull requests wait on ``consumer`` (that many members are
     live) within ``limit_s``."""
-    nc = await connect(nats_url, "fleet-probe")
+    nc = await connect(nats_url, "fleet-probe", auth)
     try:
         js = nc.jetstream()
         end = time.monotonic() + limit_s
@@ -44,9 +46,9 @@ async def pulling(nats_url: str, stream: str, consumer: str, n: int, limit_s: fl
         await nc.close()
 
 
-async def wait_jetstream(nats_url: str, limit_s: float) -> None:
+async def wait_jetstream(nats_url: str, limit_s: float, auth: BusAuth = OPEN) -> None:
     """A new cluster elects its JetStream meta leader first: wait for it."""
-    nc = await connect(nats_url, "fleet-probe")
+    nc = await connect(nats_url, "fleet-probe", auth)
     try:
         js = nc.jetstream()
         end = time.monotonic() + limit_s

@@ -33,6 +33,7 @@ import nats
 import nats.errors
 from nats.js.errors import NotFoundError
 
+from streams.connect import OPEN, BusAuth
 from streams.definitions import Topology
 
 HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance
@@ -172,7 +173,9 @@ def policies(args: argparse.Namespace, classes: tuple[str, ...]) -> dict[str, Po
 # -- reading the lag -------------------------------------------------------------
 
 
-async def lags_from_nats(url: str, topo: Topology, classes: tuple[str, ...]) -> list[Lag]:
+async def lags_from_nats(
+    url: str, topo: Topology, classes: tuple[str, ...], auth: BusAuth = OPEN
+) -> list[Lag]:
     """The consumers' state through the JetStream API (the numbers /jsz shows)."""
 
     async def quiet(_: Exception) -> None:
@@ -188,6 +191,8 @@ async def lags_from_nats(url: str, topo: Topology, classes: tuple[str, ...]) -> 
             max_reconnect_attempts=1,
             reconnect_time_wait=0.2,
             error_cb=quiet,
+            inbox_prefix=auth.inbox,
+            **({"nkeys_seed_str": auth.seed} if auth.seed is not None else {}),
         )
     except (nats.errors.Error, OSError) as exc:
         raise ScaleError(f"cannot connect to NATS at {url}: {exc}") from exc

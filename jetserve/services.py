@@ -15,6 +15,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from streams.auth import Role, inbox_prefix
+from streams.connect import OPEN, BusAuth
+
+if TYPE_CHECKING:
+    from jetserve.credentials import Credentials
 
 
 class ServiceError(RuntimeError):
@@ -67,6 +74,28 @@ class Service:
     workdir: Path
     args: list[str] = field(default_factory=list)
     log_path: Path | None = None
+    # The credentials it was started with (jetserve/credentials.py); None: open.
+    creds: Credentials | None = None
+
+    def bus_auth(self, role: Role = Role.ADMIN, tenant: str | None = None) -> BusAuth:
+        """A role's NATS credential for this server (OPEN if it runs without)."""
+        if self.creds is None:
+            return OPEN
+        return BusAuth(self.creds.seed(role, tenant), inbox_prefix(role, tenant))
+
+    def redis_url(self, user: str = "admin") -> str:
+        """This Redis as one ACL user, password included (for this process only)."""
+        if self.creds is None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{user}:{self.creds.redis_password(user)}@127.0.0.1:{self.port}/0"
+
+    def violations(self) -> list[str]:
+        """The permission violations a nats-server logged (what a role tried and
+        was refused): a missing grant shows up here first."""
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line for line in lines if "Violation" in line]
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:
@@ -102,8 +131,11 @@ def start_nats(
     workdir: Path | None = None,
     port: int | None = None,
     cluster: list[str] | None = None,
+    auth_conf: Path | None = None,
 ) -> Service:
-    """One nats-server with JetStream; ``cluster`` = extra flags joining a cluster."""
+    """One nats-server with JetStream; ``cluster`` = extra flags joining a cluster;
+    ``auth_conf`` = its ``authorization`` block (jetserve/credentials.py); without
+    it the bus is open to anyone who reaches the port."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-nats-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -116,6 +148,7 @@ def start_nats(
         str(port),
         "-sd",
         str(workdir / "js"),
+        *(["-c", str(auth_conf)] if auth_conf is not None else []),
         *(cluster or []),
     ]
     log_path = workdir / "nats.log"
@@ -124,7 +157,11 @@ def start_nats(
     return Service("nats", port, proc, workdir, args, log_path)
 
 
-def start_redis(workdir: Path | None = None, port: int | None = None) -> Service:
+def start_redis(
+    workdir: Path | None = None, port: int | None = None, acl: Path | None = None
+) -> Service:
+    """One redis-server; ``acl`` = its ACL file (one user per role, the default
+    user off); without it anyone who reaches the port reads every key."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-redis-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -144,6 +181,7 @@ def start_redis(workdir: Path | None = None, port: int | None = None) -> Service
         str(workdir),
         "--protected-mode",
         "yes",
+        *(["--aclfile", str(acl)] if acl is not None else []),
     ]
     log_path = workdir / "redis.log"
     proc = _spawn(args, log_path)
@@ -161,7 +199,9 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_nats_cluster(workdir: Path, size: int = 3) -> list[Service]:
+def start_nats_cluster(
+    workdir: Path, size: int = 3, auth_conf: Path | None = None
+) -> list[Service]:
     """A JetStream cluster of ``size`` nodes on loopback (R3 streams need 3)."""
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
@@ -178,5 +218,5 @@ def start_nats_cluster(workdir: Path, size: int = 3) -> list[Service]:
             "--routes",
             route_urls,
         ]
-        nodes.append(start_nats(workdir / f"n{i}", ports[i], flags))
+        nodes.append(start_nats(workdir / f"n{i}", ports[i], flags, auth_conf))
     return nodes

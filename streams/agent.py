@@ -198,6 +198,9 @@ class Run(msgspec.Struct, frozen=True, kw_only=True, tag="run"):
     children: tuple[str, ...] = ()
     model_call: ModelCall | None = None
     pending_approval: PendingApproval | None = None
+    # Every decision on this run's gated calls, with the key that made it (the
+    # audit trail; the store's create-only decision is what the executor obeys).
+    approvals: tuple[ApprovalDecision, ...] = ()
     pending_child: PendingChild | None = None
     ambiguous_key: str = ""  # the effect whose outcome nobody can tell
     traceparent: str = ""
@@ -262,6 +265,7 @@ class ApprovalDecision(msgspec.Struct, frozen=True, kw_only=True, tag="approval"
     reason: str = ""
     at: float = 0.0
     key_id: str = ""  # the API key that decided
+    step: int = 0  # the run's step of the call (models reuse call ids across steps)
 
 
 class CancelRequest(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):

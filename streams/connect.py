@@ -1,16 +1,79 @@
-"""NATS connection helper shared by every process."""
+"""NATS connection helper shared by every process, and its credential.
+
+A process connects as one role (streams/auth.py) with that role's nkey seed,
+from ``$JETSERVE_NATS_SEED`` or the file named by ``$JETSERVE_NATS_SEED_FILE``
+(never a flag: ``ps`` shows flags). Without one it refuses to start, unless
+told ``insecure``: then it connects without a credential and says so loudly.
+"""
 
 from __future__ import annotations
 
 import logging
+import ssl
+from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client
 
+from streams.auth import Role, inbox_prefix
+from streams.errors import CredentialError
+from streams.secrets import read_secret
+
 log = logging.getLogger(__name__)
 
+SEED_ENV = "JETSERVE_NATS_SEED"
 
-async def connect(url: str, name: str) -> Client:
+
+@dataclass(frozen=True)
+class BusAuth:
+    """How one process authenticates to NATS: its role's nkey seed (None only on
+    an insecure bus), its inbox prefix, and optional TLS files."""
+
+    seed: str | None
+    inbox: str
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_env(
+        cls,
+        role: Role,
+        *,
+        tenant: str | None = None,
+        insecure: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> BusAuth:
+        seed = read_secret(SEED_ENV)
+        if seed is None and not insecure:
+            raise CredentialError(
+                f"no NATS credential for the {role.value} role: set {SEED_ENV}_FILE "
+                f"(or {SEED_ENV}) to its nkey seed (jetserve credentials), "
+                "or pass --insecure for an open development bus"
+            )
+        if seed is None:
+            log.warning(
+                "INSECURE: the %s connects to NATS without a credential; whoever reaches "
+                "NATS can read every tenant's completions and skip keys and budgets",
+                role.value,
+            )
+        return cls(seed, inbox_prefix(role, tenant), tls_ca, tls_cert, tls_key)
+
+    def tls(self) -> ssl.SSLContext | None:
+        if self.tls_ca is None and self.tls_cert is None:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert is not None:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+
+OPEN = BusAuth(None, "_INBOX")  # an insecure bus, for code paths that say so
+
+
+async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
     async def on_error(exc: Exception) -> None:
         log.warning("nats %s: %s", name, exc)
 
@@ -23,6 +86,7 @@ async def connect(url: str, name: str) -> Client:
 
     # A comma-separated list names the nodes of a cluster; any one will do.
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    tls = auth.tls()
     return await nats.connect(
         servers,
         name=name,
@@ -31,4 +95,7 @@ async def connect(url: str, name: str) -> Client:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        inbox_prefix=auth.inbox,
+        **({"nkeys_seed_str": auth.seed} if auth.seed is not None else {}),
+        **({"tls": tls} if tls is not None else {}),
     )

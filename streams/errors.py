@@ -18,6 +18,8 @@ The kernel's own, defined below:
 
 JetserveError                  base: ``code`` and ``retryable`` travel with it
 ├── ProvisioningError          a stream/consumer could not be created or updated
+├── SecretError                a secret's file is named but unreadable or empty
+├── CredentialError            a process has no bus credential (and was not told --insecure)
 ├── PublishError               a request could not be enqueued
 │   ├── QueueFullError         the work-queue stream is full (retryable, -> 429)
 │   ├── RequestTooLargeError   the request exceeds the bus's message size
@@ -54,6 +56,14 @@ class JetserveError(Exception):
 
 class ProvisioningError(JetserveError):
     code = "provisioning_failed"
+
+
+class SecretError(JetserveError):
+    code = "secret_unreadable"
+
+
+class CredentialError(JetserveError):
+    code = "credential_missing"
 
 
 class PublishError(JetserveError):

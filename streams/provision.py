@@ -1,8 +1,11 @@
-"""Idempotent provisioning: every process calls ``ensure_topology`` at start-up;
-the first creates, the rest find what they need (or update it in place)."""
+"""Idempotent provisioning: the gateway (and the admin role) call ``ensure_topology``
+at start-up; the first creates, the rest find what they need (or update it in
+place). Workers and executors may not change the request path's streams (their
+NATS credentials forbid it): they ``await_topology`` until it is there."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -76,3 +79,29 @@ async def ensure_raw_consumer(js: JetStreamContext, stream: str, config: dict[st
     answer = json.loads(reply.data)
     if "error" in answer:
         raise ProvisioningError(f"cannot create consumer {name}: {answer['error']}")
+
+
+async def await_topology(
+    js: JetStreamContext,
+    topo: Topology = DEFAULT_TOPOLOGY,
+    within_s: float = 120.0,
+    consumers: bool = True,
+) -> None:
+    """Until the work-queue stream (and with ``consumers`` every class consumer)
+    exists (a gateway provisions them); a ProvisioningError after ``within_s``."""
+    names = [n for cls in topo.classes for n in topo.consumer_names(cls)] if consumers else []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while True:
+        try:
+            await js.stream_info(topo.stream)
+            for name in names:
+                await js.consumer_info(topo.stream, name)
+            return
+        except (NotFoundError, nats.errors.Error, TimeoutError) as exc:
+            if loop.time() > end:
+                raise ProvisioningError(
+                    f"{topo.stream} or its consumers missing after {within_s:g}s "
+                    f"(is a gateway running?): {exc}"
+                ) from exc
+            await asyncio.sleep(0.5)

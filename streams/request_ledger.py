@@ -69,6 +69,8 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     worker: str = ""  # the worker (replica) that served it
     hedged: bool = False  # a second copy raced this request (one extra attempt)
     coalesced_with: str = ""  # followed this request's execution (gateway/inference/coalesce.py)
+    # Agent runs: the keys that approved the tree's gated tool calls, in order.
+    approved_by: tuple[str, ...] = ()
 
 
 _encoder = msgspec.json.Encoder()

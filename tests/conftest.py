@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from jetserve.credentials import generate
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import Service, start_nats, start_redis
+from tests.refusals import assert_no_refusals
 
 _VLLM_DESELECTED = pytest.StashKey[int]()
 
@@ -39,28 +42,37 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture
-def nats_server() -> Iterator[Service]:
-    svc = start_nats()
+def nats_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Service]:
+    """A nats-server with the generated authorization (every role, tenant "demo"):
+    connect with ``nats_server.bus_auth(role)``."""
+    creds = generate(tmp_path / "nats-creds", ("demo",))
+    svc = start_nats(auth_conf=creds.nats_conf)
+    svc.creds = creds
     yield svc
     svc.stop()
+    assert_no_refusals(request, svc.violations())
 
 
 @pytest.fixture
-def redis_server() -> Iterator[Service]:
-    svc = start_redis()
+def redis_server(tmp_path: Path) -> Iterator[Service]:
+    """A redis-server with one ACL user per role: ``redis_server.redis_url(user)``."""
+    creds = generate(tmp_path / "redis-creds")
+    svc = start_redis(acl=creds.redis_acl)
+    svc.creds = creds
     yield svc
     svc.stop()
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     """One fleet shared by a module's read-only tests: fast simulator, 2 workers."""
     with Fleet(FleetSpec(workers=2, profile="fast")) as f:
         yield f
+    assert_no_refusals(request, f.violations())
 
 
 @pytest.fixture
-def make_fleet() -> Iterator[Callable[..., Fleet]]:
+def make_fleet(request: pytest.FixtureRequest) -> Iterator[Callable[..., Fleet]]:
     """Fleets a test may break (kill workers, stop services): torn down after it."""
     made: list[Fleet] = []
 
@@ -72,3 +84,4 @@ def make_fleet() -> Iterator[Callable[..., Fleet]]:
     yield make
     for f in made:
         f.stop()
+    assert_no_refusals(request, [line for f in made for line in f.violations()])

@@ -43,8 +43,10 @@ class NewTenant(msgspec.Struct):
 class NewKey(msgspec.Struct):
     tenant: str
     name: str = ""
+    # ``scopes.actions``: "inference" (the default) and/or "approve".
     scopes: Scopes = Scopes()
-    # An operator-chosen key (demos, migrations); by default one is generated.
+    # An operator-chosen key (demos, migrations), at least MIN_KEY_CHARS long;
+    # by default one is generated.
     api_key: str | None = None
 
 
@@ -142,8 +144,7 @@ async def show_tenant(request: Request) -> Response:
 
 async def create_key(request: Request) -> Response:
     body = _decode(await request.body(), NewKey)
-    if body.api_key is not None and len(body.api_key) < 6:
-        raise BadRequest("api_key must be at least 6 characters.", param="api_key")
+    # Tenancy.create_key refuses a chosen key under MIN_KEY_CHARS and unknown actions.
     key, record = await _tenancy(request).create_key(
         body.tenant, name=body.name, scopes=body.scopes, plaintext=body.api_key
     )

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -42,6 +42,9 @@ from gateway.tenancy.keys import KeyRecord, Tenancy
 from gateway.tenancy.request_ledger import LedgerWriter
 from gateway.tracing import Span, Tracer
 from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token
+
+# An ingress's check of the authenticated caller against the parsed request.
+Gate = Callable[[KeyRecord, Parsed], None]
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +85,17 @@ class InferenceService:
         return list(dict.fromkeys([*self.cfg.models, *routed, *self.cfg.embedding_models]))
 
     # -- admission ---------------------------------------------------------------
-    async def admit(self, op: Op, raw: bytes, headers: Mapping[str, str]) -> Admitted | Replayed:
+    async def admit(
+        self, op: Op, raw: bytes, headers: Mapping[str, str], gate: Gate | None = None
+    ) -> Admitted | Replayed:
+        """Authenticate, parse, reserve and enqueue. ``gate`` (an ingress's own
+        check of the caller against the request) runs after authentication and
+        parsing and before anything is charged or queued."""
         try:
             key = await self.tenancy.authenticate(headers.get("authorization"))
             parsed, body = parse_body(raw, KINDS[op])
+            if gate is not None:
+                gate(key, parsed)
             idem = headers.get(IDEM_HEADER)
             if idem is not None and getattr(parsed, "stream", False):
                 raise BadRequest(

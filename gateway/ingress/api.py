@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import nats.errors
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -143,9 +141,3 @@ async def readyz(request: Request) -> Response:
     checks: dict[str, bool] = await request.app.state.readiness()
     ok = all(checks.values())
     return json_response({"ready": ok, "checks": checks}, 200 if ok else 503)
-
-
-async def metrics(request: Request) -> Response:
-    await request.app.state.refresh_queue_depth()
-    gw = gateway_of(request)
-    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route, WebSocketRoute
@@ -12,7 +14,11 @@ from gateway.ingress import api as http
 from gateway.ingress import openapi, playground
 from gateway.ingress import runs_http as runs
 from gateway.ingress.ws import websocket_endpoint
+from gateway.ingress.ws_auth import issue_ticket
 from gateway.runtime import Runtime
+from gateway.tenancy.tickets import TicketStore
+
+log = logging.getLogger(__name__)
 
 
 def create_app(rt: Runtime) -> Starlette:
@@ -30,9 +36,9 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/v1/runs/{run_id}/cancel", runs.cancel_run, methods=["POST"]),
         Route("/healthz", http.healthz, methods=["GET"]),
         Route("/readyz", http.readyz, methods=["GET"]),
-        Route("/metrics", http.metrics, methods=["GET"]),
         Route("/playground", playground.page, methods=["GET"]),
         Route("/openapi.json", openapi.spec, methods=["GET"]),
+        Route("/v1/ws/tickets", issue_ticket, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
     ]
     app = Starlette(
@@ -41,7 +47,12 @@ def create_app(rt: Runtime) -> Starlette:
     )
     app.state.gateway = rt.gateway
     app.state.readiness = rt.readiness
-    app.state.refresh_queue_depth = rt.refresh_queue_depth
     app.state.ledger_reader = rt.ledger_reader
     app.state.runs = rt.runs
+    app.state.tickets = TicketStore(rt.redis, rt.cfg.ws_ticket_ttl_s)
+    if rt.cfg.ws_allow_query_key:
+        log.warning(
+            "--ws-allow-query-key: WebSocket clients may send their API key in the URL "
+            "(?api_key=), where proxies and browser history keep it; prefer tickets"
+        )
     return app

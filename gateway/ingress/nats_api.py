@@ -7,6 +7,11 @@ Non-streaming: the reply is the OpenAI response JSON. Streaming (``"stream":
 true``): each OpenAI chunk is published to the subject named in header
 ``Jetserve-Stream-To``, then the reply carries ``{"done": true, "id": <request id>}``.
 Errors: the reply is OpenAI error JSON with header ``Jetserve-Status``.
+
+The reply subject and ``Jetserve-Stream-To`` must be inboxes of the caller's own
+tenant (gateway/ingress/nats_targets.py), checked before anything is charged or
+queued: a request without such a reply subject is dropped unanswered (there is
+nowhere safe to answer), a foreign ``Jetserve-Stream-To`` gets a 403 error reply.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from gateway.errors import BadRequest, GatewayError
-from gateway.inference.service import InferenceService
+from gateway.inference.openai_types import Parsed
+from gateway.inference.service import Gate, InferenceService
 from gateway.inference.sessions import Replayed
+from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
 from gateway.ingress.sse import client_events
+from gateway.tenancy.keys import KeyRecord
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
 from streams.wire import Op
 
@@ -62,6 +70,10 @@ class NatsIngress:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _dropped(self, msg: Msg, why: str) -> None:
+        self._gw.metrics.rejected.labels(NotOwnInbox.code).inc()
+        log.warning("nats ingress: dropped a request on %s: %s", msg.subject, why)
+
     async def _reply(self, msg: Msg, body: Any, status: int = 200) -> None:
         if msg.reply:
             await self._nc.publish(msg.reply, _encoder.encode(body), headers={STATUS: str(status)})
@@ -69,8 +81,18 @@ class NatsIngress:
     async def _serve(self, msg: Msg) -> None:
         headers = {k.lower(): v for k, v in (msg.headers or {}).items()}
         op = _OPS[msg.subject]
+        if inbox_tenant(msg.reply) is None:
+            self._dropped(msg, "reply subject is not a tenant inbox")
+            return
+        stream_to = headers.get(STREAM_TO.lower())
         try:
-            adm = await self._gw.admit(op, msg.data, headers)
+            adm = await self._gw.admit(op, msg.data, headers, _gate(msg.reply, stream_to))
+        except NotOwnInbox as exc:
+            if exc.param == "reply":  # the reply inbox is another tenant's: answer nobody
+                self._dropped(msg, "reply subject is another tenant's inbox")
+            else:
+                await self._reply(msg, exc.body(), exc.status)
+            return
         except GatewayError as exc:
             await self._reply(msg, exc.body(), exc.status)
             return
@@ -84,12 +106,7 @@ class NatsIngress:
                 await self._gw.complete(adm, body)
                 await self._reply(msg, body)
                 return
-            stream_to = headers.get(STREAM_TO.lower())
-            if not stream_to:
-                await self._gw.abandon(adm, "no_stream_subject")
-                bad = BadRequest(f"Streaming over NATS needs a '{STREAM_TO}' header.")
-                await self._reply(msg, bad.body(), bad.status)
-                return
+            assert stream_to is not None  # the gate refused a stream without one
             async for kind, payload, status, _ in client_events(self._gw, adm, None):
                 if kind == "chunk":
                     await self._nc.publish(stream_to, _encoder.encode(payload))
@@ -101,3 +118,20 @@ class NatsIngress:
         except GatewayError as exc:
             await self._gw.fail(adm, exc)
             await self._reply(msg, exc.body(), exc.status)
+
+
+def _gate(reply: str, stream_to: str | None) -> Gate:
+    """The caller's targets against its key, before admission."""
+
+    def gate(key: KeyRecord, parsed: Parsed) -> None:
+        try:
+            check_target(reply, key.tenant, "The reply subject")
+        except NotOwnInbox as exc:
+            exc.param = "reply"
+            raise
+        if stream_to is not None:
+            check_target(stream_to, key.tenant, f"'{STREAM_TO}'")
+        elif getattr(parsed, "stream", False):
+            raise BadRequest(f"Streaming over NATS needs a '{STREAM_TO}' header.")
+
+    return gate

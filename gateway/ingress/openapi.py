@@ -144,14 +144,15 @@ def build_spec(
     paths: dict[str, Schema] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = op.render()
-    return {
+    document = {
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "jetserve",
             "version": API_VERSION,
             "description": "An OpenAI-compatible LLM gateway on NATS JetStream. Errors use "
-            "OpenAI's shape. The WebSocket bridge (`/v1/ws`) and the admin API (its own "
-            "port) are not described here.",
+            "OpenAI's shape. The WebSocket bridge (`/v1/ws`; browsers authenticate it with "
+            "a ticket from `POST /v1/ws/tickets`) and the admin API (its own port) are not "
+            "described here.",
         },
         "security": [{"bearer": []}],
         "paths": paths,
@@ -171,6 +172,9 @@ def build_spec(
             "schemas": dict(sorted(schemas.items())),
         },
     }
+    # As JSON has it (a tuple default is a list): the document equals what is served.
+    plain: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(document))
+    return plain
 
 
 @functools.lru_cache(maxsize=8)

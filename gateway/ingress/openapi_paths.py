@@ -28,7 +28,16 @@ ERROR_RESPONSES: dict[int, tuple[str, str]] = {
     403: ("Forbidden", "The key's scopes do not allow this model, class, tool or data class."),
     404: ("NotFound", "Unknown model (`model_not_found`), stream or path."),
     408: ("ClientTooSlow", "The client read too slowly (`client_too_slow`)."),
-    413: ("RequestTooLarge", "The request exceeds the bus's message size (`request_too_large`)."),
+    413: (
+        "RequestTooLarge",
+        "The body is over the gateway's cap (`--max-body-bytes`, 4 MiB by default; the "
+        "connection is closed) or the bus's message size (`request_too_large`).",
+    ),
+    431: (
+        "HeadersTooLarge",
+        "Over 100 request headers, or over 64 KiB of request line and headers, by default "
+        "(`request_headers_too_large`; the connection is closed).",
+    ),
     429: (
         "RateLimited",
         "Rate limited or queue full (`rate_limit_exceeded`, `queue_full`, "
@@ -169,7 +178,7 @@ _COMMITTED = (
     "(logged as 499) and the request is cancelled upstream."
 )
 _INFERENCE_PARAMS = ("Timeout", "DataClass", "IdempotencyKey", "Traceparent", "Tracestate")
-_INFERENCE_ERRORS = (400, 401, 403, 404, 408, 413, 429, 502, 503, 504)
+_INFERENCE_ERRORS = (400, 401, 403, 404, 408, 413, 429, 431, 502, 503, 504)
 _INFERENCE_HEADERS: Schema = {
     "X-Request-Id": _REQUEST_ID_HEADER,
     "Idempotent-Replayed": _REPLAYED_HEADER,
@@ -324,6 +333,25 @@ OPERATIONS: tuple[Operation, ...] = (
         errors=(401, 503),
     ),
     Operation(
+        path="/v1/ws/tickets",
+        method="post",
+        id="createWsTicket",
+        summary="A single-use ticket that opens the WebSocket bridge (`/v1/ws`) as this key.",
+        description="For browsers, which cannot set headers on a WebSocket: the ticket "
+        "is valid once, for `expires_in` seconds (30), and keeps the API key out of URLs. "
+        "Send it as `?ticket=` or as the subprotocol `jetserve.bearer.<ticket>` offered "
+        "with `jetserve.v1` (the server answers `jetserve.v1`). An unknown, expired or "
+        "used ticket refuses the upgrade with 401 `invalid_ticket`.",
+        ok={
+            "200": _response(
+                "The ticket.",
+                {"application/json": ref("WsTicket")},
+                {"Cache-Control": {"schema": {"type": "string", "enum": ["no-store"]}}},
+            )
+        },
+        errors=(401, 503),
+    ),
+    Operation(
         path="/v1/ledger",
         method="get",
         id="getLedger",
@@ -371,12 +399,6 @@ OPERATIONS: tuple[Operation, ...] = (
             status: _response(text, {"application/json": ref("Readiness")})
             for status, text in (("200", "Ready."), ("503", "Not ready: see `checks`."))
         },
-    ),
-    _public(
-        "/metrics",
-        "metrics",
-        "Prometheus metrics (text exposition format).",
-        {"200": _response("The metrics.", {"text/plain": {"type": "string"}})},
     ),
     _public(
         "/openapi.json",

@@ -165,6 +165,18 @@ class ModelList(msgspec.Struct, frozen=True):
     data: list[Model]
 
 
+class WsTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ticket: Annotated[
+        str,
+        Meta(
+            pattern="^wst-[A-Za-z0-9_-]{43}$",
+            description="Present it once on `/v1/ws`: `?ticket=` or the subprotocol "
+            "`jetserve.bearer.<ticket>` (offered with `jetserve.v1`).",
+        ),
+    ]
+    expires_in: Annotated[int, Meta(ge=1, description="Seconds it stays valid.")]
+
+
 class Health(msgspec.Struct, frozen=True):
     status: Literal["ok"]
 
@@ -185,6 +197,7 @@ RESPONSE_TYPES: tuple[type[msgspec.Struct], ...] = (
     CompletionChunk,
     Embeddings,
     ModelList,
+    WsTicket,
     Health,
     Readiness,
 )

@@ -6,6 +6,9 @@ and its event stream as SSE.
     GET  /v1/runs/{id}/events                 SSE, resumable with Last-Event-ID
     POST /v1/runs/{id}/approvals/{call_id}    {"approve": true|false, "reason": "..."}
     POST /v1/runs/{id}/cancel                 cancel the run and all its descendants
+
+Deciding needs a key with the ``approve`` scope that did not create the run
+(``RunsService.decide``); a refusal is a 403 in OpenAI error JSON.
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ Subjects (queue group shared by every gateway replica), header
     jetserve.api.runs.create    the POST /v1/runs body (header Idempotency-Key too)
     jetserve.api.runs.get       {"run_id": ...}
     jetserve.api.runs.approve   {"run_id": ..., "call_id": ..., "approve": bool, "reason": ...}
+                                (a key with the approve scope, not the run's creator: else 403)
     jetserve.api.runs.cancel    {"run_id": ...}
 
 The reply is the run (as ``GET /v1/runs/{id}`` shows it) or the decision, with
-header ``Jetserve-Status``; an error is OpenAI error JSON with its status.
+header ``Jetserve-Status``; an error is OpenAI error JSON with its status. The
+reply subject must be an inbox of the key's own tenant (nats_targets.py), or the
+request is dropped unanswered.
 Events: subscribe to ``jetserve.run.<tenant>.<run id>`` (or read the
 ``JETSERVE_RUN_EVENTS`` stream from any sequence).
 """
@@ -17,6 +20,7 @@ Events: subscribe to ``jetserve.run.<tenant>.<run id>`` (or read the
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
@@ -26,10 +30,12 @@ from nats.aio.subscription import Subscription
 
 from gateway.errors import BadRequest, GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
+from gateway.ingress.nats_targets import inbox_tenant
 from gateway.runs.service import RunsService
 from gateway.runs.views import view
 from streams.subjects import INGRESS_RUNS
 
+log = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
 OPS = ("create", "get", "approve", "cancel")
 
@@ -73,12 +79,19 @@ class RunsNatsIngress:
         headers = {k.lower(): v for k, v in (msg.headers or {}).items()}
         auth = headers.get("authorization")
         op = msg.subject.rsplit(".", 1)[-1]
+        reply = msg.reply
+        if inbox_tenant(reply) is None:  # nowhere safe to answer (nats_targets.py)
+            log.warning("runs ingress: dropped a request on %s: no tenant inbox", msg.subject)
+            return
         try:
+            key = await self._runs.gw.tenancy.authenticate(auth)
+            if inbox_tenant(reply) != key.tenant:
+                log.warning("runs ingress: dropped a request: reply to another tenant's inbox")
+                return
             status, body = await self._op(op, auth, msg.data, headers)
         except GatewayError as exc:
             status, body = exc.status, exc.body()
-        if msg.reply:
-            await self._nc.publish(msg.reply, _encoder.encode(body), headers={STATUS: str(status)})
+        await self._nc.publish(reply, _encoder.encode(body), headers={STATUS: str(status)})
 
     async def _op(
         self, op: str, auth: str | None, data: bytes, headers: dict[str, str]

@@ -3,9 +3,21 @@
 Client -> server: ``{"type": "request", "id": "c1", "op": "chat", "body": {...}}``,
 ``{"type": "cancel", "id": "c1"}``. Server -> client: ``{"type": "chunk", "id", "data"}``,
 ``{"type": "response", "id", "data"}`` (non-streaming), ``{"type": "done", "id"}``,
-``{"type": "error", "id", "status", "error": {...}}``. Auth: ``Authorization``
-header on the upgrade, or ``?api_key=`` for browsers that cannot set headers.
-Closing the socket cancels every request it still has in flight.
+``{"type": "error", "id", "status", "error": {...}}``.
+
+Auth (:mod:`gateway.ingress.ws_auth`), decided before the upgrade is accepted: an
+``Authorization`` header; for browsers a single-use ticket from
+``POST /v1/ws/tickets``, as ``?ticket=`` or in the subprotocol
+``jetserve.bearer.<ticket>`` offered with ``jetserve.v1`` (the accept names
+``jetserve.v1``); ``?api_key=`` only with ``--ws-allow-query-key``. A refused upgrade
+gets an HTTP status (401, 503) and an OpenAI error body, never an open socket.
+
+Limits: a message over ``--ws-max-message-bytes`` (1 MiB) closes the socket with
+1009 (the protocol enforces it before the app sees a byte); past
+``--ws-max-inflight`` (16) requests in flight, a new one gets an error frame with
+status 429 and the socket stays open; ``--ws-idle-timeout`` (300 s) without a frame
+and with nothing in flight closes it with 1000. Closing the socket cancels every
+request it still has in flight.
 """
 
 from __future__ import annotations
@@ -16,12 +28,16 @@ import functools
 from typing import Any, Literal
 
 import msgspec
+from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.errors import BadRequest, GatewayError
+from gateway.config import GatewayConfig
+from gateway.errors import BadRequest, GatewayError, RateLimited
 from gateway.inference.service import InferenceService
 from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.sse import client_events
+from gateway.ingress.ws_auth import authenticate_socket
+from gateway.web import refuse
 from streams.wire import Op
 
 
@@ -48,6 +64,8 @@ class _Connection:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.admitted: dict[str, Admitted] = {}
         self._send_lock = asyncio.Lock()
+        self._loop = asyncio.get_running_loop()
+        self._last_active = self._loop.time()  # the last frame in, or request finished
 
     async def send(self, kind: Kind, rid: str, **fields: Any) -> None:
         async with self._send_lock:
@@ -99,10 +117,29 @@ class _Connection:
         if adm is not None:
             await self.gw.abandon(adm, "client_cancelled")
 
-    async def serve(self) -> None:
+    async def _receive(self, idle_s: float) -> Message | None:
+        """The next message, or None once the socket has been idle ``idle_s``: no
+        frame for that long and nothing in flight."""
+        while True:
+            # With requests in flight the socket is not idle: look again later.
+            wait = idle_s if self.tasks else self._last_active + idle_s - self._loop.time()
+            if wait <= 0:
+                return None
+            try:
+                async with asyncio.timeout(wait):
+                    message = await self.ws.receive()
+            except TimeoutError:
+                continue
+            self._last_active = self._loop.time()
+            return message
+
+    async def serve(self, cfg: GatewayConfig) -> None:
         try:
             while True:
-                message = await self.ws.receive()
+                message = await self._receive(cfg.ws_idle_timeout_s)
+                if message is None:
+                    await self.ws.close(1000, "idle timeout")
+                    return
                 if message["type"] == "websocket.disconnect":
                     return
                 raw = message.get("text") or message.get("bytes") or b""
@@ -117,6 +154,18 @@ class _Connection:
                 if msg.id in self.tasks:
                     await self.error(msg.id, BadRequest("Request id already in flight."))
                     continue
+                if len(self.tasks) >= cfg.ws_max_inflight:
+                    # That request only: the socket and the ones in flight go on.
+                    limit = cfg.ws_max_inflight
+                    await self.error(
+                        msg.id,
+                        RateLimited(
+                            f"At most {limit} requests in flight per socket; wait for one "
+                            "to finish or open another socket.",
+                            code="too_many_inflight",
+                        ),
+                    )
+                    continue
                 task = asyncio.create_task(self.run_request(msg))
                 self.tasks[msg.id] = task
                 task.add_done_callback(functools.partial(self._done, msg.id))
@@ -127,19 +176,21 @@ class _Connection:
                 await self.cancel(rid)
 
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
+        self._last_active = self._loop.time()
         if self.tasks.get(rid) is task:
             del self.tasks[rid]
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
     gw: InferenceService = ws.app.state.gateway
-    headers = {k.lower(): v for k, v in ws.headers.items()}
-    if "authorization" not in headers and "api_key" in ws.query_params:
-        headers["authorization"] = f"Bearer {ws.query_params['api_key']}"
-    await ws.accept()  # then close with a reason a browser can read (a 403 handshake has none)
     try:
-        await gw.tenancy.authenticate(headers.get("authorization"))
+        auth = await authenticate_socket(ws, gw.cfg.ws_allow_query_key)
     except GatewayError as exc:
-        await ws.close(code=4401 if exc.status == 401 else 4503, reason=exc.message[:120])
+        # Before accept: the upgrade is answered with the status and an error body.
+        await refuse(ws.scope, ws.send, exc)
         return
-    await _Connection(ws, gw, headers).serve()
+    headers = {k.lower(): v for k, v in ws.headers.items()}
+    headers.pop("sec-websocket-protocol", None)  # may hold a secret; nothing reads it
+    headers["authorization"] = auth.authorization
+    await ws.accept(subprotocol=auth.subprotocol)
+    await _Connection(ws, gw, headers).serve(gw.cfg)

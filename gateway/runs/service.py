@@ -34,6 +34,7 @@ from gateway.errors import (
     Conflict,
     GatewayError,
     NotFound,
+    PermissionDenied,
     RateLimited,
     Unavailable,
 )
@@ -64,7 +65,7 @@ from streams.agent import (
     token,
 )
 from streams.agent_store import RunStore
-from streams.errors import RunExistsError, RunStoreError
+from streams.errors import RunConflictError, RunExistsError, RunStoreError
 from streams.ids import is_safe_id
 from streams.subjects import RequestClass, run_events_subject
 
@@ -72,6 +73,8 @@ log = logging.getLogger(__name__)
 # The hold on the tenant's budget outlives the deadline by this much: time for
 # the tree to end and the settler to turn the hold into the actual charge.
 SETTLE_GRACE_S = 600.0
+# Compare-and-set rounds to record a decision on a run an executor is also writing.
+_RECORD_ATTEMPTS = 5
 
 
 class RunsService:
@@ -207,9 +210,26 @@ class RunsService:
     async def decide(
         self, authorization: str | None, run_id: str, call_id: str, raw: bytes
     ) -> dict[str, Any]:
+        """Approve or deny the run's pending call: a key with the ``approve``
+        scope, and (separation of duties) not the key that created the run
+        unless the gateway allows self-approval. The decision, with the deciding
+        key, is recorded on the run before the run is nudged."""
         key = await self._key(authorization)
         body = decode_body(raw, Decision)
+        # Before the run is looked up: a key that may not decide learns nothing
+        # about which runs exist.
+        if not key.scopes.may("approve"):
+            raise PermissionDenied(
+                "This key may not decide tool calls (it lacks the 'approve' scope).",
+                code="approve_scope_required",
+            )
         run = await self._run(key, run_id)
+        if run.key_id == key.key_id and not self.gw.cfg.allow_self_approval:
+            raise PermissionDenied(
+                "The key that created this run may not decide its gated calls "
+                "(separation of duties): ask another key with the 'approve' scope.",
+                code="self_approval_forbidden",
+            )
         pending = run.pending_approval
         if run.status != "awaiting_approval" or pending is None or pending.call_id != call_id:
             raise Conflict(
@@ -219,7 +239,7 @@ class RunsService:
             )
         decision = ApprovalDecision(
             call_id=call_id, approve=body.approve, reason=body.reason, at=time.time(),
-            key_id=key.key_id,
+            key_id=key.key_id, step=run.step,
         )  # fmt: skip
         try:
             kept = await self.store.decide(run.id, run.step, decision)
@@ -228,12 +248,43 @@ class RunsService:
                     f"Call '{call_id}' was already {'approved' if kept.approve else 'denied'}.",
                     code="already_decided",
                 )
-            # The decision is durable in the store; the nudge only makes it prompt
-            # (a retried POST re-sends it).
+            # The decision is durable in the store. Recorded on the run while it
+            # is parked (no executor writes it until the nudge below), and
+            # re-recorded by a retried POST if a crash came in between; the
+            # nudge only makes it prompt (a retried POST re-sends it).
+            await self._record_decision(run.id, kept)
             await self.store.nudge(run.id, run.step, "approval", suffix=f"ok-{token(call_id)}")
         except RunStoreError as exc:
             raise Unavailable("The run store is unavailable.") from exc
-        return {"run_id": run.id, "call_id": call_id, "approve": kept.approve, "accepted": True}
+        return {
+            "run_id": run.id,
+            "call_id": call_id,
+            "approve": kept.approve,
+            "accepted": True,
+            "decided_by": kept.key_id,
+        }
+
+    async def _record_decision(self, run_id: str, decision: ApprovalDecision) -> None:
+        """Add ``decision`` to the run's ``approvals`` once (compare-and-set)."""
+        for _ in range(_RECORD_ATTEMPTS):
+            stored = await self.store.get(run_id)
+            if stored is None:
+                return
+            run = stored.run
+            if any(
+                a.step == decision.step and a.call_id == decision.call_id for a in run.approvals
+            ):
+                return
+            changed = msgspec.structs.replace(run, approvals=(*run.approvals, decision))
+            try:
+                await self.store.update(changed, stored.revision)
+                return
+            except RunConflictError:
+                continue  # an executor wrote it meanwhile (a cancel): read it again
+        raise Unavailable(
+            "The decision is stored but could not be recorded on the run; retry.",
+            code="run_busy",
+        )
 
     async def cancel(self, authorization: str | None, run_id: str) -> Run:
         key = await self._key(authorization)

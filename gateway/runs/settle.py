@@ -136,6 +136,10 @@ class RunSettler:
             status=200,
             duration_ms=max(0.0, root.updated - root.created) * 1000,
         )
+        # Who let the tree's gated calls run: the ledger's half of the audit
+        # trail (the runs keep the whole decisions).
+        approvers = (a.key_id for r in tree for a in r.approvals if a.approve)
+        record = msgspec.structs.replace(record, approved_by=tuple(dict.fromkeys(approvers)))
         try:
             await self._ledger.append(record)
         except LedgerWriteError as exc:

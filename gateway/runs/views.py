@@ -60,6 +60,18 @@ def view(run: Run) -> dict[str, Any]:
         "pending_approval": msgspec.to_builtins(run.pending_approval)
         if run.pending_approval
         else None,
+        # Who decided each gated call (key ids), in order: the audit trail.
+        "approvals": [
+            {
+                "step": a.step,
+                "call_id": a.call_id,
+                "approve": a.approve,
+                "reason": a.reason or None,
+                "key_id": a.key_id,
+                "at": a.at,
+            }
+            for a in run.approvals
+        ],
         "ambiguous_key": run.ambiguous_key or None,
         "messages": run.messages,
         "traceparent": run.traceparent,

@@ -1,8 +1,16 @@
 """Orgs, tenants and API keys, stored in Redis.
 
-Keys are stored hashed (SHA-256) and shown once at creation. A key carries
-scopes: the models, request classes, tools and data classes it may use ("*" =
-any). Lookups are cached per gateway for ``ttl`` seconds (single flight under a
+Keys are shown once at creation and stored only as an HMAC-SHA-256 of the key
+under the server's key secret (``JETSERVE_KEY_SECRET``, shared by every gateway
+replica): a copy of Redis alone cannot be brute-forced offline, and operator-
+chosen keys must be at least :data:`MIN_KEY_CHARS` long. A key stored before
+keyed hashing (plain SHA-256) is moved under its keyed digest the first time it
+is used (:meth:`Tenancy._upgrade_legacy`), so an upgrade breaks no client.
+
+A key carries scopes: the models, request classes, tools and data classes it
+may use ("*" = any), and the actions it may take (:data:`ACTIONS`; by default
+``inference`` only, so approving a gated tool call is always granted by name).
+Lookups are cached per gateway for ``ttl`` seconds (single flight under a
 burst), so a revoked key stops working on every replica within that time. No
 Redis evidence -> the caller fails closed (503).
 """
@@ -11,18 +19,33 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import redis.asyncio as redis
-from redis.exceptions import RedisError
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError, WatchError
 
 from gateway.errors import AuthenticationFailed, BadRequest, NotFound, PermissionDenied, Unavailable
 from streams.ids import is_safe_id
 
 P = "jetserve:"
 ANY = ("*",)
+# 32 characters of even a lowercase alphabet is ~150 bits; a generated key
+# (``sk-js-`` + 43 characters of base64url) is longer still.
+MIN_KEY_CHARS = 32
+# What a key may do. ``inference``: the model API and creating runs. ``approve``:
+# decide the gated tool calls of its tenant's runs (never of runs it created,
+# gateway/runs/service.py). Reading and cancelling a run needs only the tenant.
+ACTIONS = ("inference", "approve")
+DEFAULT_ACTIONS = ("inference",)
+# ``jetserve gateway --insecure`` without a key secret (development only): public,
+# so hashes under it protect nothing; it only keeps keys stable across restarts.
+INSECURE_KEY_SECRET = b"jetserve-insecure-development-key-secret"
+_WATCH_ROUNDS = 8  # optimistic transactions on one key record before giving up
 
 
 class Org(msgspec.Struct, frozen=True):
@@ -43,10 +66,26 @@ class Scopes(msgspec.Struct, frozen=True, omit_defaults=True):
     classes: tuple[str, ...] = ANY
     tools: tuple[str, ...] = ANY
     data_classes: tuple[str, ...] = ANY
+    # Named, never "*": keys stored before actions existed decode to the default.
+    actions: tuple[str, ...] = DEFAULT_ACTIONS
+
+    def may(self, action: str) -> bool:
+        return action in self.actions
+
+    def validate(self) -> Scopes:
+        unknown = sorted(set(self.actions) - set(ACTIONS))
+        if unknown or not self.actions:
+            raise BadRequest(
+                f"scopes.actions must be a non-empty subset of {list(ACTIONS)}: {unknown}",
+                param="scopes",
+            )
+        return self
 
     def check(
         self, *, model: str, cls: str, tools: tuple[str, ...] = (), data_class: str = "default"
     ) -> None:
+        if not self.may("inference"):
+            raise PermissionDenied("This key may not call models (it lacks the 'inference' scope).")
         if "*" not in self.models and model not in self.models:
             raise PermissionDenied(f"This key may not use model '{model}'.", param="model")
         if "*" not in self.classes and cls not in self.classes:
@@ -76,7 +115,13 @@ _tenant_dec = msgspec.json.Decoder(Tenant)
 _org_dec = msgspec.json.Decoder(Org)
 
 
-def hash_key(plaintext: str) -> str:
+def hash_key(plaintext: str, secret: bytes) -> str:
+    """The stored form of a key: HMAC-SHA-256 under the server's key secret."""
+    return hmac.new(secret, plaintext.encode(), hashlib.sha256).hexdigest()
+
+
+def legacy_hash_key(plaintext: str) -> str:
+    """How keys were stored before keyed hashing (read only, to upgrade them)."""
     return hashlib.sha256(plaintext.encode()).hexdigest()
 
 
@@ -98,10 +143,39 @@ def _unavailable(exc: BaseException) -> Unavailable:
     return Unavailable("Key store unavailable; refusing to serve unauthenticated.")
 
 
+async def _optimistic(
+    client: redis.Redis, watch: str, body: Callable[[Pipeline], Awaitable[bool]]
+) -> None:
+    """Run ``body`` under WATCH ``watch`` (it reads, calls ``multi()`` and queues
+    writes; False: nothing to write), again while another writer moved it. Past
+    a few rounds the WatchError (a RedisError) reaches the caller as a store
+    failure: contention that long is not worth spinning on."""
+    async with client.pipeline(transaction=True) as pipe:
+        for _ in range(_WATCH_ROUNDS):
+            try:
+                await pipe.watch(watch)
+                if await body(pipe):
+                    await pipe.execute()
+                return
+            except WatchError:
+                continue
+            finally:
+                await pipe.reset()  # type: ignore[no-untyped-call]
+    raise WatchError(f"{watch} kept changing under {_WATCH_ROUNDS} transactions")
+
+
+def _begin(pipe: Pipeline) -> None:
+    """End the WATCHed reads: what follows is queued for EXEC."""
+    pipe.multi()  # type: ignore[no-untyped-call]
+
+
 class Tenancy:
-    def __init__(self, client: redis.Redis, ttl: float = 1.0) -> None:
+    def __init__(self, client: redis.Redis, ttl: float = 1.0, *, key_secret: bytes) -> None:
+        if not key_secret:
+            raise ValueError("Tenancy needs the key secret (GatewayConfig.key_secret)")
         self._redis = client
         self._ttl = ttl
+        self._secret = key_secret
         self._cache: dict[str, tuple[float, KeyRecord | None]] = {}
         # Single flight: a burst of first requests with one key shares one lookup.
         self._lookups: dict[str, asyncio.Future[KeyRecord | None]] = {}
@@ -150,6 +224,11 @@ class Tenancy:
         scopes: Scopes | None = None,
         plaintext: str | None = None,
     ) -> tuple[str, KeyRecord]:
+        if plaintext is not None and len(plaintext) < MIN_KEY_CHARS:
+            raise BadRequest(
+                f"api_key must be at least {MIN_KEY_CHARS} characters.", param="api_key"
+            )
+        scopes = (scopes or Scopes()).validate()
         t = await self.get_tenant(tenant)
         key = plaintext or new_plaintext_key()
         record = KeyRecord(
@@ -158,11 +237,11 @@ class Tenancy:
             org=t.org,
             name=name,
             created=time.time(),
-            scopes=scopes or Scopes(),
+            scopes=scopes,
             # Enough to tell keys apart in a listing, never enough to matter.
-            prefix=key[:8] if len(key) >= 24 else "",
+            prefix=key[:8],
         )
-        digest = hash_key(key)
+        digest = hash_key(key, self._secret)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(f"{P}apikey:{digest}", _enc.encode(record))
             pipe.set(f"{P}keyid:{record.key_id}", digest)
@@ -185,9 +264,23 @@ class Tenancy:
         return [(await self._record_by_id(i))[1] for i in ids]
 
     async def revoke_key(self, key_id: str) -> KeyRecord:
-        digest, record = await self._record_by_id(key_id)
-        revoked = msgspec.structs.replace(record, revoked=True)
-        await self._redis.set(f"{P}apikey:{digest}", _enc.encode(revoked))
+        # Under WATCH of the key's pointer: a legacy key upgraded meanwhile moves
+        # its record, and the revocation must land where the record now is.
+        revoked: KeyRecord | None = None
+
+        async def write(pipe: Pipeline) -> bool:
+            nonlocal revoked
+            digest = await pipe.get(f"{P}keyid:{key_id}")
+            raw = await pipe.get(f"{P}apikey:{_s(digest)}") if digest else None
+            if digest is None or raw is None:
+                raise NotFound(f"Key '{key_id}' not found.", code="not_found")
+            revoked = msgspec.structs.replace(_key_dec.decode(raw), revoked=True)
+            _begin(pipe)
+            pipe.set(f"{P}apikey:{_s(digest)}", _enc.encode(revoked))
+            return True
+
+        await _optimistic(self._redis, f"{P}keyid:{key_id}", write)
+        assert revoked is not None
         return revoked
 
     async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
@@ -203,7 +296,8 @@ class Tenancy:
     async def authenticate(self, authorization: str | None) -> KeyRecord:
         if not authorization or not authorization.lower().startswith("bearer "):
             raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
-        digest = hash_key(authorization[7:].strip())
+        plaintext = authorization[7:].strip()
+        digest = hash_key(plaintext, self._secret)
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and now - hit[0] < self._ttl:
@@ -211,17 +305,19 @@ class Tenancy:
         elif digest in self._lookups:
             record = await asyncio.shield(self._lookups[digest])
         else:
-            record = await self._lookup(digest, now)
+            record = await self._lookup(digest, legacy_hash_key(plaintext), now)
         if record is None or record.revoked:
             raise AuthenticationFailed("Incorrect API key provided.")
         return record
 
-    async def _lookup(self, digest: str, now: float) -> KeyRecord | None:
+    async def _lookup(self, digest: str, legacy: str, now: float) -> KeyRecord | None:
         future: asyncio.Future[KeyRecord | None] = asyncio.get_running_loop().create_future()
         self._lookups[digest] = future
         try:
             try:
                 raw = await self._redis.get(f"{P}apikey:{digest}")
+                if raw is None:
+                    raw = await self._upgrade_legacy(digest, legacy)
             except (RedisError, OSError) as exc:
                 raise _unavailable(exc) from exc
             record = _key_dec.decode(raw) if raw else None
@@ -236,3 +332,28 @@ class Tenancy:
             self._cache.clear()
         self._cache[digest] = (now, record)
         return record
+
+    async def _upgrade_legacy(self, digest: str, legacy: str) -> bytes | str | None:
+        """A key stored as plain SHA-256 (before keyed hashing), moved under its
+        keyed digest in one transaction: the record, its id's pointer, and the
+        old entry removed. None when there is no such key (the usual miss)."""
+        moved: bytes | str | None = None
+        tries = 0
+
+        async def move(pipe: Pipeline) -> bool:
+            nonlocal moved, tries
+            tries += 1
+            raw = await pipe.get(f"{P}apikey:{legacy}")
+            if raw is None:
+                # Gone after a retry: another replica moved it first.
+                moved = await pipe.get(f"{P}apikey:{digest}") if tries > 1 else None
+                return False
+            moved = raw
+            _begin(pipe)
+            pipe.set(f"{P}apikey:{digest}", raw)
+            pipe.set(f"{P}keyid:{_key_dec.decode(raw).key_id}", digest)
+            pipe.delete(f"{P}apikey:{legacy}")
+            return True
+
+        await _optimistic(self._redis, f"{P}apikey:{legacy}", move)
+        return moved

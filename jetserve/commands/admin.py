@@ -1,29 +1,32 @@
 """What the admin-API commands (tenants, keys, limits, ledger, routes) share: the
-``--admin-url``/``--admin-token`` options, the client, and the one error report."""
+``--admin-url`` option, the admin token (``JETSERVE_ADMIN_TOKEN_FILE`` or
+``JETSERVE_ADMIN_TOKEN``, never a flag: ``ps`` shows every process's arguments),
+the client, and the one error report."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jetserve.commands.admin_client import AdminClient, AdminError
 from jetserve.commands.common import DEFAULT_ADMIN
+from streams.errors import CredentialError
+from streams.secrets import read_secret
 
 if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
 
+ADMIN_TOKEN_ENV = "JETSERVE_ADMIN_TOKEN"
 # One admin action: it talks to the API and prints; errors are AdminError.
 Action = Callable[[AdminClient, argparse.Namespace], None]
 
 
 def add_admin_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--admin-url", default=DEFAULT_ADMIN)
-    ap.add_argument("--admin-token", default=None, help="default: $JETSERVE_ADMIN_TOKEN")
     return ap
 
 
@@ -58,9 +61,12 @@ def run_admin(action: Action, args: argparse.Namespace) -> int:
 
 
 def client(args: argparse.Namespace) -> AdminClient:
-    token = args.admin_token or os.environ.get("JETSERVE_ADMIN_TOKEN")
+    # Both errors end the command with their one line (jetserve.cli.main).
+    token = read_secret(ADMIN_TOKEN_ENV)
     if not token:
-        raise SystemExit("the admin API needs a token: --admin-token or JETSERVE_ADMIN_TOKEN")
+        raise CredentialError(
+            f"the admin API needs a token: set {ADMIN_TOKEN_ENV}_FILE (or {ADMIN_TOKEN_ENV})"
+        )
     return AdminClient(args.admin_url, token)
 
 

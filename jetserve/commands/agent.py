@@ -7,7 +7,14 @@ import asyncio
 import signal
 from typing import TYPE_CHECKING
 
-from jetserve.commands.common import DEFAULT_NATS, DEFAULT_REDIS, REPLICAS_HELP
+from jetserve.commands.common import (
+    DEFAULT_NATS,
+    DEFAULT_REDIS,
+    REPLICAS_HELP,
+    add_bus_args,
+    bus_auth,
+    redis_password,
+)
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -22,6 +29,7 @@ def register(sub: Subparsers) -> None:
         "agent", allow_abbrev=False, help="agent run executor: steps runs, dispatches tools"
     )
     a.add_argument("--nats", default=DEFAULT_NATS)
+    add_bus_args(a)
     a.add_argument("--redis", default=DEFAULT_REDIS, help="the demo tools' bank")
     a.add_argument("--executor-id", default="")
     a.add_argument("--concurrency", type=int, default=64, help="steps in flight")
@@ -71,13 +79,16 @@ async def _run(args: argparse.Namespace) -> int:
     import redis.asyncio
 
     from streams.agent_topology import AgentTopology
+    from streams.auth import Role
     from streams.definitions import Topology
     from tools import Registry
     from workers.agent import CrashPoints, Executor, ExecutorConfig, parse_crash_specs
 
     crash = CrashPoints(parse_crash_specs(args.crash_at), args.crash_log)
     registry = Registry()
-    client = redis.asyncio.Redis.from_url(args.redis) if args.demo_tools else None
+    client = None
+    if args.demo_tools:  # the bank's own Redis ACL user ("agent": demobank:* only)
+        client = redis.asyncio.Redis.from_url(args.redis, password=redis_password(args, "agent"))
     if client is not None:
         _register_demo_tools(registry, client, crash)
     for spec in args.tools_module:
@@ -86,6 +97,7 @@ async def _run(args: argparse.Namespace) -> int:
     kwargs = {"executor_id": args.executor_id} if args.executor_id else {}
     cfg = ExecutorConfig(
         nats_url=args.nats,
+        nats_auth=bus_auth(args, Role.AGENT),
         concurrency=args.concurrency,
         lease_s=args.lease,
         step_timeout_s=args.step_timeout,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
+import logging
 from typing import TYPE_CHECKING
 
 from jetserve.commands.common import (
@@ -13,6 +13,9 @@ from jetserve.commands.common import (
     OTEL_EXPORTER,
     OTEL_HELP,
     REPLICAS_HELP,
+    add_bus_args,
+    bus_auth,
+    redis_password,
     split_csv,
 )
 
@@ -21,12 +24,16 @@ if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
     from streams.routes import HedgePolicy
 
+log = logging.getLogger(__name__)
+KEY_SECRET_ENV = "JETSERVE_KEY_SECRET"
+
 
 def register(sub: Subparsers) -> None:
     g = sub.add_parser(
         "gateway", allow_abbrev=False, help="OpenAI-compatible HTTP/SSE/WebSocket + NATS ingress"
     )
     g.add_argument("--nats", default=DEFAULT_NATS)
+    add_bus_args(g)
     g.add_argument("--redis", default=DEFAULT_REDIS)
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
@@ -56,10 +63,75 @@ def register(sub: Subparsers) -> None:
     g.add_argument("--grace", type=float, default=30.0, help="graceful shutdown (s)")
     _admin_and_pricing(g)
     _routing(g)
-    g.add_argument(
-        "--metrics-tenants", default="", help="tenants named in metrics (others: 'other')"
-    )
+    _metrics_and_approvals(g)
+    _edge_limits(g)
     g.set_defaults(func=run)
+
+
+def _edge_limits(g: argparse.ArgumentParser) -> None:
+    """The HTTP and WebSocket limits (docs/security.md), checked before any work."""
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="request body cap: 413, connection closed (default 4 MiB)",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 1024,
+        help="request line and headers together: 431 past it (default 64 KiB)",
+    )
+    g.add_argument("--max-headers", type=int, default=100, help="request headers: 431 past it")
+    g.add_argument(
+        "--ws-max-message-bytes",
+        type=int,
+        default=1024 * 1024,
+        help="a longer WebSocket message closes the socket with 1009 (default 1 MiB)",
+    )
+    g.add_argument(
+        "--ws-max-inflight",
+        type=int,
+        default=16,
+        help="requests in flight per WebSocket; past it a request gets a 429 error frame",
+    )
+    g.add_argument(
+        "--ws-idle-timeout",
+        type=float,
+        default=300.0,
+        help="close a WebSocket after this long without a frame and nothing in flight (s)",
+    )
+    g.add_argument(
+        "--ws-ticket-ttl",
+        type=int,
+        default=30,
+        help="seconds a WebSocket ticket (POST /v1/ws/tickets) stays valid; single use",
+    )
+    g.add_argument(
+        "--ws-allow-query-key",
+        action="store_true",
+        help="accept ?api_key= on the WebSocket upgrade (off: keys in URLs leak; use tickets)",
+    )
+
+
+def _metrics_and_approvals(g: argparse.ArgumentParser) -> None:
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port (its own listener); off when not set",
+    )
+    g.add_argument("--metrics-host", default="127.0.0.1", help="/metrics address (keep private)")
+    g.add_argument(
+        "--metrics-tenants",
+        default="",
+        help="tenants named in metric labels (default none: every tenant is 'other')",
+    )
+    g.add_argument(
+        "--allow-self-approval",
+        action="store_true",
+        help="let the key that created a run decide its gated calls (off: separation of duties)",
+    )
 
 
 def _admin_and_pricing(g: argparse.ArgumentParser) -> None:
@@ -68,7 +140,8 @@ def _admin_and_pricing(g: argparse.ArgumentParser) -> None:
         "--admin-port",
         type=int,
         default=None,
-        help="admin API port (credential: JETSERVE_ADMIN_TOKEN); off when not set",
+        help="admin API port (credential: JETSERVE_ADMIN_TOKEN_FILE or JETSERVE_ADMIN_TOKEN); "
+        "off when not set",
     )
     g.add_argument(
         "--price",
@@ -110,16 +183,46 @@ def hedge_policy(spec: str | None, max_extra: float) -> HedgePolicy:
     return HedgePolicy(enabled=True, delay=float(spec), max_extra_ratio=max_extra)
 
 
+def key_secret(args: argparse.Namespace) -> bytes:
+    """The secret API keys are hashed under, shared by every replica: from
+    JETSERVE_KEY_SECRET(_FILE); missing and not --insecure: refuse to start."""
+    from gateway.tenancy.keys import INSECURE_KEY_SECRET
+    from streams.errors import CredentialError
+    from streams.secrets import read_secret
+
+    secret = read_secret(KEY_SECRET_ENV)
+    if secret is not None:
+        return secret.encode()
+    if not args.insecure:
+        raise CredentialError(
+            f"no key secret: set {KEY_SECRET_ENV}_FILE (or {KEY_SECRET_ENV}) to the secret "
+            "API keys are hashed under, the same on every gateway replica, or pass --insecure"
+        )
+    log.warning(
+        "INSECURE: no %s; API keys are hashed under a public development secret, "
+        "so a copy of Redis can be brute-forced offline",
+        KEY_SECRET_ENV,
+    )
+    return INSECURE_KEY_SECRET
+
+
 def config(args: argparse.Namespace) -> GatewayConfig:
     from gateway.config import GatewayConfig
     from gateway.tenancy.pricing import PriceBook, parse_price
     from streams.definitions import Topology
     from streams.routes import CoalescePolicy, RoutingPolicy
+    from streams.secrets import read_secret
 
-    token = os.environ.get("JETSERVE_ADMIN_TOKEN") or None
+    # The key secret first: a gateway that would store keys weakly never starts.
+    secret = key_secret(args)
+    token = read_secret("JETSERVE_ADMIN_TOKEN")
+    from streams.auth import Role
+
     return GatewayConfig(
         nats_url=args.nats,
         redis_url=args.redis,
+        nats_auth=bus_auth(args, Role.GATEWAY),
+        redis_password=redis_password(args, "gateway"),
         models=split_csv(args.models),
         embedding_models=split_csv(args.embedding_models),
         default_timeout_s=args.timeout,
@@ -134,12 +237,24 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=split_csv(args.metrics_tenants),
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        key_secret=secret,
+        allow_self_approval=args.allow_self_approval,
         admin_port=args.admin_port,
         admin_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else None,
         routing=RoutingPolicy(mode=args.routing),
         hedge=hedge_policy(args.hedge, args.hedge_max_extra),
         shed=not args.no_shed,
         coalesce=CoalescePolicy(enabled=args.coalesce),
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        ws_max_message_bytes=args.ws_max_message_bytes,
+        ws_max_inflight=args.ws_max_inflight,
+        ws_idle_timeout_s=args.ws_idle_timeout,
+        ws_ticket_ttl_s=args.ws_ticket_ttl,
+        ws_allow_query_key=args.ws_allow_query_key,
     )
 
 

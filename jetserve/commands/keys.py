@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
 
 SCOPES = ("models", "classes", "tools", "data_classes")
+# Mirrors gateway.tenancy.keys (the CLI does not import the gateway); the
+# server is the one that enforces them.
+ACTIONS = ("inference", "approve")
+MIN_KEY_CHARS = 32
 
 
 def register(sub: Subparsers) -> None:
@@ -24,7 +28,18 @@ def register(sub: Subparsers) -> None:
     kc.add_argument("--classes", default=None, help="comma-separated; default any")
     kc.add_argument("--tools", default=None)
     kc.add_argument("--data-classes", dest="data_classes", default=None)
-    kc.add_argument("--key", default=None, help="use this plaintext (demos only)")
+    kc.add_argument(
+        "--scope",
+        dest="actions",
+        action="append",
+        choices=ACTIONS,
+        default=None,
+        help="what the key may do (repeatable; default: inference). 'approve': decide the "
+        "gated tool calls of the tenant's runs (never those of runs this key created)",
+    )
+    kc.add_argument(
+        "--key", default=None, help=f"use this plaintext (at least {MIN_KEY_CHARS} characters)"
+    )
     kc.add_argument("--create-tenant", action="store_true", help="create the tenant if missing")
     admin_command(actions, "list", _list).add_argument("--tenant", required=True)
     admin_command(actions, "rotate", _rotate).add_argument("key_id")
@@ -32,7 +47,10 @@ def register(sub: Subparsers) -> None:
 
 
 def scopes(args: argparse.Namespace) -> dict[str, list[str]]:
-    return {name: list(split_csv(value)) for name in SCOPES if (value := getattr(args, name, None))}
+    out = {name: list(split_csv(value)) for name in SCOPES if (value := getattr(args, name, None))}
+    if getattr(args, "actions", None):
+        out["actions"] = list(dict.fromkeys(args.actions))
+    return out
 
 
 def _create(admin: AdminClient, args: argparse.Namespace) -> None:

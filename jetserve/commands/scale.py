@@ -10,7 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from jetserve.commands.common import DEFAULT_NATS
+from jetserve.commands.common import DEFAULT_NATS, add_bus_args, bus_auth
 from jetserve.scale import (
     OptionError,
     ScaleError,
@@ -20,6 +20,7 @@ from jetserve.scale import (
     policies,
     report,
 )
+from streams.auth import Role
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
 
@@ -36,6 +37,7 @@ def register(sub: Subparsers) -> None:
         help="queue lag per class and the worker count KEDA will choose",
     )
     sc.add_argument("--nats", default=DEFAULT_NATS, help="read the consumers through this server")
+    add_bus_args(sc)
     sc.add_argument(
         "--monitoring",
         default=None,
@@ -136,7 +138,7 @@ async def _once(args: argparse.Namespace, classes: tuple[str, ...]) -> dict[str,
         lags = await lags_from_monitoring(args.monitoring, args.account, topo, classes)
         source = jsz_url(args.monitoring, args.account)
     else:
-        lags = await lags_from_nats(args.nats, topo, classes)
+        lags = await lags_from_nats(args.nats, topo, classes, bus_auth(args, Role.ADMIN))
         source = f"{args.nats} (JetStream consumer info)"
     return report(lags, pols, source, topo.stream)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
 import httpx
 
+from jetserve.commands.admin_client import AdminError
 from jetserve.fleet import Fleet, FleetSpec
 
 if TYPE_CHECKING:
@@ -23,6 +25,11 @@ def register(sub: Subparsers) -> None:
     u.add_argument("--workers", type=int, default=2)
     u.add_argument("--profile", default="h100-8b", help="simulator latency profile")
     u.add_argument("--check", action="store_true", help="run the self-check, then stop")
+    u.add_argument(
+        "--insecure",
+        action="store_true",
+        help="an open bus: NATS and Redis without credentials (development only)",
+    )
     u.set_defaults(func=run_up)
 
 
@@ -47,7 +54,11 @@ def self_check(fleet: Fleet) -> str:
 
 def run_up(args: argparse.Namespace) -> int:
     spec = FleetSpec(
-        workers=args.workers, gateway_port=args.port, profile=args.profile, api_key=args.api_key
+        workers=args.workers,
+        gateway_port=args.port,
+        profile=args.profile,
+        api_key=args.api_key,
+        insecure=args.insecure,
     )
     print(
         "jetserve up: starting nats-server, redis-server, simulator, gateway and "
@@ -55,7 +66,11 @@ def run_up(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.monotonic()
-    fleet = Fleet(spec).start()
+    try:
+        fleet = Fleet(spec).start()
+    except AdminError as exc:  # e.g. an --api-key the gateway refuses (under 32 characters)
+        print(f"jetserve up: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -64,8 +79,12 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"  base URL : {fleet.base_url}/v1")
         print(f"  API key  : {fleet.api_key}")
         print(f"  model    : {spec.model} (simulated, profile {spec.profile})")
-        print(f"  NATS     : {fleet.nats_url}    Redis: {fleet.redis_url}")
-        print(f"  metrics  : {fleet.base_url}/metrics")
+        print(f"  NATS     : {fleet.nats_url}    Redis: {fleet.redis_url_of('admin')}")
+        if fleet.creds is not None:
+            print(f"  bus auth : one credential per role in {fleet.creds.root} (docs/security.md)")
+        else:
+            print("  bus auth : OFF (--insecure): anyone on this machine can read the bus")
+        print(f"  metrics  : {fleet.gateway_metrics_urls[0]}   (its own port, loopback)")
         print(f"  admin API: {fleet.admin_url}   (token: {fleet.admin_token})\n")
         print("try:\n")
         print(
@@ -78,7 +97,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(
             "admin CLI:\n\n"
             f"  export JETSERVE_ADMIN_URL={fleet.admin_url}\n"
-            f"  export JETSERVE_ADMIN_TOKEN={fleet.admin_token}\n"
+            f"  export JETSERVE_ADMIN_TOKEN_FILE={fleet.secret_env['JETSERVE_ADMIN_TOKEN_FILE']}\n"
             "  jetserve tenants create acme\n"
             "  jetserve keys create --tenant acme\n"
             "  jetserve limits set --level tenant --id acme --budget-usd 5 --rpm 600\n"

@@ -13,6 +13,8 @@ from jetserve.commands.common import (
     OTEL_EXPORTER,
     OTEL_HELP,
     REPLICAS_HELP,
+    add_bus_args,
+    bus_auth,
     split_csv,
 )
 
@@ -26,6 +28,7 @@ def register(sub: Subparsers) -> None:
         "worker", allow_abbrev=False, help="inference worker: pulls requests, calls an engine"
     )
     w.add_argument("--nats", default=DEFAULT_NATS)
+    add_bus_args(w)
     w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
     w.add_argument("--engine-api-key", default=None)
     w.add_argument(
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    from streams.auth import Role
     from streams.definitions import Topology
     from streams.subjects import RequestClass
     from workers.engines.factory import make_adapter
@@ -70,6 +74,7 @@ async def _run(args: argparse.Namespace) -> int:
     kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
     cfg = WorkerConfig(
         nats_url=args.nats,
+        nats_auth=bus_auth(args, Role.WORKER),
         classes=tuple(RequestClass(c) for c in split_csv(args.classes)),
         admission=AdmissionConfig(max_inflight=args.max_inflight, target_util=args.target_util),
         heartbeat_s=args.heartbeat,

@@ -29,7 +29,8 @@ import redis.asyncio as redis
 from jetserve.fleet import Fleet, FleetSpec
 from streams.agent import Run
 from streams.agent_store import RunStore
-from streams.connect import connect
+from streams.connect import BusAuth, connect
+from tests.refusals import checked_fleet
 from workers.agent.crash import POINTS, CrashPoints
 
 pytestmark = pytest.mark.connected
@@ -72,7 +73,7 @@ def crash_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(crash_log: Path) -> Iterator[Fleet]:
+def fleet(crash_log: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     crash_args = [a for p, v in PROBABILITY.items() for a in ("--crash-at", f"{p}:{v}")]
     spec = FleetSpec(
         workers=2,
@@ -88,12 +89,12 @@ def fleet(crash_log: Path) -> Iterator[Fleet]:
             "1",
         ],
     )
-    with Fleet(spec) as f:
+    with checked_fleet(request, spec) as f:
         yield f
 
 
-async def _statuses(nats_url: str, ids: list[str]) -> dict[str, Run]:
-    nc = await connect(nats_url, "crash-matrix-probe")
+async def _statuses(nats_url: str, auth: BusAuth, ids: list[str]) -> dict[str, Run]:
+    nc = await connect(nats_url, "crash-matrix-probe", auth)
     try:
         store = await RunStore.open(nc)
         out: dict[str, Run] = {}
@@ -153,7 +154,7 @@ async def _matrix(
     runs: dict[str, Run] = {}
     while time.monotonic() - created < SETTLE_WITHIN_S:
         restarts += _supervise(fleet, reaped)
-        runs = await _statuses(fleet.nats_url, ids)
+        runs = await _statuses(fleet.nats_url, fleet.bus_auth(), ids)
         if len(runs) == len(ids) and all(r.terminal for r in runs.values()):
             break
         await asyncio.sleep(0.3)
@@ -161,8 +162,8 @@ async def _matrix(
     # The bank's own books: every applied effect, and every attempt to repeat one.
     bank = redis.Redis.from_url(fleet.redis_url)
     try:
-        log = [json.loads(e) for e in await bank.lrange("jetserve:demo:log", 0, -1)]
-        raw = await bank.lrange("jetserve:demo:repeats", 0, -1)
+        log = [json.loads(e) for e in await bank.lrange("demobank:log", 0, -1)]
+        raw = await bank.lrange("demobank:repeats", 0, -1)
         repeats = [k.decode() if isinstance(k, bytes) else k for k in raw]
     finally:
         await bank.aclose()

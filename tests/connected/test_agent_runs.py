@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import nats
 import pytest
 import redis
 
 from jetserve.fleet import Fleet, FleetSpec
+from streams.auth import Role
 from streams.subjects import INGRESS_RUNS
+from tests.refusals import checked_fleet
 
 pytestmark = pytest.mark.connected
 
@@ -29,20 +30,37 @@ TERMINAL = {"completed", "failed", "cancelled", "ambiguous", "budget_exceeded", 
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     spec = FleetSpec(
         workers=2,
         agents=2,
         profile="fast",
         agent_args=["--step-timeout", "5", "--lease", "2", "--ack-wait", "2"],
     )
-    with Fleet(spec) as f:
+    with checked_fleet(request, spec) as f:
         yield f
 
 
 @pytest.fixture
 def api(fleet: Fleet) -> Iterator[httpx.Client]:
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    with httpx.Client(base_url=fleet.base_url, headers=headers, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def approver_key(fleet: Fleet) -> str:
+    """Another key of the tenant, with the approve scope: the creator of a run
+    may not decide its gated calls (tests/security/test_approvals.py)."""
+    with fleet.admin() as admin:
+        created = admin.create_key(fleet.spec.tenant, "approver", {"actions": ["approve"]})
+    key: str = created["api_key"]
+    return key
+
+
+@pytest.fixture
+def approver(fleet: Fleet, approver_key: str) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {approver_key}"}
     with httpx.Client(base_url=fleet.base_url, headers=headers, timeout=30) as client:
         yield client
 
@@ -84,7 +102,7 @@ def wait(
 def bank_effects(fleet: Fleet, run_id: str) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(fleet.redis_url)
     try:
-        log = [json.loads(e) for e in client.lrange("jetserve:demo:log", 0, -1)]
+        log = [json.loads(e) for e in client.lrange("demobank:log", 0, -1)]
     finally:
         client.close()
     return [e for e in log if e["key"].startswith(f"{run_id}/")]
@@ -273,7 +291,9 @@ def test_a_stuck_step_fails_the_run_with_the_reason(fleet: Fleet, api: httpx.Cli
 # -- approvals ----------------------------------------------------------------------------
 
 
-def test_approval_gate_survives_an_executor_restart(fleet: Fleet, api: httpx.Client) -> None:
+def test_approval_gate_survives_an_executor_restart(
+    fleet: Fleet, api: httpx.Client, approver: httpx.Client
+) -> None:
     m = marker()
     script(
         fleet,
@@ -287,7 +307,7 @@ def test_approval_gate_survives_an_executor_restart(fleet: Fleet, api: httpx.Cli
     assert pending["tool"] == "payout"
     assert pending["arguments"] == {"to": "carol", "amount": 7}
     assert bank_effects(fleet, run["id"]) == []
-    wrong = api.post(f"/v1/runs/{run['id']}/approvals/call_9", json={"approve": True})
+    wrong = approver.post(f"/v1/runs/{run['id']}/approvals/call_9", json={"approve": True})
     assert wrong.status_code == 409
 
     # Every executor dies; new ones come up; the approval arrives after the restart.
@@ -297,7 +317,7 @@ def test_approval_gate_survives_an_executor_restart(fleet: Fleet, api: httpx.Cli
     for _ in live:
         fleet.start_agent(wait=False)
     fleet.wait_agents(len(live))
-    r = api.post(f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": True})
+    r = approver.post(f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": True})
     assert r.status_code == 202
     assert r.json()["approve"] is True
     done = wait(api, run["id"])
@@ -307,11 +327,11 @@ def test_approval_gate_survives_an_executor_restart(fleet: Fleet, api: httpx.Cli
     assert effect["kind"] == "payout"
     assert effect["amount"] == 7
     # A decision stands: denying it now is a conflict.
-    r = api.post(f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": False})
+    r = approver.post(f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": False})
     assert r.status_code == 409
 
 
-def test_a_denied_call_never_runs(fleet: Fleet, api: httpx.Client) -> None:
+def test_a_denied_call_never_runs(fleet: Fleet, api: httpx.Client, approver: httpx.Client) -> None:
     m = marker()
     script(
         fleet,
@@ -319,7 +339,7 @@ def test_a_denied_call_never_runs(fleet: Fleet, api: httpx.Client) -> None:
         ("tool", m, {"content": "Not paid."}),
     )
     run = wait(api, create(api, m, ["payout"])["id"], {"awaiting_approval"})
-    r = api.post(
+    r = approver.post(
         f"/v1/runs/{run['id']}/approvals/call_1", json={"approve": False, "reason": "fraud"}
     )
     assert r.status_code == 202
@@ -448,7 +468,9 @@ def test_another_tenants_key_gets_404(fleet: Fleet, api: httpx.Client) -> None:
     run = wait(api, create(api, m, ["payout"])["id"], {"awaiting_approval"})
     with fleet.admin() as admin:
         admin.create_tenant("intruder")
-        other = admin.create_key("intruder", "k")["api_key"]
+        # It may even approve: another tenant's run is still not there for it.
+        scopes = {"actions": ["inference", "approve"]}
+        other = admin.create_key("intruder", "k", scopes)["api_key"]
     headers = {"Authorization": f"Bearer {other}"}
     base = f"/v1/runs/{run['id']}"
     for method, path, body in (
@@ -467,7 +489,7 @@ def test_another_tenants_key_gets_404(fleet: Fleet, api: httpx.Client) -> None:
 async def test_runs_over_nats(fleet: Fleet) -> None:
     m = marker()
     script(fleet, ("user", m, {"content": "over nats"}))
-    nc = await nats.connect(fleet.nats_url)
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
     try:
         headers = {"Authorization": f"Bearer {fleet.api_key}"}
         body = {"model": "sim-8b", "messages": [{"role": "user", "content": m}]}

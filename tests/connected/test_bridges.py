@@ -9,7 +9,7 @@ import pytest
 import websockets
 
 from jetserve.fleet import Fleet
-from streams.connect import connect
+from streams.auth import Role
 from streams.subjects import INGRESS_CHAT
 
 pytestmark = pytest.mark.connected
@@ -60,16 +60,18 @@ async def test_websocket_round_trip(fleet: Fleet) -> None:
 
 
 async def test_websocket_rejects_bad_key(fleet: Fleet) -> None:
-    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws?api_key=sk-wrong"
-    with pytest.raises(websockets.exceptions.ConnectionClosed) as info:
-        async with websockets.connect(url) as ws:
-            await ws.recv()
-    assert info.value.rcvd is not None
-    assert info.value.rcvd.code == 4401
+    # Refused before the upgrade is accepted: an HTTP 401 with an OpenAI error body.
+    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws"
+    with pytest.raises(websockets.exceptions.InvalidStatus) as info:
+        async with websockets.connect(url, additional_headers={"Authorization": "Bearer sk-wrong"}):
+            pass
+    assert info.value.response.status_code == 401
+    assert msgspec.json.decode(info.value.response.body)["error"]["code"] == "invalid_api_key"
 
 
 async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
-    nc = await connect(fleet.nats_url, "service")
+    # A service credential: it receives on its tenant's inbox only (streams/auth.py).
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
     try:
         hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
         reply = await nc.request(INGRESS_CHAT, msgspec.json.encode(BODY), timeout=10, headers=hdrs)

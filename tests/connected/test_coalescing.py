@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from jetserve.fleet import Fleet, FleetSpec
+from tests.refusals import checked_fleet
 
 pytestmark = pytest.mark.connected
 
@@ -23,13 +24,13 @@ N = 6
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     spec = FleetSpec(
         workers=2,
         profile="h100-8b",  # real latencies: identical requests overlap in flight
         gateway_args=["--coalesce", "--price", "sim-8b=1000/1000"],
     )
-    with Fleet(spec) as f:
+    with checked_fleet(request, spec) as f:
         yield f
 
 
@@ -82,7 +83,7 @@ async def sim_stats(c: httpx.AsyncClient, fleet: Fleet) -> dict[str, Any]:
 
 
 async def coalesced_total(c: httpx.AsyncClient, fleet: Fleet) -> float:
-    text = (await c.get(f"{fleet.base_url}/metrics")).text
+    text = (await c.get(fleet.gateway_metrics_urls[0])).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -58,7 +58,7 @@ async def dlq_messages(js: JetStreamContext, stream: str) -> list[RawStreamMsg]:
 
 
 async def test_poison_request_is_dead_lettered_and_the_worker_carries_on(fleet: Fleet) -> None:
-    nc = await connect(fleet.nats_url, "poisoner")
+    nc = await connect(fleet.nats_url, "poisoner", fleet.bus_auth())
     js = nc.jetstream()
     try:
         await js.publish("jetserve.req.interactive", b"\x00not a request", timeout=5)
@@ -96,7 +96,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
         classes=(RequestClass.INTERACTIVE,),
         limits=Limits(ack_wait_s=0.3, max_deliver=2),
     )
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t")
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
@@ -134,7 +134,7 @@ async def test_malformed_frame_is_dead_lettered_and_the_stream_continues(
     nats_server: Service,
 ) -> None:
     topo = Topology(stream="MF", frames_stream="MF_FRAMES", dlq_stream="MF_DLQ")
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t")
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)

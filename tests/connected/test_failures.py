@@ -163,7 +163,7 @@ async def test_expired_deadline_times_out_and_engine_is_never_called(
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "deadline_exceeded"
     await asyncio.to_thread(fleet.start_worker)  # it finds the expired request in the queue
-    nc = await connect(fleet.nats_url, "test")
+    nc = await connect(fleet.nats_url, "test", fleet.bus_auth())
     js = nc.jetstream()
 
     async def queue_empty() -> bool:
@@ -231,7 +231,7 @@ async def test_cancel_before_pickup_removes_the_request(
                 headers=auth(fleet),
                 timeout=httpx.Timeout(10, read=0.5),  # the client gives up while queued
             )
-    nc = await connect(fleet.nats_url, "test")
+    nc = await connect(fleet.nats_url, "test", fleet.bus_auth())
     js = nc.jetstream()
 
     async def queue_empty() -> bool:

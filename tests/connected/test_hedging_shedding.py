@@ -36,7 +36,7 @@ async def ledger_rows(fleet: Fleet, ids: set[str]) -> dict[str, dict[str, object
 
 
 def metric(fleet: Fleet, name: str, **labels: str) -> float:
-    text = httpx.get(f"{fleet.base_url}/metrics", timeout=5).text
+    text = httpx.get(fleet.gateway_metrics_urls[0], timeout=5).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):

@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 
 from gateway.tenancy.request_ledger import READ_BATCH, LedgerReader, LedgerWriteError, LedgerWriter
 from jetserve.services import Service
+from streams.auth import Role
 from streams.connect import connect
 from streams.request_ledger import (
     DEFAULT_LEDGER,
@@ -75,7 +76,7 @@ class Bus:
 @pytest.fixture
 async def bus(nats_server: Service) -> AsyncIterator[Bus]:
     url = f"nats://127.0.0.1:{nats_server.port}"
-    nc = await connect(url, "ledger-test")
+    nc = await connect(url, "ledger-test", nats_server.bus_auth(Role.GATEWAY))
     try:
         js = nc.jetstream()
         await ensure_ledger(js)
@@ -94,7 +95,7 @@ async def consumers(js: JetStreamContext) -> int:
 
 async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -> None:
     url = f"nats://127.0.0.1:{nats_server.port}"
-    conns = [await connect(url, f"p{i}") for i in range(4)]
+    conns = [await connect(url, f"p{i}", nats_server.bus_auth(Role.GATEWAY)) for i in range(4)]
     try:
         await asyncio.gather(*(ensure_ledger(nc.jetstream()) for nc in conns))
         js = conns[0].jetstream()
@@ -276,9 +277,11 @@ async def test_query_ends_at_the_end_as_of_its_start(bus: Bus) -> None:
     assert [r.request_id for r in seen[:5]] == [f"acme-req-{i}" for i in range(5)]
 
 
-async def test_records_vanishing_mid_read_end_the_query(bus: Bus) -> None:
+async def test_records_vanishing_mid_read_end_the_query(bus: Bus, nats_server: Service) -> None:
     # Counted at the start, gone before read (max_age expiry, a tenant purge):
-    # the reader notices and ends instead of waiting for them.
+    # the reader notices and ends instead of waiting for them. A purge is the
+    # operator's (the gateway's credential may not purge a stream).
+    operator = await connect(bus.url, "operator", nats_server.bus_auth(Role.ADMIN))
     writer = LedgerWriter(bus.js)
     for i in range(300):
         await writer.append(record("acme", i))
@@ -288,8 +291,9 @@ async def test_records_vanishing_mid_read_end_the_query(bus: Bus) -> None:
     async with contextlib.aclosing(reader.query("acme")) as it:
         async for r in it:
             if not seen:
-                await bus.js.purge_stream(STREAM, subject="jetserve.ledger.acme")
+                await operator.jetstream().purge_stream(STREAM, subject="jetserve.ledger.acme")
             seen.append(r)
+    await operator.close()
     assert len(seen) == READ_BATCH  # the first fetched batch; the rest was purged
     assert time.monotonic() - start < 1.5
     assert await consumers(bus.js) == 0

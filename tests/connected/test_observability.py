@@ -66,7 +66,7 @@ def test_worker_metrics_and_readiness(fleet: Fleet) -> None:
 def test_metrics_pass_promtool(fleet: Fleet) -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool missing: run `make setup` (installs Debian's prometheus package)"
-    sources = [f"{fleet.base_url}/metrics"] + [
+    sources = [fleet.gateway_metrics_urls[0]] + [
         f"http://127.0.0.1:{p}/metrics" for p in fleet.worker_metrics_ports
     ]
     for url in sources:
@@ -83,7 +83,7 @@ def test_gateway_metrics_cover_the_stages_with_low_cardinality(fleet: Fleet) -> 
         httpx.post(
             f"{fleet.base_url}/v1/chat/completions", json=BODY, headers=headers
         ).raise_for_status()
-    text = httpx.get(f"{fleet.base_url}/metrics").text
+    text = httpx.get(fleet.gateway_metrics_urls[0]).text
     for needle in (
         'jetserve_gateway_tenant_requests_total{outcome="ok",tenant="other"}',
         "jetserve_gateway_time_per_output_token_seconds_bucket",

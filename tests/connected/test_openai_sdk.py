@@ -138,7 +138,7 @@ def test_health_ready_metrics(fleet: Fleet) -> None:
     ready = httpx.get(f"{fleet.base_url}/readyz").json()
     assert ready == {"ready": True, "checks": {"nats": True, "redis": True}}
     client(fleet).chat.completions.create(model="sim-8b", messages=MESSAGES, max_tokens=4)
-    text = httpx.get(f"{fleet.base_url}/metrics").text
+    text = httpx.get(fleet.gateway_metrics_urls[0]).text
     assert 'jetserve_gateway_requests_total{cls="interactive",op="chat",outcome="ok"}' in text
     assert "jetserve_gateway_time_to_first_token_seconds_bucket" in text
     assert 'jetserve_queue_depth{cls="interactive"}' in text

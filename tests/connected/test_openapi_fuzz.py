@@ -277,6 +277,7 @@ SECURED: list[tuple[str, str, dict[str, Any]]] = [
     ("/v1/embeddings", "POST", {"body": {"model": EMBEDDING_MODELS[0], "input": "hi"}}),
     ("/v1/models", "GET", {}),
     ("/v1/ledger", "GET", {}),
+    ("/v1/ws/tickets", "POST", {}),
     (RESUME, "GET", {"path_parameters": {"request_id": "0123456789abcdef"}}),
 ]
 

@@ -32,6 +32,7 @@ import pytest
 import websockets
 
 from jetserve.fleet import Fleet, FleetSpec
+from tests.refusals import checked_fleet
 
 pytestmark = pytest.mark.connected
 
@@ -69,12 +70,12 @@ PAGE_STATE = """({
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     # Every engine call streams at 10 ms a token unless its request says otherwise:
     # a browser cannot put X-Sim-Fault on a WebSocket upgrade, and Stop needs a
     # stream that is still running.
     spec = FleetSpec(workers=1, profile="fast", sim_args=["--fault-rate", "slow:10=1.0"])
-    with Fleet(spec) as f:
+    with checked_fleet(request, spec) as f:
         yield f
 
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from jetserve.fleet import Fleet, FleetSpec
+from tests.refusals import checked_fleet
 
 pytestmark = pytest.mark.connected
 
@@ -25,9 +26,9 @@ ROUTES = ("r-apply", "r-live", "r-cand", "r-cli", "r-cas")
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     aliases = [arg for name in ROUTES for arg in ("--alias", name)]
-    with Fleet(FleetSpec(workers=0, profile="fast", sim_args=aliases)) as f:
+    with checked_fleet(request, FleetSpec(workers=0, profile="fast", sim_args=aliases)) as f:
         f.start_worker("--deployment-name", "dep-a", "--deployment-engine", "jetserve-sim")
         f.start_worker("--deployment-name", "dep-b", "--deployment-hardware", "a100-sim")
         yield f

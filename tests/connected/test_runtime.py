@@ -13,7 +13,8 @@ import gateway.runtime
 from gateway.config import GatewayConfig
 from gateway.runtime import open_runtime
 from jetserve.services import Service
-from streams.connect import connect
+from streams.auth import Role
+from streams.connect import BusAuth, connect
 from streams.errors import ProvisioningError
 from streams.subjects import AGENT_STEP
 
@@ -47,17 +48,22 @@ async def test_failed_start_tears_down_what_started(
     # A stream that already holds the agent step subject: the runs' store cannot
     # be provisioned, after the dispatcher, route table, queue watch and the
     # NATS ingress have started.
-    admin = await connect(url, "blocker")
+    admin = await connect(url, "blocker", nats_server.bus_auth())
     await admin.jetstream().add_stream(StreamConfig(name="BLOCKER", subjects=[AGENT_STEP]))
     opened: list[Client] = []
 
-    async def recording_connect(nats_url: str, name: str) -> Client:
-        nc = await connect(nats_url, name)
+    async def recording_connect(nats_url: str, name: str, auth: BusAuth) -> Client:
+        nc = await connect(nats_url, name, auth)
         opened.append(nc)
         return nc
 
     monkeypatch.setattr(gateway.runtime, "connect", recording_connect)
-    cfg = GatewayConfig(nats_url=url, redis_url=f"redis://127.0.0.1:{redis_server.port}")
+    cfg = GatewayConfig(
+        nats_url=url,
+        redis_url=redis_server.redis_url("gateway"),
+        nats_auth=nats_server.bus_auth(Role.GATEWAY),
+        key_secret=b"k" * 32,
+    )
     before = asyncio.all_tasks()
     try:
         with pytest.raises(ProvisioningError):

@@ -9,17 +9,19 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from jetserve.credentials import generate
 from jetserve.fleet import Fleet
-from jetserve.services import free_port, nats_server_binary, wait_port
-from streams.connect import connect
+from jetserve.services import free_port, start_nats, wait_port
+from streams.auth import Role
+from streams.connect import BusAuth, connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, request_subject
@@ -45,8 +47,10 @@ def scale(*args: str) -> dict[str, dict[str, Any]]:
     return {row["class"]: row for row in report["classes"]}
 
 
-async def wait_lag(nats_url: str, want: dict[RequestClass, int], limit_s: float = 10.0) -> None:
-    nc = await connect(nats_url, "test-scale")
+async def wait_lag(
+    nats_url: str, auth: BusAuth, want: dict[RequestClass, int], limit_s: float = 10.0
+) -> None:
+    nc = await connect(nats_url, "test-scale", auth)
     try:
         js = nc.jetstream()
         end = time.monotonic() + limit_s
@@ -64,9 +68,11 @@ async def wait_lag(nats_url: str, want: dict[RequestClass, int], limit_s: float 
 
 
 async def test_scale_reports_the_queued_lag_and_keda_replicas(
-    make_fleet: Callable[..., Fleet],
+    make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fleet = make_fleet(workers=0)  # nothing consumes: every request waits in the queue
+    assert fleet.creds is not None  # `jetserve scale` runs as the operator
+    monkeypatch.setenv("JETSERVE_NATS_SEED_FILE", str(fleet.creds.seed_file(Role.ADMIN)))
     queued = {RequestClass.INTERACTIVE: 7, RequestClass.BATCH: 5, RequestClass.EMBED: 0}
     headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "45"}
 
@@ -87,7 +93,7 @@ async def test_scale_reports_the_queued_lag_and_keda_replicas(
         calls = [
             asyncio.create_task(call(c, cls, i)) for cls, n in queued.items() for i in range(n)
         ]
-        await wait_lag(fleet.nats_url, queued)
+        await wait_lag(fleet.nats_url, fleet.bus_auth(), queued)
 
         policy = (
             "--max-inflight",
@@ -138,7 +144,7 @@ async def test_scale_reports_the_queued_lag_and_keda_replicas(
         await asyncio.to_thread(fleet.start_worker, wait=False)
         statuses = await asyncio.gather(*calls)
     assert statuses == [200] * sum(queued.values())
-    await wait_lag(fleet.nats_url, dict.fromkeys(queued, 0))
+    await wait_lag(fleet.nats_url, fleet.bus_auth(), dict.fromkeys(queued, 0))
     rows = await asyncio.to_thread(scale, "--nats", fleet.nats_url, *policy)
     assert {cls: row["lag"] for cls, row in rows.items()} == dict.fromkeys(rows, 0)
     assert rows["interactive"]["desired_replicas"] == 1  # minReplicaCount
@@ -146,21 +152,22 @@ async def test_scale_reports_the_queued_lag_and_keda_replicas(
 
 
 @pytest.fixture
-def monitored_nats() -> Iterator[tuple[str, int]]:
-    """A nats-server with its monitoring port on: (client URL, monitoring port)."""
-    port, monitor = free_port(), free_port()
-    store = tempfile.mkdtemp(prefix="jetserve-scale-")
-    args = ["-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-sd", store]
-    server = subprocess.Popen(
-        [nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+def monitored_nats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, int, BusAuth]]:
+    """A nats-server with its monitoring port on, with the generated authorization:
+    (client URL, monitoring port, the admin credential). `jetserve scale` runs as
+    the operator: the admin seed file in its environment."""
+    creds = generate(tmp_path / "creds")
+    monitor = free_port()
+    server = start_nats(tmp_path / "nats", cluster=["-m", str(monitor)], auth_conf=creds.nats_conf)
+    server.creds = creds
+    monkeypatch.setenv("JETSERVE_NATS_SEED_FILE", str(creds.seed_file(Role.ADMIN)))
     try:
-        wait_port(port, 10.0, server)
-        wait_port(monitor, 10.0, server)
-        yield f"nats://127.0.0.1:{port}", monitor
+        wait_port(monitor, 10.0, server.proc)
+        yield f"nats://127.0.0.1:{server.port}", monitor, server.bus_auth()
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
 
 def watch_lines(url: str, n: int) -> list[str]:
@@ -175,12 +182,12 @@ def watch_lines(url: str, n: int) -> list[str]:
 
 
 async def test_jetstream_api_and_monitoring_endpoint_agree(
-    monitored_nats: tuple[str, int],
+    monitored_nats: tuple[str, int, BusAuth],
 ) -> None:
     """KEDA reads /jsz; `jetserve scale --monitoring` reads it the same way, and
     `--nats` (the JetStream API) gives the same numbers, ack_pending included."""
-    url, monitor = monitored_nats
-    nc = await connect(url, "test-scale")
+    url, monitor, auth = monitored_nats
+    nc = await connect(url, "test-scale", auth)
     try:
         js = nc.jetstream()
         await ensure_topology(js, TOPO)

@@ -11,6 +11,7 @@ import pytest
 from gateway.errors import RateLimited, StreamInterrupted
 from gateway.inference.dispatch import Dispatcher, FrameStream
 from jetserve.services import Service
+from streams.auth import Role
 from streams.connect import connect
 from streams.definitions import Limits, Topology
 from streams.inference.frames import FrameBuffer
@@ -37,7 +38,7 @@ def request(i: int) -> tuple[InferenceRequest, Meta]:
 
 async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -> None:
     url = f"nats://127.0.0.1:{nats_server.port}"
-    conns = [await connect(url, f"p{i}") for i in range(3)]
+    conns = [await connect(url, f"p{i}", nats_server.bus_auth(Role.GATEWAY)) for i in range(3)]
     try:
         await asyncio.gather(*(ensure_topology(nc.jetstream()) for nc in conns))
         await ensure_topology(conns[0].jetstream())
@@ -63,7 +64,7 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
 
 async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> None:
     topo = Topology(stream="SMALL", limits=Limits(max_msgs=3))
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t")
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()
         await ensure_topology(js, topo)
@@ -89,7 +90,7 @@ async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
     """Core NATS delivers at most once: a frame the gateway missed (a server died
     on the way) is read back from the replicated frames capture; one the capture
     lacks too ends the stream with an error, never a text with a hole."""
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t")
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()
         await ensure_topology(js)

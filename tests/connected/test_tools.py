@@ -21,6 +21,7 @@ from nats.aio.client import Client
 from nats.js.api import StorageType
 
 from jetserve.services import Service
+from streams.auth import Role
 from streams.connect import connect
 from tools import (
     EffectLedger,
@@ -107,7 +108,10 @@ def ctx(call_id: str = "call_1", **kw: Any) -> ToolContext:
 
 @pytest.fixture
 async def nc(nats_server: Service) -> AsyncIterator[Client]:
-    conn = await connect(f"nats://127.0.0.1:{nats_server.port}", "test-tools")
+    # The agent executor's credential: what it may do with tools, and no more.
+    conn = await connect(
+        f"nats://127.0.0.1:{nats_server.port}", "test-tools", nats_server.bus_auth(Role.AGENT)
+    )
     yield conn
     await conn.close()
 
@@ -330,7 +334,8 @@ async def test_executor_killed_between_effect_and_outcome(
     script = textwrap.dedent(
         f"""
         import asyncio, json, os, signal, sys
-        from streams.connect import connect
+        from streams.auth import Role
+        from streams.connect import BusAuth, connect
         from tools import *
 
         async def transfer(args, ctx):
@@ -342,7 +347,8 @@ async def test_executor_killed_between_effect_and_outcome(
             os.kill(os.getpid(), signal.SIGKILL)  # after the effect, before the outcome
 
         async def main():
-            nc = await connect("nats://127.0.0.1:{nats_server.port}", "doomed")
+            auth = BusAuth.from_env(Role.AGENT)
+            nc = await connect("nats://127.0.0.1:{nats_server.port}", "doomed", auth)
             ledger = await EffectLedger.open(nc.jetstream())
             tool = Tool("transfer", "t", {TRANSFER_SCHEMA!r}, InProcess(transfer),
                         tier=Tier.SIDE_EFFECTING, timeout_s=0.5)
@@ -357,6 +363,7 @@ async def test_executor_killed_between_effect_and_outcome(
         subprocess.run,
         [sys.executable, "-c", script],
         cwd=ROOT,
+        env={**os.environ, **nats_server_env(nats_server, Role.AGENT)},
         capture_output=True,
         timeout=20,
         check=False,
@@ -414,7 +421,8 @@ async def test_executor_killed_between_effect_and_outcome(
 
 SERVER = """
 import asyncio, os, sys
-from streams.connect import connect
+from streams.auth import Role
+from streams.connect import BusAuth, connect
 from tools import Outcome, ToolFailure, serve_tool
 
 applied = {}
@@ -445,10 +453,10 @@ async def crash(args, ctx):
     raise RuntimeError("remote bug")
 
 async def main():
-    nc = await connect(sys.argv[1], "tool-host")
-    await serve_tool(nc, echo, "tools.echo")
-    await serve_tool(nc, transfer, "tools.transfer", reconcile=reconcile)
-    await serve_tool(nc, crash, "tools.crash")
+    nc = await connect(sys.argv[1], "tool-host", BusAuth.from_env(Role.TOOLS))
+    await serve_tool(nc, echo, "jetserve.tool.echo")
+    await serve_tool(nc, transfer, "jetserve.tool.transfer", reconcile=reconcile)
+    await serve_tool(nc, crash, "jetserve.tool.crash")
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -468,7 +476,7 @@ def tool_host(nats_server: Service, tmp_path: Path) -> Iterator[subprocess.Popen
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": str(ROOT), **nats_server_env(nats_server, Role.TOOLS)},
         )
     try:
         assert proc.stdout is not None
@@ -483,29 +491,29 @@ def tool_host(nats_server: Service, tmp_path: Path) -> Iterator[subprocess.Popen
 
 def remote_tools() -> list[Tool]:
     return [
-        Tool("echo", "Echo", {"type": "object"}, Remote("tools.echo"), timeout_s=2),
+        Tool("echo", "Echo", {"type": "object"}, Remote("jetserve.tool.echo"), timeout_s=2),
         Tool(
             "transfer",
             "Move money",
             TRANSFER_SCHEMA,
-            Remote("tools.transfer", reconcile=True),
+            Remote("jetserve.tool.transfer", reconcile=True),
             tier=Tier.SIDE_EFFECTING,
             timeout_s=0.3,
         ),
-        Tool("crash", "Crashes", {"type": "object"}, Remote("tools.crash"), timeout_s=2),
+        Tool("crash", "Crashes", {"type": "object"}, Remote("jetserve.tool.crash"), timeout_s=2),
         Tool(
             "crash_fx",
             "Crashes mid-effect",
             {"type": "object"},
-            Remote("tools.crash"),
+            Remote("jetserve.tool.crash"),
             tier=Tier.SIDE_EFFECTING,
         ),
-        Tool("nobody", "Unserved", {"type": "object"}, Remote("tools.nobody")),
+        Tool("nobody", "Unserved", {"type": "object"}, Remote("jetserve.tool.nobody")),
         Tool(
             "nobody_fx",
             "Unserved",
             {"type": "object"},
-            Remote("tools.nobody"),
+            Remote("jetserve.tool.nobody"),
             tier=Tier.SIDE_EFFECTING,
         ),
     ]
@@ -515,7 +523,7 @@ ALL_REMOTE = {"echo", "transfer", "crash", "crash_fx", "nobody", "nobody_fx"}
 
 
 async def test_remote_tool_round_trip_across_processes(
-    nc: Client, ledger: EffectLedger, tool_host: subprocess.Popen[str]
+    nc: Client, ledger: EffectLedger, tool_host: subprocess.Popen[str], nats_server: Service
 ) -> None:
     d = dispatcher(ledger, *remote_tools(), nc=nc)
     deadline = time.time() + 30
@@ -540,11 +548,18 @@ async def test_remote_tool_round_trip_across_processes(
     )
     assert (poor.error, poor.retryable) == ("insufficient funds", False)
 
-    # Discoverable with the NATS service API.
-    info = json.loads((await nc.request("$SRV.INFO.tools_transfer", b"", timeout=2)).data)
+    # Discoverable with the NATS service API (by the operator).
+    admin = await connect(
+        f"nats://127.0.0.1:{nats_server.port}", "operator", nats_server.bus_auth()
+    )
+    try:
+        answer = await admin.request("$SRV.INFO.jetserve_tool_transfer", b"", timeout=2)
+    finally:
+        await admin.close()
+    info = json.loads(answer.data)
     assert {e["subject"] for e in info["endpoints"]} == {
-        "tools.transfer",
-        "tools.transfer.reconcile",
+        "jetserve.tool.transfer",
+        "jetserve.tool.transfer.reconcile",
     }
     assert {e["queue_group"] for e in info["endpoints"]} == {"tools"}
 
@@ -584,3 +599,9 @@ async def test_remote_failures_are_structured(
     r = as_result(await d.call("transfer", '{"from": "alice"}', ctx("v1"), ALL_REMOTE))
     assert r.error.startswith("invalid arguments: $: 'to' is a required property")
     assert await ledger.status(ctx("v1").key) is None
+
+
+def nats_server_env(server: Service, role: Role) -> dict[str, str]:
+    """A child process's NATS credential, as the file its environment names."""
+    assert server.creds is not None
+    return server.creds.nats_env(role)

@@ -145,7 +145,7 @@ async def test_a_client_too_slow_for_too_long_is_ended_and_the_engine_stopped(
             await asyncio.sleep(0.1)
         assert stats["aborted"] == 4, stats  # the engine stopped each of them
         async with httpx.AsyncClient() as c:
-            text = (await c.get(f"{fleet.base_url}/metrics")).text
+            text = (await c.get(fleet.gateway_metrics_urls[0])).text
         assert 'outcome="client_too_slow"' in text
     finally:
         for w in stuck:

@@ -6,6 +6,11 @@ renamed or removed flag fails this test instead of a deployment. The service
 graph (health checks, depends_on, profiles, grace periods) needs a real YAML
 loader: PyYAML (a dev extra) or, failing that, ``docker compose config``; without
 either those tests are skipped, saying which is missing.
+
+Authentication is on by default: every bus process finds its credential in a file
+that the one-shot ``credentials`` service wrote (the paths are checked against
+jetserve.credentials), the servers load the generated authorization, and no
+command line holds a secret.
 """
 
 from __future__ import annotations
@@ -25,15 +30,29 @@ from urllib.parse import urlsplit
 import pytest
 
 from jetserve import cli as jetserve_cli
+from jetserve.commands.admin import ADMIN_TOKEN_ENV
 from jetserve.commands.common import split_csv
+from jetserve.commands.gateway import KEY_SECRET_ENV
+from jetserve.credentials import Credentials
 from sim import cli as sim_cli
+from streams.auth import Role
+from streams.connect import SEED_ENV
 from streams.subjects import RequestClass
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yml"
-JETSERVE_SERVICES = ("sim", "gateway", "worker", "agent", "keys", "worker-gpu")
+DOCKERFILE = ROOT / "Dockerfile"
+JETSERVE_SERVICES = ("credentials", "sim", "gateway", "worker", "agent", "keys", "worker-gpu")
 # First argument of each command that is not ours: nats-server, redis-server, vLLM.
-THIRD_PARTY_HEADS = {"-js", "redis-server", "--model"}
+THIRD_PARTY_HEADS = {"-c", "redis-server", "--model"}
+# The services on the bus, and the role whose credential each one holds.
+BUS_ROLES = {"gateway": Role.GATEWAY, "worker": Role.WORKER, "agent": Role.AGENT}
+BUS_ROLES["worker-gpu"] = Role.WORKER
+REDIS_PASSWORD_ENV = "JETSERVE_REDIS_PASSWORD"
+# Secrets travel as files only: none of these may be set to a value.
+SECRET_ENVS = (SEED_ENV, REDIS_PASSWORD_ENV, KEY_SECRET_ENV, ADMIN_TOKEN_ENV)
+# Flags that would put a secret on a command line (``ps`` shows it to everyone).
+SECRET_FLAGS = {"--admin-token", "--key-secret", "--seed", "--password", "--pass", "-a"}
 _COMMAND_LINE = re.compile(r"^\s+command:\s*(?P<value>.*?)\s*$")
 
 
@@ -129,13 +148,49 @@ def _by_name(name: str) -> list[argparse.Namespace]:
 
 def test_every_command_is_a_json_array() -> None:
     commands = _command_lines()
-    # nats, redis, sim, gateway, worker, agent, keys, vllm, worker-gpu
-    assert len(commands) == 9
+    # credentials, nats, redis, sim, gateway, worker, agent, keys, vllm, worker-gpu
+    assert len(commands) == 10
 
 
 def test_every_jetserve_command_parses() -> None:
     names = sorted(name for name, _, _ in _jetserve_commands())
-    assert names == ["agent", "gateway", "keys", "sim", "worker", "worker"]
+    assert names == ["agent", "credentials", "gateway", "keys", "sim", "worker", "worker"]
+
+
+def _credentials() -> tuple[argparse.Namespace, Credentials]:
+    (ns,) = _by_name("credentials")
+    return ns, Credentials(ns.dir, tuple(ns.tenant))
+
+
+def test_no_command_line_holds_a_secret_or_turns_auth_off() -> None:
+    for argv in _command_lines():
+        assert "--insecure" not in argv, argv
+        for token in argv:
+            flag = token.split("=", 1)[0]
+            assert flag not in SECRET_FLAGS, f"a secret on a command line: {argv}"
+            if "://" in token:
+                assert urlsplit(token).password is None, f"a password in a URL: {argv}"
+    for _, ns, argv in _jetserve_commands():
+        assert not getattr(ns, "insecure", False), argv
+
+
+def test_servers_load_the_generated_authorization() -> None:
+    ns, _ = _credentials()
+    assert ns.tenant == ["demo"]
+    assert ns.k8s_secrets is None
+    assert ns.servers_dir is not None
+    nats = next(argv for argv in _command_lines() if argv[:1] == ["-c"])
+    assert Path(nats[1]) == ns.servers_dir / "nats-auth.conf"
+    assert "-js" in nats
+    redis = next(argv for argv in _command_lines() if argv[:1] == ["redis-server"])
+    assert Path(redis[redis.index("--aclfile") + 1]) == ns.servers_dir / "redis.acl"
+
+
+def test_redis_urls_name_the_acl_user_of_their_role() -> None:
+    (gateway,) = _by_name("gateway")
+    (agent,) = _by_name("agent")
+    assert urlsplit(gateway.redis).username == "gateway"
+    assert urlsplit(agent.redis).username == "agent"
 
 
 def test_log_levels_are_logging_levels() -> None:
@@ -246,7 +301,135 @@ def test_infrastructure_images(services: dict[str, dict[str, Any]]) -> None:
     assert "/data" in json.dumps(nats["volumes"])
     assert "8222/healthz" in " ".join(nats["healthcheck"]["test"])
     assert redis["image"] == "redis:7-alpine"
-    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert "redis-cli --user admin ping" in " ".join(redis["healthcheck"]["test"])
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """Mount target -> (volume, read-only), from short or long (rendered) syntax."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, str):
+            source, target, *mode = vol.split(":")
+            out[target] = (source, "ro" in mode)
+        else:
+            out[vol["target"]] = (vol["source"], bool(vol.get("read_only")))
+    return out
+
+
+def _volumes_of(svc: dict[str, Any]) -> set[str]:
+    return {volume for volume, _ in _mounts(svc).values()}
+
+
+def _env(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        return dict(e.split("=", 1) for e in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def _under(path: str | Path, mounts: dict[str, tuple[str, bool]]) -> tuple[str, bool]:
+    """The volume (and its read-only flag) that holds ``path`` in a container."""
+    found = [t for t in mounts if Path(path).is_relative_to(t)]
+    assert found, f"{path} is on no mounted volume"
+    return mounts[max(found, key=len)]
+
+
+def test_credentials_are_generated_once_into_volumes(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    ns, _ = _credentials()
+    svc = services["credentials"]
+    # A one-shot that everything waits for; it must run with a plain `up`.
+    assert svc["restart"] == "no"
+    assert not svc.get("profiles")
+    mounts = _mounts(svc)
+    assert mounts[str(ns.dir)] == ("creds", False)
+    assert mounts[str(ns.servers_dir)] == ("bus-auth", False)
+    assert {"creds", "bus-auth"} <= set(_load_compose()["volumes"])
+    for name, other in services.items():
+        if name != "credentials":
+            for volume, read_only in _mounts(other).values():
+                if volume in ("creds", "bus-auth"):
+                    assert read_only, f"{name} mounts {volume} writable"
+        deps = _depends(other)
+        if "credentials" in deps:
+            assert deps["credentials"] == "service_completed_successfully", name
+
+
+def test_the_image_owns_the_credential_mount_points() -> None:
+    """A fresh named volume takes the owner and mode of the image's directory: the
+    uid jetserve runs as must own /creds (0700) and /bus-auth (0755), so that the
+    credentials service can write both and every jetserve service read its files."""
+    text = DOCKERFILE.read_text()
+    user = re.search(r"^USER (\d+)", text, re.M)
+    assert user is not None, "the image runs as a fixed uid"
+    ns, _ = _credentials()
+    for path, mode in ((ns.dir, "0700"), (ns.servers_dir, "0755")):
+        made = re.search(rf"install -d -o (\d+) -g \d+ -m (\d+) {path}\b", text)
+        assert made is not None, f"the Dockerfile creates no {path}"
+        assert made.groups() == (user[1], mode), path
+
+
+def test_servers_mount_only_public_files(services: dict[str, dict[str, Any]]) -> None:
+    nats, redis = services["nats"], services["redis"]
+    conf = nats["command"][nats["command"].index("-c") + 1]
+    acl = redis["command"][redis["command"].index("--aclfile") + 1]
+    assert _under(conf, _mounts(nats)) == ("bus-auth", True)
+    assert _under(acl, _mounts(redis)) == ("bus-auth", True)
+    assert "creds" not in _volumes_of(nats), "nats-server needs no secret"
+    for name in ("nats", "redis"):
+        assert _depends(services[name]) == {"credentials": "service_completed_successfully"}
+
+
+def test_redis_health_check_authenticates_without_argv_secrets(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    _, creds = _credentials()
+    redis = services["redis"]
+    kind, check = redis["healthcheck"]["test"]
+    assert kind == "CMD-SHELL"
+    password = creds.redis_password_file("admin")
+    assert f"cat {password}" in check
+    assert "REDISCLI_AUTH=" in check  # not --pass: redis-cli's argv is visible
+    assert "grep -q PONG" in check  # redis-cli exits 0 on NOAUTH too
+    for flag in ("--pass", " -a "):
+        assert flag not in check
+    assert _under(password, _mounts(redis)) == ("creds", True)
+
+
+def test_every_bus_process_has_its_roles_credential(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    _, creds = _credentials()
+    for name, role in BUS_ROLES.items():
+        svc, env = services[name], _env(services[name])
+        mounts = _mounts(svc)
+        assert env.get(f"{SEED_ENV}_FILE") == str(creds.seed_file(role)), name
+        assert _under(env[f"{SEED_ENV}_FILE"], mounts) == ("creds", True), name
+        assert _depends(svc).get("credentials") == "service_completed_successfully", name
+        redis_url = getattr(_parsed(svc), "redis", None)
+        if redis_url is None:
+            assert f"{REDIS_PASSWORD_ENV}_FILE" not in env, name
+            continue
+        user = urlsplit(redis_url).username
+        assert user is not None, f"{name}: the Redis URL names no ACL user"
+        assert env.get(f"{REDIS_PASSWORD_ENV}_FILE") == str(creds.redis_password_file(user))
+    gateway = _env(services["gateway"])
+    assert gateway[f"{KEY_SECRET_ENV}_FILE"] == str(creds.key_secret_file)
+    assert gateway[f"{ADMIN_TOKEN_ENV}_FILE"] == str(creds.admin_token_file)
+    # The key tool reads the admin token from the same file.
+    keys = services["keys"]
+    assert _env(keys)[f"{ADMIN_TOKEN_ENV}_FILE"] == str(creds.admin_token_file)
+    assert _under(creds.admin_token_file, _mounts(keys)) == ("creds", True)
+    # The simulator is on no bus: it gets no credential.
+    assert "creds" not in _volumes_of(services["sim"])
+
+
+def test_no_secret_by_value_in_the_environment(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        env = _env(svc)
+        for var in SECRET_ENVS:
+            assert var not in env, f"{name}: {var} by value; use {var}_FILE"
 
 
 def test_one_image_for_every_jetserve_process(services: dict[str, dict[str, Any]]) -> None:
@@ -262,21 +445,28 @@ def test_restart_policies(services: dict[str, dict[str, Any]]) -> None:
             # A one-shot: restarting it would mint a new key on every exit.
             assert svc["restart"] == "no"
             assert svc.get("profiles"), "keys must not start with `docker compose up`"
+        elif name == "credentials":
+            # A one-shot the others wait for (service_completed_successfully).
+            assert svc["restart"] == "no"
         else:
             assert svc["restart"] == "unless-stopped", name
 
 
 def test_depends_on_waits_for_health(services: dict[str, dict[str, Any]]) -> None:
     want = {
-        "gateway": {"nats", "redis"},
-        "worker": {"nats", "sim"},
-        "worker-gpu": {"nats", "vllm"},
+        "gateway": {"credentials", "nats", "redis"},
+        "worker": {"credentials", "nats", "sim"},
+        "worker-gpu": {"credentials", "nats", "vllm"},
+        "agent": {"credentials", "nats", "redis"},
         "keys": {"gateway"},
     }
     for name, deps in want.items():
         got = _depends(services[name])
         assert set(got) == deps, name
         for dep, condition in got.items():
+            if dep == "credentials":
+                assert condition == "service_completed_successfully", name
+                continue
             assert condition == "service_healthy", (name, dep)
             assert "healthcheck" in services[dep], f"{name} waits on {dep}, which has none"
 
@@ -294,9 +484,27 @@ def test_addresses_name_services(services: dict[str, dict[str, Any]]) -> None:
 
 def test_gateway_published_and_probed_on_readyz(services: dict[str, dict[str, Any]]) -> None:
     gw = services["gateway"]
-    port = _parsed(gw).port
-    assert str(port) in json.dumps(gw["ports"])
-    assert f"{port}/readyz" in " ".join(gw["healthcheck"]["test"])
+    ns = _parsed(gw)
+    assert str(ns.port) in json.dumps(gw["ports"])
+    assert f"{ns.port}/readyz" in " ".join(gw["healthcheck"]["test"])
+    # /metrics is on its own listener, published on the host's loopback only.
+    assert ns.metrics_port is not None
+    assert ns.metrics_host == "0.0.0.0"
+    hosts = [ip for ip, target in _published(gw) if target == ns.metrics_port]
+    assert hosts == ["127.0.0.1"], hosts
+
+
+def _published(svc: dict[str, Any]) -> list[tuple[str | None, int]]:
+    """(host address, container port) of each published port, short or long syntax."""
+    out: list[tuple[str | None, int]] = []
+    for port in svc.get("ports", []):
+        if isinstance(port, dict):  # `docker compose config` renders the long syntax
+            out.append((port.get("host_ip"), int(port["target"])))
+            continue
+        match = re.fullmatch(r"(?:(\d+\.\d+\.\d+\.\d+):)?.*:(\d+)", str(port))
+        assert match is not None, port
+        out.append((match[1], int(match[2])))
+    return out
 
 
 def test_workers_drain_before_sigkill(services: dict[str, dict[str, Any]]) -> None:

@@ -9,6 +9,10 @@
   names (argparse would accept abbreviations: a renamed flag must fail here).
 - The Grafana dashboard parses, and its queries name only metrics that exist: the
   gateway's (introspected from gateway.metrics) or the documented worker metrics.
+- Authentication is on: every bus process reads its role's credential from a file of
+  the Secret that ``jetserve credentials --k8s-secrets`` generates for that role,
+  nats-server and redis-server load the generated authorization, and no command
+  line, URL or environment value holds a secret.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ import pytest
 
 from gateway.metrics import GatewayMetrics
 from jetserve import cli as jetserve_cli
+from jetserve.commands.admin import ADMIN_TOKEN_ENV
 from jetserve.commands.common import split_csv
+from jetserve.commands.credentials import k8s_secrets
+from jetserve.commands.gateway import KEY_SECRET_ENV
+from jetserve.credentials import generate
 from jetserve.scale import (
     OptionError,
     Policy,
@@ -41,6 +49,8 @@ from jetserve.scale import (
     per_class,
 )
 from sim import cli as sim_cli
+from streams.auth import Role
+from streams.connect import SEED_ENV
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
 
@@ -71,6 +81,12 @@ WORKER_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # Labels Prometheus attaches to every scraped series.
 TARGET_LABELS = {"instance", "job"}
+REDIS_PASSWORD_ENV = "JETSERVE_REDIS_PASSWORD"
+# Secrets travel as mounted files only: none of these may be set to a value.
+SECRET_ENVS = (SEED_ENV, REDIS_PASSWORD_ENV, KEY_SECRET_ENV, ADMIN_TOKEN_ENV)
+# Flags that would put a secret on a command line (``ps`` shows it to everyone).
+SECRET_FLAGS = {"--admin-token", "--key-secret", "--seed", "--password", "--pass", "-a"}
+CREDENTIALS_STEP = "jetserve credentials --dir ./creds --tenant <t> --k8s-secrets jetserve"
 
 
 # -- loading --------------------------------------------------------------------
@@ -287,19 +303,18 @@ def test_configmap_addresses_name_services() -> None:
             assert "jetserve-config" in refs, workload
 
 
-def test_gateway_ports_probes_and_admin_secret() -> None:
+def test_gateway_ports_probes_and_services() -> None:
     container, ns = _container("gateway", "gateway")
     assert ns.host == "0.0.0.0"
     assert ns.admin_host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": ns.port, "admin": ns.admin_port}
+    assert ports == {"http": ns.port, "admin": ns.admin_port, "metrics": ns.metrics_port}
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
         assert get["path"] == path
         assert ports.get(get["port"], get["port"]) == ns.port
-    env = {e["name"]: e for e in container["env"]}
-    assert "secretKeyRef" in env["JETSERVE_ADMIN_TOKEN"]["valueFrom"]
-    # The admin API has its own ClusterIP Service; the public one does not carry it.
+    # The admin API has its own ClusterIP Service; the public one does not carry it,
+    # and no Service carries /metrics (Prometheus scrapes the pods).
     services = _of_kind("Service")
     public, admin = services["gateway"]["spec"], services["gateway-admin"]["spec"]
     assert {p["targetPort"] for p in public["ports"]} == {"http"}
@@ -313,9 +328,13 @@ def test_gateway_ports_probes_and_admin_secret() -> None:
 
 
 def test_metrics_are_scraped_where_they_are_served() -> None:
-    """Prometheus annotations name the port that serves /metrics: the gateway's
-    --port, the worker's --metrics-port (bound beyond loopback)."""
-    served = {"gateway": _container("gateway", "gateway")[1].port}
+    """Prometheus annotations name the port that serves /metrics: the gateway's and
+    the worker's --metrics-port (bound beyond loopback; the gateway's public port
+    serves no /metrics)."""
+    _, gateway = _container("gateway", "gateway")
+    assert gateway.metrics_host == "0.0.0.0"
+    assert gateway.metrics_port not in (None, gateway.port, gateway.admin_port)
+    served = {"gateway": gateway.metrics_port}
     for workload, (container, worker) in _workers().items():
         assert worker.metrics_host == "0.0.0.0", workload
         served[workload] = worker.metrics_port
@@ -357,6 +376,212 @@ def test_nats_serves_jetstream_and_monitoring() -> None:
     assert "-js" in args
     monitor = int(args[args.index("-m") + 1])
     assert monitor in {p["containerPort"] for p in nats["ports"]}
+
+
+# -- authentication -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def generated_secrets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """Secret name -> its keys, as `jetserve credentials --k8s-secrets` prints them."""
+    creds = generate(tmp_path_factory.mktemp("creds"), ("demo",))
+    out: dict[str, set[str]] = {}
+    for text in k8s_secrets(creds, NAMESPACE).split("\n---\n"):
+        doc = json.loads(text)
+        assert doc["kind"] == "Secret"
+        assert doc["metadata"]["namespace"] == NAMESPACE
+        out[doc["metadata"]["name"]] = set(doc["data"])
+    return out
+
+
+def _secret_volumes(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    volumes = _pod_spec(workload).get("volumes", [])
+    return {v["name"]: v["secret"] for v in volumes if "secret" in v}
+
+
+def _secret_file(workload: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret, key) whose mounted file ``path`` is in ``container``; read-only."""
+    mounts = [
+        m for m in container.get("volumeMounts", []) if Path(path).is_relative_to(m["mountPath"])
+    ]
+    assert mounts, f"{container['name']}: {path} is on no mounted volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    assert mount.get("readOnly") is True, f"{container['name']}: {mount['name']} is writable"
+    secret = _secret_volumes(workload).get(mount["name"])
+    assert secret is not None, f"{container['name']}: {path} is not from a Secret"
+    rel = Path(path).relative_to(mount["mountPath"]).as_posix()
+    items = secret.get("items")
+    key = {i["path"]: i["key"] for i in items}.get(rel) if items else rel
+    assert key is not None, f"{container['name']}: {path} is no item of its Secret"
+    return secret["secretName"], key
+
+
+def _env_value(container: dict[str, Any], name: str) -> str | None:
+    """What ``$name`` is in ``container``: its own env first, then its envFrom ConfigMaps."""
+    for e in container.get("env", []):
+        if e["name"] == name:
+            if "value" in e:
+                return str(e["value"])
+            ref = e.get("valueFrom", {}).get("configMapKeyRef")
+            assert ref is not None, f"{container['name']}: {name} is not a plain value"
+            return str(OBJECTS[("ConfigMap", ref["name"])]["data"][ref["key"]])
+    for source in container.get("envFrom", []):
+        data = OBJECTS[("ConfigMap", source["configMapRef"]["name"])]["data"]
+        if name in data:
+            return str(data[name])
+    return None
+
+
+def _all_containers() -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    for (kind, name), obj in OBJECTS.items():
+        if kind in ("Deployment", "StatefulSet"):
+            for container in _containers(obj):
+                yield name, obj, container
+
+
+def _probe_commands(container: dict[str, Any]) -> list[list[str]]:
+    probes = ("readinessProbe", "livenessProbe", "startupProbe")
+    return [container[p]["exec"]["command"] for p in probes if "exec" in container.get(p, {})]
+
+
+def test_no_command_line_holds_a_secret_or_turns_auth_off() -> None:
+    for workload, _, container in _all_containers():
+        argv = [*container.get("command", []), *container.get("args", [])]
+        argv += [a for cmd in _probe_commands(container) for a in cmd]
+        assert "--insecure" not in argv, (workload, container["name"])
+        for token in argv:
+            assert token.split("=", 1)[0] not in SECRET_FLAGS, (workload, token)
+            for url in re.findall(r"\w+://\S+", token):
+                assert urlsplit(url).password is None, (workload, "a password in a URL")
+    for _, _, _, ns in _commands():
+        assert not getattr(ns, "insecure", False)
+    for name, cm in _of_kind("ConfigMap").items():
+        for key, value in cm.get("data", {}).items():
+            if "://" in str(value):
+                assert urlsplit(str(value)).password is None, (name, key)
+
+
+def test_no_secret_by_value_in_the_environment() -> None:
+    for workload, _, container in _all_containers():
+        for e in container.get("env", []):
+            assert e["name"] not in SECRET_ENVS, f"{workload}: {e['name']}; use {e['name']}_FILE"
+            assert "secretKeyRef" not in e.get("valueFrom", {}), (workload, e["name"])
+    for name, cm in _of_kind("ConfigMap").items():
+        assert not set(cm.get("data", {})) & set(SECRET_ENVS), name
+
+
+def test_every_secret_used_is_one_the_credentials_command_makes(
+    generated_secrets: dict[str, set[str]],
+) -> None:
+    assert {f"jetserve-{r.value}" for r in Role if r is not Role.SERVICE} | {
+        "jetserve-service-demo",
+        "jetserve-bus-auth",
+    } == set(generated_secrets)
+    used = 0
+    for (kind, name), obj in OBJECTS.items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        for volume, secret in _secret_volumes(obj).items():
+            keys = generated_secrets.get(secret["secretName"])
+            assert keys is not None, f"{name}: no such Secret: {secret['secretName']}"
+            for item in secret.get("items", []):
+                assert item["key"] in keys, (name, volume, item["key"])
+            used += 1
+    assert used >= 8  # nats, redis (2), gateway, agent and each worker
+
+
+def test_every_bus_process_has_its_roles_credential() -> None:
+    seen = set()
+    for workload, command, container, ns in _commands():
+        if command == "sim":
+            # The engine is on no bus: it gets no credential.
+            assert not container.get("volumeMounts"), workload
+            continue
+        obj = OBJECTS[("Deployment", workload)]
+        role = Role(command)
+        seen.add(role)
+        seed = _env_value(container, f"{SEED_ENV}_FILE")
+        assert seed is not None, f"{workload}: no {SEED_ENV}_FILE"
+        assert _secret_file(obj, container, seed) == (f"jetserve-{role.value}", "nats.nk")
+        redis_env = _env_value(container, "JETSERVE_REDIS_URL")
+        url = ns.redis if "--redis" in _argv(container) else redis_env
+        password = _env_value(container, f"{REDIS_PASSWORD_ENV}_FILE")
+        if command in ("gateway", "agent"):
+            assert url is not None, f"{workload}: no Redis URL"
+            assert urlsplit(url).username == role.value, (workload, url)
+            _service_port(str(urlsplit(url).hostname), int(urlsplit(url).port or 6379))
+            assert password is not None, f"{workload}: no {REDIS_PASSWORD_ENV}_FILE"
+            want = (f"jetserve-{role.value}", "redis.password")
+            assert _secret_file(obj, container, password) == want
+        else:
+            assert password is None, workload
+        if command == "gateway":
+            for var, key in ((KEY_SECRET_ENV, "key_secret"), (ADMIN_TOKEN_ENV, "admin_token")):
+                path = _env_value(container, f"{var}_FILE")
+                assert path is not None, f"gateway: no {var}_FILE"
+                assert _secret_file(obj, container, path) == ("jetserve-gateway", key)
+    assert seen == {Role.GATEWAY, Role.WORKER, Role.AGENT}
+
+
+def test_mounted_secrets_are_readable_by_the_pods_user() -> None:
+    """A Secret's files are root's: a pod that runs as uid 10001 reads them through
+    fsGroup, so its mode must let the group read."""
+    for (kind, name), obj in OBJECTS.items():
+        if kind not in ("Deployment", "StatefulSet") or not _secret_volumes(obj):
+            continue
+        pod = _pod_spec(obj).get("securityContext", {})
+        if pod.get("runAsUser", 0) == 0:
+            continue  # root, or the image's own user-switching entrypoint (redis, nats)
+        assert pod.get("fsGroup") == pod.get("runAsGroup"), name
+        for secret in _secret_volumes(obj).values():
+            mode = secret.get("defaultMode", 0o644)
+            assert mode & 0o040, f"{name}: {oct(mode)} hides {secret['secretName']} from its group"
+            assert not mode & 0o007, f"{name}: {secret['secretName']} is world-readable"
+
+
+def test_servers_load_the_generated_authorization() -> None:
+    nats_set = OBJECTS[("StatefulSet", "nats")]
+    (nats,) = [c for c in _containers(nats_set) if c["name"] == "nats"]
+    args = nats["args"]
+    assert args[0] == "-c", "the config file first: the flags after it override it"
+    assert _secret_file(nats_set, nats, args[1]) == ("jetserve-bus-auth", "nats-auth.conf")
+
+    redis_set = OBJECTS[("StatefulSet", "redis")]
+    (redis,) = [c for c in _containers(redis_set) if c["name"] == "redis"]
+    acl = redis["args"][redis["args"].index("--aclfile") + 1]
+    assert _secret_file(redis_set, redis, acl) == ("jetserve-bus-auth", "redis.acl")
+    # Its probes PING as admin: the password from a file, through REDISCLI_AUTH.
+    probes = _probe_commands(redis)
+    assert len(probes) == 2
+    for probe in probes:
+        assert probe[:2] == ["sh", "-c"]
+        check = probe[2]
+        assert "redis-cli --user admin ping" in check
+        assert "grep -q PONG" in check  # redis-cli exits 0 on NOAUTH too
+        (path,) = re.findall(r'REDISCLI_AUTH="\$\(cat (\S+)\)"', check)
+        assert _secret_file(redis_set, redis, path) == ("jetserve-admin", "redis.password")
+    # Only that key of the admin Secret: its nkey seed (the whole bus) stays out.
+    for secret in _secret_volumes(redis_set).values():
+        if secret["secretName"] == "jetserve-admin":
+            assert [i["key"] for i in secret["items"]] == ["redis.password"]
+
+
+def test_keda_reads_the_unauthenticated_monitoring_port() -> None:
+    """KEDA reads /jsz from nats-server's monitoring port, which the authorization
+    block does not cover: no TriggerAuthentication, and the port is nats's -m."""
+    (nats,) = [c for c in _containers(OBJECTS[("StatefulSet", "nats")]) if c["name"] == "nats"]
+    monitor = nats["args"][nats["args"].index("-m") + 1]
+    for name, so in _of_kind("ScaledObject").items():
+        (trigger,) = so["spec"]["triggers"]
+        assert "authenticationRef" not in trigger, name
+        assert trigger["metadata"]["natsServerMonitoringEndpoint"].endswith(f":{monitor}")
+
+
+def test_manifests_with_credentials_say_how_to_make_them() -> None:
+    files = {path for path, doc in _documents() if "secret" in json.dumps(doc).lower()}
+    files |= {DEPLOY / "kustomization.yaml", DEPLOY / "configmap.yaml"}
+    for path in files:
+        assert CREDENTIALS_STEP in path.read_text(), f"{path.name}: no credentials step"
 
 
 # -- KEDA ---------------------------------------------------------------------------
@@ -693,6 +918,9 @@ def test_scale_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown class 'chat'" in capsys.readouterr().err
     assert jetserve_cli.main(["scale", "--min-replicas", "3", "--max-replicas", "2"]) == 2
     assert jetserve_cli.main(["scale", "--classes", "interactive,chat"]) == 2
+    # No operator credential in the environment: refused before connecting.
+    assert jetserve_cli.main(["scale", "--nats", "nats://127.0.0.1:1"]) == 2
+    assert "JETSERVE_NATS_SEED_FILE" in capsys.readouterr().err
     # Nothing listens on port 1: an error and status 1, not a hang.
-    assert jetserve_cli.main(["scale", "--nats", "nats://127.0.0.1:1"]) == 1
+    assert jetserve_cli.main(["scale", "--insecure", "--nats", "nats://127.0.0.1:1"]) == 1
     assert "cannot connect to NATS" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from streams.agent_topology import DEFAULT_AGENT, AgentTopology
+from streams.connect import OPEN, BusAuth
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 
 StuckPolicy = Literal["fail", "retry"]
@@ -15,6 +16,7 @@ StuckPolicy = Literal["fail", "retry"]
 @dataclass(frozen=True)
 class ExecutorConfig:
     nats_url: str
+    nats_auth: BusAuth = OPEN  # the agent role's credential; OPEN only with --insecure
     executor_id: str = field(default_factory=lambda: f"ex-{uuid.uuid4().hex[:10]}")
     concurrency: int = 64  # steps in flight in this process
     # One owner per run: the lease lasts this long and is renewed every third of

@@ -25,7 +25,7 @@ import redis.asyncio as redis
 from tools import InProcess, Outcome, Tier, Tool, ToolContext, ToolFailure
 
 Hook = Callable[[str, ToolContext], None]
-PREFIX = "jetserve:demo:"
+PREFIX = "demobank:"  # its own Redis ACL user may touch only these keys
 MAX_AMOUNT = 1_000_000
 
 # One atomic step: apply once per key (else log the repeat), move the balances.

@@ -35,7 +35,7 @@ from streams.connect import connect
 from streams.consumer import Limit, PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.errors import LeaseLostError, RunConflictError, RunStoreError, RunTooLargeError
-from streams.provision import ensure_topology
+from streams.provision import await_topology
 from streams.subjects import RUN_CANCEL_WILDCARD
 from tools import (
     EffectLedger,
@@ -110,10 +110,11 @@ class Executor:
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
         cfg = self.cfg
-        nc = self._nc = await connect(cfg.nats_url, cfg.executor_id)
+        nc = self._nc = await connect(cfg.nats_url, cfg.executor_id, cfg.nats_auth)
         try:
             js = self._js = nc.jetstream()
-            await ensure_topology(js, cfg.topology)  # the inference queue, class "agent"
+            # The inference queue (its model calls, class "agent"): the stream only.
+            await await_topology(js, cfg.topology, consumers=False)
             store = self._store = await RunStore.open(nc, cfg.agent, executor=True)
             dispatcher = ToolDispatcher(
                 self.registry,

@@ -21,11 +21,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from streams.connect import connect
+from streams.connect import OPEN, BusAuth, connect
 from streams.consumer import PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
-from streams.provision import ensure_topology
+from streams.provision import await_topology
 from streams.routes import Deployment
 from streams.subjects import RequestClass, cancel_subject, class_of
 from streams.tracing import Tracer
@@ -55,6 +55,7 @@ DEFAULT_CLASSES = (
 class WorkerConfig:
     nats_url: str
     worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    nats_auth: BusAuth = OPEN  # the worker role's credential; OPEN only with --insecure
     classes: tuple[RequestClass, ...] = DEFAULT_CLASSES
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     heartbeat_s: float = 1.0
@@ -99,10 +100,10 @@ class Worker:
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
         cfg, topo = self.cfg, self.cfg.topology
-        nc = self._nc = await connect(cfg.nats_url, cfg.worker_id)
+        nc = self._nc = await connect(cfg.nats_url, cfg.worker_id, cfg.nats_auth)
         try:
             js = self._js = nc.jetstream()
-            await ensure_topology(js, topo)
+            await await_topology(js, topo)
             await self._observe_engine()
             for rank, cls in enumerate(cfg.classes):
                 sub = await js.pull_subscribe_bind(topo.consumer_name(cls), topo.stream)

@@ -237,7 +237,7 @@ def chat(system: str | None, question: str, max_tokens: int) -> dict[str, Any]:
 
 def gateway_metric(fleet: Fleet, name: str) -> dict[str, float]:
     """Samples of one gateway metric, by their label string."""
-    text = httpx.get(f"{fleet.base_url}/metrics", timeout=5).text
+    text = httpx.get(fleet.gateway_metrics_urls[0], timeout=5).text
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)

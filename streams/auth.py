@@ -1,0 +1,206 @@
+"""Who may publish and subscribe what on the bus: one NATS user per role.
+
+The table below is the whole authorization of a deployment; ``jetserve
+nats-config`` renders it as the nats-server ``authorization`` block
+(jetserve/credentials.py) and docs/security.md explains it. Every name in it
+comes from the stream and subject definitions, so a renamed stream changes the
+permissions with it.
+
+JetStream is reached through subjects too: ``$JS.API.STREAM.INFO.<stream>``,
+``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` (a pull), ``$JS.ACK.<stream>.>``
+(an ack), ``$KV.<bucket>.<key>`` (a KV put). Granting those per stream is what
+keeps a worker off the routes bucket and a service off the work queue.
+
+Each role receives replies (JetStream API answers, pull deliveries, push
+consumers) on its own inbox prefix, so no role can read another's: a service
+of tenant ``t`` on ``_INBOX.tenant.t.>``, the internal roles on ``_INBOX.<role>.>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from streams.agent_topology import DEFAULT_AGENT, AgentTopology
+from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.ids import is_safe_id
+from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology
+from streams.routes import ROUTES_BUCKET
+from streams.subjects import PREFIX, RequestClass, request_subject
+
+# Buckets other packages own (their names are theirs; the bus only needs them here).
+MEMBERS_BUCKET = "jetserve_workers"  # workers/inference/affinity.py
+EFFECTS_BUCKET = "JETSERVE_EFFECTS"  # tools/effects.py
+TOOL_SUBJECTS = f"{PREFIX}.tool.>"  # remote tools are served under jetserve.tool.<name>
+SERVICE_INBOX = "_INBOX.tenant"
+
+
+class Role(StrEnum):
+    GATEWAY = "gateway"
+    WORKER = "worker"
+    AGENT = "agent"  # the agent run executor
+    ADMIN = "admin"  # the operator's CLI and provisioning: the whole bus
+    SERVICE = "service"  # a tenant's service on the NATS-native API
+    TOOLS = "tools"  # a process serving remote tools
+
+
+def inbox_prefix(role: Role, tenant: str | None = None) -> str:
+    """The subject prefix a process of ``role`` receives its replies under."""
+    if role is Role.SERVICE:
+        return service_inbox(tenant)
+    return f"_INBOX.{role.value}"
+
+
+def service_inbox(tenant: str | None) -> str:
+    if tenant is None or not is_safe_id(tenant):
+        raise ValueError(f"a service credential names one tenant (a safe id), not {tenant!r}")
+    return f"{SERVICE_INBOX}.{tenant}"
+
+
+def tenant_of_inbox(subject: str) -> str | None:
+    """The tenant a service inbox subject belongs to, or None if it is none."""
+    head = SERVICE_INBOX + "."
+    if not subject.startswith(head):
+        return None
+    tenant = subject[len(head) :].split(".", 1)[0]
+    return tenant if is_safe_id(tenant) else None
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    # May publish to the reply subject of a request it received (nats-server
+    # ``allow_responses``): a tool server answers without a publish grant.
+    allow_responses: bool = False
+
+
+_READ_STREAM = ("INFO", "MSG.GET")
+_OWN_STREAM = ("INFO", "MSG.GET", "CREATE", "UPDATE")
+
+
+def _stream(name: str, ops: tuple[str, ...]) -> list[str]:
+    """The JetStream API subjects of ``ops`` on one stream (never DELETE or PURGE)."""
+    subjects = [f"$JS.API.STREAM.{op}.{name}" for op in ops]
+    subjects += [f"$JS.API.DIRECT.GET.{name}", f"$JS.API.DIRECT.GET.{name}.>"]
+    return subjects
+
+
+def _consumers(stream: str, *, manage: bool, names: tuple[str, ...] = (">",)) -> list[str]:
+    """Read (info, pull, ack) ``names`` of ``stream``'s consumers; with ``manage``
+    also create and delete them (durables, and the ephemerals a watch or a push
+    subscription makes)."""
+    out: list[str] = []
+    for n in names:
+        out += [f"$JS.API.CONSUMER.INFO.{stream}.{n}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{n}"]
+        out.append(f"$JS.ACK.{stream}.{n}" if n == ">" else f"$JS.ACK.{stream}.{n}.>")
+    if manage:
+        out += [
+            f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            f"$JS.API.CONSUMER.NAMES.{stream}",
+            f"$JS.API.CONSUMER.LIST.{stream}",
+            f"$JS.FC.{stream}.>",
+        ]
+    return out
+
+
+def _kv(bucket: str, *, own: bool) -> list[str]:
+    """Read, watch and put one KV bucket (``own``: create or update it too)."""
+    stream = f"KV_{bucket}"
+    return [
+        *_stream(stream, _OWN_STREAM if own else _READ_STREAM),
+        *_consumers(stream, manage=True),
+        f"$KV.{bucket}.>",
+    ]
+
+
+def permissions(
+    role: Role,
+    tenant: str | None = None,
+    topo: Topology = DEFAULT_TOPOLOGY,
+    agent: AgentTopology = DEFAULT_AGENT,
+    ledger: LedgerTopology = DEFAULT_LEDGER,
+) -> Permissions:
+    """The subjects ``role`` may publish and subscribe; everything else is refused."""
+    inbox = f"{inbox_prefix(role, tenant)}.>"
+    reply = f"{PREFIX}.reply.>"
+    if role is Role.ADMIN:
+        return Permissions(publish=(">",), subscribe=(">",))
+    if role is Role.SERVICE:
+        # Its requests on the NATS-native API; answers on its inbox; its own
+        # tenant's run events live (the tenant token is in the subject).
+        run_events = f"{PREFIX}.run.{tenant}.>"
+        return Permissions(publish=(f"{PREFIX}.api.>",), subscribe=(inbox, run_events))
+    if role is Role.TOOLS:
+        # $SRV: the NATS service API (discovery and stats of its tools).
+        return Permissions(publish=(), subscribe=(TOOL_SUBJECTS, "$SRV.>"), allow_responses=True)
+    if role is Role.WORKER:
+        return Permissions(
+            publish=(
+                *_stream(topo.stream, _READ_STREAM),
+                *_stream(topo.frames_stream, ("INFO",)),
+                *_consumers(topo.stream, manage=False),
+                *_kv(MEMBERS_BUCKET, own=True),
+                reply,  # frames, to whichever gateway or executor asked
+                f"{PREFIX}.dlq.req.>",  # a message it cannot read
+            ),
+            subscribe=(inbox, f"{PREFIX}.cancel.>"),
+        )
+    if role is Role.AGENT:
+        return Permissions(
+            publish=(
+                *_stream(topo.stream, _READ_STREAM),
+                f"$JS.API.STREAM.MSG.DELETE.{topo.stream}",  # cancel a queued model call
+                *_stream(topo.frames_stream, _READ_STREAM),
+                *_consumers(topo.frames_stream, manage=True),  # resume a model call
+                *_stream(agent.stream, _OWN_STREAM),
+                *_stream(agent.events_stream, _OWN_STREAM),
+                *_consumers(agent.stream, manage=True),
+                *_kv(agent.bucket, own=True),
+                *_kv(EFFECTS_BUCKET, own=True),
+                "$JS.API.STREAM.NAMES",
+                request_subject(RequestClass.AGENT),  # its model calls
+                f"{PREFIX}.cancel.>",
+                f"{PREFIX}.agent.>",  # step nudges (children) and settlements
+                f"{PREFIX}.run.>",  # run events
+                f"{PREFIX}.agentctl.>",  # cancel notices to children
+                f"{PREFIX}.dlq.agent.>",
+                TOOL_SUBJECTS,
+            ),
+            subscribe=(inbox, reply, f"{PREFIX}.agentctl.cancel.*", f"{PREFIX}.resumed.>"),
+        )
+    # The gateway: the control plane. It provisions the request-path streams,
+    # publishes requests, reads replies and answers services on their inboxes.
+    owned = [topo.stream, topo.frames_stream, topo.dlq_stream, ledger.stream, agent.stream]
+    owned.append(agent.events_stream)
+    publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
+    publish += [s for name in owned for s in _consumers(name, manage=True)]
+    publish += [*_kv(ROUTES_BUCKET, own=True), *_kv(agent.bucket, own=True)]
+    publish += [*_kv(EFFECTS_BUCKET, own=False)]  # the admin API resolves ambiguous effects
+    publish += ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
+    publish.append(f"$JS.API.STREAM.MSG.DELETE.{topo.stream}")  # cancelled or dead-lettered
+    publish += [
+        f"{PREFIX}.req.>",
+        f"{PREFIX}.cancel.>",
+        f"{PREFIX}.resumed.>",
+        f"{PREFIX}.ledger.>",
+        f"{PREFIX}.agent.>",
+        f"{PREFIX}.run.>",
+        f"{PREFIX}.agentctl.>",
+        f"{PREFIX}.dlq.>",
+        reply,  # a dead-lettered request's error frame
+        f"{SERVICE_INBOX}.>",  # answers to services (checked: the caller's own inbox)
+    ]
+    return Permissions(
+        publish=tuple(publish),
+        subscribe=(
+            inbox,
+            f"{PREFIX}.api.>",
+            reply,
+            f"{PREFIX}.resumed.>",
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>",
+        ),
+    )

@@ -1,0 +1,296 @@
+"""The hostile-client suite, bus side: with each role's own credential, every
+step that role must not take is refused by nats-server or redis-server (not by
+our code), and nothing reaches a worker, a stream or a bucket.
+
+The fleet runs exactly the generated configuration (jetserve/credentials.py):
+tenant ``demo`` (the fleet's) and ``acme`` each have a service credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+import pytest
+import redis
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
+
+from jetserve.fleet import Fleet, FleetSpec
+from streams.auth import Role, inbox_prefix
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.routes import ROUTES_BUCKET
+from streams.subjects import INGRESS_CHAT, RequestClass, request_subject
+
+pytestmark = [pytest.mark.connected, pytest.mark.bus_refusals]
+
+TOPO = DEFAULT_TOPOLOGY
+BODY = {"model": "sim-8b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+WITHIN_S = 15.0  # a bound on waiting for the server's answer, never a pass condition
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    with Fleet(FleetSpec(workers=1, service_tenants=("acme",))) as f:
+        yield f
+
+
+Connector = Callable[[Role, "str | None"], Awaitable["Probe"]]
+
+
+@dataclass
+class Probe:
+    """A connection as one role that records what the server refused."""
+
+    nc: Client
+    errors: list[str] = field(default_factory=list)
+
+    async def refused(self, what: str, subject: str) -> bool:
+        """Until the server reports a permissions violation for ``subject``."""
+        needle = f'{what} to "{subject}"'.lower()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + WITHIN_S
+        while loop.time() < end:
+            if any("permissions violation" in e and needle in e for e in self.errors):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+@pytest.fixture
+async def as_role(fleet: Fleet) -> AsyncIterator[Connector]:
+    opened: list[Client] = []
+
+    async def connect(role: Role, tenant: str | None = None) -> Probe:
+        assert fleet.creds is not None
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        nc = await nats.connect(
+            fleet.nats_url,
+            name=f"hostile-{role.value}",
+            nkeys_seed_str=fleet.creds.seed(role, tenant),
+            inbox_prefix=inbox_prefix(role, tenant),
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        opened.append(nc)
+        return Probe(nc, errors)
+
+    yield connect
+    for nc in opened:
+        await nc.close()
+
+
+async def _messages(fleet: Fleet, stream: str) -> int:
+    nc = await fleet.connect(Role.ADMIN)
+    try:
+        return (await nc.jetstream().stream_info(stream)).state.messages
+    finally:
+        await nc.close()
+
+
+# (role, publish or subscribe, subject): each must be refused by nats-server.
+FORBIDDEN = [
+    # A service: straight onto the work queue (skipping keys, budgets, limits),
+    # into every tenant's replies, another tenant's inbox, the JetStream API.
+    (Role.SERVICE, "publish", request_subject(RequestClass.INTERACTIVE)),
+    (Role.SERVICE, "publish", f"{request_subject(RequestClass.BATCH)}.l03"),
+    (Role.SERVICE, "subscription", "jetserve.reply.>"),
+    (Role.SERVICE, "subscription", "jetserve.reply.acme.*.*"),
+    (Role.SERVICE, "subscription", "_INBOX.tenant.acme.>"),
+    (Role.SERVICE, "subscription", "jetserve.run.acme.>"),
+    (Role.SERVICE, "subscription", "jetserve.api.>"),
+    (Role.SERVICE, "publish", f"$JS.API.CONSUMER.CREATE.{TOPO.frames_stream}"),
+    (Role.SERVICE, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
+    (Role.SERVICE, "publish", f"$KV.{ROUTES_BUCKET}.sim-8b"),
+    # A worker: the routes bucket, the NATS-native API, other streams and consumers.
+    (Role.WORKER, "publish", f"$KV.{ROUTES_BUCKET}.sim-8b"),
+    (Role.WORKER, "publish", f"$JS.API.STREAM.UPDATE.KV_{ROUTES_BUCKET}"),
+    (Role.WORKER, "subscription", "jetserve.api.>"),
+    (Role.WORKER, "publish", "jetserve.api.chat"),
+    (Role.WORKER, "publish", f"$JS.API.STREAM.UPDATE.{TOPO.stream}"),
+    (Role.WORKER, "publish", f"$JS.API.CONSUMER.CREATE.{TOPO.stream}.mine"),
+    (Role.WORKER, "publish", "$JS.API.CONSUMER.MSG.NEXT.JETSERVE_AGENT.agent-executor"),
+    (Role.WORKER, "publish", request_subject(RequestClass.INTERACTIVE)),
+    (Role.WORKER, "subscription", "_INBOX.gateway.>"),
+    # The agent executor: the routes bucket, the API, the request path's streams.
+    (Role.AGENT, "publish", f"$KV.{ROUTES_BUCKET}.sim-8b"),
+    (Role.AGENT, "subscription", "jetserve.api.>"),
+    (Role.AGENT, "publish", request_subject(RequestClass.INTERACTIVE)),
+    (Role.AGENT, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
+    # A tool server answers calls; it publishes nothing of its own.
+    (Role.TOOLS, "publish", request_subject(RequestClass.INTERACTIVE)),
+    (Role.TOOLS, "subscription", "jetserve.reply.>"),
+    # Even the gateway may not delete or purge a stream.
+    (Role.GATEWAY, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
+    (Role.GATEWAY, "publish", f"$JS.API.STREAM.PURGE.{TOPO.frames_stream}"),
+]
+
+
+@pytest.mark.parametrize(("role", "what", "subject"), FORBIDDEN)
+async def test_the_server_refuses_what_a_role_may_not_do(
+    fleet: Fleet, as_role: Connector, role: Role, what: str, subject: str
+) -> None:
+    probe: Probe = await as_role(role, "demo" if role is Role.SERVICE else None)
+    before = await _messages(fleet, TOPO.stream)
+    if what == "publish":
+        await probe.nc.publish(subject, json.dumps(BODY).encode())
+    else:
+        await probe.nc.subscribe(subject)
+    await probe.nc.flush()
+    assert await probe.refused(what, subject), probe.errors
+    assert await _messages(fleet, TOPO.stream) == before  # nothing queued for a worker
+
+
+async def test_nothing_reached_the_routes_bucket_or_the_stream(fleet: Fleet) -> None:
+    """After the forbidden steps above: the routes bucket holds no key they wrote
+    and the work queue and its delivered counts are what the gateway put there."""
+    nc = await fleet.connect(Role.ADMIN)
+    try:
+        kv = await nc.jetstream().key_value(ROUTES_BUCKET)
+        assert "sim-8b" not in (await _keys(kv))
+        info = await nc.jetstream().consumer_info(
+            TOPO.stream, TOPO.consumer_name(RequestClass.INTERACTIVE)
+        )
+        assert info.delivered.stream_seq == 0  # no worker got anything
+    finally:
+        await nc.close()
+
+
+async def _keys(kv: KeyValue) -> list[str]:
+    try:
+        return list(await kv.keys())
+    except NoKeysError:
+        return []
+
+
+async def test_what_a_service_may_do_works(fleet: Fleet, as_role: Connector) -> None:
+    """The control: a service's request on the API, answered on its own inbox."""
+    probe: Probe = await as_role(Role.SERVICE, "demo")
+    hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
+    reply = await probe.nc.request(INGRESS_CHAT, json.dumps(BODY).encode(), 10, headers=hdrs)
+    assert reply.headers is not None
+    assert reply.headers["Jetserve-Status"] == "200"
+    assert probe.errors == []
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        f"$JS.API.STREAM.DELETE.{TOPO.dlq_stream}",
+        request_subject(RequestClass.BATCH),
+        "jetserve.reply.demo.gw.x",
+        "_INBOX.tenant.acme.stolen",  # another tenant's inbox
+        "_INBOX.tenant.demo.*",  # a wildcard
+    ],
+)
+async def test_stream_to_outside_the_callers_inbox_is_refused_before_admission(
+    fleet: Fleet, as_role: Connector, target: str
+) -> None:
+    probe: Probe = await as_role(Role.SERVICE, "demo")
+    watcher = await fleet.connect(Role.ADMIN)
+    seen: list[bytes] = []
+
+    async def record(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    await watcher.subscribe(target, cb=record)
+    await watcher.flush()
+    before = await _messages(fleet, TOPO.stream)
+    try:
+        hdrs = {"Authorization": f"Bearer {fleet.api_key}", "Jetserve-Stream-To": target}
+        body = json.dumps({**BODY, "stream": True}).encode()
+        reply = await probe.nc.request(INGRESS_CHAT, body, 10, headers=hdrs)
+        assert reply.headers is not None
+        assert reply.headers["Jetserve-Status"] == "403"
+        assert msgspec.json.decode(reply.data)["error"]["code"] == "reply_target_forbidden"
+        await watcher.flush()  # whatever the gateway had published reached us by now
+        assert seen == []
+        assert await _messages(fleet, TOPO.stream) == before  # not admitted, not queued
+    finally:
+        await watcher.close()
+
+
+async def test_a_reply_subject_outside_the_callers_inbox_is_dropped(
+    fleet: Fleet, as_role: Connector
+) -> None:
+    """The reply subject is the target of the answer: an internal subject there
+    is never published to, and the request is not served."""
+    probe: Probe = await as_role(Role.SERVICE, "demo")
+    watcher = await fleet.connect(Role.ADMIN)
+    seen: list[bytes] = []
+
+    async def record(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    target = request_subject(RequestClass.INTERACTIVE)
+    await watcher.subscribe(target, cb=record)
+    await watcher.flush()
+    before = await _messages(fleet, TOPO.stream)
+    log = fleet.workdir / "gateway0.log"
+    dropped_before = log.read_text().count("dropped a request")
+    try:
+        hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
+        await probe.nc.publish(INGRESS_CHAT, json.dumps(BODY).encode(), reply=target, headers=hdrs)
+        await probe.nc.flush()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + WITHIN_S
+        while log.read_text().count("dropped a request") == dropped_before:
+            assert loop.time() < end, "the gateway did not drop the request"
+            await asyncio.sleep(0.05)
+        await watcher.flush()
+        assert seen == []  # the service's own publish is refused; the gateway sent nothing
+        assert await _messages(fleet, TOPO.stream) == before
+    finally:
+        await watcher.close()
+
+
+async def test_connecting_without_a_credential_is_refused(fleet: Fleet) -> None:
+    anon = Client()
+    try:
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await anon.connect(fleet.nats_url, allow_reconnect=False, max_reconnect_attempts=0)
+    finally:
+        await anon.close()
+    assert fleet.redis is not None
+    anonymous = redis.Redis(port=fleet.redis.port)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+
+
+def test_redis_users_touch_only_their_own_keys(fleet: Fleet) -> None:
+    assert fleet.creds is not None
+    assert fleet.redis is not None
+
+    creds, port = fleet.creds, fleet.redis.port
+
+    def as_user(user: str) -> redis.Redis:
+        return redis.Redis(port=port, username=user, password=creds.redis_password(user))
+
+    gateway, agent = as_user("gateway"), as_user("agent")
+    try:
+        assert gateway.set("jetserve:probe", "1")
+        assert agent.set("demobank:probe", "1")
+        for client, key in ((gateway, "demobank:probe"), (agent, "jetserve:probe")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.get(key)
+        # API keys, limits and spend are the gateway's alone.
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            agent.keys("jetserve:apikey:*")
+        for client in (gateway, agent):
+            for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("ACL", "LIST")):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    client.execute_command(*command)  # type: ignore[no-untyped-call]
+    finally:
+        gateway.close()
+        agent.close()
