@@ -28,7 +28,8 @@ from pathlib import Path
 
 import nkeys
 
-from streams.auth import Permissions, Role, permissions
+from streams.auth import Permissions, Role, inbox_prefix, permissions
+from streams.connect import BusAuth
 from streams.ids import is_safe_id
 
 INTERNAL_ROLES = (Role.GATEWAY, Role.WORKER, Role.AGENT, Role.ADMIN, Role.TOOLS)
@@ -117,6 +118,10 @@ class Credentials:
 
     def redis_env(self, user: str) -> dict[str, str]:
         return {"JETSERVE_REDIS_PASSWORD_FILE": str(self.redis_password_file(user))}
+
+    def bus_auth(self, role: Role, tenant: str | None = None) -> BusAuth:
+        """A role's NATS credential, for a connection from this process."""
+        return BusAuth(self.seed(role, tenant), inbox_prefix(role, tenant))
 
     def seed(self, role: Role, tenant: str | None = None) -> str:
         return self.seed_file(role, tenant).read_text().strip()

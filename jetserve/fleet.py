@@ -34,7 +34,7 @@ from jetserve.services import (
     wait_port,
 )
 from streams.agent_topology import DEFAULT_AGENT
-from streams.auth import Role, inbox_prefix
+from streams.auth import Role
 from streams.connect import OPEN, BusAuth, connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
@@ -159,9 +159,7 @@ class Fleet:
 
     def bus_auth(self, role: Role = Role.ADMIN, tenant: str | None = None) -> BusAuth:
         """A role's NATS credential, for connections from this process."""
-        if self.creds is None:
-            return OPEN
-        return BusAuth(self.creds.seed(role, tenant), inbox_prefix(role, tenant))
+        return OPEN if self.creds is None else self.creds.bus_auth(role, tenant)
 
     async def connect(
         self, role: Role = Role.ADMIN, tenant: str | None = None, name: str = "fleet-client"

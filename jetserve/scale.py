@@ -191,8 +191,7 @@ async def lags_from_nats(
             max_reconnect_attempts=1,
             reconnect_time_wait=0.2,
             error_cb=quiet,
-            inbox_prefix=auth.inbox,
-            **({"nkeys_seed_str": auth.seed} if auth.seed is not None else {}),
+            **auth.options(),
         )
     except (nats.errors.Error, OSError) as exc:
         raise ScaleError(f"cannot connect to NATS at {url}: {exc}") from exc

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streams.auth import Role, inbox_prefix
+from streams.auth import Role
 from streams.connect import OPEN, BusAuth
 
 if TYPE_CHECKING:
@@ -79,9 +79,7 @@ class Service:
 
     def bus_auth(self, role: Role = Role.ADMIN, tenant: str | None = None) -> BusAuth:
         """A role's NATS credential for this server (OPEN if it runs without)."""
-        if self.creds is None:
-            return OPEN
-        return BusAuth(self.creds.seed(role, tenant), inbox_prefix(role, tenant))
+        return OPEN if self.creds is None else self.creds.bus_auth(role, tenant)
 
     def redis_url(self, user: str = "admin") -> str:
         """This Redis as one ACL user, password included (for this process only)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -61,6 +62,16 @@ class BusAuth:
             )
         return cls(seed, inbox_prefix(role, tenant), tls_ca, tls_cert, tls_key)
 
+    def options(self) -> dict[str, Any]:
+        """``nats.connect`` keyword arguments for this credential."""
+        opts: dict[str, Any] = {"inbox_prefix": self.inbox}
+        if self.seed is not None:
+            opts["nkeys_seed_str"] = self.seed
+        tls = self.tls()
+        if tls is not None:
+            opts["tls"] = tls
+        return opts
+
     def tls(self) -> ssl.SSLContext | None:
         if self.tls_ca is None and self.tls_cert is None:
             return None
@@ -86,7 +97,6 @@ async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
 
     # A comma-separated list names the nodes of a cluster; any one will do.
     servers = [u.strip() for u in url.split(",") if u.strip()]
-    tls = auth.tls()
     return await nats.connect(
         servers,
         name=name,
@@ -95,7 +105,5 @@ async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
-        inbox_prefix=auth.inbox,
-        **({"nkeys_seed_str": auth.seed} if auth.seed is not None else {}),
-        **({"tls": tls} if tls is not None else {}),
+        **auth.options(),
     )
