@@ -27,6 +27,7 @@ from gateway.errors import BadRequest, BudgetExceeded, GatewayError, NotFound, R
 from gateway.inference.books import Books
 from gateway.inference.coalesce import Coalescer
 from gateway.inference.dispatch import Dispatcher, FrameStream, error_from_frame
+from gateway.inference.event_ids import tokens_through
 from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
 from gateway.inference.request_builder import KINDS, build_request, with_id
@@ -327,16 +328,17 @@ class InferenceService:
             await self.dispatcher.unwatch_resumed(adm.request_id)
 
     async def resume(
-        self, authorization: str | None, request_id: str, last_seq: int, include_usage: bool
+        self, authorization: str | None, request_id: str, last_event_id: int, include_usage: bool
     ) -> Resumed:
+        """The stream after the client's ``Last-Event-ID`` (gateway/inference/event_ids.py)."""
         key = await self.tenancy.authenticate(authorization)
-        stream = await self.dispatcher.resume(key.tenant, request_id, last_seq)
+        stream = await self.dispatcher.resume(key.tenant, request_id, tokens_through(last_event_id))
         if stream is None:
             raise NotFound(
                 f"No resumable stream '{request_id}' for this key's tenant.",
                 code="stream_not_found",
             )
-        return Resumed(stream, include_usage)
+        return Resumed(stream, include_usage, last_event_id)
 
     async def aclose(self) -> None:
         """Wait for lingering disconnected streams (bounded by their grace)."""

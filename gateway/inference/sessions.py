@@ -38,6 +38,10 @@ class Admitted:
         return self.stream.req.id
 
     @property
+    def last_event_id(self) -> int:
+        return 0  # a fresh stream: the client has no chunk yet
+
+    @property
     def wants_stream(self) -> bool:
         return bool(getattr(self.parsed, "stream", False))
 
@@ -65,6 +69,8 @@ class Resumed:
 
     stream: FrameStream
     include_usage: bool = False
+    # The client has every chunk through this event id (gateway/inference/event_ids.py).
+    last_event_id: int = 0
     started: float = field(default_factory=time.monotonic)
     outcome: str | None = None
     tokens_seen: int = 0

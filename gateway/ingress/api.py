@@ -71,12 +71,13 @@ async def _serve(request: Request, op: Op) -> Response:
 
 
 async def resume_stream(request: Request) -> Response:
-    """Continue a streaming request after ``Last-Event-ID`` (the last token seq the
-    client got), on any replica, from the frames capture. Tenant-scoped."""
+    """Continue a streaming request after ``Last-Event-ID`` (the id of the last
+    event the client got: gateway/inference/event_ids.py), on any replica, from
+    the frames capture. Tenant-scoped."""
     gw = gateway_of(request)
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
     try:
-        last_seq = int(raw)
+        last_event_id = int(raw)
     except ValueError:
         raise BadRequest("Last-Event-ID must be an integer.", param="Last-Event-ID") from None
     include_usage = request.query_params.get("include_usage") in ("1", "true")
@@ -86,7 +87,7 @@ async def resume_stream(request: Request) -> Response:
     session = await gw.resume(
         request.headers.get("authorization"),
         request.path_params["request_id"],
-        last_seq,
+        last_event_id,
         include_usage,
     )
     headers = {"X-Request-Id": session.request_id}

@@ -99,8 +99,8 @@ def _stream_event(description: str, *chunks: str) -> Schema:
             "id": {
                 "type": "string",
                 "pattern": "^[0-9]+$",
-                "description": "The last token's sequence number: send it back as "
-                "`Last-Event-ID` to resume after it.",
+                "description": "Unique and increasing within a stream: send it back as "
+                "`Last-Event-ID` to resume after it. `[DONE]` and errors have none.",
             },
             "data": {
                 "anyOf": [{"const": "[DONE]"}, {**data, "contentSchema": {"anyOf": payloads}}]

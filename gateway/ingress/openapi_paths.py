@@ -372,9 +372,10 @@ OPERATIONS: tuple[Operation, ...] = (
         method="get",
         id="resumeStream",
         summary="Resume a streaming request after `Last-Event-ID`, on any replica.",
-        description="Replays the captured chunks after the given token sequence number, "
-        "then follows the stream live. Only the key's own tenant's requests. Once committed "
-        "(200), a failure (deadline, interruption, a client too slow) is an SSE error event.",
+        description="Replays the captured chunks after the given event id (every chunk "
+        "has its own, increasing), then follows the stream live. Only the key's own "
+        "tenant's requests. Once committed (200), a failure (deadline, interruption, a "
+        "client too slow) is an SSE error event.",
         params=_RESUME_PARAMS,
         ok={
             "200": _response(

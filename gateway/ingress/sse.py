@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import ClientTooSlow, GatewayError
 from gateway.inference.dispatch import error_from_frame
+from gateway.inference.event_ids import ROLE_ID, content_id, finish_id, usage_id
 from gateway.inference.openai_types import ChunkWriter
 from gateway.inference.service import InferenceService
 from gateway.inference.sessions import Session
@@ -115,7 +116,9 @@ class ClientEvent(NamedTuple):
     kind: str  # "chunk" | "error" | "keepalive" | "done"
     payload: dict[str, Any] | None = None
     status: int = 200  # for "error": the status the failure maps to
-    seq: int = 0  # for "chunk": the last token in it, the SSE event id to resume after
+    # For "chunk": its unique, increasing event id (gateway/inference/event_ids.py),
+    # the SSE ``id:`` a client resumes after. 0 for the events that end a response.
+    event_id: int = 0
 
 
 async def client_events(
@@ -124,11 +127,14 @@ async def client_events(
     """OpenAI chunks for one streaming request, for any transport (SSE, WebSocket).
 
     ``first`` is the event that committed the response (None: committed by the
-    keep-alive timer). Records the request's terminal outcome.
+    keep-alive timer). Records the request's terminal outcome. A resumed session
+    yields only the chunks after its ``last_event_id``: the reader skips the tokens
+    the client has, and the role, closing and usage chunks are skipped here by id.
     """
     writer = ChunkWriter(adm.op, adm.request_id, adm.model)
     stream = adm.stream
-    writer.role_sent = stream.skip_through > 0  # a resume past the first token
+    after = adm.last_event_id
+    writer.role_sent = after >= ROLE_ID  # a resume past the role chunk
     finish_sent = False
     event = first
     try:
@@ -147,16 +153,22 @@ async def client_events(
                 calls = [c for t in batch if t.tool_calls for c in t.tool_calls] or None
                 finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
                 finish_sent = finish_sent or finish is not None
-                for chunk in writer.delta(text, calls, finish):
-                    yield ClientEvent("chunk", chunk, seq=batch[-1].seq)
+                *roles, content = writer.delta(text, calls, finish)
+                for role in roles:  # the chat role chunk, before the first token
+                    yield ClientEvent("chunk", role, event_id=ROLE_ID)
+                yield ClientEvent("chunk", content, event_id=content_id(batch[-1].seq))
                 event = None
                 continue
             if isinstance(event, ErrorFrame):
                 raise error_from_frame(event)
-            if not finish_sent:
-                yield ClientEvent("chunk", writer.finish(event.finish_reason), seq=event.seq)
-            if adm.include_usage:
-                yield ClientEvent("chunk", writer.usage(event.usage), seq=event.seq)
+            # A token the resumed client already has may have carried the reason.
+            finish_sent = finish_sent or stream.skipped_finish is not None
+            if not finish_sent and finish_id(event.seq) > after:
+                closing = writer.finish(event.finish_reason)
+                yield ClientEvent("chunk", closing, event_id=finish_id(event.seq))
+            if adm.include_usage and usage_id(event.seq) > after:
+                usage = writer.usage(event.usage)
+                yield ClientEvent("chunk", usage, event_id=usage_id(event.seq))
             await gw.finish(adm, "ok", 200, event)
             yield ClientEvent("done")
             return
@@ -166,13 +178,13 @@ async def client_events(
 
 
 async def sse_body(events: AsyncIterator[ClientEvent]) -> AsyncIterator[bytes]:
-    async for kind, payload, _, seq in events:
+    async for kind, payload, _, event_id in events:
         if kind == "keepalive":
             yield KEEPALIVE
         elif kind == "done":
             yield DONE
         else:
             assert payload is not None
-            # The event id is the last token sequence number: a client that
-            # reconnects with Last-Event-ID resumes right after it.
-            yield (b"id: %d\n" % seq if seq else b"") + sse(payload)
+            # A client that reconnects with this id as Last-Event-ID gets
+            # exactly the events after it (gateway/inference/event_ids.py).
+            yield (b"id: %d\n" % event_id if event_id else b"") + sse(payload)

@@ -1,9 +1,15 @@
 """WebSocket bridge: the same OpenAI chunks as SSE, several requests per socket.
 
 Client -> server: ``{"type": "request", "id": "c1", "op": "chat", "body": {...}}``,
-``{"type": "cancel", "id": "c1"}``. Server -> client: ``{"type": "chunk", "id", "data"}``,
+``{"type": "cancel", "id": "c1"}``. Server -> client:
+``{"type": "chunk", "id", "request_id", "event_id", "data"}``,
 ``{"type": "response", "id", "data"}`` (non-streaming), ``{"type": "done", "id"}``,
 ``{"type": "error", "id", "status", "error": {...}}``.
+
+Resuming: a chunk's ``event_id`` is the SSE event id the same chunk has over HTTP
+(unique and increasing, gateway/inference/event_ids.py), and ``request_id`` is the
+gateway's request id (``X-Request-Id``). ``GET /v1/requests/{request_id}/stream``
+with ``Last-Event-ID: <event_id>`` replays exactly the chunks after it, on any replica.
 
 Auth (:mod:`gateway.ingress.ws_auth`), decided before the upgrade is accepted: an
 ``Authorization`` header; for browsers a single-use ticket from
@@ -96,9 +102,15 @@ class _Connection:
                 await self.gw.complete(adm, body)
                 await self.send("response", msg.id, data=body)
                 return
-            async for kind, payload, status, _ in client_events(self.gw, adm, None):
+            async for kind, payload, status, event_id in client_events(self.gw, adm, None):
                 if kind == "chunk":
-                    await self.send("chunk", msg.id, data=payload)
+                    await self.send(
+                        "chunk",
+                        msg.id,
+                        request_id=adm.request_id,
+                        event_id=event_id,
+                        data=payload,
+                    )
                 elif kind == "done":
                     await self.send("done", msg.id)
                 elif kind == "error":

@@ -74,6 +74,7 @@ class FrameReader:
         self.attempt: int | None = None  # the delivery whose tokens we relay
         self.last_seq = 0
         self.skip_through = 0  # a resumed stream: tokens the reader already has
+        self.skipped_finish: str | None = None  # a finish reason on a skipped token
         self.copies = 1  # copies that may still answer before the first token (hedging)
         self.done = False
         self.first_token_at: float | None = None
@@ -142,6 +143,7 @@ class FrameReader:
                 # liveness and attempt locking behave as if relayed.
                 self.attempt = self.attempt or frame.attempt
                 self.last_seq = frame.seq
+                self.skipped_finish = frame.finish_reason or self.skipped_finish
                 return None
             if self.attempt is None:
                 await self.on_first_token(frame.attempt)

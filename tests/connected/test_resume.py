@@ -1,15 +1,20 @@
 """Resumable streams: Last-Event-ID on the same replica, through another replica
-after the first is killed, and never across tenants."""
+after the first is killed, and never across tenants; and after every single
+event of a stream (SSE or WebSocket), each on the other replica."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import msgspec
 import pytest
+import websockets
 
-from jetserve.fleet import Fleet
+from jetserve.fleet import Fleet, FleetSpec
+from tests.refusals import assert_no_refusals
 
 pytestmark = pytest.mark.connected
 
@@ -21,8 +26,9 @@ BODY = {
 }
 
 
-def reference(fleet: Fleet) -> str:
-    r = httpx.post(f"{fleet.sim_url}/v1/chat/completions", json={**BODY, "stream": False})
+def reference(fleet: Fleet, body: dict[str, Any] | None = None) -> str:
+    body = body or {**BODY, "stream": False}
+    r = httpx.post(f"{fleet.sim_url}/v1/chat/completions", json=body)
     return str(r.json()["choices"][0]["message"]["content"])
 
 
@@ -163,3 +169,126 @@ async def test_another_tenant_cannot_resume(fleet: Fleet) -> None:
     assert denied.json()["error"]["code"] == "stream_not_found"
     assert mine.status_code == 200
     assert "data: [DONE]" in mine.text  # a full replay
+
+
+# -- every event its own id: resume after each one, on the other replica ----------
+
+CUT_BODY = {
+    "model": "sim-8b",
+    "stream": True,
+    "temperature": 0,
+    "max_tokens": 12,
+    "stream_options": {"include_usage": True},
+    "messages": [{"role": "user", "content": "cut me after every event"}],
+}
+
+Chunk = tuple[int, dict[str, Any]]  # (event id, the chunk)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """Two gateway replicas on one bus, shared by the cut-everywhere tests (read-only)."""
+    with Fleet(FleetSpec(gateways=2, workers=1)) as f:
+        yield f
+    assert_no_refusals(request, f.violations())
+
+
+def _text(chunks: list[Chunk]) -> str:
+    return "".join(
+        ch["delta"].get("content") or "" for _, chunk in chunks for ch in chunk["choices"]
+    )
+
+
+async def _sse_chunks(response: httpx.Response) -> tuple[list[Chunk], bool]:
+    """(every chunk with its SSE id, saw [DONE]); an error event fails the test."""
+    chunks: list[Chunk] = []
+    pending_id, done = 0, False
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            pending_id = int(line[4:])
+        elif line == "data: [DONE]":
+            assert pending_id == 0, "[DONE] carries no id"
+            done = True
+        elif line.startswith("data: "):
+            chunk = msgspec.json.decode(line[6:])
+            assert "error" not in chunk, chunk
+            assert pending_id > 0, f"a chunk without an id: {chunk}"
+            chunks.append((pending_id, chunk))
+            pending_id = 0
+    return chunks, done
+
+
+async def _resume_after_every_event(
+    fleet: Fleet, c: httpx.AsyncClient, request_id: str, full: list[Chunk]
+) -> None:
+    """Resume after each event id of ``full`` on the second replica: each resume
+    replays exactly what followed that event."""
+    ids = [i for i, _ in full]
+    assert ids == sorted(set(ids)), f"ids repeat or go back: {ids}"
+    assert full[0][1]["choices"][0]["delta"].get("role") == "assistant"
+    assert full[-1][1].get("usage"), "the usage chunk is the last one"
+    whole = _text(full)
+    plain = {k: v for k, v in CUT_BODY.items() if k not in ("stream", "stream_options")}
+    assert whole == reference(fleet, plain)
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    for cut in ids:
+        async with c.stream(
+            "GET",
+            f"{fleet.base_urls[1]}/v1/requests/{request_id}/stream",
+            params={"include_usage": "true"},
+            headers={**headers, "Last-Event-ID": str(cut)},
+        ) as r:
+            assert r.status_code == 200
+            rest, done = await _sse_chunks(r)
+        assert done, f"resume after {cut}: no [DONE]"
+        before = [x for x in full if x[0] <= cut]
+        assert _text(before) + _text(rest) == whole, f"resume after {cut}"
+        got = [i for i, _ in rest]
+        # Replayed from the capture the rest may come coalesced (fewer chunks),
+        # but never with an id at or before the cut, a repeated one, or one the
+        # stream does not have; and it ends where the stream ends.
+        assert got == sorted(set(got)), (cut, got)
+        assert all(i > cut and i in ids for i in got), (cut, got)
+        assert got[-1:] == [i for i in ids[-1:] if i > cut], (cut, got)
+        assert not any(ch["delta"].get("role") for _, x in rest for ch in x["choices"])
+        for n, (i, _) in enumerate(rest):  # each id stands for the same place in the text
+            through = _text(before) + _text(rest[: n + 1])
+            assert through == _text([x for x in full if x[0] <= i]), (cut, i)
+    await _await_ledger(fleet, request_id)  # resumed ~15 times, recorded once
+
+
+async def test_resume_after_each_sse_event_on_another_replica(two_replicas: Fleet) -> None:
+    fleet = two_replicas
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:15"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream(
+            "POST", f"{fleet.base_urls[0]}/v1/chat/completions", json=CUT_BODY, headers=headers
+        ) as r:
+            assert r.status_code == 200
+            request_id = r.headers["x-request-id"]
+            full, done = await _sse_chunks(r)
+        assert done
+        await _resume_after_every_event(fleet, c, request_id, full)
+
+
+async def test_resume_after_each_websocket_chunk_over_http(two_replicas: Fleet) -> None:
+    fleet = two_replicas
+    url = fleet.base_urls[0].replace("http://", "ws://", 1) + "/v1/ws"
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:15"}
+    full: list[Chunk] = []
+    request_ids: set[str] = set()
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        request = {"type": "request", "id": "w1", "body": CUT_BODY}
+        await ws.send(msgspec.json.encode(request).decode())
+        while True:
+            msg = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 10))
+            assert msg["id"] == "w1", msg
+            if msg["type"] == "done":
+                break
+            assert msg["type"] == "chunk", msg
+            request_ids.add(msg["request_id"])
+            full.append((msg["event_id"], msg["data"]))
+    assert len(request_ids) == 1
+    (request_id,) = request_ids
+    async with httpx.AsyncClient(timeout=30) as c:
+        await _resume_after_every_event(fleet, c, request_id, full)
