@@ -13,3 +13,6 @@ class Header(StrEnum):
     DLQ_REASON = "Jetserve-Dlq-Reason"  # why the message was dead-lettered
     DLQ_SOURCE = "Jetserve-Dlq-Source"  # the subject it came on
     DLQ_SEQ = "Jetserve-Dlq-Seq"  # its sequence in the source stream, when it had one
+    # On a route's delete marker: the revision it deleted, so the next apply
+    # numbers on from the marker alone (never from a history read).
+    ROUTE_REVISION = "Jetserve-Route-Revision"

@@ -134,9 +134,10 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class RouteRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """What the KV holds under the route's key. ``revision`` is the KV revision
-    of the put that wrote it (the writer stores it after the put; a reader
-    trusts the entry's revision over this copy)."""
+    """What the KV holds under the route's key. ``revision`` is the route's own
+    revision (1, 2, ... per route), not the KV revision: the admin API numbers it
+    from the route's newest message and writes it only while that message is
+    still the newest, so one number never names two contracts."""
 
     contract: RouteContract
     revision: int

@@ -11,25 +11,36 @@ Revisions count per route (1, 2, ...) and are stored in the record; the KV
 revision of the entry is the compare-and-set token, so two admins never
 overwrite each other silently: the loser gets 409 with the current revision.
 Applying a contract equal to the current one writes nothing.
+
+Reads are the admin API's own writes (read-your-writes): show, diff, history and
+list read the bucket's stream on its leader (``streams.kv_log``), so once an
+apply has returned revision N every gateway's admin API answers with N. The
+next revision number comes from the route's newest message (a record, or a
+delete marker that carries the revision it deleted) and the write is
+conditional on that message still being the newest, so a number never names
+two contracts.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
 from typing import Any
 
 import msgspec
 import nats.errors
-from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.api import Header as NatsHeader
+from nats.js.errors import APIError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_OP, KeyValue
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import web
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.inference.route_table import RouteTable
+from streams.headers import Header
+from streams.kv_log import KvLog, KvMessage
 from streams.routes import (
     RouteContract,
     RouteRecord,
@@ -39,6 +50,7 @@ from streams.routes import (
     fingerprints,
 )
 
+log = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response]]
 ACTOR_HEADER = "x-jetserve-actor"  # who applies (the CLI sends user@host); kept in the record
 LOCAL_PICKUP_S = 2.0  # how long an apply waits for this gateway's table to show it
@@ -70,40 +82,55 @@ def _conflict(name: str, current: int, message: str) -> Response:
 
 
 class RouteStore:
-    """Reads and compare-and-set writes of route records in the KV bucket."""
+    """Reads and compare-and-set writes of route records in the KV bucket.
+
+    Every read goes to the bucket's stream leader by subject or by sequence
+    (:class:`streams.kv_log.KvLog`), never through a watch or a direct get: a
+    write the store acknowledged is in every later read, on any gateway, and
+    an empty answer means the leader holds nothing for the key."""
 
     def __init__(self, kv: KeyValue, table: RouteTable | None = None) -> None:
         self.kv = kv
         self.table = table
+        self.log = KvLog.of(kv)
+
+    async def head(self, name: str) -> KvMessage | None:
+        """The route's newest message (a delete marker included); None if none."""
+        return await self.log.last(name)
 
     async def current(self, name: str) -> tuple[RouteRecord, int] | None:
         """The live record and its KV revision; None if absent or deleted."""
-        try:
-            entry = await self.kv.get(name)
-        except KeyNotFoundError:  # deleted keys too
-            return None
-        assert entry.revision is not None
-        return decode_record(entry.value or b""), entry.revision
+        return _live(await self.head(name))
 
     async def history(self, name: str) -> list[_Entry]:
-        try:
-            entries = await self.kv.history(name)
-        except NoKeysError:
-            return []
         out = []
-        for e in entries:
-            created: Any = e.created  # a datetime from a watch (nats-py types it int)
-            at = created.timestamp() if isinstance(created, datetime) else 0.0
-            deleted = e.operation in (KV_DEL, KV_PURGE)
-            record = None if deleted else decode_record(e.value or b"")
-            out.append(_Entry(e.revision or 0, record, record.updated_at if record else at))
+        for m in await self.log.history(name):
+            record = None if m.deleted else decode_record(m.value)
+            out.append(_Entry(m.seq, record, record.updated_at if record else m.at))
         return out
 
     async def names(self) -> list[str]:
-        try:
-            return sorted(await self.kv.keys())
-        except NoKeysError:
-            return []
+        """Every route with a message in the bucket (deleted ones included)."""
+        return await self.log.keys()
+
+    async def delete(self, name: str, record: RouteRecord, kv_revision: int) -> None:
+        """A delete marker, if ``kv_revision`` is still the newest message (else
+        an APIError 10071), carrying the revision it deleted."""
+        await self.log.js.publish(
+            self.log.subject(name),
+            b"",
+            headers={
+                KV_OP: KV_DEL,
+                NatsHeader.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(kv_revision),
+                Header.ROUTE_REVISION: str(record.revision),
+            },
+        )
+
+
+def _live(head: KvMessage | None) -> tuple[RouteRecord, int] | None:
+    if head is None or head.deleted:
+        return None
+    return decode_record(head.value), head.seq
 
 
 def _store(request: Request) -> RouteStore:
@@ -123,12 +150,21 @@ def _nats_guarded(handler: Handler) -> Handler:
     return wrapped
 
 
-async def _next_revision(s: RouteStore, name: str, cur: tuple[RouteRecord, int] | None) -> int:
-    if cur is not None:
-        return cur[0].revision + 1
-    # After a delete, numbering continues from the history (a revision number
-    # never names two different contracts).
-    return 1 + max((e.record.revision for e in await s.history(name) if e.record), default=0)
+async def _next_revision(s: RouteStore, name: str, head: KvMessage | None) -> int:
+    """The revision after the route's newest message. A number is never reused:
+    it comes from that one message (read on the stream leader), and the write
+    is conditional on that message still being the newest."""
+    if head is None:
+        return 1  # the leader holds no message for the route: it never existed
+    if not head.deleted:
+        return decode_record(head.value).revision + 1
+    marked = head.headers.get(Header.ROUTE_REVISION, "")
+    if marked.isdigit():
+        return int(marked) + 1
+    # A delete marker written without the revision (by an older gateway):
+    # numbering continues from the records the history keeps.
+    records = [e.record.revision for e in await s.history(name) if e.record is not None]
+    return 1 + max(records, default=0)
 
 
 async def apply(request: Request) -> Response:
@@ -139,7 +175,8 @@ async def apply(request: Request) -> Response:
             f"The contract names route '{contract.name}', the path '{name}'.", param="name"
         )
     s = _store(request)
-    cur = await s.current(name)
+    head = await s.head(name)
+    cur = _live(head)
     cur_rev = cur[0].revision if cur else 0
     if expected is not None and expected != cur_rev:
         return _conflict(name, cur_rev, f"Route '{name}' is at revision {cur_rev}, not {expected}.")
@@ -148,24 +185,29 @@ async def apply(request: Request) -> Response:
     actor = request.headers.get(ACTOR_HEADER, "admin")[:128] or "admin"
     record = RouteRecord(
         contract=contract,
-        revision=await _next_revision(s, name, cur),
+        revision=await _next_revision(s, name, head),
         updated_at=time.time(),
         updated_by=actor,
         fingerprints=fingerprints(contract),
     )
     try:
-        if cur is not None:
-            kv_rev = await s.kv.update(name, encode(record), last=cur[1])
-        else:
-            kv_rev = await s.kv.create(name, encode(record))
+        # Only if the message the revision was numbered from is still the newest
+        # (0: the route has no message at all).
+        kv_rev = await s.kv.update(name, encode(record), last=head.seq if head else 0)
     except KeyWrongLastSequenceError:
         now = await s.current(name)
         now_rev = now[0].revision if now else 0
         return _conflict(
             name, now_rev, f"Route '{name}' changed concurrently (now revision {now_rev})."
         )
-    if s.table is not None:
-        await s.table.wait_for(kv_rev, LOCAL_PICKUP_S)
+    if s.table is not None and not await s.table.wait_for(kv_rev, LOCAL_PICKUP_S):
+        log.warning(
+            "route %s revision %d (kv %d) stored, but not in this gateway's table after %gs",
+            name,
+            record.revision,
+            kv_rev,
+            LOCAL_PICKUP_S,
+        )
     return web.json_response({**_view(record), "changed": True}, 201 if cur is None else 200)
 
 
@@ -249,7 +291,7 @@ async def delete(request: Request) -> Response:
             f"Route '{name}' is at revision {cur[0].revision}, not {expected}.",
         )
     try:
-        await s.kv.delete(name, last=cur[1])
+        await s.delete(name, cur[0], cur[1])
     except APIError as exc:
         if exc.err_code != _WRONG_LAST_SEQUENCE:
             raise

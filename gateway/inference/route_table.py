@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import msgspec
 import nats.errors
+from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from streams.routes import RouteRecord, decode_record
@@ -29,12 +30,15 @@ log = logging.getLogger(__name__)
 
 
 class RouteTable:
-    def __init__(self, kv: KeyValue, *, keep: int = 256, retry_s: float = 1.0) -> None:
+    def __init__(
+        self, kv: KeyValue, *, keep: int = 256, retry_s: float = 1.0, load_s: float = 10.0
+    ) -> None:
         self.kv = kv
         self._routes: dict[str, RouteRecord] = {}  # replaced, never mutated
         self._recent: OrderedDict[tuple[str, int], RouteRecord] = OrderedDict()
         self._keep = keep
         self._retry_s = retry_s
+        self._load_s = load_s  # how long a load may take to reach the bucket's last sequence
         self._kv_revision = 0  # the highest bucket revision applied to the snapshot
         self._changed = asyncio.Event()  # set and replaced on every swap
         self._task: asyncio.Task[None] | None = None
@@ -82,20 +86,53 @@ class RouteTable:
 
     # -- the watch ----------------------------------------------------------------
     async def _load(self) -> KeyValue.KeyWatcher:
-        """A fresh watch and the full snapshot it starts with (last value per key)."""
+        """A fresh watch and the full snapshot it starts with (last value per key).
+
+        The watch's end-of-initial-values marker can come before the values
+        (nats-py decides it from consumer info, whose reply can overtake the
+        messages: see ``streams.kv_log``), so the snapshot is complete only when
+        the bucket's last sequence, read from the stream before the watch
+        began, is in it, marker or not."""
+        state = (await self.kv.status()).stream_info.state
+        want = state.last_seq if state.messages else 0
         watcher = await self.kv.watchall()
         routes: dict[str, RouteRecord] = {}
         top = 0
-        async for entry in watcher:
-            if entry is None:  # the end of the initial values
-                break
-            top = max(top, entry.revision or 0)
-            record = self._decode(entry)
-            if record is not None:
-                routes[entry.key] = record
+        marked = False
+        try:
+            async with asyncio.timeout(self._load_s):
+                while not marked or top < want:
+                    try:
+                        entry = await asyncio.wait_for(anext(watcher), self._retry_s)
+                    except TimeoutError:
+                        if marked and not await self._stored(want):
+                            break  # compacted away since: nothing more to wait for
+                        continue
+                    if entry is None:  # the end of the initial values
+                        marked = True
+                        continue
+                    top = max(top, entry.revision or 0)
+                    if entry.operation in (KV_DEL, KV_PURGE):
+                        routes.pop(entry.key, None)
+                        continue
+                    record = self._decode(entry)
+                    if record is not None:
+                        routes[entry.key] = record
+        except BaseException:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+            raise
         self._swap(routes, top)
         log.info("route table loaded: %d routes", len(routes))
         return watcher
+
+    async def _stored(self, seq: int) -> bool:
+        """Whether the bucket's stream still holds message ``seq`` (leader read)."""
+        try:
+            await self.kv._js.get_msg(self.kv._stream, seq=seq, direct=False)
+        except NotFoundError:
+            return False
+        return True
 
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         while True:

@@ -4,19 +4,33 @@ ledger records which revision and deployment served each request."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import nats.errors
 import pytest
 
+from jetserve.commands.admin_client import AdminClient
 from jetserve.fleet import Fleet, FleetSpec
+from streams.auth import Role
+from streams.routes import (
+    ROUTES_BUCKET,
+    RouteRecord,
+    contract_from_builtins,
+    encode,
+    fingerprints,
+)
 from tests.refusals import checked_fleet
 
 pytestmark = pytest.mark.connected
@@ -269,3 +283,118 @@ def test_cli_apply_diff_history(fleet: Fleet, tmp_path: Path) -> None:
     assert "400" in refused.stderr
     assert "deadline_s" in refused.stderr
     assert cli(fleet, "delete", "r-cli").stdout.startswith("deleted r-cli")
+
+
+def load_record(name: str) -> bytes:
+    """A valid record of a route no test asks for: the load writes these."""
+    c = contract_from_builtins(contract(name, "dep-load"))
+    fps = fingerprints(c)
+    return encode(
+        RouteRecord(contract=c, revision=1, updated_at=0.0, updated_by="load", fingerprints=fps)
+    )
+
+
+@contextlib.contextmanager
+def bus_load(fleet: Fleet, route: str) -> Iterator[list[int]]:
+    """Load while the block runs, on the routes bucket's own stream (the
+    watch-based reads went short when that stream's delivery lagged behind its
+    API replies): puts of 16 other routes, watches (ordered consumers made and
+    dropped) on ``route``, and history reads on every gateway's admin API.
+    Yields the count of put rounds done (a list, so the caller can check it)."""
+    rounds = [0]
+    started: concurrent.futures.Future[None] = concurrent.futures.Future()
+    stop = threading.Event()
+
+    async def main() -> None:
+        nc = await fleet.connect(Role.ADMIN, name="bus-load")
+        try:
+            routes = await nc.jetstream().key_value(ROUTES_BUCKET)
+            blobs = {f"load-{j}": load_record(f"load-{j}") for j in range(16)}
+
+            async def puts() -> None:
+                while not stop.is_set():
+                    await asyncio.gather(*(routes.put(k, v) for k, v in blobs.items()))
+                    rounds[0] += 1
+                    if not started.done():
+                        started.set_result(None)
+
+            async def watches() -> None:
+                while not stop.is_set():
+                    with contextlib.suppress(nats.errors.Error):  # NoKeysError: the old bug
+                        await routes.history(route)
+
+            async def admin_reads(port: int) -> None:
+                async with httpx.AsyncClient(
+                    base_url=f"http://127.0.0.1:{port}",
+                    headers={"Authorization": f"Bearer {fleet.admin_token}"},
+                    timeout=30,
+                ) as c:
+                    while not stop.is_set():
+                        await c.get(f"/admin/routes/{route}/history")
+
+            await asyncio.gather(
+                *(puts() for _ in range(3)),
+                watches(),
+                *(admin_reads(port) for port in fleet.admin_ports),
+            )
+        finally:
+            await nc.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bus-load") as pool:
+        running = pool.submit(asyncio.run, main())
+        try:
+            concurrent.futures.wait([started, running], 30, concurrent.futures.FIRST_COMPLETED)
+            if running.done():
+                running.result()  # its failure, raised here
+            assert started.done(), "the load never started"
+            yield rounds
+        finally:
+            stop.set()
+        running.result(30)
+
+
+@pytest.mark.timeout(240)
+def test_every_apply_is_read_back_at_once_on_the_other_replica(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Read-your-writes: each apply on one replica is seen at once by show, diff,
+    history and list on the other, under load; revisions are 1, 2, ... with no
+    number reused across a delete."""
+    f = make_fleet(gateways=2, workers=0)
+    assert len(f.admin_ports) == 2
+    admins = [AdminClient(f"http://127.0.0.1:{p}", f.admin_token) for p in f.admin_ports]
+    name, n = "r-ryw", 24
+    try:
+        with bus_load(f, name) as rounds:
+            for i in range(1, n + 1):
+                writer, reader = admins[i % 2], admins[(i + 1) % 2]
+                out = writer.apply_route(contract(name, "dep-a", deadline_s=float(i)))
+                assert out["changed"] is True
+                assert out["revision"] == i
+                shown = reader.show_route(name)
+                assert shown["revision"] == i
+                assert shown["contract"]["deadline_s"] == float(i)
+                history = reader.route_history(name)
+                assert [h["revision"] for h in history] == list(range(1, i + 1))
+                diff = reader.route_diff(name)
+                assert (diff["from"], diff["to"]) == (i - 1 if i > 1 else None, i)
+                if i > 1:
+                    assert diff["changes"] == [
+                        {"path": "deadline_s", "before": float(i - 1), "after": float(i)}
+                    ]
+                assert {r["name"]: r["revision"] for r in reader.list_routes()}[name] == i
+
+            # A delete on one replica, a new apply on the other: numbering goes on.
+            gone = admins[0].delete_route(name)
+            assert gone["revision"] == n
+            assert name not in {r["name"] for r in admins[1].list_routes()}
+            back = admins[1].apply_route(contract(name, "dep-a", deadline_s=99.0))
+            assert back["revision"] == n + 1
+            history = admins[0].route_history(name)
+            assert [h.get("revision") for h in history] == [*range(1, n + 1), None, n + 1]
+            assert history[n]["deleted"] is True
+            assert admins[0].show_route(name)["revision"] == n + 1
+        assert rounds[0] > 0
+    finally:
+        for a in admins:
+            a.close()
