@@ -87,11 +87,8 @@ class NatsIngress:
         stream_to = headers.get(STREAM_TO.lower())
         try:
             adm = await self._gw.admit(op, msg.data, headers, _gate(msg.reply, stream_to))
-        except NotOwnInbox as exc:
-            if exc.param == "reply":  # the reply inbox is another tenant's: answer nobody
-                self._dropped(msg, "reply subject is another tenant's inbox")
-            else:
-                await self._reply(msg, exc.body(), exc.status)
+        except ForeignReply:  # the reply inbox is another tenant's: answer nobody
+            self._dropped(msg, "reply subject is another tenant's inbox")
             return
         except GatewayError as exc:
             await self._reply(msg, exc.body(), exc.status)
@@ -120,15 +117,16 @@ class NatsIngress:
             await self._reply(msg, exc.body(), exc.status)
 
 
+class ForeignReply(NotOwnInbox):
+    """The reply subject is another tenant's inbox: there is no one to answer."""
+
+
 def _gate(reply: str, stream_to: str | None) -> Gate:
     """The caller's targets against its key, before admission."""
 
     def gate(key: KeyRecord, parsed: Parsed) -> None:
-        try:
-            check_target(reply, key.tenant, "The reply subject")
-        except NotOwnInbox as exc:
-            exc.param = "reply"
-            raise
+        if inbox_tenant(reply) != key.tenant:
+            raise ForeignReply("The reply subject is another tenant's inbox.")
         if stream_to is not None:
             check_target(stream_to, key.tenant, f"'{STREAM_TO}'")
         elif getattr(parsed, "stream", False):

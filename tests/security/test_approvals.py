@@ -105,14 +105,17 @@ def decide(fleet: Fleet, key: Key, run: dict[str, Any], approve: bool = True) ->
 
 
 def ledger_record(fleet: Fleet, run_id: str) -> dict[str, Any]:
-    """The run's ledger record, once its settlement has written it."""
-    while True:
+    """The run's ledger record, once its settlement has written it (a generous
+    bound: it returns as soon as the record is there)."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
         with fleet.admin() as admin:
             lines = admin.ledger(fleet.spec.tenant).splitlines()
         for record in map(json.loads, lines):
             if record["request_id"] == run_id:
                 return dict(record)
         time.sleep(0.1)  # the next look; the settler writes once the run has ended
+    raise AssertionError(f"no ledger record for {run_id} after 60 s")
 
 
 def refused(r: httpx.Response, code: str) -> None:

@@ -10,18 +10,19 @@ from streams.tasks import stop_task
 
 
 async def test_a_task_that_swallows_one_cancel_is_stopped() -> None:
-    swallowed = asyncio.Event()
+    swallowed, waiting = asyncio.Event(), asyncio.Event()
 
     async def stubborn() -> None:
         # What Python 3.11's wait_for does when a cancel races its inner future.
         try:
+            waiting.set()
             await asyncio.Event().wait()
         except asyncio.CancelledError:
             swallowed.set()
         await asyncio.Event().wait()
 
     task = asyncio.create_task(stubborn())
-    await asyncio.sleep(0)
+    await waiting.wait()  # inside its first wait: the first cancel lands there
     await stop_task(task)
     assert swallowed.is_set()
     assert task.cancelled()
