@@ -37,6 +37,21 @@ class GatewayConfig:
     # After a client disconnects, how long it has to resume (Last-Event-ID) before
     # the upstream is cancelled. 0: cancel at once (the engine stops immediately).
     resume_grace_s: float = 0.0
+    # The books (gateway/inference/settlements.py): a request's hold outlives its
+    # deadline by ``settle_grace_s``, after which the orphan sweep settles it from
+    # the frames capture; the outbox scan applies what a gateway could not within
+    # ``outbox_grace_s`` and runs every ``outbox_scan_s``.
+    settle_grace_s: float = 60.0
+    outbox_grace_s: float = 10.0
+    outbox_scan_s: float = 5.0
+    sweep_s: float = 30.0
+    # Idempotency-Key: how long a key's answer is kept (and a retry attaches to
+    # the first attempt's stream). The frames capture and the work queue's
+    # de-duplication window must cover it (checked at start-up).
+    idempotency_window_s: float = 600.0
+    # A retry that finds the first run claimed but nothing queued takes it over
+    # after this long from the claim (its gateway died in between).
+    idempotency_takeover_s: float = 5.0
     default_max_tokens: int = 512  # worst case for admission when the body sets none
     # Engine-facing request headers passed through to workers (route policy).
     # Off by default; ``jetserve up`` and the tests allow the simulator's ``x-sim-``.

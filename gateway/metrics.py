@@ -45,6 +45,18 @@ class GatewayMetrics:
             ["op", "cls", "outcome"],
             registry=r,
         )
+        self.idempotent_attached = Counter(
+            "jetserve_gateway_idempotent_attached",
+            "Idempotency-Key retries that followed the first run's frames instead of running",
+            registry=r,
+        )
+        self.settlements = Counter(
+            "jetserve_gateway_settlements",
+            "Settlements of the books by path: inline, deferred (left in the outbox), "
+            "from_outbox, orphan, released, outbox_retry, hold_missing",
+            ["path"],
+            registry=r,
+        )
         self.rejected = Counter(
             "jetserve_gateway_rejected", "Requests refused before dispatch", ["reason"], registry=r
         )

@@ -19,11 +19,11 @@ from nats.js import JetStreamContext
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
 from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
 from gateway.inference.route_table import RouteTable
 from gateway.inference.service import InferenceService
+from gateway.inference.settlements import Settlements, keep_books
 from gateway.inference.shedding import QueueWatch
 from gateway.ingress.nats_api import NatsIngress
 from gateway.ingress.runs_nats import RunsNatsIngress
@@ -37,6 +37,7 @@ from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
+from streams.outbox import DEFAULT_OUTBOX, Outbox, ensure_outbox
 from streams.provision import ensure_routes, ensure_topology
 from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
 from streams.tasks import stop_task
@@ -91,19 +92,6 @@ async def _started(stack: contextlib.AsyncExitStack, service: S) -> S:
     return service
 
 
-async def _sweep(accountant: Accountant, every_s: float = 30.0) -> None:
-    """Release holds whose gateway died before reconciling (any replica may)."""
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            released = await accountant.sweep_expired()
-        except GatewayError as exc:
-            log.warning("reservation sweep failed: %s", exc.message)
-            continue
-        if released:
-            log.warning("released %d expired reservations", released)
-
-
 async def _connected(
     stack: contextlib.AsyncExitStack, cfg: GatewayConfig
 ) -> tuple[Client, redis.Redis]:
@@ -128,31 +116,62 @@ async def _connected(
     return nc, rds
 
 
+def check_windows(cfg: GatewayConfig) -> None:
+    """An Idempotency-Key retry must find on the bus what it finds in Redis: the
+    first run's frames and its place in the work queue's de-duplication."""
+    window = cfg.idempotency_window_s
+    topo = cfg.topology
+    if window > topo.frames.max_age_s or window > topo.limits.duplicate_window_s:
+        raise ValueError(
+            f"idempotency window {window:.0f}s exceeds the frames capture "
+            f"({topo.frames.max_age_s:.0f}s) or the work queue's de-duplication window "
+            f"({topo.limits.duplicate_window_s:.0f}s)"
+        )
+
+
 @contextlib.asynccontextmanager
 async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
     """Everything started in order and stopped in reverse; a start that fails
     stops what had started before it."""
+    check_windows(cfg)
     async with contextlib.AsyncExitStack() as stack:
         nc, rds = await _connected(stack, cfg)
         js = nc.jetstream()
         await ensure_topology(js, cfg.topology)
         ledger_topo = dataclasses.replace(DEFAULT_LEDGER, replicas=cfg.topology.replicas)
         await ensure_ledger(js, ledger_topo)
+        outbox_topo = dataclasses.replace(DEFAULT_OUTBOX, replicas=cfg.topology.replicas)
+        await ensure_outbox(js, outbox_topo)
         dispatcher = await _started(
             stack, Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
         )
         # Route contracts: loaded before serving, then followed live.
         route_table = await _started(stack, RouteTable(await ensure_routes(js, cfg.topology)))
         queue_watch = await _started(stack, QueueWatch(js, cfg.topology))
+        accountant = Accountant(rds)
+        metrics = GatewayMetrics(cfg.metrics_tenants)
+        settlements = Settlements(
+            js,
+            Outbox(js, outbox_topo),
+            accountant,
+            # Impatient: what it cannot store at once waits in the outbox.
+            LedgerWriter(js, ledger_topo, attempts=2, backoff_s=0.1),
+            cfg.gateway_id,
+            cfg.topology,
+            cfg.prices,
+            grace_s=cfg.outbox_grace_s,
+            on_outcome=lambda outcome: metrics.settlements.labels(outcome).inc(),
+        )
         gw = InferenceService(
             cfg,
             Tenancy(rds, cfg.key_cache_s, key_secret=cfg.key_secret),
-            Accountant(rds),
-            IdempotencyStore(rds),
+            accountant,
+            IdempotencyStore(rds, cfg.idempotency_window_s),
             # Patient: a JetStream leader election (a node lost) takes seconds.
             LedgerWriter(js, ledger_topo, attempts=8, backoff_s=0.25),
+            settlements,
             dispatcher,
-            GatewayMetrics(cfg.metrics_tenants),
+            metrics,
             routes=route_table,
             queue_watch=queue_watch,
         )
@@ -163,5 +182,6 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         runs = RunsService(gw, run_store)
         await _started(stack, RunsNatsIngress(nc, runs))
         await _started(stack, RunSettler(js, run_store, gw.accountant, gw.ledger, cfg.gateway_id))
-        stack.push_async_callback(stop_task, asyncio.create_task(_sweep(gw.accountant)))
+        books = keep_books(settlements, cfg.outbox_scan_s, cfg.sweep_s)
+        stack.push_async_callback(stop_task, asyncio.create_task(books))
         yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo), runs)

@@ -227,7 +227,12 @@ def nats_authorization(keys: dict[tuple[Role, str | None], str]) -> str:
 
 
 def redis_acl(creds: Credentials) -> str:
-    lines = ["user default off"]  # no anonymous access at all
+    # No anonymous access at all: the default user is off, so no connection can
+    # authenticate as it. Its rules serve only Redis's own AOF-loading client,
+    # which runs as that user: with none, a restart drops every MULTI/EXEC and
+    # every script of several writes in the AOF (keys, limits, spend; redis/redis
+    # #14541, docs/reliability.md#durability-settings).
+    lines = ["user default off resetchannels ~* +@all"]
     for user in REDIS_USERS:
         digest = hashlib.sha256(creds.redis_password(user.name).encode()).hexdigest()
         patterns = " ".join(f"~{k}" for k in user.keys)

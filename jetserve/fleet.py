@@ -25,6 +25,8 @@ from jetserve.commands.admin_client import AdminClient
 from jetserve.credentials import Credentials, generate
 from jetserve.fleet_probes import pulling, run_sync, wait_jetstream
 from jetserve.services import (
+    NATS_SYNC_DEFAULT,
+    REDIS_APPENDFSYNC_DEFAULT,
     Service,
     ServiceError,
     free_port,
@@ -67,6 +69,10 @@ class FleetSpec:
     # own tenant always does). insecure: an open bus, no credentials at all.
     service_tenants: tuple[str, ...] = ()
     insecure: bool = False
+    # Durability (docs/reliability.md#durability-settings): JetStream's fsync
+    # policy (always, or a duration) and Redis's appendfsync, as deploy/ runs them.
+    nats_sync: str = NATS_SYNC_DEFAULT
+    redis_appendfsync: str = REDIS_APPENDFSYNC_DEFAULT
 
 
 @dataclass
@@ -236,14 +242,18 @@ class Fleet:
             acl = self.creds.redis_acl if self.creds is not None else None
             if self.spec.nats_nodes > 1:
                 self.nats_nodes = start_nats_cluster(
-                    self.workdir / "nats", self.spec.nats_nodes, auth_conf=conf
+                    self.workdir / "nats", self.spec.nats_nodes, conf, self.spec.nats_sync
                 )
                 self.nats = self.nats_nodes[0]
                 run_sync(wait_jetstream(self.nats_url, 30.0, self.bus_auth()))
             else:
-                self.nats_nodes = [start_nats(self.workdir / "nats", auth_conf=conf)]
+                self.nats_nodes = [
+                    start_nats(self.workdir / "nats", auth_conf=conf, sync=self.spec.nats_sync)
+                ]
                 self.nats = self.nats_nodes[0]
-            self.redis = start_redis(self.workdir / "redis", acl=acl)
+            self.redis = start_redis(
+                self.workdir / "redis", acl=acl, appendfsync=self.spec.redis_appendfsync
+            )
             if self.spec.engine_url is None and not self.spec.engine_per_worker:
                 self.start_sim()
             for _ in range(self.spec.gateways):

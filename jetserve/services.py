@@ -7,6 +7,7 @@ standard ports, so jetserve always starts its own, each with a temporary store.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,41 @@ if TYPE_CHECKING:
 
 class ServiceError(RuntimeError):
     pass
+
+
+# Durability (docs/reliability.md#durability-settings), as deploy/ and compose.yml
+# run the servers. JetStream's fsync policy is nats-server's ``sync_interval``,
+# one setting for every file-backed stream of the server: "always" fsyncs each
+# write before its ack; a Go duration fsyncs in the background that often
+# (nats-server's own default: 2m).
+NATS_SYNC_DEFAULT = "always"
+# Redis's append-only file: "always" fsyncs before a command's reply.
+REDIS_APPENDFSYNC_DEFAULT = "always"
+REDIS_APPENDFSYNC = ("always", "everysec", "no")
+_GO_DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ns|us|µs|ms|s|m|h))+")
+
+
+def check_nats_sync(value: str) -> str:
+    """``always`` or a Go duration (``2m``, ``1s``, ``500ms``): else ValueError."""
+    if value == "always" or (_GO_DURATION.fullmatch(value) and re.search(r"[1-9]", value)):
+        return value
+    raise ValueError(f"nats sync must be 'always' or a duration like 2m, 1s: got {value!r}")
+
+
+def nats_server_conf(sync: str, conf_dir: Path, auth_conf: Path | None = None) -> str:
+    """The nats-server config jetserve runs with: the JetStream fsync policy, and
+    an ``include`` of the authorization block. The include is relative to
+    ``conf_dir`` (nats-server resolves it so), so a reload rereads the file."""
+    # Quoted: unquoted, nats-server reads 2m as a size (2 * 10^6 seconds).
+    lines = [
+        "# jetserve: JetStream fsync policy (docs/reliability.md#durability-settings)",
+        "jetstream {",
+        f'  sync_interval: "{check_nats_sync(sync)}"',
+        "}",
+    ]
+    if auth_conf is not None:
+        lines.append(f'include "{os.path.relpath(auth_conf, conf_dir)}"')
+    return "\n".join(lines) + "\n"
 
 
 def free_port() -> int:
@@ -130,13 +166,17 @@ def start_nats(
     port: int | None = None,
     cluster: list[str] | None = None,
     auth_conf: Path | None = None,
+    sync: str = NATS_SYNC_DEFAULT,
 ) -> Service:
     """One nats-server with JetStream; ``cluster`` = extra flags joining a cluster;
     ``auth_conf`` = its ``authorization`` block (jetserve/credentials.py); without
-    it the bus is open to anyone who reaches the port."""
+    it the bus is open to anyone who reaches the port. ``sync``: JetStream's
+    fsync policy (``always`` or a duration)."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-nats-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
+    conf = workdir / "nats.conf"
+    conf.write_text(nats_server_conf(sync, workdir, auth_conf))
     args = [
         nats_server_binary(),
         "-js",
@@ -146,7 +186,8 @@ def start_nats(
         str(port),
         "-sd",
         str(workdir / "js"),
-        *(["-c", str(auth_conf)] if auth_conf is not None else []),
+        "-c",
+        str(conf),
         *(cluster or []),
     ]
     log_path = workdir / "nats.log"
@@ -156,10 +197,16 @@ def start_nats(
 
 
 def start_redis(
-    workdir: Path | None = None, port: int | None = None, acl: Path | None = None
+    workdir: Path | None = None,
+    port: int | None = None,
+    acl: Path | None = None,
+    appendfsync: str = REDIS_APPENDFSYNC_DEFAULT,
 ) -> Service:
-    """One redis-server; ``acl`` = its ACL file (one user per role, the default
-    user off); without it anyone who reaches the port reads every key."""
+    """One redis-server with its append-only file in ``workdir``; ``acl`` = its
+    ACL file (one user per role, the default user off); without it anyone who
+    reaches the port reads every key. ``appendfsync``: always, everysec or no."""
+    if appendfsync not in REDIS_APPENDFSYNC:
+        raise ValueError(f"appendfsync must be one of {REDIS_APPENDFSYNC}: got {appendfsync!r}")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-redis-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -171,10 +218,12 @@ def start_redis(
         "127.0.0.1",
         "--save",
         "",
-        # Keys, limits and spend survive a restart of this Redis (the fault tests
-        # stop and start it): an append-only file, written on shutdown too.
+        # Keys, limits and spend survive a restart, even a SIGKILL, of this Redis
+        # (tests/faults/test_redis_aof.py): the append-only file, as deploy/ has it.
         "--appendonly",
         "yes",
+        "--appendfsync",
+        appendfsync,
         "--dir",
         str(workdir),
         "--protected-mode",
@@ -198,7 +247,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def start_nats_cluster(
-    workdir: Path, size: int = 3, auth_conf: Path | None = None
+    workdir: Path, size: int = 3, auth_conf: Path | None = None, sync: str = NATS_SYNC_DEFAULT
 ) -> list[Service]:
     """A JetStream cluster of ``size`` nodes on loopback (R3 streams need 3)."""
     ports = [free_port() for _ in range(size)]
@@ -216,5 +265,5 @@ def start_nats_cluster(
             "--routes",
             route_urls,
         ]
-        nodes.append(start_nats(workdir / f"n{i}", ports[i], flags, auth_conf))
+        nodes.append(start_nats(workdir / f"n{i}", ports[i], flags, auth_conf, sync))
     return nodes

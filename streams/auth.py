@@ -24,6 +24,8 @@ from enum import StrEnum
 from streams.agent_topology import DEFAULT_AGENT, AgentTopology
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.ids import is_safe_id
+from streams.marks import CANCELS_BUCKET, FAILURES_BUCKET
+from streams.outbox import DEFAULT_OUTBOX, OutboxTopology
 from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology
 from streams.routes import ROUTES_BUCKET
 from streams.subjects import PREFIX, RequestClass, request_subject
@@ -117,12 +119,23 @@ def _kv(bucket: str, *, own: bool) -> list[str]:
     ]
 
 
+def _marks(bucket: str, *, write: bool = False, watch: bool = False) -> list[str]:
+    """A mark bucket (streams/marks.py): bind or create it and read by key;
+    ``write``: put too; ``watch``: read them all (an ordered consumer)."""
+    stream = f"KV_{bucket}"
+    subjects = _stream(stream, _OWN_STREAM)
+    if watch:
+        subjects += _consumers(stream, manage=True)
+    return [*subjects, f"$KV.{bucket}.>"] if write else subjects
+
+
 def permissions(
     role: Role,
     tenant: str | None = None,
     topo: Topology = DEFAULT_TOPOLOGY,
     agent: AgentTopology = DEFAULT_AGENT,
     ledger: LedgerTopology = DEFAULT_LEDGER,
+    outbox: OutboxTopology = DEFAULT_OUTBOX,
 ) -> Permissions:
     """The subjects ``role`` may publish and subscribe; everything else is refused."""
     inbox = f"{inbox_prefix(role, tenant)}.>"
@@ -144,6 +157,8 @@ def permissions(
                 *_stream(topo.frames_stream, ("INFO",)),
                 *_consumers(topo.stream, manage=False),
                 *_kv(MEMBERS_BUCKET, own=True),
+                *_marks(CANCELS_BUCKET, watch=True),  # cancels sent before it listened
+                *_marks(FAILURES_BUCKET, write=True),  # attempts that really failed
                 reply,  # frames, to whichever gateway or executor asked
                 f"{PREFIX}.dlq.req.>",  # a message it cannot read
             ),
@@ -161,6 +176,7 @@ def permissions(
                 *_consumers(agent.stream, manage=True),
                 *_kv(agent.bucket, own=True),
                 *_kv(EFFECTS_BUCKET, own=True),
+                *_marks(CANCELS_BUCKET, write=True),  # a cancelled model call's mark
                 "$JS.API.STREAM.NAMES",
                 request_subject(RequestClass.AGENT),  # its model calls
                 f"{PREFIX}.cancel.>",
@@ -175,18 +191,21 @@ def permissions(
     # The gateway: the control plane. It provisions the request-path streams,
     # publishes requests, reads replies and answers services on their inboxes.
     owned = [topo.stream, topo.frames_stream, topo.dlq_stream, ledger.stream, agent.stream]
-    owned.append(agent.events_stream)
+    owned += [agent.events_stream, outbox.stream]
     publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
     publish += [s for name in owned for s in _consumers(name, manage=True)]
     publish += [*_kv(ROUTES_BUCKET, own=True), *_kv(agent.bucket, own=True)]
     publish += [*_kv(EFFECTS_BUCKET, own=False)]  # the admin API resolves ambiguous effects
+    publish += _marks(CANCELS_BUCKET, write=True)  # a cancel's durable mark
     publish += ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
     publish.append(f"$JS.API.STREAM.MSG.DELETE.{topo.stream}")  # cancelled or dead-lettered
+    publish.append(f"$JS.API.STREAM.MSG.DELETE.{outbox.stream}")  # a settlement applied
     publish += [
         f"{PREFIX}.req.>",
         f"{PREFIX}.cancel.>",
         f"{PREFIX}.resumed.>",
         f"{PREFIX}.ledger.>",
+        f"{outbox.subject_prefix}.>",
         f"{PREFIX}.agent.>",
         f"{PREFIX}.run.>",
         f"{PREFIX}.agentctl.>",

@@ -42,7 +42,9 @@ class Limits:
     max_msgs: int = 100_000
     max_bytes: int = 1 << 30
     max_msg_size: int = 4 << 20
-    duplicate_window_s: float = 120.0  # Nats-Msg-Id dedupe: gateway retries and Idempotency-Key
+    # Nats-Msg-Id dedupe: gateway retries and Idempotency-Key; at least the
+    # gateway's idempotency window (GatewayConfig.idempotency_window_s).
+    duplicate_window_s: float = 600.0
     max_age_s: float = 3600.0
     # Short ack_wait: a dead worker's message comes back quickly. Live workers
     # send in_progress() while waiting for the first token.

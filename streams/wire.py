@@ -137,6 +137,8 @@ class Meta(msgspec.Struct, frozen=True, tag="meta", omit_defaults=True):
     reserved_micros: int = 0
     price_version: str = ""
     gateway: str = ""
+    # For a charge from the capture when its gateway died (a prompt's tokens).
+    prompt_tokens_est: int = 0
 
 
 Frame = Token | Heartbeat | Final | ErrorFrame | Meta

@@ -1,24 +1,29 @@
 """The books of the request path: a request's budget hold reconciled to what it
 used, its one ledger record (records built by gateway/tenancy/records.py), the
-refusal records, and the idempotency store's side of an outcome. Failures of
-the stores are logged, never raised: a request's outcome is already decided."""
+refusal records, and the idempotency store's side of an outcome. Charges and
+records go through the outbox (gateway/inference/settlements.py): a store that
+is down delays them, never loses them, and nothing is raised to the request,
+whose outcome is already decided."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.inference.coalesce import MemberStream
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Session
+from gateway.inference.settlements import Settlements
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.accounting import Accountant, Scope
 from gateway.tenancy.idempotency import Claim, IdempotencyStore
 from gateway.tenancy.keys import KeyRecord
 from gateway.tenancy.records import RecordHead, Serving
-from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
+from streams.outbox import Settlement
 from streams.request_ledger import LedgerRecord
 from streams.wire import HEDGE_ATTEMPT_BASE, Final, InferenceRequest, Usage
 
@@ -31,14 +36,14 @@ class Books:
         cfg: GatewayConfig,
         accountant: Accountant,
         idempotency: IdempotencyStore,
-        ledger: LedgerWriter,
+        settlements: Settlements,
         metrics: GatewayMetrics,
         routes: RouteTable | None,
     ) -> None:
         self.cfg = cfg
         self.accountant = accountant
         self.idempotency = idempotency
-        self.ledger = ledger
+        self.settlements = settlements
         self.metrics = metrics
         self.routes = routes
 
@@ -65,15 +70,6 @@ class Books:
         coalesced = adm.stream if isinstance(adm.stream, MemberStream) else None
         if coalesced is not None and not coalesced.pays:
             actual = 0  # one shared execution is charged once (gateway/inference/coalesce.py)
-        try:
-            settled, charge = await self.accountant.settle(req.id, actual)
-        except GatewayError as exc:
-            # The hold stays until it expires (sweep_expired): never under-held,
-            # at worst over-held for a while; this gateway writes the record.
-            log.error("reconcile of %s failed: %s", req.id, exc.message)
-            settled, charge = True, 0
-        if not settled:
-            return  # another replica settled it and wrote the record
         claim = adm.claim if isinstance(adm, Admitted) else None
         head = RecordHead.of_request(req, adm.scope, self.cfg.prices.version, self.cfg.gateway_id)
         serving = Serving(
@@ -85,18 +81,26 @@ class Books:
             first_token_ms=first_token_ms,
             idempotency_key_hash=claim.key_hash if claim else "",
         )
-        await self.append(
-            head.settled(
-                policy="admitted" if isinstance(adm, Admitted) else "admitted:resumed",
-                attempts=_attempts(final.attempt if final else (adm.stream.attempt or 1)),
-                usage=usage,
-                charge_micros=charge,
-                reserved_micros=adm.reserved_micros,
-                outcome=final.finish_reason if final else outcome,
-                status=status,
-                duration_ms=duration_s * 1000,
-                serving=serving,
-            )
+        admitted = isinstance(adm, Admitted)
+        record = head.settled(
+            policy="admitted" if admitted else "admitted:resumed",
+            attempts=_attempts(final.attempt if final else (adm.stream.attempt or 1)),
+            usage=usage,
+            charge_micros=actual,  # what Redis charges replaces it (settlements.py)
+            reserved_micros=adm.reserved_micros,
+            outcome=final.finish_reason if final else outcome,
+            status=status,
+            duration_ms=duration_s * 1000,
+            serving=serving,
+        )
+        # Two sessions of one request (the original and a resume) settle apart:
+        # the first to reach Redis charges and records, the other records nothing.
+        kind = "resumed"
+        if isinstance(adm, Admitted):
+            kind = "attached" if adm.attached else "admitted"
+        writer = f"{self.cfg.gateway_id}/{kind}"
+        await self.settlements.settle(
+            Settlement(record=record, writer=writer, actual_micros=actual)
         )
 
     def refusal(
@@ -115,31 +119,43 @@ class Books:
             req.route, req.route_revision, final.deployment
         )
 
-    async def append(self, record: LedgerRecord) -> None:
-        try:
-            await self.ledger.append(record)
-        except LedgerWriteError as exc:
-            self.metrics.rejected.labels("ledger_write_failed").inc()
-            log.error("ledger append for %s failed: %s", record.request_id, exc.message)
-
-    async def release(self, request_id: str) -> None:
-        try:
-            await self.accountant.release(request_id)
-        except GatewayError as exc:
-            log.error("release of %s failed: %s", request_id, exc.message)
+    async def append(self, record: LedgerRecord, release: bool = False) -> None:
+        """A refusal's record (``release``: with its hold given back), through the outbox."""
+        await self.settlements.settle(
+            Settlement(
+                record=record, writer=self.cfg.gateway_id, actual_micros=0 if release else None
+            )
+        )
 
     async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
         if adm.claim is not None:
             try:
                 await self.idempotency.complete(adm.claim, adm.raw, 200, response)
-            except GatewayError as exc:
-                log.error("storing idempotent response %s failed: %s", adm.request_id, exc)
+            except (GatewayError, RedisError, OSError) as exc:
+                log.error("storing idempotent response %s failed: %r", adm.request_id, exc)
+
+    async def stream_done(self, adm: Admitted) -> None:
+        """A streamed run finished: a retry of its key replays its frames."""
+        if adm.claim is not None:
+            try:
+                await self.idempotency.complete(adm.claim, adm.raw, 200, None)
+            except (GatewayError, RedisError, OSError) as exc:
+                log.error("storing idempotent stream %s failed: %r", adm.request_id, exc)
+
+    async def idem_release(self, claim: Claim) -> None:
+        """A run its client cancelled: a retry runs again."""
+        try:
+            await self.idempotency.release(claim)
+        except (RedisError, OSError) as exc:
+            log.error("idempotency release failed: %r", exc)
 
     async def idem_fail(self, claim: Claim, raw: bytes, exc: GatewayError) -> None:
         try:
             await self.idempotency.fail(claim, raw, exc)
         except GatewayError as err:
             log.error("idempotency release failed: %s", err.message)
+        except (RedisError, OSError) as err:
+            log.error("idempotency release failed: %r", err)
 
 
 def _attempts(attempt: int) -> int:

@@ -34,9 +34,10 @@ from gateway.inference.request_builder import KINDS, build_request, with_id
 from gateway.inference.results import Result, read_result, render
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Replayed, Resumed, Session
+from gateway.inference.settlements import Settlements
 from gateway.inference.shedding import QueueWatch
 from gateway.metrics import GatewayMetrics
-from gateway.tenancy.accounting import Accountant, Scope
+from gateway.tenancy.accounting import Accountant, Reservation, Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.idempotency import Claim, IdempotencyStore
 from gateway.tenancy.keys import KeyRecord, Tenancy
@@ -58,6 +59,7 @@ class InferenceService:
         accountant: Accountant,
         idempotency: IdempotencyStore,
         ledger: LedgerWriter,
+        settlements: Settlements,
         dispatcher: Dispatcher,
         metrics: GatewayMetrics,
         routes: RouteTable | None = None,
@@ -73,7 +75,8 @@ class InferenceService:
         self.routes = routes  # route contracts (None: only cfg.models, no contracts)
         self.queue_watch = queue_watch  # deadline-aware shedding (None: off)
         self.lanes = LaneRouter(cfg.topology)
-        self.books = Books(cfg, accountant, idempotency, ledger, metrics, routes)
+        self.settlements = settlements
+        self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
@@ -98,10 +101,6 @@ class InferenceService:
             if gate is not None:
                 gate(key, parsed)
             idem = headers.get(IDEM_HEADER)
-            if idem is not None and getattr(parsed, "stream", False):
-                raise BadRequest(
-                    "Idempotency-Key applies to non-streaming requests only.", param=IDEM_HEADER
-                )
             req = build_request(
                 self.cfg, self.routes, self.dispatcher.reply_for, op, parsed, body, key, headers
             )
@@ -129,6 +128,13 @@ class InferenceService:
                 req = with_id(
                     req, claim.request_id, self.dispatcher.reply_for(key.tenant, claim.request_id)
                 )
+                if claim.attach:
+                    attached = await self._attach(op, parsed, key, req, raw, claim)
+                    if attached is not None:
+                        span.end("attached")
+                        return attached
+                    # Nothing queued by the first run (its gateway died first): run it
+                    # here, under the same request id.
             span.set("jetserve.request_id", req.id)
             return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span)
         except GatewayError as exc:
@@ -137,6 +143,39 @@ class InferenceService:
             if claim is not None:
                 await self.books.idem_fail(claim, raw, exc)
             raise
+
+    async def _attach(
+        self,
+        op: Op,
+        parsed: Parsed,
+        key: KeyRecord,
+        req: InferenceRequest,
+        raw: bytes,
+        claim: Claim,
+    ) -> Admitted | None:
+        """A retry of a run in flight or streamed: follow its frames from the
+        start (any replica's, its gateway alive or not). None: the first run
+        queued nothing within ``takeover_s`` of its claim, so this one runs it."""
+        while True:
+            stream = await self.dispatcher.resume(key.tenant, claim.request_id, 0)
+            if stream is not None:
+                break
+            if time.time() >= claim.created + self.cfg.idempotency_takeover_s:
+                return None
+            await asyncio.sleep(0.05)  # the first run is between its claim and its queueing
+        assert stream.meta is not None
+        reservation = Reservation(
+            request_id=claim.request_id,
+            scope=Scope.of(key),
+            cost_micros=stream.meta.reserved_micros,
+            tokens=0,
+            created_at=stream.meta.created,
+            expires_at=stream.meta.deadline,
+            replayed=True,
+        )
+        self.metrics.inflight.inc()
+        self.metrics.idempotent_attached.inc()
+        return Admitted(op, parsed, key, stream, reservation, raw, claim, attached=True)
 
     async def _reserve_and_submit(
         self,
@@ -152,8 +191,14 @@ class InferenceService:
         worst = price.worst_case(bound_prompt_tokens(parsed), req.max_tokens)
         scope = Scope.of(key)
         try:
+            # The hold outlives the request by a grace; past it, the orphan sweep
+            # settles it from the frames capture (gateway/inference/settlements.py).
             reservation = await self.accountant.reserve(
-                scope, req.id, worst, req.prompt_tokens_est + req.max_tokens
+                scope,
+                req.id,
+                worst,
+                req.prompt_tokens_est + req.max_tokens,
+                hold_s=max(1.0, req.deadline - time.time()) + self.cfg.settle_grace_s,
             )
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
@@ -166,8 +211,8 @@ class InferenceService:
             self._shed(req)
             stream = await self._submit(req, meta, claim is not None)
         except GatewayError as exc:
-            await self.books.release(req.id)
-            await self.books.append(self.books.refusal(req, key, f"rejected:{exc.code}", exc))
+            refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
+            await self.books.append(refusal, release=True)
             raise
         self.metrics.inflight.inc()
         return Admitted(op, parsed, key, stream, reservation, raw, claim, span)
@@ -186,6 +231,7 @@ class InferenceService:
             reserved_micros=reserved_micros,
             price_version=self.cfg.prices.version,
             gateway=self.cfg.gateway_id,
+            prompt_tokens_est=req.prompt_tokens_est,
         )
 
     async def _submit(self, req: InferenceRequest, meta: Meta, idempotent: bool) -> FrameStream:
@@ -250,6 +296,8 @@ class InferenceService:
         e2e = time.monotonic() - adm.started
         first_ms = self._observe(adm, "ok" if final else outcome, final, e2e)
         await self.books.settle(adm, outcome, status, final, e2e, first_ms)
+        if isinstance(adm, Admitted) and adm.wants_stream and final is not None:
+            await self.books.stream_done(adm)
 
     def _observe(self, adm: Session, label: str, final: Final | None, e2e: float) -> float | None:
         """Count the outcome; the first-token delay in ms, when it had one."""
@@ -268,6 +316,8 @@ class InferenceService:
                 if final is not None and final.usage.completion_tokens > 1:
                     tpot = (e2e - ttft) / (final.usage.completion_tokens - 1)
                     m.tpot.labels(req.cls).observe(tpot)
+                if final is not None and self.queue_watch is not None:
+                    self.queue_watch.answered(req.cls, e2e - ttft)
         else:
             m.requests.labels(adm.op, req.cls, f"resumed_{label}").inc()
         if final is not None:
@@ -285,19 +335,29 @@ class InferenceService:
         engine stops at once; with one, give the client that long to resume."""
         grace = self.cfg.resume_grace_s
         lingering = reason == "client_disconnected" and grace > 0
-        if isinstance(adm, Admitted) and adm.wants_stream and lingering and not adm.stream.done:
+        if (
+            isinstance(adm, Admitted)
+            and adm.wants_stream
+            and lingering
+            and not adm.attached
+            and not adm.stream.done
+        ):
             task = asyncio.ensure_future(self._linger(adm, reason, grace))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return
-        if isinstance(adm, Resumed):
+        if isinstance(adm, Resumed) or adm.attached:
             # A resumed client left: the original gateway (or the one that took
             # the books) decides about the upstream; we only stop following.
             adm.outcome = "detached"
             adm.stream.close()
+            if isinstance(adm, Admitted):
+                self.metrics.inflight.dec()
             return
         await adm.stream.cancel(reason)
         await self.finish(adm, "cancelled" if reason.startswith("client_d") else reason, 499)
+        if adm.claim is not None:
+            await self.books.idem_release(adm.claim)
 
     async def _linger(self, adm: Admitted, reason: str, grace: float) -> None:
         resumed = await self.dispatcher.watch_resumed(adm.request_id)
@@ -307,6 +367,8 @@ class InferenceService:
             if not resumed.is_set():
                 await adm.stream.cancel(reason)
                 await self.finish(adm, "cancelled", 499)
+                if adm.claim is not None:
+                    await self.books.idem_release(adm.claim)
                 return
             # Resumed (on this replica or another): keep the books by following
             # the stream to its end; the client reads it through the resume.
@@ -345,6 +407,7 @@ class InferenceService:
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
         await self.coalescer.aclose()
+        await self.settlements.aclose()
         self.tracer.shutdown()  # flush exported spans
 
     async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:

@@ -32,6 +32,9 @@ class Admitted:
     started: float = field(default_factory=time.monotonic)
     outcome: str | None = None
     tokens_seen: int = 0  # token frames relayed, for a charge when no usage arrives
+    # An Idempotency-Key retry following the first run's frames (the first run,
+    # or the orphan sweep, may settle it instead: whoever reaches Redis first).
+    attached: bool = False
 
     @property
     def request_id(self) -> str:

@@ -5,10 +5,13 @@ A watch polls the class's consumers (the plain one and its lanes; the
 gateway's queue-depth metrics read the same numbers) and keeps
 the queue depth (``num_pending``: published, not yet handed to a worker) and
 the fleet's start rate (deliveries per second, smoothed). A new request's
-expected wait is depth / rate; if that is past its deadline (with a margin for
-the first token) the gateway answers 429 with Retry-After instead of
-accepting it. Class priority is the workers' (interactive first), so a batch
-queue behind interactive work sees its rate fall and sheds first.
+expected wait is depth / rate; if that, plus the first-token delay and the
+time an answer of the class takes once started (learnt from the answers this
+gateway relayed), is past its deadline (with a margin), the gateway answers
+429 with Retry-After instead of accepting it: admitting a request that starts
+in time but cannot finish only turns a 429 into a 504. Class priority is the
+workers' (interactive first), so a batch queue behind interactive work sees its
+rate fall and sheds first.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import nats.errors
@@ -30,6 +35,7 @@ from streams.tasks import stop_task
 MIN_DEPTH = 2
 RATE_HALF_LIFE_S = 2.0
 SAFETY = 0.8
+ANSWER_WINDOW = 32  # recent answers per class whose median generation time counts
 
 
 @dataclass
@@ -59,6 +65,7 @@ class QueueWatch:
         self._topo = topology
         self._every = every_s
         self.loads: dict[str, ClassLoad] = {c.value: ClassLoad() for c in topology.classes}
+        self._answers: dict[str, deque[float]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -95,6 +102,14 @@ class QueueWatch:
         load.depth, load.delivered, load.at, load.since = depth, delivered, now, 0
         load.ack_pending = acking
 
+    def answered(self, cls: str, generation_s: float) -> None:
+        """An answer of ``cls`` took this long from its first token to its end."""
+        self._answers.setdefault(cls, deque(maxlen=ANSWER_WINDOW)).append(generation_s)
+
+    def answer_time(self, cls: str) -> float:
+        window = self._answers.get(cls)
+        return statistics.median(window) if window else 0.0
+
     def published(self, cls: str) -> None:
         load = self.loads.get(cls)
         if load is not None:
@@ -104,8 +119,11 @@ class QueueWatch:
         """None: admit. Otherwise the Retry-After (seconds) of a refusal."""
         load = self.loads.get(cls)
         wait = load.expected_wait() if load is not None else None
-        # A margin: the rate is an average, and the deadline covers the whole answer.
-        if wait is None or wait + first_token_s <= SAFETY * seconds_left:
+        if wait is None:
+            return None
+        # The deadline covers the whole answer; a margin, as the rate is an average.
+        done_s = wait + first_token_s + self.answer_time(cls)
+        if done_s <= SAFETY * seconds_left:
             return None
         # Come back when the queue ahead has drained to what a deadline allows.
-        return min(30.0, max(1.0, wait + first_token_s - SAFETY * seconds_left))
+        return min(30.0, max(1.0, done_s - SAFETY * seconds_left))

@@ -129,6 +129,8 @@ _COUNTER_TTL_S: dict[Period, int] = {"day": 40 * 86_400, "month": 400 * 86_400, 
 # The reservation hash outlives its hold by this much, so the sweeper can still
 # read its amounts; after that Redis drops it (memory bound only).
 _RESV_GRACE_S = 86_400.0
+# The reconcile script's answers (gateway/tenancy/accounting_lua.py).
+_SETTLE_STATES = {1: "applied", 2: "repeat", 3: "other", 0: "none"}
 
 
 class Accountant:
@@ -296,11 +298,24 @@ class Accountant:
         returns 0 and changes nothing."""
         return (await self.settle(request_id, actual_micros))[1]
 
-    async def settle(self, request_id: str, actual_micros: int) -> tuple[bool, int]:
+    async def settle(
+        self, request_id: str, actual_micros: int, writer: str = ""
+    ) -> tuple[bool, int]:
+        state, charge = await self.settle_as(request_id, actual_micros, writer)
+        return state in ("applied", "repeat"), charge
+
+    async def settle_as(
+        self, request_id: str, actual_micros: int, writer: str = ""
+    ) -> tuple[str, int]:
         """:meth:`reconcile`, also telling whether this call settled the hold
         (False: someone else did, or there was none). Whoever settles a request
         writes its ledger record, so two gateways finishing one request (a resumed
-        stream) produce one record."""
+        stream) produce one record.
+
+        ``writer`` names the settlement (gateway/inference/settlements.py): a
+        settlement applied again by the same writer (its reply was lost, or it
+        was redelivered from the outbox) answers ``(True, the charge it applied)``
+        and changes nothing, so its ledger record can still be written."""
         _check_ident(request_id)
         _check_amount("actual_micros", actual_micros)
         resv = self._resv_key(request_id)
@@ -311,24 +326,42 @@ class Accountant:
             # went away (0) or, after a settled marker expired, was made again.
             for _ in range(3):
                 counters = await self._redis.hmget(resv, ["c1", "c2", "c3"])
-                if counters[0] is None:
-                    return False, 0
-                charged = int(
-                    await self._reconcile(
-                        keys=[
-                            resv,
-                            self._done_key(request_id),
-                            self._index_key,
-                            *(as_str(c or b"") for c in counters),
-                        ],
-                        args=[actual_micros, math.ceil(self.settled_ttl_s * 1000), request_id],
-                    )
+                state, charged = await self._reconcile(
+                    keys=[
+                        resv,
+                        self._done_key(request_id),
+                        self._index_key,
+                        *(as_str(c or b"") for c in counters),
+                    ],
+                    args=[
+                        actual_micros,
+                        math.ceil(self.settled_ttl_s * 1000),
+                        request_id,
+                        writer,
+                    ],
                 )
-                if charged >= 0:
-                    return True, charged
-                if charged == -2:
-                    return False, 0
+                name = _SETTLE_STATES.get(int(state))
+                if name is not None:
+                    return name, int(charged) if name in ("applied", "repeat") else 0
         raise AccountingUnavailable(f"Reservation {request_id} kept changing; not reconciled")
+
+    async def expired(self, limit: int = 1000) -> list[tuple[str, str]]:
+        """Up to ``limit`` holds past their expiry (their holder died, or is cut
+        off): ``(request_id, tenant)``, for the caller to settle from evidence."""
+        now_us = int(self._clock() * 1_000_000)
+        async with self._store("sweep"):
+            due: Sequence[Any] = await self._redis.zrangebyscore(
+                self._index_key, "-inf", now_us, start=0, num=limit
+            )
+            out: list[tuple[str, str]] = []
+            for raw in due:
+                request_id = as_str(raw)
+                tenant = await self._redis.hget(self._resv_key(request_id), "tenant")
+                if tenant is None:  # reconciled meanwhile, or dropped by Redis
+                    await self._redis.zrem(self._index_key, request_id)
+                else:
+                    out.append((request_id, as_str(tenant)))
+        return out
 
     async def release(self, request_id: str) -> None:
         """Give the whole hold back (the request failed before costing anything)."""

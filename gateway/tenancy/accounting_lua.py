@@ -34,8 +34,9 @@ if redis.call('EXISTS', KEYS[19]) == 1 then
                        'org', 'tenant', 'key')
   return {'held', r[1], r[2], r[3], r[4], r[5], r[6], r[7]}
 end
-local done = redis.call('GET', KEYS[20])
-if done then return {'settled', done} end
+local done_type = redis.call('TYPE', KEYS[20]).ok
+if done_type == 'hash' then return {'settled', redis.call('HGET', KEYS[20], 'charge')} end
+if done_type == 'string' then return {'settled', redis.call('GET', KEYS[20])} end
 
 local now = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
@@ -112,13 +113,26 @@ return {'ok', ARGV[2], ARGV[3], ARGV[1], expires, ARGV[8], ARGV[9], ARGV[10]}
 
 # KEYS 1 reservation hash, 2 settled marker, 3 expiry index, 4..6 the reservation's
 #      spend counters (org, tenant, key), read from the hash by the caller
-# ARGV 1 actual charge (µ-USD), 2 marker PX (ms), 3 request id
-# Returns the charge, -2 when nothing is held, -1 when KEYS 4..6 are not the
-# reservation's counters (the caller re-reads them and retries).
+# ARGV 1 actual charge (µ-USD), 2 marker PX (ms), 3 request id, 4 writer ("" anonymous)
+# Returns {state, charge}: 1 settled by this call; 2 settled before by the same
+# (non-empty) writer, with the charge it applied (a redelivered settlement);
+# 3 settled by another writer; 0 nothing held and no marker; -1 KEYS 4..6 are not
+# the reservation's counters (the caller re-reads them and retries).
 RECONCILE_LUA = """
 local r = redis.call('HMGET', KEYS[1], 'cost', 'c1', 'c2', 'c3')
-if not r[1] then return -2 end
-if r[2] ~= KEYS[4] or r[3] ~= KEYS[5] or r[4] ~= KEYS[6] then return -1 end
+if not r[1] then
+  local m = redis.call('HMGET', KEYS[2], 'charge', 'writer')
+  if not m[1] then
+    -- A marker from before writers were recorded is a plain string.
+    if redis.call('TYPE', KEYS[2]).ok == 'string' then
+      return {3, tonumber(redis.call('GET', KEYS[2]))}
+    end
+    return {0, 0}
+  end
+  if ARGV[4] ~= '' and m[2] == ARGV[4] then return {2, tonumber(m[1])} end
+  return {3, tonumber(m[1])}
+end
+if r[2] ~= KEYS[4] or r[3] ~= KEYS[5] or r[4] ~= KEYS[6] then return {-1, 0} end
 local release = string.format('%d', -tonumber(r[1]))
 local actual = tonumber(ARGV[1])
 for i = 4, 6 do
@@ -127,8 +141,9 @@ for i = 4, 6 do
 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[3], ARGV[3])
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-return actual
+redis.call('HSET', KEYS[2], 'charge', ARGV[1], 'writer', ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return {1, actual}
 """
 
 

@@ -1,18 +1,30 @@
-"""Idempotency-Key for non-streaming requests.
+"""Idempotency-Key, for streaming and non-streaming requests alike.
 
 The first request with a (tenant, key) pair claims it in Redis (SET NX) and
-runs; its response is stored under the pair. A retry gets the stored response
-(no engine call, no charge); a concurrent duplicate waits for the first. The
-request id is derived from the pair, so JetStream's Nats-Msg-Id dedupe also
-covers a gateway that crashed between publishing and answering. Retryable
-failures (429/5xx) release the claim so a later retry runs again.
+runs under a request id derived from the pair: the key's hash and a generation
+that changes only when a run failed in a way a retry may repair (429/5xx, a
+client that cancelled). A retry within the window therefore names the same
+request, and:
+
+- the first run finished, not streaming: gets the stored response (no engine
+  call, no charge);
+- the first run is in flight, or finished streaming: attaches to its frames
+  (the resume path; gateway/inference/service.py), on any replica, even when the
+  first run's gateway died: the engine works once, the books get one record;
+- the first run's gateway died before it queued anything: takes the run over
+  with the same request id after ``takeover_s`` (the work queue's
+  ``Nats-Msg-Id`` de-duplication stores the request once even if it was queued).
+
+The window (``ttl_s``, ``GatewayConfig.idempotency_window_s``) counts from the
+first claim; the frames capture and the work queue's de-duplication window must
+be at least as long (the runtime checks it), so whatever a retry can find in
+Redis it can also find on the bus.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +43,9 @@ class Stored(msgspec.Struct, frozen=True):
     state: str  # "pending" | "done"
     body_hash: str
     status: int = 0
-    response: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None  # None when done: a stream, replayed from frames
+    request_id: str = ""
+    created: float = 0.0  # the first claim (unix seconds)
 
 
 _enc = msgspec.json.Encoder()
@@ -43,6 +57,8 @@ class Claim:
     request_id: str
     key_hash: str
     replay: Stored | None = None  # set: answer with this, run nothing
+    attach: bool = False  # the first run is in flight or streamed: follow its frames
+    created: float = 0.0
 
 
 def key_hash(tenant: str, idempotency_key: str) -> str:
@@ -50,9 +66,9 @@ def key_hash(tenant: str, idempotency_key: str) -> str:
 
 
 class IdempotencyStore:
-    def __init__(self, client: redis.Redis, ttl_s: float = 24 * 3600, poll_s: float = 0.05) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: float = 600.0, poll_s: float = 0.05) -> None:
         self._redis = client
-        self._ttl = int(ttl_s)
+        self.ttl_s = ttl_s
         self._poll = poll_s
 
     async def claim(self, tenant: str, idem_key: str, body: bytes, deadline: float) -> Claim:
@@ -60,20 +76,21 @@ class IdempotencyStore:
             raise BadRequest("Idempotency-Key must be 1-255 characters.", param=HEADER)
         kh = key_hash(tenant, idem_key)
         body_hash = hashlib.sha256(body).hexdigest()
-        pending = _enc.encode(Stored("pending", body_hash))
         rkey = PREFIX + kh
-        # A pending claim lives only as long as its request can: if its gateway
-        # dies, a retry takes over after that instead of waiting out the full TTL.
-        pending_ttl = max(1, math.ceil(deadline - time.time()) + 30)
         try:
             while True:
-                if await self._redis.set(rkey, pending, nx=True, ex=pending_ttl):
-                    # Each run of a key gets its own request id (a retry after a
-                    # failure must not collide with the first run's settled hold);
-                    # a retry of the same run keeps it, so JetStream dedupes it.
-                    attempt = await self._redis.incr(PREFIX + "attempt:" + kh)
-                    await self._redis.expire(PREFIX + "attempt:" + kh, self._ttl)
-                    return Claim(f"{kh[:24]}{attempt:08x}", kh)
+                # A new generation only when a claim is made: a retry of the same
+                # run finds the claim and keeps its request id.
+                now = time.time()
+                gen_key = PREFIX + "gen:" + kh
+                generation = int(await self._redis.get(gen_key) or 0) + 1
+                request_id = f"{kh[:24]}{generation:08x}"
+                pending = _enc.encode(
+                    Stored("pending", body_hash, request_id=request_id, created=now)
+                )
+                if await self._redis.set(rkey, pending, nx=True, ex=max(1, int(self.ttl_s))):
+                    await self._redis.set(gen_key, generation, ex=int(self.ttl_s) + 86_400)
+                    return Claim(request_id, kh, created=now)
                 raw = await self._redis.get(rkey)
                 if raw is None:
                     continue  # released between our SET and GET: claim again
@@ -84,22 +101,40 @@ class IdempotencyStore:
                         code="idempotency_key_reused",
                         param=HEADER,
                     )
-                if stored.state == "done":
-                    return Claim(kh[:32], kh, stored)  # a replay: the id is not used
+                if stored.state == "done" and stored.response is not None:
+                    return Claim(stored.request_id or kh[:32], kh, stored)
+                if stored.request_id:
+                    return Claim(stored.request_id, kh, attach=True, created=stored.created)
+                # A claim from before request ids were stored: wait for it.
                 if time.time() >= deadline:
                     raise Timeout("A request with this Idempotency-Key is still running.")
-                await asyncio.sleep(self._poll)  # a concurrent duplicate: wait for the first
+                await asyncio.sleep(self._poll)
         except (RedisError, OSError) as exc:
             raise Unavailable("Idempotency store unavailable.") from exc
 
     async def complete(
-        self, claim: Claim, body: bytes, status: int, response: dict[str, Any]
+        self, claim: Claim, body: bytes, status: int, response: dict[str, Any] | None
     ) -> None:
-        stored = Stored("done", hashlib.sha256(body).hexdigest(), status, response)
-        await self._redis.set(PREFIX + claim.key_hash, _enc.encode(stored), ex=self._ttl)
+        """The run's answer (``response`` None: a stream, replayed from its frames),
+        kept until the window that began with the first claim ends."""
+        stored = Stored(
+            "done",
+            hashlib.sha256(body).hexdigest(),
+            status,
+            response,
+            claim.request_id,
+            claim.created,
+        )
+        await self._redis.set(PREFIX + claim.key_hash, _enc.encode(stored), keepttl=True)
+
+    async def release(self, claim: Claim) -> None:
+        """Let a retry run again, under a new request id."""
+        gen_key = PREFIX + "gen:" + claim.key_hash
+        await self._redis.set(gen_key, int(claim.request_id[24:], 16), ex=int(self.ttl_s) + 86_400)
+        await self._redis.delete(PREFIX + claim.key_hash)
 
     async def fail(self, claim: Claim, body: bytes, exc: GatewayError) -> None:
         if exc.retryable or exc.status >= 500:
-            await self._redis.delete(PREFIX + claim.key_hash)  # let a retry run again
+            await self.release(claim)
         else:
             await self.complete(claim, body, exc.status, exc.body())

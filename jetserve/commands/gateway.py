@@ -170,6 +170,29 @@ def _routing(g: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-shed", action="store_true", help="queue what cannot meet its deadline (no 429)"
     )
+    b = g.add_argument_group("books (docs/reliability.md, the settlement outbox)")
+    b.add_argument(
+        "--settle-grace",
+        type=float,
+        default=60.0,
+        help="a request's budget hold outlives its deadline by this (s); then the orphan "
+        "sweep settles it from the frames capture",
+    )
+    b.add_argument("--sweep-every", type=float, default=30.0, help="orphan sweep interval (s)")
+    b.add_argument(
+        "--outbox-grace",
+        type=float,
+        default=10.0,
+        help="a settlement its gateway has not applied after this (s) is applied by any replica",
+    )
+    b.add_argument("--outbox-scan", type=float, default=5.0, help="outbox scan interval (s)")
+    b.add_argument(
+        "--idempotency-window",
+        type=float,
+        default=600.0,
+        help="Idempotency-Key answers are kept this long from the first request (s); "
+        "at most the frames capture's and the work queue's de-duplication window",
+    )
 
 
 def hedge_policy(spec: str | None, max_extra: float) -> HedgePolicy:
@@ -246,6 +269,11 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         routing=RoutingPolicy(mode=args.routing),
         hedge=hedge_policy(args.hedge, args.hedge_max_extra),
         shed=not args.no_shed,
+        settle_grace_s=args.settle_grace,
+        sweep_s=args.sweep_every,
+        outbox_grace_s=args.outbox_grace,
+        outbox_scan_s=args.outbox_scan,
+        idempotency_window_s=args.idempotency_window,
         coalesce=CoalescePolicy(enabled=args.coalesce),
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,

@@ -13,6 +13,7 @@ import httpx
 
 from jetserve.commands.admin_client import AdminError
 from jetserve.fleet import Fleet, FleetSpec
+from jetserve.services import NATS_SYNC_DEFAULT, check_nats_sync
 
 if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
@@ -26,11 +27,27 @@ def register(sub: Subparsers) -> None:
     u.add_argument("--profile", default="h100-8b", help="simulator latency profile")
     u.add_argument("--check", action="store_true", help="run the self-check, then stop")
     u.add_argument(
+        "--nats-sync",
+        type=nats_sync,
+        default=NATS_SYNC_DEFAULT,
+        metavar="always|DURATION",
+        help="JetStream fsync policy, for every file-backed stream of the server: "
+        "'always' (default) fsyncs before each ack; a duration such as 2m (nats-server's "
+        "own default) fsyncs that often. docs/reliability.md#durability-settings",
+    )
+    u.add_argument(
         "--insecure",
         action="store_true",
         help="an open bus: NATS and Redis without credentials (development only)",
     )
     u.set_defaults(func=run_up)
+
+
+def nats_sync(value: str) -> str:
+    try:
+        return check_nats_sync(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def self_check(fleet: Fleet) -> str:
@@ -59,6 +76,7 @@ def run_up(args: argparse.Namespace) -> int:
         profile=args.profile,
         api_key=args.api_key,
         insecure=args.insecure,
+        nats_sync=args.nats_sync,
     )
     print(
         "jetserve up: starting nats-server, redis-server, simulator, gateway and "
@@ -80,6 +98,10 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"  API key  : {fleet.api_key}")
         print(f"  model    : {spec.model} (simulated, profile {spec.profile})")
         print(f"  NATS     : {fleet.nats_url}    Redis: {fleet.redis_url_of('admin')}")
+        print(
+            f"  fsync    : JetStream sync_interval {spec.nats_sync}, "
+            f"Redis appendfsync {spec.redis_appendfsync}"
+        )
         if fleet.creds is not None:
             print(f"  bus auth : one credential per role in {fleet.creds.root} (docs/security.md)")
         else:

@@ -388,6 +388,23 @@ async def test_reconcile_is_idempotent_and_reserve_after_it_holds_nothing(
     assert await acct.reconcile("never-reserved", 1_000) == 0
 
 
+async def test_a_settlement_applied_again_by_its_writer_answers_its_charge(
+    acct: Accountant,
+) -> None:
+    """The outbox may apply one settlement twice (its reply lost, a scanner on
+    another replica): the same writer gets the charge it applied and nothing
+    changes; another writer of the same request is told it was settled."""
+    scope = Scope("o", "t", "k")
+    await acct.reserve(scope, "w", 4_000, 10)
+    assert await acct.settle_as("w", 1_500, "gw1/admitted") == ("applied", 1_500)
+    assert await acct.settle_as("w", 1_500, "gw1/admitted") == ("repeat", 1_500)
+    assert await acct.settle_as("w", 9_999, "gw2/resumed") == ("other", 0)
+    assert await acct.settle_as("w", 1_500, "") == ("other", 0)  # anonymous: never a repeat
+    assert await acct.settle_as("never-held", 1_500, "gw1/admitted") == ("none", 0)
+    assert await acct.spend("tenant", "t") == (1_500, 0)
+    assert (await acct.reserve(scope, "w", 4_000, 10)).charged_micros == 1_500
+
+
 async def test_release_on_failure_returns_the_hold(acct: Accountant) -> None:
     await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000))
     scope = Scope("o", "t", "k")
@@ -598,8 +615,12 @@ async def test_rpm_holds_within_5_percent_across_three_processes(
     attempts = sum(o["attempts"] for o in outs)
     total = len(stamps)
     expected_total = rpm * (duration + burst_s) / 60  # burst + rate x window
-    # Steady state: a 3 s window after the burst has drained.
-    window = [s for s in stamps if t_start + 0.5 <= s < t_start + 3.5]
+    # Steady state: a 3 s window from the moment the burst was used up (by the
+    # GCRA clock the stamps carry), not from a wall-clock offset: on a loaded box
+    # the children start late, and burst admissions would land in the window.
+    burst_units = int(rpm * burst_s / 60)
+    steady_from = stamps[burst_units]
+    window = [s for s in stamps if steady_from <= s < steady_from + 3.0]
     expected_window = rpm * 3.0 / 60
     err_total = (total - expected_total) / expected_total
     err_window = (len(window) - expected_window) / expected_window

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -34,6 +36,7 @@ from jetserve.commands.admin import ADMIN_TOKEN_ENV
 from jetserve.commands.common import split_csv
 from jetserve.commands.gateway import KEY_SECRET_ENV
 from jetserve.credentials import Credentials
+from jetserve.services import REDIS_APPENDFSYNC_DEFAULT
 from sim import cli as sim_cli
 from streams.auth import Role
 from streams.connect import SEED_ENV
@@ -42,6 +45,7 @@ from streams.subjects import RequestClass
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
+NATS_CONF = ROOT / "deploy" / "nats.conf"
 JETSERVE_SERVICES = ("credentials", "sim", "gateway", "worker", "agent", "keys", "worker-gpu")
 # First argument of each command that is not ours: nats-server, redis-server, vLLM.
 THIRD_PARTY_HEADS = {"-c", "redis-server", "--model"}
@@ -180,7 +184,8 @@ def test_servers_load_the_generated_authorization() -> None:
     assert ns.k8s_secrets is None
     assert ns.servers_dir is not None
     nats = next(argv for argv in _command_lines() if argv[:1] == ["-c"])
-    assert Path(nats[1]) == ns.servers_dir / "nats-auth.conf"
+    # deploy/nats.conf, which includes the authorization (test_servers_mount_only_public_files).
+    assert Path(nats[1]).name == NATS_CONF.name
     assert "-js" in nats
     redis = next(argv for argv in _command_lines() if argv[:1] == ["redis-server"])
     assert Path(redis[redis.index("--aclfile") + 1]) == ns.servers_dir / "redis.acl"
@@ -370,15 +375,78 @@ def test_the_image_owns_the_credential_mount_points() -> None:
         assert made.groups() == (user[1], mode), path
 
 
+def _nats_include(conf_path: str) -> str:
+    """Where deploy/nats.conf's ``include`` lands when the file is at ``conf_path``
+    (nats-server resolves it against the including file's directory)."""
+    (include,) = re.findall(r'^include "([^"]+)"$', NATS_CONF.read_text(), re.M)
+    return os.path.normpath(Path(conf_path).parent / str(include))
+
+
+def _config_file(svc: dict[str, Any], target: str) -> Path:
+    """The host file of the compose config mounted at ``target`` in ``svc``."""
+    (source,) = [c["source"] for c in svc.get("configs", []) if c.get("target") == target]
+    file = Path(_load_compose()["configs"][source]["file"])
+    return (file if file.is_absolute() else COMPOSE.parent / file).resolve()
+
+
 def test_servers_mount_only_public_files(services: dict[str, dict[str, Any]]) -> None:
+    ns, _ = _credentials()
     nats, redis = services["nats"], services["redis"]
     conf = nats["command"][nats["command"].index("-c") + 1]
     acl = redis["command"][redis["command"].index("--aclfile") + 1]
-    assert _under(conf, _mounts(nats)) == ("bus-auth", True)
+    assert _config_file(nats, conf) == NATS_CONF.resolve()
+    # The include lands on bus-auth, on the file the credentials service writes there.
+    auth = _nats_include(conf)
+    volume, read_only = _under(auth, _mounts(nats))
+    assert (volume, read_only) == ("bus-auth", True)
+    mount = max((t for t in _mounts(nats) if Path(auth).is_relative_to(t)), key=len)
+    assert ns.servers_dir / Path(auth).relative_to(mount) == ns.servers_dir / "nats-auth.conf"
     assert _under(acl, _mounts(redis)) == ("bus-auth", True)
     assert "creds" not in _volumes_of(nats), "nats-server needs no secret"
     for name in ("nats", "redis"):
         assert _depends(services[name]) == {"credentials": "service_completed_successfully"}
+
+
+def _k8s_args(name: str) -> list[str]:
+    docs = yaml_docs(ROOT / "deploy" / f"{name}.yaml")
+    (workload,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    args: list[str] = container["args"]
+    return args
+
+
+def yaml_docs(path: Path) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) reads deploy/")
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_nats_runs_deploys_config_at_deploys_paths(services: dict[str, dict[str, Any]]) -> None:
+    """The JetStream fsync policy (sync_interval "always") is deploy/nats.conf's,
+    mounted where deploy/nats.yaml mounts it, so its include finds the same file."""
+    nats = services["nats"]["command"]
+    k8s = _k8s_args("nats")
+    assert nats[:2] == k8s[:2]
+    assert '  sync_interval: "always"' in NATS_CONF.read_text().splitlines()
+    assert nats[2:] == k8s[2:], "the same JetStream and monitoring flags"
+
+
+def test_redis_persists_as_deploy_runs_it(services: dict[str, dict[str, Any]]) -> None:
+    """Append-only file on, fsynced before each reply (appendfsync always), in the
+    redis-data volume: keys, limits and spend survive a crash (docs/reliability.md)."""
+    redis = services["redis"]
+    argv = redis["command"]
+
+    def persistence(args: list[str]) -> dict[str, str]:
+        flags = ("--appendonly", "--appendfsync", "--dir", "--save")
+        return {a: b for a, b in itertools.pairwise(args) if a in flags}
+
+    assert persistence(argv) == persistence(_k8s_args("redis"))
+    assert persistence(argv) == {
+        "--appendonly": "yes",
+        "--appendfsync": REDIS_APPENDFSYNC_DEFAULT,
+        "--dir": "/data",
+    }
+    assert _under("/data", _mounts(redis)) == ("redis-data", False)
 
 
 def test_redis_health_check_authenticates_without_argv_secrets(

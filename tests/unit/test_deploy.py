@@ -21,7 +21,9 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from gateway.metrics import GatewayMetrics
@@ -48,6 +51,17 @@ from jetserve.scale import (
     lags_from_jsz,
     per_class,
 )
+from jetserve.services import (
+    NATS_SYNC_DEFAULT,
+    REDIS_APPENDFSYNC_DEFAULT,
+    check_nats_sync,
+    free_port,
+    nats_server_binary,
+    nats_server_conf,
+    start_nats,
+    start_redis,
+    wait_port,
+)
 from sim import cli as sim_cli
 from streams.auth import Role
 from streams.connect import SEED_ENV
@@ -59,6 +73,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) parses the man
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "jetserve-dashboard.json"
+NATS_CONF = DEPLOY / "nats.conf"
 NAMESPACE = "jetserve"
 CLUSTER_SCOPED = {"Namespace"}
 
@@ -544,7 +559,10 @@ def test_servers_load_the_generated_authorization() -> None:
     (nats,) = [c for c in _containers(nats_set) if c["name"] == "nats"]
     args = nats["args"]
     assert args[0] == "-c", "the config file first: the flags after it override it"
-    assert _secret_file(nats_set, nats, args[1]) == ("jetserve-bus-auth", "nats-auth.conf")
+    # deploy/nats.conf includes the authorization, relative to its own directory.
+    assert _config_file(nats_set, nats, args[1]) == NATS_CONF.name
+    auth = _nats_include(args[1])
+    assert _secret_file(nats_set, nats, auth) == ("jetserve-bus-auth", "nats-auth.conf")
 
     redis_set = OBJECTS[("StatefulSet", "redis")]
     (redis,) = [c for c in _containers(redis_set) if c["name"] == "redis"]
@@ -564,6 +582,145 @@ def test_servers_load_the_generated_authorization() -> None:
     for secret in _secret_volumes(redis_set).values():
         if secret["secretName"] == "jetserve-admin":
             assert [i["key"] for i in secret["items"]] == ["redis.password"]
+
+
+# -- durability (docs/reliability.md#durability-settings) ---------------------------
+
+
+def _config_file(workload: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    """The key of the generated ConfigMap (kustomization.yaml) that is ``path``."""
+    mounts = [
+        m for m in container.get("volumeMounts", []) if Path(path).is_relative_to(m["mountPath"])
+    ]
+    assert mounts, f"{container['name']}: {path} is on no mounted volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    assert mount.get("readOnly") is True, f"{container['name']}: {mount['name']} is writable"
+    volume = {v["name"]: v for v in _pod_spec(workload)["volumes"]}[mount["name"]]
+    name = volume["configMap"]["name"]
+    (kustomization,) = [doc for _, doc in _documents() if doc.get("kind") == "Kustomization"]
+    (generator,) = [g for g in kustomization["configMapGenerator"] if g["name"] == name]
+    rel = Path(path).relative_to(mount["mountPath"]).as_posix()
+    assert rel in generator["files"], (name, rel)
+    return rel
+
+
+def _nats_include(conf_path: str) -> str:
+    """Where deploy/nats.conf's ``include`` lands when the file is at ``conf_path``
+    (nats-server resolves it against the including file's directory)."""
+    (include,) = re.findall(r'^include "([^"]+)"$', NATS_CONF.read_text(), re.M)
+    return os.path.normpath(Path(conf_path).parent / str(include))
+
+
+def _significant(conf: str) -> list[str]:
+    return [ln.strip() for ln in conf.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
+def _nats_container() -> tuple[dict[str, Any], dict[str, Any]]:
+    nats_set = OBJECTS[("StatefulSet", "nats")]
+    (nats,) = [c for c in _containers(nats_set) if c["name"] == "nats"]
+    return nats_set, nats
+
+
+def test_nats_fsyncs_every_write_as_the_launcher_does() -> None:
+    """deploy/nats.conf is what jetserve.services renders for its own servers,
+    with the default policy (sync_interval "always"), for the pod's paths."""
+    _, nats = _nats_container()
+    conf = nats["args"][1]
+    rendered = nats_server_conf(NATS_SYNC_DEFAULT, Path(conf).parent, Path(_nats_include(conf)))
+    assert NATS_SYNC_DEFAULT == "always"
+    assert _significant(NATS_CONF.read_text()) == _significant(rendered)
+
+
+def test_deploys_nats_conf_runs_with_fsync_always_and_auth(tmp_path: Path) -> None:
+    """The real nats-server, given deploy/nats.conf at the pod's layout (the
+    include at /etc/nats-auth): JetStream fsyncs every write, auth is on."""
+    _, nats = _nats_container()
+    conf = Path(nats["args"][1])
+    root = tmp_path / "root"
+    here = root / conf.relative_to("/")
+    here.parent.mkdir(parents=True)
+    here.write_text(NATS_CONF.read_text())
+    auth = root / Path(_nats_include(str(conf))).relative_to("/")
+    auth.parent.mkdir(parents=True)
+    auth.write_text(generate(tmp_path / "creds", ("demo",)).nats_conf.read_text())
+    port, monitor = free_port(), free_port()
+    flags = ["-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js"]
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(here), *flags, "-sd", str(tmp_path / "js")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_port(monitor, 10.0, proc)
+        varz = httpx.get(f"http://127.0.0.1:{monitor}/varz", timeout=5).json()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert varz["jetstream"]["config"]["sync_always"] is True
+    assert varz["auth_required"] is True
+
+
+def test_redis_fsyncs_its_append_only_file_before_each_reply() -> None:
+    (redis,) = [c for c in _containers(OBJECTS[("StatefulSet", "redis")]) if c["name"] == "redis"]
+    args = redis["args"]
+    want = {("--appendonly", "yes"), ("--appendfsync", REDIS_APPENDFSYNC_DEFAULT)}
+    assert want | {("--dir", "/data")} <= _flag_values(args)
+    assert REDIS_APPENDFSYNC_DEFAULT == "always"
+    assert {m["mountPath"]: m["name"] for m in redis["volumeMounts"]}["/data"] == "data"
+
+
+def _flag_values(args: list[str]) -> set[tuple[str, str]]:
+    return {(a, b) for a, b in itertools.pairwise(args) if a.startswith("--")}
+
+
+def test_the_launcher_starts_servers_as_deploy_configures_them(tmp_path: Path) -> None:
+    """jetserve.services (the fleet's and the tests' servers) with its defaults:
+    the same nats.conf policy and the same Redis persistence flags as deploy/."""
+    (redis,) = [c for c in _containers(OBJECTS[("StatefulSet", "redis")]) if c["name"] == "redis"]
+    want = {f for f in _flag_values(redis["args"]) if f[0] in ("--appendonly", "--appendfsync")}
+    svc = start_redis(tmp_path / "redis")
+    try:
+        assert want <= _flag_values(svc.args)
+        assert ("--dir", str(tmp_path / "redis")) in _flag_values(svc.args)
+    finally:
+        svc.stop()
+    nats = start_nats(tmp_path / "nats")
+    try:
+        assert _significant((tmp_path / "nats" / "nats.conf").read_text()) == _significant(
+            nats_server_conf(NATS_SYNC_DEFAULT, tmp_path)
+        )
+    finally:
+        nats.stop()
+
+
+@pytest.mark.parametrize(
+    ("sync", "always", "interval_s"), [("always", True, 120.0), ("1s", False, 1.0)]
+)
+def test_the_launchers_sync_setting_reaches_nats_server(
+    tmp_path: Path, sync: str, always: bool, interval_s: float
+) -> None:
+    monitor = free_port()
+    svc = start_nats(tmp_path, cluster=["-m", str(monitor)], sync=sync)
+    try:
+        wait_port(monitor, 10.0, svc.proc)
+        config = httpx.get(f"http://127.0.0.1:{monitor}/varz", timeout=5).json()["jetstream"]
+    finally:
+        svc.stop()
+    assert config["config"].get("sync_always", False) is always
+    assert config["config"]["sync_interval"] == interval_s * 1e9
+
+
+def test_nats_sync_values() -> None:
+    for ok in ("always", "2m", "1s", "500ms", "1h30m", "1.5s"):
+        assert check_nats_sync(ok) == ok
+    for bad in ("", "0s", "2", "2 m", "never", "ALWAYS", "2m;", "1d"):
+        with pytest.raises(ValueError, match="nats sync"):
+            check_nats_sync(bad)
+    up = jetserve_cli.build_parser().parse_args(["up"])
+    assert up.nats_sync == NATS_SYNC_DEFAULT
+    assert jetserve_cli.build_parser().parse_args(["up", "--nats-sync", "2m"]).nats_sync == "2m"
+    with pytest.raises(SystemExit):
+        jetserve_cli.build_parser().parse_args(["up", "--nats-sync", "sometimes"])
 
 
 def test_keda_reads_the_unauthenticated_monitoring_port() -> None:
@@ -640,8 +797,17 @@ def test_kustomize_renders_when_kubectl_is_installed() -> None:
         [kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(proc.stdout) if d}
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    # nats-config's name carries a hash of deploy/nats.conf (a change rolls nats).
+    (nats_config,) = [d for d in docs if d["metadata"]["name"].startswith("nats-config-")]
+    assert nats_config["data"] == {"nats.conf": NATS_CONF.read_text()}
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in docs if d is not nats_config}
     assert rendered == set(OBJECTS) | {("ConfigMap", "jetserve-grafana-dashboard")}
+    (nats_set,) = [
+        d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats"
+    ]
+    volumes = {v["name"]: v for v in _pod_spec(nats_set)["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == nats_config["metadata"]["name"]
 
 
 # -- the Grafana dashboard ----------------------------------------------------------

@@ -1,0 +1,250 @@
+"""Settling the books through the outbox (streams/outbox.py): a request's charge
+and ledger record are made durable before either store is touched, and applied
+exactly once.
+
+    settle:  publish to the outbox -> apply (Redis, then the ledger) -> delete
+    scan:    what is still in the outbox after ``grace_s`` -> apply -> delete
+    orphans: a hold past its expiry (its gateway died before settling) ->
+             a settlement from the frames capture's evidence -> settle
+
+Apply is idempotent: the reconcile script applies one writer's settlement once
+and answers a repeat with the charge it applied (gateway/tenancy/accounting.py),
+and the ledger stores one record per tenant and request id (``Nats-Msg-Id``).
+When two writers settle one request (a resumed stream followed by two
+replicas), the first to reach Redis charges and records; the other records
+nothing. A store that is down never turns a charge into 0, and a record is
+never given up: it waits in the outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import msgspec
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from gateway.errors import GatewayError
+from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.pricing import PriceBook
+from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
+from streams.deadletter import dead_letter
+from streams.definitions import Topology
+from streams.outbox import Outbox, Settlement
+from streams.request_ledger import LedgerRecord
+from streams.subjects import frames_filter
+from streams.wire import ErrorFrame, Final, Meta, Usage, decode_frame
+
+log = logging.getLogger(__name__)
+
+_BUS_ERRORS = (nats.errors.Error, TimeoutError, OSError, APIError)
+SWEEP_WRITER = "sweep"
+
+
+class Settlements:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        outbox: Outbox,
+        accountant: Accountant,
+        ledger: LedgerWriter,
+        gateway_id: str,
+        topology: Topology,
+        prices: PriceBook,
+        *,
+        grace_s: float = 10.0,
+        on_outcome: Callable[[str], None] = lambda outcome: None,
+    ) -> None:
+        self._js = js
+        self.outbox = outbox
+        self._accountant = accountant
+        self._ledger = ledger
+        self.gateway_id = gateway_id
+        self._topology = topology
+        self._prices = prices
+        self.grace_s = grace_s  # how long the settling gateway has before a scanner steps in
+        self._on_outcome = on_outcome  # counts inline, deferred, recovered, ...
+        self._retrying: set[asyncio.Task[None]] = set()  # owned: awaited in aclose()
+
+    # -- the request path ------------------------------------------------------------
+    async def settle(self, s: Settlement) -> None:
+        """Make ``s`` durable, then apply it. Never raises: what cannot be applied
+        now stays in the outbox (or, with the bus down, is retried from here)."""
+        try:
+            seq = await self.outbox.publish(self.gateway_id, s)
+        except _BUS_ERRORS as exc:
+            log.warning("outbox publish of %s failed (%r); retrying", s.record.request_id, exc)
+            self._on_outcome("outbox_retry")
+            task = asyncio.ensure_future(self._store_later(s))
+            self._retrying.add(task)
+            task.add_done_callback(self._retrying.discard)
+            return
+        if await self._apply_logged(s):
+            self._on_outcome("inline")
+            await self._delete(seq)
+        else:
+            self._on_outcome("deferred")
+
+    async def _store_later(self, s: Settlement) -> None:
+        """The bus was down: keep trying to store it (then a scanner applies it)."""
+        delay = 0.25
+        while True:
+            await asyncio.sleep(delay * random.uniform(1, 1.5))
+            try:
+                await self.outbox.publish(self.gateway_id, s)
+                return
+            except _BUS_ERRORS:
+                delay = min(delay * 2, 5.0)
+
+    async def _apply_logged(self, s: Settlement) -> bool:
+        try:
+            await self.apply(s)
+            return True
+        except (GatewayError, LedgerWriteError) as exc:
+            log.warning("settlement of %s deferred: %s", s.record.request_id, exc.message)
+            return False
+
+    async def apply(self, s: Settlement) -> None:
+        """Charge, then record; raise what a store answered (the caller keeps ``s``)."""
+        record = s.record
+        if s.actual_micros is not None:
+            state, charge = await self._accountant.settle_as(
+                record.request_id, s.actual_micros, s.writer
+            )
+            if state == "other":
+                return  # another writer settled it first, and recorded it
+            if state == "none":
+                # No hold and no marker: Redis lost it (a restart without its
+                # append-only file). The request is still recorded, uncharged.
+                log.error("no hold for %s: recorded without a charge", record.request_id)
+                self._on_outcome("hold_missing")
+                charge = 0
+            record = msgspec.structs.replace(record, charge_micros=charge)
+        await self._ledger.append(record)
+
+    async def _delete(self, seq: int) -> None:
+        try:
+            await self.outbox.delete(seq)
+        except _BUS_ERRORS as exc:
+            # Left behind: a scanner applies it again, which changes nothing.
+            log.warning("outbox delete of seq %d failed: %r", seq, exc)
+
+    # -- the scanner -------------------------------------------------------------------
+    async def scan(self) -> int:
+        """Apply what has waited in the outbox longer than the grace; how many."""
+        applied = 0
+        cutoff = time.time() - self.grace_s
+        async for p in self.outbox.pending():
+            if p.stored_at > cutoff:
+                break  # oldest first: the rest is younger still
+            if p.settlement is None:
+                await dead_letter(self._js, p.subject, p.data, "undecodable settlement", p.seq)
+                await self._delete(p.seq)
+                continue
+            await self.apply(p.settlement)  # a store down: stop, the next scan retries
+            await self._delete(p.seq)
+            self._on_outcome("from_outbox")
+            applied += 1
+        return applied
+
+    # -- orphans ---------------------------------------------------------------------
+    async def sweep(self) -> int:
+        """Settle holds past their expiry from the frames capture; how many."""
+        swept = 0
+        for request_id, tenant in await self._accountant.expired():
+            s = await self.orphan(tenant, request_id)
+            if s is None:
+                # Never announced (its gateway died before queueing it, or an
+                # agent run's hold): it never ran; give the hold back.
+                await self._accountant.settle(request_id, 0, SWEEP_WRITER)
+                self._on_outcome("released")
+            else:
+                await self.settle(s)
+                self._on_outcome("orphan")
+            swept += 1
+        return swept
+
+    async def orphan(self, tenant: str, request_id: str) -> Settlement | None:
+        """What the frames capture shows of a request nobody settled."""
+        stream, subject = self._topology.frames_stream, frames_filter(tenant, request_id)
+        try:
+            head = await self._js.get_msg(stream, seq=1, subject=subject, next=True)
+            last = await self._js.get_msg(stream, subject=subject)
+        except NotFoundError:
+            return None
+        try:
+            meta, frame = decode_frame(head.data or b""), decode_frame(last.data or b"")
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(meta, Meta):
+            return None  # the head of the capture expired: no evidence of what it was
+        if isinstance(frame, Final):
+            usage, outcome, status, worker = frame.usage, frame.finish_reason, 200, frame.worker
+        else:
+            # A token or heartbeat carries the last token's seq; an error the next one.
+            if isinstance(frame, Meta):
+                tokens = 0
+            elif isinstance(frame, ErrorFrame):
+                tokens = max(0, frame.seq - 1)
+            else:
+                tokens = frame.seq
+            usage = Usage(meta.prompt_tokens_est if tokens else 0, tokens)
+            outcome = frame.code if isinstance(frame, ErrorFrame) else "gateway_lost"
+            status, worker = (frame.status if isinstance(frame, ErrorFrame) else 502), ""
+        price = self._prices.for_model(meta.model)
+        record = LedgerRecord(
+            request_id=request_id,
+            tenant=meta.tenant,
+            org=meta.org or meta.tenant,
+            key_id=meta.key_id,
+            op=meta.op,
+            cls=meta.cls,
+            model=meta.model,
+            attempts=1 if isinstance(frame, Meta) else frame.attempt,
+            policy="admitted:recovered",
+            usage=usage,
+            price_version=meta.price_version,
+            charge_micros=0,
+            reserved_micros=meta.reserved_micros,
+            outcome=outcome,
+            status=status,
+            created=meta.created,
+            duration_ms=0.0,
+            gateway=meta.gateway,
+            worker=worker,
+        )
+        return Settlement(record=record, writer=SWEEP_WRITER, actual_micros=price.cost(usage))
+
+    async def aclose(self, grace_s: float = 5.0) -> None:
+        """Give stores that were down a moment; what is left the orphan sweep settles."""
+        if self._retrying:
+            await asyncio.wait(self._retrying, timeout=grace_s)
+        left = list(self._retrying)
+        if left:
+            log.error("%d settlements not stored at shutdown", len(left))
+        for task in left:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def keep_books(settlements: Settlements, scan_s: float = 5.0, sweep_s: float = 30.0) -> None:
+    """The background duty of every gateway: scan the outbox, sweep orphans."""
+    next_sweep = time.monotonic() + sweep_s
+    while True:
+        await asyncio.sleep(scan_s)
+        try:
+            await settlements.scan()
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + sweep_s
+                await settlements.sweep()
+        except (GatewayError, LedgerWriteError) as exc:
+            log.warning("outbox scan deferred: %s", exc.message)
+        except _BUS_ERRORS as exc:
+            log.warning("outbox scan deferred: %r", exc)

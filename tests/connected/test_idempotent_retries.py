@@ -1,0 +1,161 @@
+"""Idempotency-Key retries across a gateway crash (issue 13, item 2): the request
+id derives from (tenant, key), so a retry on another replica follows the first
+run's frames instead of running again. The engine works once, the books get one
+record and one charge, and the client gets the whole answer, streaming or not."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.tenancy.idempotency import PREFIX, Stored, key_hash
+from jetserve.fleet import Fleet
+from tests.connected.test_resume import BODY, ledger_records, read_events, reference
+
+pytestmark = pytest.mark.connected
+
+
+async def sim_started(fleet: Fleet) -> int:
+    async with httpx.AsyncClient() as c:
+        return int((await c.get(f"{fleet.sim_url}/sim/stats")).json()["started"])
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, bound_s: float = 30.0) -> None:
+    """Wait for a condition; the bound only turns a hang into a failure."""
+    give_up = time.monotonic() + bound_s
+    while not await check():
+        assert time.monotonic() < give_up, f"gave up waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def spend(fleet: Fleet) -> tuple[int, int]:
+    with fleet.admin() as admin:
+        view = admin.get_limits("tenant", fleet.spec.tenant)
+    return int(view["spent_micros"]), int(view["reserved_micros"])
+
+
+def charged(rows: list[dict[str, Any]]) -> int:
+    return sum(int(r["charge_micros"]) for r in rows)
+
+
+def headers(fleet: Fleet, key: str, slow: bool = True) -> dict[str, str]:
+    out = {"Authorization": f"Bearer {fleet.api_key}", "Idempotency-Key": key}
+    if slow:
+        out["X-Sim-Fault"] = "slow:25"  # long enough to kill its gateway mid-run
+    return out
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["json", "sse"])
+async def test_retry_after_the_gateway_dies_attaches_instead_of_running_again(
+    make_fleet: Callable[..., Fleet], streaming: bool
+) -> None:
+    fleet = make_fleet(gateways=2, workers=1)
+    gw0 = fleet.gateways[0]
+    body = {**BODY, "stream": streaming}
+    spent_before, _ = spend(fleet)
+    started_before = await sim_started(fleet)
+    key = f"crash-{streaming}"
+    async with httpx.AsyncClient(timeout=30) as c:
+        url0, url1 = (f"{u}/v1/chat/completions" for u in fleet.base_urls[:2])
+        first = asyncio.create_task(c.post(url0, json=body, headers=headers(fleet, key)))
+
+        async def engine_started() -> bool:
+            return await sim_started(fleet) > started_before
+
+        await until(engine_started, "the engine to start the first run")
+        gw0.kill()  # published and running: its gateway dies
+        with pytest.raises(httpx.TransportError):
+            await first
+        if streaming:
+            async with c.stream("POST", url1, json=body, headers=headers(fleet, key)) as r:
+                assert r.status_code == 200
+                request_id = r.headers["x-request-id"]
+                texts, _, done, error = await read_events(r)
+            assert error is None
+            assert done
+            text = "".join(texts)
+        else:
+            r = await c.post(url1, json=body, headers=headers(fleet, key))
+            assert r.status_code == 200, r.text
+            request_id = r.headers["x-request-id"]
+            text = r.json()["choices"][0]["message"]["content"]
+        # A third try, after the run ended, is answered the same, still without running.
+        if not streaming:
+            again = await c.post(url1, json=body, headers=headers(fleet, key))
+            assert again.headers["idempotent-replayed"] == "true"
+            assert again.json() == r.json()
+    assert await sim_started(fleet) - started_before == 1  # the engine worked once
+    assert text == reference(fleet)
+    rows = ledger_records(fleet, request_id)
+    assert len(rows) == 1, rows
+    assert rows[0]["outcome"] == "length"
+    assert rows[0]["status"] == 200
+    assert charged(rows) > 0
+    spent, reserved = spend(fleet)
+    assert spent - spent_before == charged(rows)  # one charge, the recorded one
+    assert reserved == 0
+
+
+async def test_a_claim_whose_gateway_died_before_queueing_is_taken_over(fleet: Fleet) -> None:
+    """The first run claimed the key and died before it queued anything (a state
+    written here as that gateway left it): a retry runs it, under the claim's
+    request id, once."""
+    raw = msgspec.json.encode({**BODY, "stream": False})
+    key = "died-before-queueing"
+    kh = key_hash(fleet.spec.tenant, key)
+    request_id = f"{kh[:24]}{1:08x}"
+    stale = Stored(
+        "pending",
+        hashlib.sha256(raw).hexdigest(),
+        request_id=request_id,
+        created=time.time() - 60,  # long past the takeover delay
+    )
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        await rds.set(PREFIX + kh, msgspec.json.encode(stale), ex=600)
+        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
+    finally:
+        await rds.aclose()
+    started_before = await sim_started(fleet)
+    hdrs = {**headers(fleet, key, slow=False), "Content-Type": "application/json"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        url = f"{fleet.base_url}/v1/chat/completions"
+        r = await c.post(url, content=raw, headers=hdrs)
+        again = await c.post(url, content=raw, headers=hdrs)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == request_id
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await sim_started(fleet) - started_before == 1
+    assert len(ledger_records(fleet, request_id)) == 1
+
+
+async def test_a_cancelled_streaming_run_is_run_again_by_its_retry(fleet: Fleet) -> None:
+    """A client that hung up cancelled its run: a retry of its key must not
+    attach to a stream that will never end, it runs again."""
+    started_before = await sim_started(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        url = f"{fleet.base_url}/v1/chat/completions"
+        async with c.stream("POST", url, json=BODY, headers=headers(fleet, "cancel-me")) as r:
+            first_id = r.headers["x-request-id"]
+            await read_events(r, stop_after=2)  # then hang up
+
+        async def cancelled_recorded() -> bool:
+            return bool(ledger_records(fleet, first_id))
+
+        await until(cancelled_recorded, "the cancelled run's record")
+        async with c.stream("POST", url, json=BODY, headers=headers(fleet, "cancel-me")) as r2:
+            second_id = r2.headers["x-request-id"]
+            texts, _, done, error = await read_events(r2)
+    assert error is None
+    assert done
+    assert second_id != first_id  # a new generation of the key
+    assert await sim_started(fleet) - started_before == 2
+    assert "".join(texts) == reference(fleet)

@@ -1,0 +1,91 @@
+"""The settlement outbox's scanner (gateway/inference/settlements.py): what a
+gateway left unapplied is applied by any replica, once; what cannot be read is
+dead-lettered, not retried forever."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import pytest
+from nats.js.errors import NotFoundError
+
+from jetserve.fleet import Fleet
+from streams.outbox import DEFAULT_OUTBOX, Outbox, Settlement
+from streams.request_ledger import LedgerRecord
+from streams.subjects import dlq_subject
+from streams.wire import Usage
+
+pytestmark = pytest.mark.connected
+
+FAST_BOOKS = ["--outbox-scan", "0.2", "--outbox-grace", "0.5"]
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, bound_s: float = 30.0) -> None:
+    give_up = time.monotonic() + bound_s
+    while not await check():
+        assert time.monotonic() < give_up, f"gave up waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def ledger_of(fleet: Fleet, request_id: str) -> list[dict[str, object]]:
+    with fleet.admin() as admin:
+        text = admin.ledger(fleet.spec.tenant)
+    rows = [msgspec.json.decode(line) for line in text.splitlines() if line]
+    return [r for r in rows if r["request_id"] == request_id]
+
+
+async def test_a_dead_gateways_record_is_applied_once_and_poison_is_dead_lettered(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1, gateway_args=FAST_BOOKS)
+    nc = await fleet.connect()
+    try:
+        js = nc.jetstream()
+        outbox = Outbox(js)
+        record = LedgerRecord(
+            request_id="refused-by-a-dead-gateway",
+            tenant=fleet.spec.tenant,
+            org=fleet.spec.tenant,
+            key_id="k",
+            op="chat",
+            cls="interactive",
+            model="sim-8b",
+            attempts=0,
+            policy="rejected:queue_full",
+            usage=Usage(),
+            price_version="v1",
+            charge_micros=0,
+            reserved_micros=0,
+            outcome="queue_full",
+            status=429,
+            created=time.time(),
+            duration_ms=0.0,
+            gateway="gwdead000000",
+        )
+        # Stored twice, as a gateway whose publish ack was lost would: one record.
+        await outbox.publish("gwdead000000", Settlement(record=record, writer="gwdead000000"))
+        await outbox.publish("gwdead000000", Settlement(record=record, writer="gwdead000000"))
+        ack = await js.publish(
+            DEFAULT_OUTBOX.subject("gwdead000000"),
+            b"not a settlement",
+            stream=DEFAULT_OUTBOX.stream,
+        )
+
+        async def drained() -> bool:
+            return await outbox.count() == 0
+
+        await until(drained, "the scanner to drain the outbox")
+        assert len(ledger_of(fleet, record.request_id)) == 1
+        dead = await js.get_last_msg(
+            "JETSERVE_DLQ", dlq_subject(DEFAULT_OUTBOX.subject("gwdead000000"))
+        )
+        assert dead.data == b"not a settlement"
+        assert dead.headers is not None
+        assert dead.headers["Jetserve-Dlq-Seq"] == str(ack.seq)
+        with pytest.raises(NotFoundError):
+            await js.get_msg(DEFAULT_OUTBOX.stream, ack.seq)
+    finally:
+        await nc.close()
