@@ -251,6 +251,7 @@ class Engine:
         if status is SeqStatus.ABORTED:
             rec.aborted_at = now
             self.stats.aborted += 1
+            self.stats.aborted_tokens += seq.generated
         elif status is SeqStatus.FAILED:
             rec.finished_at = now
             self.stats.failed += 1

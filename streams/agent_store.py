@@ -261,9 +261,10 @@ class RunStore:
 
     # -- publishing ---------------------------------------------------------------
 
-    async def nudge(self, run_id: str, step: int, reason: str = "next", suffix: str = "") -> None:
-        """Enqueue "look at ``run_id`` at ``step``" once (``Nats-Msg-Id`` dedupe)."""
-        await self._publish(
+    async def nudge(self, run_id: str, step: int, reason: str = "next", suffix: str = "") -> bool:
+        """Enqueue "look at ``run_id`` at ``step``" once (``Nats-Msg-Id`` dedupe);
+        True when it was a duplicate (an earlier publish of it was stored)."""
+        return await self._publish(
             AGENT_STEP, encode(StepMsg(run_id, step, reason)), step_msg_id(run_id, step, suffix)
         )
 
@@ -297,11 +298,13 @@ class RunStore:
             with contextlib.suppress(NatsError):
                 await self._nc.publish(run_cancel_subject(run_id), b"")
 
-    async def _publish(self, subject: str, payload: bytes, msg_id: str) -> None:
+    async def _publish(self, subject: str, payload: bytes, msg_id: str) -> bool:
+        """Publish with dedupe; True when the server had it already."""
         try:
-            await self.js.publish(subject, payload, headers={Header.MSG_ID.value: msg_id})
+            ack = await self.js.publish(subject, payload, headers={Header.MSG_ID.value: msg_id})
         except (NatsError, TimeoutError) as exc:
             raise _store_error(exc) from exc
+        return bool(ack.duplicate)
 
 
 def _store_error(exc: BaseException) -> RunStoreError:

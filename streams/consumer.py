@@ -10,8 +10,10 @@ handler leaves its message unacked: it is redelivered).
 
 Strays: a pull request outlives a cancelled fetch until it expires at the
 server, and a message it hands over meanwhile would sit unseen until its
-ack_wait ran out. Each source listens until its last pull has expired and
-hands back (naks) what arrives, so another consumer starts it now.
+ack_wait ran out. So a pull is waited for until the server says it ended (its
+batch, or the expiry note), not until a client-side timer fires first; and on
+shutdown each source listens until its last pull has expired and hands back
+(naks) what arrives, so another consumer starts it now.
 
 A source is anything with ``run()`` (pull and start messages until cancelled,
 or until its slots close) and ``hand_back()``: :class:`PullLoop` fetches from
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 
 Handle = Callable[[Msg], Coroutine[None, None, None]]
 _EXPIRY_MARGIN_S = 0.2  # the server's expiry runs a little after our clock's
+_NOTE_WAIT_S = 2.0  # past its expiry, a pull whose note never came is given up
 
 
 class Slots(Protocol):
@@ -140,24 +144,73 @@ class PullLoop:
         return held
 
     async def _fetch(self, held: int, poll_s: float) -> list[Msg] | None:
-        """Up to ``held`` messages; the slots they did not use go back. None:
-        the fetch failed (logged), try again after the backoff."""
+        """Up to ``held`` messages, waiting up to ``poll_s`` (0: only those
+        waiting now); the slots they did not use go back. None: the pull failed
+        (logged), try again after the backoff."""
         if not held:
             return []
-        msgs: list[Msg] | None = []
-        self._pull_until = max(self._pull_until, time.monotonic() + poll_s)
+        msgs: list[Msg] = []
+        failed = False
         try:
-            msgs = await self._sub.fetch(held, timeout=poll_s)
-        except (nats.errors.TimeoutError, TimeoutError):
-            pass
+            await self._pull(held, poll_s, msgs)
         except nats.errors.Error as exc:
             log.warning("fetch failed: %s", exc)
-            msgs = None
+            failed = True
+        except asyncio.CancelledError:
+            for msg in msgs:  # stopping mid-batch: what came goes back now
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak()
+            msgs.clear()
+            raise
         finally:
             if self._slots is not None:
-                for _ in range(held - len(msgs or ())):
+                for _ in range(held - len(msgs)):
                     await self._slots.release()
-        return msgs
+        return None if failed and not msgs else msgs
+
+    async def _pull(self, n: int, poll_s: float, msgs: list[Msg]) -> None:
+        """Up to ``n`` messages appended to ``msgs``, asked for as nats-py's
+        ``fetch`` asks (a batch takes what is there, waiting up to ``poll_s``
+        for some), but each pull is waited for until its batch is full or the
+        server's note says it ended, never until a client-side timer fires first."""
+        inbox = self._sub._sub  # the core subscription behind the pull (nats-py has no public one)
+        while len(msgs) < n and inbox.pending_msgs:
+            # A message an earlier pull brought after we stopped waiting for it.
+            msg = await inbox.next_msg(timeout=0.001)
+            if not (msg.headers and msg.headers.get("Status")):
+                msgs.append(msg)
+        if len(msgs) >= n:
+            return
+        request: dict[str, object] = {"batch": n - len(msgs)}
+        if n > 1 or poll_s <= 0:
+            request["no_wait"] = True  # with expires: wait for the first only
+        if not msgs and poll_s > 0:
+            request["expires"] = int(poll_s * 1e9)
+        await self._one_pull(request, poll_s if not msgs else 0.0, msgs)
+
+    async def _one_pull(self, request: dict[str, object], poll_s: float, msgs: list[Msg]) -> None:
+        inbox = self._sub._sub
+        n = int(str(request["batch"])) + len(msgs)
+        end = time.monotonic() + poll_s + _NOTE_WAIT_S
+        self._pull_until = max(self._pull_until, time.monotonic() + poll_s)
+        await self._sub._nc.publish(
+            self._sub._nms, json.dumps(request).encode(), reply=self._sub._deliver
+        )
+        while len(msgs) < n:
+            try:
+                msg = await inbox.next_msg(timeout=max(end - time.monotonic(), 0.001))
+            except (nats.errors.TimeoutError, TimeoutError):
+                log.warning("a pull's end was never signalled; later arrivals are served next")
+                return
+            status = msg.headers.get("Status") if msg.headers else None
+            if status == "100":
+                continue  # an idle heartbeat
+            if status in ("404", "408"):
+                return  # 404: nothing waiting now; 408: expired
+            if status:
+                desc = msg.headers.get("Description", "") if msg.headers else ""
+                raise nats.errors.Error(f"pull refused: {status} {desc}")
+            msgs.append(msg)
 
     async def hand_back(self) -> None:
         """Nak what the last pull still delivers (and what arrived unfetched),

@@ -49,7 +49,13 @@ class Limits:
     # Short ack_wait: a dead worker's message comes back quickly. Live workers
     # send in_progress() while waiting for the first token.
     ack_wait_s: float = 10.0
-    max_deliver: int = 5
+    # Failed attempts (an engine error before the first token) before a request
+    # fails: the workers count them (streams.marks.FailureCounts).
+    max_attempts: int = 5
+    # Deliveries, a wider bound: a hand-back (a full worker naks, a lane
+    # over-fetch, a drain) is a delivery but no failure; only a worker that
+    # dies on the request every time exhausts these (then the dead-letter queue).
+    max_deliver: int = 20
     max_waiting: int = 512  # concurrent pull requests per consumer
 
 

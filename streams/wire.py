@@ -63,7 +63,7 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     # Deployment names allowed to serve it, in preference order; empty: any
     # worker. A worker outside the list hands the message back unserved.
     candidates: list[str] = []
-    retry_max: int = 0  # attempts, the first included; 0: the topology's max_deliver
+    retry_max: int = 0  # attempts, the first included; 0: the topology's max_attempts
     retry_on: list[str] = []  # worker error codes that may be retried; empty: the worker's own
 
 

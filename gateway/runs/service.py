@@ -126,6 +126,7 @@ class RunsService:
         if idem:
             have = await self._existing(key, run_id)
             if have is not None:
+                await self._started(have)
                 return have, True
         scope = Scope.of(key)
         try:
@@ -160,19 +161,37 @@ class RunsService:
             # leaves a nudge for a run that does not exist, which is dropped).
             # Then the "queued" event, so it is the run's first whatever an
             # executor publishes as soon as the record exists.
-            await self.store.nudge(run.id, 0, "start")
+            again = await self.store.nudge(run.id, 0, "start")
             await self.store.publish_status(run)
             stored = await self.store.create(run)
+            if again:
+                await self._started(stored.run)
         except RunExistsError:
             have = await self._existing(key, run_id)
             if have is None:
                 raise Conflict("This run id is taken.", code="duplicate_request") from None
+            await self._started(have)
             return have, True
         except RunStoreError as exc:
-            with contextlib.suppress(GatewayError):
-                await self.gw.accountant.release(run_id)
+            # The hold stays: the create may have landed unseen (a reply lost in
+            # a leader election), and releasing would settle the id, so a retry
+            # with the same Idempotency-Key would find it spent (409). A retry
+            # finds the run or reserves the same hold again; nobody retrying:
+            # the sweep releases it when it expires.
             raise Unavailable("The run store is unavailable.") from exc
         return stored.run, False
+
+    async def _started(self, run: Run) -> None:
+        """A retried create found its run still queued: nudge it once more. The
+        first attempt's nudge may have reached an executor before the record
+        existed and been dropped, and this attempt's own was a duplicate of it
+        (``Nats-Msg-Id``), so the run would sit queued. The extra nudge is
+        deduplicated too, and a second nudge for a step is harmless."""
+        if run.status == "queued" and run.step == 0:
+            try:
+                await self.store.nudge(run.id, 0, "start", suffix="retried")
+            except RunStoreError as exc:
+                raise Unavailable("The run store is unavailable.") from exc
 
     async def _existing(self, key: KeyRecord, run_id: str) -> Run | None:
         try:

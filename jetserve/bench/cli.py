@@ -50,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser(
         "fleet",
         allow_abbrev=False,
-        help="fleet-routing scenarios on real fleets: affinity, saturation, failover, hedging",
+        help="fleet scenarios on real fleets: affinity, saturation, failover, hedging, soak",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     f.add_argument("--scenario", default="affinity,saturation,failover,hedging")
     f.add_argument("--out", default="bench/results/fleet")
-    f.add_argument("--rate", type=float, default=12.0, help="req/s (affinity, failover, hedging)")
+    f.add_argument(
+        "--rate", type=float, default=12.0, help="req/s (affinity, failover, hedging, soak)"
+    )
     f.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")
     f.add_argument("--seed", type=int, default=1)
     r = sub.add_parser(

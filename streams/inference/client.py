@@ -30,6 +30,7 @@ from streams.errors import (
     RequestTooLargeError,
 )
 from streams.headers import Header
+from streams.marks import CancelMarks
 from streams.subjects import cancel_subject, frames_filter
 from streams.wire import Cancel, InferenceRequest, Meta, Token, decode_frame, encode
 
@@ -59,6 +60,7 @@ class InferenceClient:
         self._nc = nc
         self._js = js
         self.topology = topology
+        self._marks = CancelMarks(js, topology)
 
     def encode(self, req: InferenceRequest) -> bytes:
         """The request's payload; RequestTooLargeError past the bus's message size."""
@@ -105,9 +107,15 @@ class InferenceClient:
     ) -> None:
         """Tell the worker to stop (all attempts but ``keep_attempt``). With the
         bus down the worker's deadline ends the work instead."""
-        note = Cancel(request_id, reason, keep_attempt)
+        note = encode(Cancel(request_id, reason, keep_attempt))
+        # At once for a worker that listens; then the durable mark, then again:
+        # a worker subscribes before it reads the mark, so it hears the second
+        # publish or reads the mark (streams/marks.py).
         with contextlib.suppress(nats.errors.Error):
-            await self._nc.publish(cancel_subject(request_id), encode(note))
+            await self._nc.publish(cancel_subject(request_id), note)
+        if await self._marks.mark(request_id, note):
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(cancel_subject(request_id), note)
         for seq in seqs:
             if seq is None:
                 continue

@@ -100,7 +100,10 @@ class FrameReader:
         if self._ahead:
             return self._ahead.popleft()
         try:
-            return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+            # Not wait_for: on Python 3.11 it drops a cancel that lands as a frame
+            # arrives, and a reader cancelled for a gone client read on to the end.
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await self._queue.get()
         except TimeoutError:
             if wait_limit is not None and timeout == wait_limit:
                 raise

@@ -56,6 +56,12 @@ log = logging.getLogger(__name__)
 
 Action = Literal["ack", "nak", "term"]
 
+# Model-call failures before any engine saw the call: retried without spending
+# an attempt, backing off, until the run's deadline.
+NOT_ENQUEUED = frozenset({"bus_unavailable", "queue_full", "publish_failed"})
+_ENQUEUE_BACKOFF_S = 0.25
+_ENQUEUE_BACKOFF_MAX_S = 2.0
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -228,6 +234,7 @@ class Stepper:
             await h.save(model_call=call, step_started=now)
         assert call is not None
         body = self.body(h)
+        backoff = _ENQUEUE_BACKOFF_S
         while True:
             step = h.run.step
 
@@ -238,9 +245,20 @@ class Stepper:
                 return await guard.interruptible(self.models.call(h.run, call, body, published))
             except ModelCallFailed as exc:
                 self.metrics.model_failures.labels(exc.code).inc()
-                if exc.code == "deadline_exceeded":
+                if exc.code == "deadline_exceeded" or (
+                    exc.code in NOT_ENQUEUED and time.time() + backoff >= h.run.deadline
+                ):
                     await self.finish(h, "deadline_exceeded", "the run's deadline passed")
                     return None
+                if exc.code in NOT_ENQUEUED:
+                    # The bus did not take the call (a leader election, a full
+                    # queue): no engine saw it, so no attempt is spent. Wait and
+                    # publish the same request id again (its Nats-Msg-Id dedupes
+                    # a publish that landed unseen), up to the run's deadline.
+                    log.info("run %s: model call not enqueued (%s); again", run.id, exc.code)
+                    await guard.interruptible(asyncio.sleep(backoff))
+                    backoff = min(backoff * 2, _ENQUEUE_BACKOFF_MAX_S)
+                    continue
                 if not exc.retryable or call.attempt >= self.cfg.model_attempts:
                     await self.finish(h, "failed", exc.message)
                     return None

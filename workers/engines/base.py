@@ -4,12 +4,14 @@ An adapter turns an OpenAI-shaped request body into a stream of
 :class:`Delta` events ending in one :class:`Done`, and raises
 ``workers.errors.EngineError`` subclasses for failures. Cancelling the
 consuming task must abort the engine call (close the connection), so GPU time
-stops.
+stops: consume a stream inside :func:`closing`, which closes the generator (and
+so its connection) on any exit, not whenever it is garbage collected.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -49,6 +51,19 @@ class EngineLoad:
     num_gpu_blocks: int | None = None  # vllm:cache_config_info
     block_size: int | None = None
     extra: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def closing(
+    events: AsyncIterator[Delta | Done],
+) -> AsyncIterator[AsyncIterator[Delta | Done]]:
+    """``events``, closed when the block ends however it ends."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class EngineAdapter(abc.ABC):

@@ -82,8 +82,10 @@ class Admission:
                     self.held += 1
                     return True
                 # Wake periodically: starvation is a function of time, not events.
+                # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), self.cfg.starve_after / 4)
+                    async with asyncio.timeout(self.cfg.starve_after / 4):
+                        await self._cond.wait()
             return False
 
     def try_acquire(self, rank: int) -> bool:
@@ -102,8 +104,10 @@ class Admission:
                 need = 1 if rank == 0 else 1 + self.cfg.reserve
                 if self.free_slots() >= need:
                     return True
+                # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), self.cfg.starve_after / 4)
+                    async with asyncio.timeout(self.cfg.starve_after / 4):
+                        await self._cond.wait()
             return False
 
     async def release(self, blocks: int = 0) -> None:

@@ -9,8 +9,9 @@ message to the highest-priority waiting pull. So
 
 - the lane's owner serves it while it has room (its engine keeps the prefix's
   KV blocks warm);
-- a saturated owner has no pull waiting, so the message spills over to the
-  next worker in the lane's order at once;
+- a saturated owner makes no new pull, so the message spills over to the
+  next worker in the lane's order once the owner's standing pull is used or
+  expires (within ``poll_s``);
 - a dead owner's pulls vanish with its connection (or expire within
   ``poll_s``), so the next in order takes over: nothing is lost, and a message
   it held unacked comes back after ``ack_wait``.
@@ -18,6 +19,12 @@ message to the highest-priority waiting pull. So
 Ownership is a rotation of the live members (a KV bucket each worker refreshes)
 sorted by id: lane ``l``'s order starts at member ``l mod n``, so lanes spread
 evenly and every worker ranks every lane distinctly.
+
+Over-fetch: pulls stand on several lanes at once, so a worker can be handed
+more messages than it has slots. It keeps such a message (``in_progress``)
+and starts it at its next free slot, and makes no new pull meanwhile: a nak
+would be a delivery spent, and under a burst a message bounced between full
+workers could spend all of its ``max_deliver`` without ever failing.
 """
 
 from __future__ import annotations
@@ -154,6 +161,7 @@ class LanePuller:
         membership: Membership,
         start: Callable[[Msg], None],
         poll_s: float,
+        count: Callable[[str], None] = lambda event: None,
     ) -> None:
         self._nc = nc
         self._topo = topology
@@ -163,6 +171,7 @@ class LanePuller:
         self._members = membership
         self._start = start
         self._poll = poll_s
+        self._count = count  # lane events for the metrics: "pull", "handed_back"
         self._inbox = f"{nc.new_inbox()}.{cls.value}"
         self._live_until = [0.0] * topology.lanes
         self._current = [0] * topology.lanes  # the newest pull per lane (reply token)
@@ -170,7 +179,10 @@ class LanePuller:
         self._wake = asyncio.Event()
         self._sub: Subscription | None = None
         membership.changed.append(self._reprioritize)
-        self.handed_back = 0  # over-fetched messages returned to the lane
+        self._held: set[asyncio.Task[None]] = set()  # over-fetched, waiting for a slot
+        self._unheld = asyncio.Event()
+        self._unheld.set()
+        self.handed_back = 0  # over-fetched messages returned to the lane (shutdown only)
 
     async def run(self) -> None:
         """Pull until admission closes (or cancelled): a source of
@@ -178,6 +190,9 @@ class LanePuller:
         loop = asyncio.get_running_loop()
         self._sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
         while await self._admission.wait_room(self._rank):
+            if self._held:
+                await self._unheld.wait()  # held messages take the next slots first
+                continue
             self._wake.clear()  # before pulling: an answer meanwhile wakes us again
             now = loop.time()
             for lane, until in enumerate(self._live_until):
@@ -185,13 +200,16 @@ class LanePuller:
                     await self._pull(lane, now)
             left = min(self._live_until) - loop.time()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(left, 0.01))
+                async with asyncio.timeout(max(left, 0.01)):  # not wait_for: 3.11 drops cancels
+                    await self._wake.wait()
 
     async def hand_back(self) -> None:
         """Pulls still waiting at the server may deliver until they expire: keep
         listening that long (admission is closed: what arrives goes back), then leave."""
         if self._sub is None:
             return
+        if self._held:  # admission is closed: each hands its message back
+            await asyncio.wait(set(self._held))
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
         with contextlib.suppress(nats.errors.Error):
@@ -233,6 +251,7 @@ class LanePuller:
         self._live_until[lane] = now + self._poll * 0.9
         try:
             await self._nc.publish(subject, json.dumps(request).encode(), reply=reply)
+            self._count("pull")
         except nats.errors.Error as exc:
             log.warning("lane pull failed: %s", exc)
             self._live_until[lane] = now + 0.2  # retry shortly, not in a hot loop
@@ -257,8 +276,37 @@ class LanePuller:
         if self._admission.try_acquire(self._rank):
             self._start(msg)
             return
-        # Several lanes answered at once and this worker is full now: hand the
-        # message back at once; the next waiting pull in priority order takes it.
+        # Several lanes answered at once and this worker is full now: keep the
+        # message and start it at the next free slot (not a nak: see the top).
+        self._count("held")
+        task = asyncio.create_task(self._hold(msg))
+        self._held.add(task)
+        self._unheld.clear()
+        task.add_done_callback(self._release_hold)
+
+    def _release_hold(self, task: asyncio.Task[None]) -> None:
+        self._held.discard(task)
+        if not self._held:
+            self._unheld.set()
+            self._wake.set()
+
+    async def _hold(self, msg: Msg) -> None:
+        """Wait for a slot, telling the server the message is still ours (so it
+        is not redelivered meanwhile), then start it; closed: hand it back."""
+        beat = self._topo.limits.ack_wait_s / 3
+        slot = asyncio.create_task(self._admission.acquire(self._rank))
+        try:
+            while not (await asyncio.wait({slot}, timeout=beat))[0]:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.in_progress()
+        finally:
+            if not slot.done():
+                await stop_task(slot)  # cancelled while waiting: the server redelivers
+        got = slot.result()
+        if got:
+            self._start(msg)
+            return
         self.handed_back += 1
+        self._count("handed_back")
         with contextlib.suppress(nats.errors.Error):
             await msg.nak()

@@ -29,6 +29,18 @@ class WorkerMetrics:
             ["cls", "reason"],
             registry=r,
         )
+        self.acks_unconfirmed = Counter(
+            "jetserve_worker_acks_unconfirmed",
+            "First-token acks the server did not confirm at once (retried meanwhile)",
+            ["cls"],
+            registry=r,
+        )
+        self.lane_events = Counter(
+            "jetserve_worker_lane_events",
+            "Lane pulls made (pull); messages handed back, the worker full (handed_back)",
+            ["event"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token_seconds",
             "Engine call start to first token",

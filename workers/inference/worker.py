@@ -2,8 +2,14 @@
 has room, runs them through an engine adapter and streams frames back.
 
 Ack timing (DESIGN.md, "The request path" step 4): ``in_progress()`` while
-waiting for the first token, ack once it is sent. Before that point a crash
-means a clean redelivery; after it the receiver sees heartbeats stop.
+waiting for the first token, a confirmed ack once it is sent
+(workers/inference/delivery.py). Before that point a crash means a clean
+redelivery; after it the receiver sees heartbeats stop.
+
+Cancellation: the worker subscribes to the request's cancel subject, then
+reads its durable cancel mark (streams/marks.py), so a cancel sent before the
+worker was ready still stops it; a cancel closes the engine's stream (the
+engine sees the disconnect and stops generating).
 """
 
 from __future__ import annotations
@@ -25,16 +31,20 @@ from streams.connect import OPEN, BusAuth, connect
 from streams.consumer import PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.marks import CancelMarks, FailureCounts
 from streams.provision import await_topology
 from streams.routes import Deployment
-from streams.subjects import RequestClass, cancel_subject, class_of
+from streams.subjects import RequestClass, class_of
+from streams.tasks import stop_task
 from streams.tracing import Tracer
-from streams.wire import InferenceRequest, Usage, decode_cancel, decode_request
-from workers.engines.base import Delta, EngineAdapter
+from streams.wire import InferenceRequest, Usage, decode_request
+from workers.engines.base import Delta, EngineAdapter, closing
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.inference.admission import Admission, AdmissionConfig
 from workers.inference.affinity import LanePuller, Membership
 from workers.inference.batching import EmbedBatcher
+from workers.inference.cancels import CancelWatch
+from workers.inference.delivery import confirm_ack, delivery_limit
 from workers.inference.metrics import WorkerMetrics
 from workers.inference.relay import FrameSender
 from workers.probe import ProbeServer, probe_server
@@ -96,6 +106,9 @@ class Worker:
         self.engine_up = False
         self._deployment = cfg.deployment.name if cfg.deployment else ""
         self.lanes: list[LanePuller] = []
+        self._cancels: CancelWatch | None = None
+        self._failures: FailureCounts | None = None
+        self._acks: set[asyncio.Task[bool]] = set()  # confirmations still running
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -104,6 +117,13 @@ class Worker:
         try:
             js = self._js = nc.jetstream()
             await await_topology(js, topo)
+            self._failures = FailureCounts(js, topo)
+            try:
+                await self._failures.open()
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("failure counts not ready (%r): tried again on use", exc)
+            self._cancels = CancelWatch(nc, CancelMarks(js, topo), topo.limits.max_age_s)
+            await self._cancels.start()
             await self._observe_engine()
             for rank, cls in enumerate(cfg.classes):
                 sub = await js.pull_subscribe_bind(topo.consumer_name(cls), topo.stream)
@@ -122,7 +142,15 @@ class Worker:
             await members.start()
             self.lanes = [
                 LanePuller(
-                    nc, topo, cls, rank, self.admission, members, self.consumer.start, cfg.poll_s
+                    nc,
+                    topo,
+                    cls,
+                    rank,
+                    self.admission,
+                    members,
+                    self.consumer.start,
+                    cfg.poll_s,
+                    lambda event: self.metrics.lane_events.labels(event).inc(),
                 )
                 for rank, cls in enumerate(cfg.classes)
                 if cls in topo.lane_classes
@@ -145,8 +173,11 @@ class Worker:
                 await serving
                 log.info("worker %s drained", cfg.worker_id)
         finally:
-            # Every handler has finished: flush their last frames and leave.
-            # (drain() would wait on the pull subscriptions' expired requests.)
+            # Every handler has finished: let the last ack confirmations end, flush
+            # the last frames and leave. (drain() would wait on the pull
+            # subscriptions' expired requests.)
+            if self._acks:
+                await asyncio.wait(self._acks, timeout=5)
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.flush(timeout=2)
             await self.embed_batcher.aclose()  # after the drain: no member still waits
@@ -232,15 +263,31 @@ class Worker:
             await msg.nak()
             self.metrics.redeliveries.labels(req.cls, "not_candidate").inc()
             return
-        cancelled = asyncio.Event()
+        watch = self._cancels
+        assert watch is not None
+        await watch.fresh()  # reads the marks again only after a reconnect
+        with watch.watch(req.id, attempt) as cancelled:
+            if cancelled.is_set():
+                # Cancelled before it started: nobody waits, but a reader of the
+                # frames capture (a resumed or re-run caller) learns why.
+                await sender.error(
+                    "cancelled", "the request was cancelled before it started", status=499,
+                    retryable=True,
+                )  # fmt: skip
+                await msg.term()
+                self.metrics.requests.labels(req.cls, "cancelled").inc()
+                log.info("request %s cancelled before it started", req.id)
+                return
+            await self._attempt(msg, req, sender, attempt, cancelled)
 
-        async def on_cancel(note: Msg) -> None:
-            with contextlib.suppress(msgspec.DecodeError):
-                if decode_cancel(note.data).keep_attempt == attempt:
-                    return  # this attempt won a hedge race: the others stop
-            cancelled.set()
-
-        cancel_sub = await nc.subscribe(cancel_subject(req.id), cb=on_cancel)
+    async def _attempt(
+        self,
+        msg: Msg,
+        req: InferenceRequest,
+        sender: FrameSender,
+        attempt: int,
+        cancelled: asyncio.Event,
+    ) -> None:
         span = self.tracer.start(
             "jetserve.attempt",
             req.traceparent,
@@ -257,9 +304,10 @@ class Worker:
         try:
             await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
-                work.cancel()  # client went away: abort the engine call now
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                # The client went away: abort the engine call now (its stream is
+                # closed, so the engine stops). Cancel until done: a cancel can
+                # be dropped by a wait_for inside (Python 3.11).
+                await stop_task(work)
                 if not sender.started:
                     await msg.term()
                 self.metrics.requests.labels(req.cls, "cancelled").inc()
@@ -268,9 +316,7 @@ class Worker:
                 await work
         except asyncio.CancelledError:
             # Drain timed out or the process is stopping.
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+            await stop_task(work)
             if sender.started:
                 await sender.error(
                     "stream_interrupted", "worker shut down mid-stream", status=502, retryable=False
@@ -282,15 +328,26 @@ class Worker:
         finally:
             waiter.cancel()
             beats.cancel()
-            await cancel_sub.unsubscribe()
             span.set("jetserve.tokens_sent", sender.seq)
             span.end(sender.outcome or ("cancelled" if cancelled.is_set() else "handed_back"))
+
+    def _ack(self, msg: Msg, cls: str, done: asyncio.Event) -> None:
+        """Ack at the first token, confirmed beside the stream (delivery.py)."""
+
+        def unconfirmed() -> None:
+            self.metrics.acks_unconfirmed.labels(cls).inc()
+
+        keep_alive = self.cfg.topology.limits.ack_wait_s / 3
+        task = asyncio.create_task(confirm_ack(msg, keep_alive, done, unconfirmed))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
 
     async def _run_engine(
         self, msg: Msg, req: InferenceRequest, sender: FrameSender, traceparent: str
     ) -> None:
         remaining = req.deadline - time.time()
         ticker = asyncio.create_task(self._in_progress_until_started(msg, sender))
+        done = asyncio.Event()  # the attempt has ended: an unconfirmed ack tries once more
         started_at = time.monotonic()
         ttft = 0.0
         headers = dict(req.headers)
@@ -302,7 +359,7 @@ class Worker:
             async with asyncio.timeout(remaining):
                 if req.op == "embedding":
                     result = await self.embed_batcher.embed(req.body, req.id, headers, req.deadline)
-                    await msg.ack()
+                    self._ack(msg, req.cls, done)
                     await sender.final(
                         finish_reason="stop",
                         usage=result.usage,
@@ -314,26 +371,31 @@ class Worker:
                     )
                     self._observe_done(req, started_at, 0.0, result.usage)
                     return
-                async for event in self.engine.generate(req.op, req.body, req.id, headers):
-                    if isinstance(event, Delta):
-                        await sender.token(event.text, event.tool_calls, event.finish_reason)
-                        if sender.seq == 1:
-                            ttft = (time.monotonic() - started_at) * 1000
-                            ticker.cancel()
-                            await msg.ack()
-                    else:
-                        if not sender.started:
-                            await msg.ack()
-                        await sender.final(
-                            finish_reason=event.finish_reason,
-                            usage=event.usage,
-                            model=event.model or req.model,
-                            worker=self.cfg.worker_id,
-                            deployment=self._deployment,
-                            ttft_ms=ttft,
-                            engine_ms=(time.monotonic() - started_at) * 1000,
-                        )
-                        self._observe_done(req, started_at, ttft / 1000, event.usage)
+                # Closed on any exit, cancellation included: a stream left open
+                # (or back in the pool) keeps the engine generating.
+                events = self.engine.generate(req.op, req.body, req.id, headers)
+                async with closing(events):
+                    async for event in events:
+                        if isinstance(event, Delta):
+                            await sender.token(event.text, event.tool_calls, event.finish_reason)
+                            if sender.seq == 1:
+                                ttft = (time.monotonic() - started_at) * 1000
+                                ticker.cancel()
+                                self._ack(msg, req.cls, done)
+                        else:
+                            if not sender.started:
+                                ticker.cancel()
+                                self._ack(msg, req.cls, done)
+                            await sender.final(
+                                finish_reason=event.finish_reason,
+                                usage=event.usage,
+                                model=event.model or req.model,
+                                worker=self.cfg.worker_id,
+                                deployment=self._deployment,
+                                ttft_ms=ttft,
+                                engine_ms=(time.monotonic() - started_at) * 1000,
+                            )
+                            self._observe_done(req, started_at, ttft / 1000, event.usage)
             self.completed += 1
         except TimeoutError:
             await self._fail(
@@ -342,6 +404,7 @@ class Worker:
         except EngineError as exc:
             await self._fail(msg, sender, exc, req)
         finally:
+            done.set()
             ticker.cancel()
 
     def _observe_done(
@@ -365,7 +428,6 @@ class Worker:
         exc: EngineError | DeadlineExceeded,
         req: InferenceRequest | None = None,
     ) -> None:
-        attempt = msg.metadata.num_delivered or 1
         cls = class_of(msg.subject)
         if sender.started:
             # Mid-stream failures are never retried silently (the client saw tokens).
@@ -376,18 +438,32 @@ class Worker:
             self.metrics.requests.labels(cls, err.code).inc()
             return
         # The route's retry policy narrows the worker's own (never widens it).
-        limit = self.cfg.topology.limits.max_deliver
+        topo = self.cfg.topology
+        limit = topo.limits.max_attempts
         eligible = exc.retryable
         if req is not None:
             limit = min(limit, req.retry_max or limit)
             eligible = eligible and (not req.retry_on or exc.code in req.retry_on)
-        if eligible and attempt < limit:
+        delivered = msg.metadata.num_delivered or 1
+        # Failed attempts, not deliveries: a hand-back is no failure (delivery.py).
+        failures = None
+        if eligible and req is not None and self._failures is not None:
+            failures = await self._failures.add(req.id)
+        failures = failures or delivered
+        if eligible and failures < limit and delivered < delivery_limit(topo, msg):
             # The one retry owner before the first token: JetStream redelivery,
             # to any worker, inside the request's original deadline.
-            await msg.nak(delay=self.cfg.retry_backoff_s * attempt)
+            await msg.nak(delay=self.cfg.retry_backoff_s * failures)
             self.metrics.redeliveries.labels(cls, exc.code).inc()
             return
         await sender.error(exc.code, exc.message, status=exc.status, retryable=exc.retryable)
+        if eligible:
+            # Every attempt failed: keep the request for inspection, with why.
+            js = self._js
+            assert js is not None
+            seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
+            reason = f"{failures} failed attempts; last {exc.code}: {exc.message}"
+            await dead_letter(js, msg.subject, msg.data, reason, seq)
         await msg.term()
         self.metrics.requests.labels(cls, exc.code).inc()
 

@@ -29,6 +29,12 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
         left.set_ylabel("ms")
         left.legend(fontsize=7)
         left.set_title(f"{name}: first-token latency", fontsize=9)
+        if name == "soak":
+            _rss(right, result.get("rss_samples", []))
+            fig.tight_layout()
+            fig.savefig(out / f"{name}.png")
+            written.append(f"{name}.png")
+            continue
         if name == "affinity":
             right.bar(list(x), [100 * (r["prefix_hit_rate"] or 0) for r in rows], color="C2")
             right.set_ylabel("prefix-cache hit rate (%)")
@@ -51,6 +57,18 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(path)
         written.append(path.name)
     return written
+
+
+def _rss(ax: Any, samples: list[dict[str, Any]]) -> None:
+    """RSS of each process over the run: it should stay flat."""
+    names = [k for k in (samples[0] if samples else {}) if k != "t_s"]
+    for name in names:
+        ax.plot([s["t_s"] for s in samples], [s[name] or 0 for s in samples], label=name)
+    ax.set_xlabel("s")
+    ax.set_ylabel("RSS (MB)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.set_title("soak: memory over the run", fontsize=9)
 
 
 def _labels(names: list[str]) -> list[str]:

@@ -13,6 +13,9 @@ its own baseline in the same run.
   request ends completed or visibly failed, reconciled against the ledger.
 - ``hedging``: an engine profile with a heavy first-token tail (5% of requests
   stall 1.5 s): TTFT percentiles with and without hedging, and what it cost.
+- ``soak``: minutes of ordinary mixed load, no faults (``fleet/soak.py``): no
+  accepted request may fail, and the gateway's and workers' RSS stays flat.
+  Not in the default set; run it as ``--scenario soak --rate 40 --duration 240``.
 
 Every latency figure is published beside the admission rate it was measured at.
 """
@@ -39,9 +42,10 @@ from jetserve.bench.fleet.client import (
     summarize,
     system_prompt,
 )
+from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
 
-SCENARIOS = ("affinity", "saturation", "failover", "hedging")
+SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak")
 
 
 def _fleet(**kw: Any) -> Fleet:
@@ -273,7 +277,17 @@ class Options:
     deadline_s: float = 4.0
 
 
-RUNNERS = {"affinity": affinity, "saturation": saturation, "failover": failover, "hedging": hedging}
+async def soak_run(opts: Options) -> dict[str, Any]:
+    return await soak(opts.rate, opts.duration, opts.seed)
+
+
+RUNNERS = {
+    "affinity": affinity,
+    "saturation": saturation,
+    "failover": failover,
+    "hedging": hedging,
+    "soak": soak_run,
+}
 
 
 async def run_all(opts: Options) -> dict[str, Any]:
@@ -310,4 +324,6 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"\n{r['name']} errors: `{json.dumps(r['errors'])}`")
     if "ledger" in result:
         lines.append(f"\nledger reconciliation: `{json.dumps(result['ledger'])}`")
+    if "rss" in result:
+        lines.append(f"\nRSS, first vs last window (MB): `{json.dumps(result['rss'])}`")
     return "\n".join(lines)

@@ -1,0 +1,286 @@
+"""The fault suite, agent runs: one node of a 3-node JetStream cluster (every
+stream, KV bucket and consumer R3) SIGKILLed while money-transfer runs go
+through the gateway, workers and agent executors.
+
+Each run makes a model call (the simulator answers with a ``transfer`` tool
+call), runs the tool, and makes a second model call (the final answer). The
+runs start at a steady pace; the node dies once half of them have been created,
+so runs are in every phase when it does.
+
+Predicted: nothing about a run lives on one node. A step's outcome is durable
+(R3) before its message is acked, so a step the kill interrupted is redone by
+its redelivery; its effect is asked of the effect ledger and the bank first
+(``reconcile``), never blindly repeated; an interrupted model call is retried
+under a new request id (``model_attempts``: 3). So every run ends exactly once
+(one terminal status, one ledger record), every transfer happens exactly once,
+none hangs, and none fails: the bound on failed runs is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import nats.errors
+import pytest
+import redis.asyncio as aioredis
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError
+
+from jetserve.fleet import Fleet
+from streams.agent import TERMINAL, Run, decode_event, decode_run
+from streams.agent_topology import DEFAULT_AGENT
+from tests.faults.harness import Window, ledger_rows, tcp_peers
+
+pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
+
+RUNS = 40
+KILL_AFTER = 20  # runs created before the node dies
+PACE_S = 0.1  # one run created every PACE_S
+RUN_TIMEOUT_S = 30.0  # each run's own deadline
+# A run ends by its deadline at the latest (the executor halts it, a model call
+# ends there); past it, plus a redelivery and a lease (2 s each here), it hung.
+HUNG_AFTER_S = 15.0
+ARGS = json.dumps({"from": "alice", "to": "bob", "amount": 1})
+
+
+def rules(marker: str) -> list[dict[str, Any]]:
+    fn = {"name": "transfer", "arguments": ARGS}
+    call = {"tool_calls": [{"id": "call_1", "type": "function", "function": fn}]}
+    return [
+        {"match": {"last_role": "user", "contains": marker}, "response": call},
+        {"match": {"last_role": "tool", "contains": marker}, "response": {"content": "done"}},
+    ]
+
+
+@dataclass
+class Created:
+    index: int
+    run_id: str | None = None  # None: never created
+    refusals: list[str] = field(default_factory=list)  # the answers before it was
+
+
+async def create(client: httpx.AsyncClient, marker: str, i: int) -> Created:
+    """Create run ``i`` as a client does: retried under the same Idempotency-Key
+    while refused with 503 (retryable) or cut off, so a refused or broken create
+    makes no second run. Anything else ends the attempts."""
+    out = Created(i)
+    end = time.monotonic() + 60.0
+    while time.monotonic() < end:
+        try:
+            r = await client.post(
+                "/v1/runs",
+                headers={"Idempotency-Key": f"{marker}-{i}"},
+                json={
+                    "model": "sim-8b",
+                    "messages": [{"role": "user", "content": f"{marker} {i}: send 1 to bob"}],
+                    "tools": ["transfer"],
+                    "timeout": RUN_TIMEOUT_S,
+                },
+            )
+        except httpx.TransportError as exc:
+            out.refusals.append(type(exc).__name__)
+        else:
+            if r.status_code in (200, 201):
+                out.run_id = r.json()["id"]
+                return out
+            out.refusals.append(f"{r.status_code} {r.json()['error']['code']}")
+            if r.status_code != 503:
+                return out
+        await asyncio.sleep(0.1)  # the client's retry backoff
+    return out
+
+
+async def runs_of(fleet: Fleet, ids: list[str], until_s: float) -> dict[str, Run]:
+    """The run records, read until every one is terminal or ``until_s`` passes."""
+    nc = await fleet.connect(name="agent-faults-probe")
+    try:
+        kv = await nc.jetstream().key_value(DEFAULT_AGENT.bucket)
+        runs: dict[str, Run] = {}
+        while True:
+            for run_id in ids:
+                if run_id in runs and runs[run_id].terminal:
+                    continue
+                try:
+                    entry = await kv.get(run_id)
+                except KeyNotFoundError:
+                    continue
+                except (nats.errors.Error, TimeoutError):
+                    continue  # the bus is electing leaders: read it again
+                assert entry.value is not None
+                runs[run_id] = decode_run(entry.value)
+            if len(runs) == len(ids) and all(r.terminal for r in runs.values()):
+                return runs
+            if time.time() > until_s:
+                return runs
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+async def terminal_events(fleet: Fleet, tenant: str) -> dict[str, set[tuple[str, int]]]:
+    """Per run, the distinct (status, revision) of its terminal status events
+    (a replay after a crash repeats an event with its revision)."""
+    nc = await fleet.connect(name="agent-faults-events")
+    out: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(
+            f"jetserve.run.{tenant}.>",
+            stream=DEFAULT_AGENT.events_stream,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+        )
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=30)
+                event = decode_event(msg.data)
+                if event.kind == "status" and event.status in TERMINAL:
+                    out[event.run_id].add((event.status, event.revision))
+                if msg.metadata.num_pending == 0:
+                    return out
+        finally:
+            await sub.unsubscribe()
+    finally:
+        await nc.close()
+
+
+async def ledger_counts(fleet: Fleet, ids: set[str]) -> Counter[str]:
+    """Ledger records per run, once every run has one (bounded: the settler
+    writes a run's record after its tree ended)."""
+    end = time.monotonic() + 30.0
+    counts: Counter[str] = Counter()
+    while True:
+        rows = await ledger_rows(fleet)
+        if rows is not None:
+            counts = Counter(str(r["request_id"]) for r in rows if str(r["request_id"]) in ids)
+        if set(counts) >= ids or time.monotonic() > end:
+            return counts
+        await asyncio.sleep(0.5)
+
+
+async def bank_books(fleet: Fleet) -> tuple[list[dict[str, Any]], list[str]]:
+    """The demo bank's own books: every applied effect, and every repeat attempt."""
+    bank = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        log = [json.loads(e) for e in await bank.lrange("demobank:log", 0, -1)]
+        raw = await bank.lrange("demobank:repeats", 0, -1)
+        repeats = [k.decode() if isinstance(k, bytes) else str(k) for k in raw]
+    finally:
+        await bank.aclose()
+    return log, repeats
+
+
+async def hung_report(fleet: Fleet, hung: list[str], runs: dict[str, Run]) -> str:
+    """What a hung run's record and the step consumer say (for the failure)."""
+    now = time.time()
+    lines = []
+    for run_id in hung[:5]:
+        run = runs.get(run_id)
+        if run is None:
+            lines.append(f"{run_id}: no record")
+            continue
+        lines.append(
+            f"{run_id}: {run.status} at step {run.step}, updated {now - run.updated:.1f}s ago, "
+            f"deadline {run.deadline - now:+.1f}s, model call {run.model_call}, "
+            f"{len(run.messages)} messages"
+        )
+    nc = await fleet.connect(name="agent-faults-diag")
+    try:
+        info = await nc.jetstream().consumer_info(DEFAULT_AGENT.stream, DEFAULT_AGENT.step_consumer)
+        lines.append(
+            f"step consumer: pending {info.num_pending}, ack pending {info.num_ack_pending}, "
+            f"redelivered {info.num_redelivered}, waiting pulls {info.num_waiting}"
+        )
+    except (nats.errors.Error, TimeoutError) as exc:
+        lines.append(f"step consumer: {exc!r}")
+    finally:
+        await nc.close()
+    return f"{len(hung)} runs hung past their deadline:\n" + "\n".join(lines)
+
+
+def describe(runs: dict[str, Run], ids: list[str], t0: float) -> str:
+    """Where each of ``ids`` stood when it ended (times from the test's start)."""
+    lines = []
+    for run_id in ids[:5]:
+        r = runs[run_id]
+        lines.append(
+            f"{run_id}: {r.status} ({r.reason}) at step {r.step}, created {r.created - t0:+.1f}s, "
+            f"updated {r.updated - t0:+.1f}s, model call {r.model_call}, {len(r.messages)} messages"
+        )
+    return f"{len(ids)} runs did not complete:\n" + "\n".join(lines)
+
+
+async def test_nats_node_killed_during_agent_runs(make_fleet: Callable[..., Fleet]) -> None:
+    fleet = make_fleet(
+        workers=2, agents=2, nats_nodes=3, agent_args=["--lease", "2", "--ack-wait", "2"]
+    )
+    marker = "AGENTFAULT" + uuid.uuid4().hex[:8]
+    async with httpx.AsyncClient(timeout=30) as sim:
+        r = await sim.post(f"{fleet.sim_url}/sim/scripts?append=1", json=rules(marker))
+        r.raise_for_status()
+    node = fleet.nats_nodes[1]
+    killed: list[Window] = []
+    peers: set[str] = set()
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    started = time.monotonic()
+    started_at = time.time()
+    async with httpx.AsyncClient(base_url=fleet.base_url, headers=headers, timeout=30) as client:
+        creating = []
+        for i in range(RUNS):
+            if i == KILL_AFTER:
+                peers.update(tcp_peers([*fleet.gateways, *fleet.workers, *fleet.agents], node.port))
+                t0 = time.time()
+                node.kill()
+                killed.append(Window(t0, time.time()))
+            creating.append(asyncio.create_task(create(client, marker, i)))
+            await asyncio.sleep(PACE_S)
+        created = await asyncio.gather(*creating)
+    ids = [c.run_id for c in created if c.run_id is not None]
+    refused = Counter(x for c in created for x in c.refusals)
+    never = [(c.index, c.refusals) for c in created if c.run_id is None]
+    assert len(set(ids)) == len(ids), "one run per Idempotency-Key"
+    last_deadline = time.time() + RUN_TIMEOUT_S
+    runs = await runs_of(fleet, ids, last_deadline + HUNG_AFTER_S)
+    settled_s = time.monotonic() - started
+    events = await terminal_events(fleet, fleet.spec.tenant)
+    records = await ledger_counts(fleet, set(ids))
+    log, repeats = await bank_books(fleet)
+    effects = Counter(str(e["key"]) for e in log if str(e["key"]).split("/")[0] in runs)
+    statuses = Counter(r.status for r in runs.values())
+    print(
+        f"\nNATS node SIGKILLed during agent runs: runs {len(ids)} of {RUNS} created, "
+        f"statuses {dict(statuses)}, hung {len(ids) - sum(r.terminal for r in runs.values())}, "
+        f"effects {sum(effects.values())}, repeats {len(repeats)}, creates refused "
+        f"{dict(refused)}, on the node {sorted(peers)}, settled in {settled_s:.1f}s"
+    )
+
+    # None hung: each ended by its deadline.
+    hung = [i for i in ids if i not in runs or not runs[i].terminal]
+    assert not hung, await hung_report(fleet, hung, runs)
+    # Each ended exactly once: one terminal status (its events agree), one record.
+    for run_id, run in runs.items():
+        assert len(events[run_id]) == 1, (run_id, run.status, events[run_id])
+        assert {s for s, _ in events[run_id]} == {run.status}, (run_id, run.status, events[run_id])
+        assert records[run_id] == 1, (run_id, records[run_id])
+    # Each transfer happened exactly once, and nobody even tried it twice.
+    assert not repeats, repeats[:5]
+    assert all(n == 1 for n in effects.values()), effects.most_common(3)
+    # The bound on failed runs: 0 (nothing about a run lives on one node).
+    failed = [i for i, r in runs.items() if r.status != "completed"]
+    assert not failed, describe(runs, failed, started_at)
+    for run_id, run in runs.items():
+        assert effects[f"{run_id}/0/call_1"] == 1, run_id
+        (tool_msg,) = [m for m in run.messages if m["role"] == "tool"]
+        assert json.loads(tool_msg["content"])["key"] == f"{run_id}/0/call_1"
+        assert run.result == "done"
+    # Every create refused while the bus was electing leaders (503, retryable)
+    # went through on a retry with its Idempotency-Key.
+    assert not never, f"runs never created: {never[:5]}"

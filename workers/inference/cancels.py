@@ -1,0 +1,116 @@
+"""The worker's view of cancels: every one, from before the request was pulled.
+
+A cancel is a core NATS publish on ``jetserve.cancel.<id>`` (then a durable
+mark, then the publish again: streams/marks.py). The worker subscribes to all
+of them once, at start, and then reads the marks already stored: any cancel
+of any request is seen, whenever it was sent, from before the worker pulled
+the request to mid-stream, and checking a request costs no round trip. After a
+reconnect (cancels may have been missed meanwhile) the marks are read again
+before the next request starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.kv import KV_DEL, KV_PURGE
+
+from streams.marks import CancelMarks
+from streams.subjects import PREFIX
+from streams.wire import decode_cancel
+
+log = logging.getLogger(__name__)
+
+
+def stops(note: bytes, attempt: int) -> bool:
+    """Whether a cancel note stops this attempt (a hedge race's winner goes on)."""
+    with contextlib.suppress(msgspec.DecodeError):
+        return decode_cancel(note).keep_attempt != attempt
+    return True
+
+
+class CancelWatch:
+    def __init__(self, nc: Client, marks: CancelMarks, keep_s: float) -> None:
+        self._nc = nc
+        self._marks = marks
+        self._keep_s = keep_s  # as long as a mark lives (a request's longest wait)
+        self._notes: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # id -> (until, note)
+        self._live: dict[str, list[tuple[int, asyncio.Event]]] = {}
+        self._sub: Subscription | None = None
+        self._loaded_at = -1  # the connection's reconnect count when the marks were read
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Subscribe first, read the marks second: no cancel falls between."""
+        self._sub = await self._nc.subscribe(f"{PREFIX}.cancel.>", cb=self._on_cancel)
+        await self.fresh()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+
+    async def fresh(self) -> None:
+        """Read the stored marks if not read since the last (re)connect."""
+        if self._loaded_at == self._nc.stats["reconnects"]:
+            return
+        async with self._lock:
+            count = self._nc.stats["reconnects"]
+            if self._loaded_at == count:
+                return
+            try:
+                kv = await self._marks.open()
+                watcher = await kv.watchall()
+                async for entry in watcher:
+                    if entry is None:  # the end of the current values
+                        break
+                    if entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
+                        self._note(entry.key, entry.value)
+                await watcher.stop()  # type: ignore[no-untyped-call]
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("cancel marks not read (%r): live cancels only", exc)
+                return
+            self._loaded_at = count
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        self._note(msg.subject.rsplit(".", 1)[-1], msg.data)
+
+    def _note(self, request_id: str, note: bytes) -> None:
+        now = time.monotonic()
+        self._notes.pop(request_id, None)
+        self._notes[request_id] = (now + self._keep_s, note)
+        while self._notes:  # oldest first: the same keep for all
+            _, (until, _) = next(iter(self._notes.items()))
+            if until > now:
+                break
+            self._notes.popitem(last=False)
+        for attempt, event in self._live.get(request_id, ()):
+            if stops(note, attempt):
+                event.set()
+
+    @contextlib.contextmanager
+    def watch(self, request_id: str, attempt: int) -> Iterator[asyncio.Event]:
+        """An event set when this attempt is cancelled: already set if a cancel
+        came before it started."""
+        event = asyncio.Event()
+        known = self._notes.get(request_id)
+        if known is not None and stops(known[1], attempt):
+            event.set()
+        watchers = self._live.setdefault(request_id, [])
+        watchers.append((attempt, event))
+        try:
+            yield event
+        finally:
+            watchers.remove((attempt, event))
+            if not watchers:
+                del self._live[request_id]
