@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _BUS_ERRORS = (nats.errors.Error, TimeoutError, OSError, APIError)
 SWEEP_WRITER = "sweep"
+SCAN_FAILURES_IN_A_ROW = 3  # a scan stops here: a store is down, not one settlement bad
 
 
 class Settlements:
@@ -138,7 +139,7 @@ class Settlements:
     # -- the scanner -------------------------------------------------------------------
     async def scan(self) -> int:
         """Apply what has waited in the outbox longer than the grace; how many."""
-        applied = 0
+        applied = failed = 0
         cutoff = time.time() - self.grace_s
         async for p in self.outbox.pending():
             if p.stored_at > cutoff:
@@ -147,7 +148,16 @@ class Settlements:
                 await dead_letter(self._js, p.subject, p.data, "undecodable settlement", p.seq)
                 await self._delete(p.seq)
                 continue
-            await self.apply(p.settlement)  # a store down: stop, the next scan retries
+            try:
+                await self.apply(p.settlement)
+            except (GatewayError, LedgerWriteError):
+                # One that fails must not hold up the rest; several in a row: a
+                # store is down, stop (the next scan retries, from the oldest).
+                failed += 1
+                if failed >= SCAN_FAILURES_IN_A_ROW:
+                    raise
+                continue
+            failed = 0
             await self._delete(p.seq)
             self._on_outcome("from_outbox")
             applied += 1

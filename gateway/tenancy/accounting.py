@@ -331,7 +331,10 @@ class Accountant:
                         resv,
                         self._done_key(request_id),
                         self._index_key,
-                        *(as_str(c or b"") for c in counters),
+                        # No hash (settled already): the script reads only the
+                        # marker; the reservation's own key stands in for the
+                        # counters (a key the gateway's Redis user may name).
+                        *(as_str(c) if c else resv for c in counters),
                     ],
                     args=[
                         actual_micros,

@@ -183,12 +183,14 @@ class LedgerReader:
             sub = await self._js.pull_subscribe_bind(name, stream=self.topo.stream)
             try:
                 yielded = 0
+                received = 0  # the consumer sequence of the last message that arrived
                 while left > 0:
-                    msgs = await self._fetch(sub, min(left, READ_BATCH))
+                    msgs = await self._fetch(sub, min(left, READ_BATCH), received)
                     if msgs is None:
                         return  # records aged out under us: nothing more to read
                     for msg in msgs:
                         meta = msg.metadata
+                        received = max(received, meta.sequence.consumer or 0)
                         if stop_after is not None and meta.timestamp.timestamp() > stop_after:
                             return
                         # num_pending 0: caught up; later records arrived after we started.
@@ -207,16 +209,23 @@ class LedgerReader:
         finally:
             await self._delete(name)
 
-    async def _fetch(self, sub: JetStreamContext.PullSubscription, n: int) -> list[Msg] | None:
+    async def _fetch(
+        self, sub: JetStreamContext.PullSubscription, n: int, received: int
+    ) -> list[Msg] | None:
         """``n`` messages are known to exist; a timeout means they vanished (max_age)
-        or the server is slow, which the consumer's pending count tells apart."""
+        or the server is slow. The consumer tells them apart: nothing pending and
+        nothing delivered past ``received`` (the last consumer sequence that
+        arrived) means they vanished. Delivered but not arrived means slow: a
+        loaded server's batch can come after the fetch gave up, and the next
+        fetch takes it first (ending the read there would cut the tail off)."""
         while True:
             try:
                 msgs: list[Msg] = await sub.fetch(n, timeout=self.fetch_timeout_s)
                 return msgs
             except TimeoutError:
                 info = await sub.consumer_info()
-                if info.num_pending == 0:
+                delivered = info.delivered.consumer_seq if info.delivered else 0
+                if info.num_pending == 0 and (delivered or 0) <= received:
                     return None
 
     def _decode(self, msg: Msg, tenant: str) -> LedgerRecord | None:

@@ -678,3 +678,19 @@ async def test_redis_down_fails_closed_and_recovers_after_restart(
         assert await acct.spend("tenant", "t") == (600, 100)  # "a" is still held
     finally:
         await client.aclose()
+
+
+async def test_a_repeat_settlement_under_the_gateways_redis_user(redis_server: Service) -> None:
+    """As deployed: the gateway's ACL user may name only ``jetserve:*`` keys. A
+    settlement applied again after its hold is gone (its ledger append failed,
+    so it waited in the outbox) still answers its charge, not a refusal."""
+    rds = redis.Redis.from_url(redis_server.redis_url("gateway"))
+    try:
+        acct = Accountant(rds)
+        await acct.reserve(Scope("o", "t", "k"), "acl-repeat", 4_000, 10)
+        assert await acct.settle_as("acl-repeat", 1_500, "gw1/admitted") == ("applied", 1_500)
+        assert await acct.settle_as("acl-repeat", 1_500, "gw1/admitted") == ("repeat", 1_500)
+        assert await acct.settle_as("acl-repeat", 1_500, "sweep") == ("other", 0)
+        assert await acct.settle_as("acl-never", 1_500, "gw1/admitted") == ("none", 0)
+    finally:
+        await rds.aclose()

@@ -21,6 +21,7 @@ from streams.definitions import DEFAULT_TOPOLOGY
 from streams.inference.client import InferenceClient
 from streams.subjects import RequestClass, reply_subject, request_subject
 from streams.wire import ErrorFrame, InferenceRequest, decode_frame
+from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
@@ -62,15 +63,6 @@ async def sim_stats(fleet: Fleet) -> dict[str, Any]:
         return dict((await c.get(f"{fleet.sim_url}/sim/stats")).json())
 
 
-async def until(pred: Callable[[], Any], limit_s: float, what: str) -> None:
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if await pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {limit_s}s: {what}")
-
-
 async def test_cancels_at_random_moments_stop_every_stream(
     make_fleet: Callable[..., Fleet],
 ) -> None:
@@ -89,7 +81,7 @@ async def test_cancels_at_random_moments_stop_every_stream(
         return bool(stats["running"] == 0 and stats["waiting"] == 0)
 
     # A stream that kept going would run its 400 tokens (2 s) and finish.
-    await until(engine_idle, 30, "the engine has nothing running")
+    await until(engine_idle, "the engine has nothing running", 30.0)
     stats = await sim_stats(fleet)
     print(
         f"\n{STREAMS} streams hung up at random: {stats['started']} reached the engine, "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from gateway.tenancy.idempotency import PREFIX, Stored, key_hash
 from jetserve.fleet import Fleet
 from tests.connected.test_resume import BODY, ledger_records, read_events, reference
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -26,14 +27,6 @@ pytestmark = pytest.mark.connected
 async def sim_started(fleet: Fleet) -> int:
     async with httpx.AsyncClient() as c:
         return int((await c.get(f"{fleet.sim_url}/sim/stats")).json()["started"])
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, bound_s: float = 30.0) -> None:
-    """Wait for a condition; the bound only turns a hang into a failure."""
-    give_up = time.monotonic() + bound_s
-    while not await check():
-        assert time.monotonic() < give_up, f"gave up waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def spend(fleet: Fleet) -> tuple[int, int]:

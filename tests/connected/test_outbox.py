@@ -4,30 +4,24 @@ dead-lettered, not retried forever."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
+from gateway.errors import RateLimited
+from gateway.tenancy.limits import Scope
+from gateway.tenancy.records import RecordHead
 from jetserve.fleet import Fleet
 from streams.outbox import DEFAULT_OUTBOX, Outbox, Settlement
-from streams.request_ledger import LedgerRecord
 from streams.subjects import dlq_subject
-from streams.wire import Usage
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
 FAST_BOOKS = ["--outbox-scan", "0.2", "--outbox-grace", "0.5"]
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, bound_s: float = 30.0) -> None:
-    give_up = time.monotonic() + bound_s
-    while not await check():
-        assert time.monotonic() < give_up, f"gave up waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def ledger_of(fleet: Fleet, request_id: str) -> list[dict[str, object]]:
@@ -45,26 +39,18 @@ async def test_a_dead_gateways_record_is_applied_once_and_poison_is_dead_lettere
     try:
         js = nc.jetstream()
         outbox = Outbox(js)
-        record = LedgerRecord(
+        head = RecordHead(
+            scope=Scope(fleet.spec.tenant, fleet.spec.tenant, "k"),
             request_id="refused-by-a-dead-gateway",
-            tenant=fleet.spec.tenant,
-            org=fleet.spec.tenant,
-            key_id="k",
             op="chat",
             cls="interactive",
             model="sim-8b",
-            attempts=0,
-            policy="rejected:queue_full",
-            usage=Usage(),
-            price_version="v1",
-            charge_micros=0,
-            reserved_micros=0,
-            outcome="queue_full",
-            status=429,
             created=time.time(),
-            duration_ms=0.0,
+            price_version="v1",
             gateway="gwdead000000",
         )
+        full = RateLimited("The request queue is full.", code="queue_full", retry_after=1.0)
+        record = head.refused("rejected:queue_full", full)
         # Stored twice, as a gateway whose publish ack was lost would: one record.
         await outbox.publish("gwdead000000", Settlement(record=record, writer="gwdead000000"))
         await outbox.publish("gwdead000000", Settlement(record=record, writer="gwdead000000"))

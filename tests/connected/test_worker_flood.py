@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from nats.js.api import RawStreamMsg
 from jetserve.fleet import Fleet
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.headers import Header
+from tests.scrape import metric_sum
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(300)]
 
@@ -67,15 +67,6 @@ async def dead_letters(fleet: Fleet) -> list[RawStreamMsg]:
         return [await js.get_msg(DEFAULT_TOPOLOGY.dlq_stream, s) for s in range(first, last + 1)]
     finally:
         await nc.close()
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 async def test_a_burst_far_above_capacity_completes_without_dead_letters(

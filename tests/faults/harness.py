@@ -34,10 +34,13 @@ from typing import Any
 
 import httpx
 import msgspec
+import nats.errors
 
 from jetserve.commands.admin_client import AdminError
 from jetserve.fleet import Fleet, Proc
 
+# Past the outbox's grace and scan twice over, on a loaded box.
+RECORDS_WITHIN_S = 60.0
 PROMPTS = [f"fault scenario prompt number {i} about queues" for i in range(16)]
 MAX_TOKENS = 24
 
@@ -297,16 +300,26 @@ async def references(fleet: Fleet) -> list[str]:
 
 
 async def check(fleet: Fleet, outcomes: list[Outcome], refs: list[str]) -> Report:
-    # Records are written at each request's end, and a writer retries through a
-    # NATS outage or leader election: wait (bounded) until every accepted request
-    # that ended has its record, then judge.
+    # Records are written at each request's end; one the stores could not take
+    # then (a NATS outage, a leader election) waits in the outbox and is applied
+    # by a scan (--outbox-grace 10 s, --outbox-scan 5 s). Wait (bounded) until
+    # every accepted request that ended has its record, then judge.
     wanted = {o.request_id for o in outcomes if o.request_id and o.kind != "rejected"}
     rows: list[dict[str, Any]] = []
-    for _ in range(60):
-        await asyncio.sleep(0.5)
+    end = time.monotonic() + RECORDS_WITHIN_S
+    while time.monotonic() < end:
         rows = await ledger_rows(fleet) or rows
         if wanted <= {str(r["request_id"]) for r in rows}:
             break
+        await asyncio.sleep(0.5)
+    missing = wanted - {str(r["request_id"]) for r in rows}
+    if missing:
+        gone = sorted(missing)[:3]
+        for log in sorted(fleet.workdir.glob("gateway*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            hits = [ln for ln in lines if any(g in ln for g in gone) or "outbox" in ln]
+            print(f"\n{log.name} on {gone}: " + "\n".join(hits[-20:]))
+        print(f"outbox now: {await outbox_size(fleet)}")
     admitted_rows = [r for r in rows if str(r["policy"]).startswith("admitted")]
     admitted = Counter(str(r["request_id"]) for r in admitted_rows)
     rep = Report(outcomes)
@@ -335,6 +348,17 @@ async def check(fleet: Fleet, outcomes: list[Outcome], refs: list[str]) -> Repor
             rep.lost.append(o.request_id)
     rep.duplicated = [rid for rid, n in admitted.items() if n > 1]
     return rep
+
+
+async def outbox_size(fleet: Fleet) -> int | None:
+    nc = await fleet.connect()
+    try:
+        info = await nc.jetstream().stream_info("JETSERVE_OUTBOX")
+        return int(info.state.messages)
+    except (nats.errors.Error, TimeoutError):
+        return None
+    finally:
+        await nc.close()
 
 
 async def ledger_rows(fleet: Fleet) -> list[dict[str, Any]] | None:
@@ -440,14 +464,6 @@ def connections(procs: Iterable[Proc], ports: Collection[int]) -> Counter[str]:
 def tcp_peers(procs: Iterable[Proc], port: int) -> set[str]:
     """The processes (by name) connected to 127.0.0.1:``port``."""
     return set(connections(procs, {port}))
-
-
-async def until(cond: Callable[[], bool], limit_s: float, what: str) -> None:
-    """Poll ``cond`` (sync, run on a thread) until it holds; fail after ``limit_s``."""
-    end = time.monotonic() + limit_s
-    while not await asyncio.to_thread(cond):
-        assert time.monotonic() < end, f"{what}: not after {limit_s}s"
-        await asyncio.sleep(0.05)
 
 
 class Probe:

@@ -37,9 +37,9 @@ from tests.faults.harness import (
     references,
     serving_again,
     tcp_peers,
-    until,
     worker_id,
 )
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -263,7 +263,7 @@ async def test_worker_sigterm_drains(make_fleet: Callable[..., Fleet]) -> None:
         await asyncio.to_thread(fleet.start_worker)
         t0 = time.time()
         fleet.workers[0].signal(signal.SIGTERM)
-        await until(lambda: fleet.workers[0].proc.poll() is not None, 30.0, "drained")
+        await until_sync(lambda: fleet.workers[0].proc.poll() is not None, "drained")
         drained.append(Window(t0, time.time()))
 
     report = await run(
@@ -313,7 +313,7 @@ async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> Non
             now = connections(procs, live)
             return all(now[p] >= n for p, n in before.items())
 
-        await until(back, 30.0, "every process reconnected to a live node")
+        await until_sync(back, "every process reconnected to a live node")
         reconnected.append(Window(t0, time.time()))
         killed.append(Window(t0, await serving_again(fleet)))
 

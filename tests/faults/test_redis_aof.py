@@ -34,6 +34,7 @@ from gateway.tenancy.accounting import Accountant
 from jetserve.commands.admin_client import AdminClient
 from jetserve.fleet import Fleet
 from tests.faults.harness import Load, check, references
+from tests.waits import until_sync
 
 pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -55,15 +56,6 @@ def deploy_persistence() -> dict[str, str]:
 
 def limits_of(view: dict[str, Any]) -> dict[str, Any]:
     return {k: view[k] for k in ("budget_micros", "period", "rpm", "tpm")}
-
-
-async def until(cond: Callable[[], bool], limit_s: float, what: str) -> float:
-    """Poll ``cond`` until true; return the seconds it took."""
-    t0 = time.monotonic()
-    while not await asyncio.to_thread(cond):
-        assert time.monotonic() - t0 < limit_s, f"{what}: not after {limit_s}s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - t0
 
 
 async def tenant_spend(fleet: Fleet, tenant: str, limit_s: float = 0.0) -> tuple[int, int]:
@@ -143,9 +135,8 @@ async def test_redis_sigkilled_and_restarted_with_its_aof(
     await asyncio.sleep(OUTAGE_S)
     await asyncio.to_thread(redis.restart)  # the same port, data dir and flags
     spent_restored, _ = await tenant_spend(fleet, tenant, limit_s=30.0)
-    recovered_s = await until(
+    recovered_s = await until_sync(
         lambda: httpx.get(f"{fleet.base_url}/readyz", timeout=2).status_code == 200,
-        30.0,
         "gateway ready again",
     )
     outcomes = await running

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,6 +18,8 @@ import pytest
 
 from jetserve.fleet import Fleet
 from streams.outbox import DEFAULT_OUTBOX
+from tests.scrape import fleet_sum
+from tests.waits import until
 
 pytestmark = pytest.mark.faults
 
@@ -32,24 +32,8 @@ BODY = {
 BOOKS_ARGS = ["--outbox-scan", "0.5", "--outbox-grace", "1", "--sweep-every", "1"]
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, bound_s: float = 90.0) -> None:
-    give_up = time.monotonic() + bound_s
-    while not await check():
-        assert time.monotonic() < give_up, f"gave up waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def inflight(fleet: Fleet) -> float:
-    total = 0.0
-    async with httpx.AsyncClient(timeout=5) as c:
-        for url in fleet.gateway_metrics_urls:
-            try:
-                text = (await c.get(url)).text
-            except httpx.TransportError:
-                continue  # a killed replica
-            m = re.search(r"^jetserve_gateway_inflight (\S+)$", text, re.M)
-            total += float(m.group(1)) if m else 0.0
-    return total
+    return await fleet_sum(fleet.gateway_metrics_urls, "jetserve_gateway_inflight")
 
 
 def spend(fleet: Fleet) -> tuple[int, int]:
@@ -96,7 +80,7 @@ async def settled_books(fleet: Fleet, spent_before: int) -> list[dict[str, Any]]
         _, reserved = spend(fleet)
         return reserved == 0 and await outbox_size(fleet) == 0
 
-    await until(drained, "the outbox to drain and every hold to settle")
+    await until(drained, "the outbox to drain and every hold to settle", 90.0)
     rows = ledger(fleet)
     spent, _ = spend(fleet)
     assert spent - spent_before == sum(int(r["charge_micros"]) for r in rows)
@@ -120,18 +104,9 @@ def one_record_each(
 
 async def deferred(fleet: Fleet) -> float:
     """Settlements the gateways could not apply at once (left in the outbox)."""
-    total = 0.0
-    async with httpx.AsyncClient(timeout=5) as c:
-        for url in fleet.gateway_metrics_urls:
-            try:
-                text = (await c.get(url)).text
-            except httpx.TransportError:
-                continue
-            m = re.search(
-                r'^jetserve_gateway_settlements_total\{path="deferred"\} (\S+)$', text, re.M
-            )
-            total += float(m.group(1)) if m else 0.0
-    return total
+    return await fleet_sum(
+        fleet.gateway_metrics_urls, "jetserve_gateway_settlements_total", path="deferred"
+    )
 
 
 async def admitted(fleet: Fleet, tasks: list[asyncio.Task[Any]], total: int) -> None:
@@ -140,7 +115,7 @@ async def admitted(fleet: Fleet, tasks: list[asyncio.Task[Any]], total: int) -> 
     async def check() -> bool:
         return await inflight(fleet) + sum(t.done() for t in tasks) >= total
 
-    await until(check, f"{total} requests admitted")
+    await until(check, f"{total} requests admitted", 90.0)
 
 
 async def test_redis_frozen_during_200_settlements(make_fleet: Callable[..., Fleet]) -> None:
@@ -196,7 +171,7 @@ async def test_gateway_killed_while_its_settlements_wait(make_fleet: Callable[..
         async def streams_started() -> bool:
             return len(stream_ids) == 10
 
-        await until(streams_started, "10 streams started")
+        await until(streams_started, "10 streams started", 90.0)
         urls = (url0, url1)
         tasks = [asyncio.create_task(post(c, urls[n % 2], fleet, 20)) for n in range(200)]
         await admitted(fleet, tasks, 210)

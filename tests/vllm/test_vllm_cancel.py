@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import time
 
 import httpx
 import pytest
 
 from jetserve.fleet import Fleet, FleetSpec
+from tests.scrape import metric_sum
 from tests.vllm.vllmkit import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -33,13 +33,7 @@ HANG_UP_S = (0.0, 0.5)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5.0).text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_sum(httpx.get(f"{url}/metrics", timeout=5.0).text, name, **labels)
 
 
 async def idle(url: str, limit_s: float = 60.0) -> None:

@@ -40,6 +40,8 @@ POINTS: Final = ("model_call", "after_intent", "after_effect", "after_outcome", 
 # The delivery number of the step message being handled (set per handler task;
 # tools running inside the step see it too).
 DELIVERY: contextvars.ContextVar[int] = contextvars.ContextVar("agent_delivery", default=0)
+# When that message was stored (epoch seconds; 0: unknown).
+STORED_AT: contextvars.ContextVar[float] = contextvars.ContextVar("agent_stored_at", default=0.0)
 
 
 def parse_crash_specs(items: Iterable[str]) -> dict[str, float]:

@@ -46,7 +46,7 @@ from tools import (
     ToolMetrics,
 )
 from workers.agent.config import ExecutorConfig
-from workers.agent.crash import DELIVERY, CrashPoints
+from workers.agent.crash import DELIVERY, STORED_AT, CrashPoints
 from workers.agent.errors import StepInterrupted
 from workers.agent.guard import Guard
 from workers.agent.handle import RunHandle
@@ -183,6 +183,7 @@ class Executor:
             return
         delivery = msg.metadata.num_delivered or 1
         DELIVERY.set(delivery)  # this task's context: the crash points read it
+        STORED_AT.set(msg.metadata.timestamp.timestamp())
         try:
             got = await store.lease(nudge.run_id, self.cfg.executor_id, self.cfg.lease_s)
         except RunStoreError as exc:

@@ -44,7 +44,7 @@ from streams.agent import (
 from streams.agent_store import RunStore
 from tools import NeedsApproval, Registry, Tier, ToolContext, ToolDispatcher, ToolResult
 from workers.agent.config import ExecutorConfig
-from workers.agent.crash import DELIVERY, CrashPoints
+from workers.agent.crash import DELIVERY, STORED_AT, CrashPoints
 from workers.agent.errors import ModelCallFailed, StepInterrupted
 from workers.agent.guard import Guard
 from workers.agent.handle import RunHandle, unanswered_calls
@@ -61,6 +61,9 @@ Action = Literal["ack", "nak", "term"]
 NOT_ENQUEUED = frozenset({"bus_unavailable", "queue_full", "publish_failed"})
 _ENQUEUE_BACKOFF_S = 0.25
 _ENQUEUE_BACKOFF_MAX_S = 2.0
+# A step for a run with no record yet waits this long (from when it was stored)
+# for the gateway to write the record; past it, the create failed for good.
+UNKNOWN_RUN_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,11 @@ class Stepper:
             stored = await self.store.get(nudge.run_id)
         if stored is None:
             # The gateway enqueues a run's first step before writing its record
-            # (so no record is ever left without a step); give it a moment.
-            if DELIVERY.get() < 20:
-                return Verdict("nak", 0.25)
+            # (so no record is ever left without a step): wait for the record,
+            # as long as a loaded gateway may take to write it. Counted in time,
+            # not deliveries: a dropped nudge leaves its run queued for good.
+            if time.time() - STORED_AT.get() < UNKNOWN_RUN_WAIT_S:
+                return Verdict("nak", min(0.25 * DELIVERY.get(), 2.0))
             log.warning("step for unknown run %s dropped", nudge.run_id)
             return Verdict("term")
         h = RunHandle(self.store, stored)

@@ -1,0 +1,30 @@
+"""Waiting on a condition, never on a sleep: the one poll loop every test uses.
+The bound only turns a hang into a failure; a loaded 2-core box takes seconds
+where an idle one takes milliseconds, so bounds are generous."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+
+async def until(
+    check: Callable[[], Awaitable[object]], what: str, bound_s: float = 30.0, every_s: float = 0.05
+) -> float:
+    """Poll the async ``check`` until it is truthy; the seconds it took. Fails
+    (AssertionError naming ``what``) after ``bound_s``."""
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < bound_s, f"gave up waiting for {what} after {bound_s}s"
+        await asyncio.sleep(every_s)
+    return time.monotonic() - t0
+
+
+async def until_sync(cond: Callable[[], object], what: str, bound_s: float = 30.0) -> float:
+    """:func:`until` for a blocking ``cond`` (run on a thread, off the loop)."""
+
+    async def check() -> object:
+        return await asyncio.to_thread(cond)
+
+    return await until(check, what, bound_s)
