@@ -13,7 +13,8 @@ its redelivery; its effect is asked of the effect ledger and the bank first
 (``reconcile``), never blindly repeated; an interrupted model call is retried
 under a new request id (``model_attempts``: 3). So every run ends exactly once
 (one terminal status, one ledger record), every transfer happens exactly once,
-none hangs, and none fails: the bound on failed runs is 0.
+none hangs, and none fails but a run whose deadline came before the cluster
+served again (plus its turn in the backlog): deadline_exceeded, nothing else.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180
 RUNS = 40
 KILL_AFTER = 20  # runs created before the node dies
 PACE_S = 0.1  # one run created every PACE_S
-RUN_TIMEOUT_S = 30.0  # each run's own deadline
+RUN_TIMEOUT_S = 45.0  # each run's own deadline
+# Once the cluster serves again, a run waits its turn behind the others' steps.
+BACKLOG_S = 5.0
 # A run ends by its deadline at the latest (the executor halts it, a model call
 # ends there); past it, plus a redelivery and a lease (2 s each here), it hung.
 HUNG_AFTER_S = 15.0
@@ -64,6 +67,7 @@ def rules(marker: str) -> list[dict[str, Any]]:
 class Created:
     index: int
     run_id: str | None = None  # None: never created
+    at: float = 0.0  # time.time() of the create that succeeded
     refusals: list[str] = field(default_factory=list)  # the answers before it was
 
 
@@ -90,6 +94,7 @@ async def create(client: httpx.AsyncClient, marker: str, i: int) -> Created:
         else:
             if r.status_code in (200, 201):
                 out.run_id = r.json()["id"]
+                out.at = time.time()
                 return out
             out.refusals.append(f"{r.status_code} {r.json()['error']['code']}")
             if r.status_code != 503:
@@ -273,10 +278,21 @@ async def test_nats_node_killed_during_agent_runs(make_fleet: Callable[..., Flee
     # Each transfer happened exactly once, and nobody even tried it twice.
     assert not repeats, repeats[:5]
     assert all(n == 1 for n in effects.values()), effects.most_common(3)
-    # The bound on failed runs: 0 (nothing about a run lives on one node).
+    # The bound on failed runs: nothing about a run lives on one node, so only a
+    # run whose deadline came before the cluster served again (the first create
+    # that succeeded after the kill: the R3 groups' elections, seconds on a
+    # loaded box) plus its turn in the backlog may end deadline_exceeded.
+    (kill,) = killed
+    recovered = min((c.at for c in created if c.run_id and c.at > kill.end), default=kill.end)
+    at_risk = {i for i, r in runs.items() if r.created + RUN_TIMEOUT_S < recovered + BACKLOG_S}
     failed = [i for i, r in runs.items() if r.status != "completed"]
-    assert not failed, describe(runs, failed, started_at)
+    unpredicted = [i for i in failed if i not in at_risk or runs[i].status != "deadline_exceeded"]
+    assert not unpredicted, describe(runs, unpredicted, started_at) + (
+        f"; served again {recovered - kill.end:.1f}s after the kill, at risk {len(at_risk)}"
+    )
     for run_id, run in runs.items():
+        if run.status != "completed":
+            continue
         assert effects[f"{run_id}/0/call_1"] == 1, run_id
         (tool_msg,) = [m for m in run.messages if m["role"] == "tool"]
         assert json.loads(tool_msg["content"])["key"] == f"{run_id}/0/call_1"
