@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from nats.aio.client import Client
@@ -99,6 +100,24 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class _Stoppable(Protocol):
+    proc: subprocess.Popen[bytes]
+
+
+def stop_together(procs: Sequence[_Stoppable], timeout: float) -> None:
+    """SIGTERM every live one, then wait for all (SIGKILL past ``timeout``)."""
+    live = [p for p in procs if p.proc.poll() is None]
+    for p in live:
+        p.proc.send_signal(signal.SIGTERM)
+    end = time.monotonic() + timeout
+    for p in live:
+        try:
+            p.proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait()
 
 
 class Fleet:
@@ -254,10 +273,15 @@ class Fleet:
             self.redis = start_redis(
                 self.workdir / "redis", acl=acl, appendfsync=self.spec.redis_appendfsync
             )
+            # The processes start at once; each is waited for before it is needed.
             if self.spec.engine_url is None and not self.spec.engine_per_worker:
-                self.start_sim()
+                self.start_sim(wait=False)
             for _ in range(self.spec.gateways):
-                self.start_gateway()
+                self.start_gateway(wait=False)
+            for n in range(self.spec.gateways):
+                self.wait_gateway(n)
+            if self.sim is not None and self.sim_port:
+                wait_port(self.sim_port, 20.0, self.sim.proc)
             with self.admin() as admin:
                 admin.create_tenant(self.spec.tenant)
                 created = admin.create_key(self.spec.tenant, "fleet", api_key=self.spec.api_key)
@@ -274,11 +298,13 @@ class Fleet:
             raise
         return self
 
-    def start_sim(self) -> None:
+    def start_sim(self, wait: bool = True) -> None:
         self.sim_port = self.sim_port or free_port()
-        self.sim = self._spawn_sim("sim", self.sim_port)
+        self.sim = self._spawn_sim("sim", self.sim_port, wait=wait)
 
-    def _spawn_sim(self, name: str, port: int, extra: Sequence[str] = ()) -> Proc:
+    def _spawn_sim(
+        self, name: str, port: int, extra: Sequence[str] = (), wait: bool = True
+    ) -> Proc:
         sim = self._spawn(
             name,
             "sim",
@@ -291,10 +317,11 @@ class Fleet:
             *self.spec.sim_args,
             *extra,
         )
-        wait_port(port, 20.0, sim.proc)
+        if wait:
+            wait_port(port, 20.0, sim.proc)
         return sim
 
-    def start_gateway(self) -> Proc:
+    def start_gateway(self, wait: bool = True) -> Proc:
         n = len(self.gateways)
         port = (self.spec.gateway_port if n == 0 else 0) or free_port()
         admin_port = free_port()
@@ -327,9 +354,15 @@ class Fleet:
         self.admin_ports.append(admin_port)
         self.gateway_metrics_ports.append(metrics_port)
         self.gateway_metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
-        self._wait_ready(gw, port)
-        wait_port(metrics_port, 10.0, gw.proc)  # its own listener starts alongside
+        if wait:
+            self.wait_gateway(len(self.gateways) - 1)
         return gw
+
+    def wait_gateway(self, n: int) -> None:
+        """Until gateway ``n`` is ready and serves its metrics."""
+        gw = self.gateways[n]
+        self._wait_ready(gw, self.gateway_ports[n])
+        wait_port(self.gateway_metrics_ports[n], 10.0, gw.proc)  # its own listener
 
     def _wait_ready(self, gw: Proc, port: int, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
@@ -439,18 +472,12 @@ class Fleet:
         return [line for node in self.nats_nodes for line in node.violations()]
 
     def stop(self) -> None:
-        # Executors and workers first (they drain), then the gateway, then the
-        # engine and the bus.
-        for a in self.agents:
-            a.stop()
-        for w in self.workers:
-            w.stop()
-        for p in (*self.gateways, self.sim, *self.worker_sims):
-            if p is not None:
-                p.stop()
-        for s in (self.redis, *self.nats_nodes):
-            if s is not None:
-                s.stop()
+        # Executors and workers first (they drain), then the gateways and the
+        # engines, then the stores and the bus; each tier at once (every one of
+        # them drains on its own, so a tier takes its slowest, not their sum).
+        stop_together([*self.agents, *self.workers], 10.0)
+        stop_together([p for p in (*self.gateways, self.sim, *self.worker_sims) if p], 10.0)
+        stop_together([s for s in (self.redis, *self.nats_nodes) if s is not None], 5.0)
 
     def __enter__(self) -> Fleet:
         return self.start()
