@@ -14,31 +14,44 @@ from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import Service, start_nats, start_redis
 from tests.refusals import assert_no_refusals
 
-_VLLM_DESELECTED = pytest.StashKey[int]()
+_DESELECTED = pytest.StashKey[dict[str, int]]()
+
+# Opt-in tiers: deselected unless ``-m`` names them (or their environment is
+# set), and said so in the summary, never skipped silently.
+_TIERS = {
+    "vllm": (
+        ("JETSERVE_VLLM_URL", "JETSERVE_VLLM_PEERS"),
+        "opt-in: bench/peers/vllm.sh, or -m vllm with JETSERVE_VLLM_URL or "
+        "JETSERVE_VLLM_PEERS; docs/vllm.md",
+    ),
+    "open_bug": (
+        (),
+        "scenarios that found a bug not fixed yet, each naming it; run with -m open_bug",
+    ),
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The real-vLLM tier (marker `vllm`, docs/vllm.md) is opt-in: it runs only with
-    `-m` naming it or JETSERVE_VLLM_URL / JETSERVE_VLLM_PEERS set; otherwise its tests
-    are deselected, and said so, never skipped silently."""
-    if "vllm" in (config.getoption("markexpr") or "") or any(
-        os.environ.get(v) for v in ("JETSERVE_VLLM_URL", "JETSERVE_VLLM_PEERS")
-    ):
-        return
-    out = [i for i in items if i.get_closest_marker("vllm") is not None]
-    if out:
-        config.hook.pytest_deselected(items=out)
-        items[:] = [i for i in items if i.get_closest_marker("vllm") is None]
-        config.stash[_VLLM_DESELECTED] = len(out)
+    """The real-vLLM tier (marker `vllm`, docs/vllm.md) and the `open_bug` tier
+    are opt-in: each runs only with `-m` naming it (or, for vLLM, with
+    JETSERVE_VLLM_URL / JETSERVE_VLLM_PEERS set); otherwise its tests are
+    deselected, and said so, never skipped silently."""
+    markexpr = config.getoption("markexpr") or ""
+    counts: dict[str, int] = {}
+    for tier, (env, _) in _TIERS.items():
+        if tier in markexpr or any(os.environ.get(v) for v in env):
+            continue
+        out = [i for i in items if i.get_closest_marker(tier) is not None]
+        if out:
+            config.hook.pytest_deselected(items=out)
+            items[:] = [i for i in items if i.get_closest_marker(tier) is None]
+            counts[tier] = len(out)
+    config.stash[_DESELECTED] = counts
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    n = terminalreporter.config.stash.get(_VLLM_DESELECTED, 0)
-    if n:
-        terminalreporter.write_line(
-            f"vllm tier: {n} tests deselected (opt-in: bench/peers/vllm.sh, or -m vllm "
-            "with JETSERVE_VLLM_URL or JETSERVE_VLLM_PEERS; docs/vllm.md)"
-        )
+    for tier, n in terminalreporter.config.stash.get(_DESELECTED, {}).items():
+        terminalreporter.write_line(f"{tier} tier: {n} tests deselected ({_TIERS[tier][1]})")
 
 
 @pytest.fixture

@@ -173,6 +173,7 @@ async def _matrix(
 @pytest.mark.timeout(180)  # the file takes ~30 s; headroom for a loaded machine
 def test_crash_matrix(fleet: Fleet, crash_log: Path) -> None:
     started = time.monotonic()
+    t0 = time.time()
     httpx.post(f"{fleet.sim_url}/sim/scripts?append=1", json=_rules()).raise_for_status()
     reconciled, blind, runs, restarts, settled_s, log, repeats = asyncio.run(_matrix(fleet))
     ids = reconciled + blind
@@ -223,7 +224,13 @@ def test_crash_matrix(fleet: Fleet, crash_log: Path) -> None:
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
 
     total = table["all runs"]
-    assert total["lost"] == 0, [r for r in ids if r not in runs or not runs[r].terminal][:5]
+    lost = [r for r in ids if r not in runs or not runs[r].terminal]
+    assert total["lost"] == 0, [
+        (r, "no record")
+        if r not in runs
+        else (r, runs[r].status, runs[r].step, runs[r].model_call, round(runs[r].updated - t0, 1))
+        for r in lost[:5]
+    ]
     assert total["duplicated_effects"] == 0, (repeats[:5], per_key.most_common(3))
     assert all(n == 1 for n in per_key.values())
     for p in POINTS:

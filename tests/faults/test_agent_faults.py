@@ -40,7 +40,16 @@ from streams.agent import TERMINAL, Run, decode_event, decode_run
 from streams.agent_topology import DEFAULT_AGENT
 from tests.faults.harness import Window, ledger_rows, tcp_peers
 
-pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
+# open_bug: about 1 run in 8 on a loaded box, executors step no run for tens of
+# seconds after the node dies (runs created right after the cluster served
+# again sat queued at step 0 until their deadline); not yet explained, so not
+# in `make test` until it is (issue 13).
+pytestmark = [
+    pytest.mark.connected,
+    pytest.mark.faults,
+    pytest.mark.open_bug,
+    pytest.mark.timeout(180),
+]
 
 RUNS = 40
 KILL_AFTER = 20  # runs created before the node dies
@@ -287,6 +296,10 @@ async def test_nats_node_killed_during_agent_runs(make_fleet: Callable[..., Flee
     at_risk = {i for i, r in runs.items() if r.created + RUN_TIMEOUT_S < recovered + BACKLOG_S}
     failed = [i for i, r in runs.items() if r.status != "completed"]
     unpredicted = [i for i in failed if i not in at_risk or runs[i].status != "deadline_exceeded"]
+    if unpredicted:
+        for path in sorted(fleet.workdir.glob("agent*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-15:]
+            print(f"\n{path.name}:\n" + "\n".join(tail))
     assert not unpredicted, describe(runs, unpredicted, started_at) + (
         f"; served again {recovered - kill.end:.1f}s after the kill, at risk {len(at_risk)}"
     )
