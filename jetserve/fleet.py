@@ -273,15 +273,12 @@ class Fleet:
             self.redis = start_redis(
                 self.workdir / "redis", acl=acl, appendfsync=self.spec.redis_appendfsync
             )
-            # The processes start at once; each is waited for before it is needed.
+            # One at a time: a port picked for the next process must not be one a
+            # process still starting has not bound yet.
             if self.spec.engine_url is None and not self.spec.engine_per_worker:
-                self.start_sim(wait=False)
+                self.start_sim()
             for _ in range(self.spec.gateways):
-                self.start_gateway(wait=False)
-            for n in range(self.spec.gateways):
-                self.wait_gateway(n)
-            if self.sim is not None and self.sim_port:
-                wait_port(self.sim_port, 20.0, self.sim.proc)
+                self.start_gateway()
             with self.admin() as admin:
                 admin.create_tenant(self.spec.tenant)
                 created = admin.create_key(self.spec.tenant, "fleet", api_key=self.spec.api_key)
