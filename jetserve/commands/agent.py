@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,7 @@ async def _run(args: argparse.Namespace) -> int:
     from streams.agent_topology import AgentTopology
     from streams.auth import Role
     from streams.definitions import Topology
+    from streams.tasks import install_task_dump
     from tools import Registry
     from workers.agent import CrashPoints, Executor, ExecutorConfig, parse_crash_specs
 
@@ -116,6 +118,7 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, executor.request_stop)
+    install_task_dump(logging.getLogger("jetserve.agent"))
     http = None
     if args.metrics_port is not None:
         http = executor.probe(args.metrics_host, args.metrics_port)

@@ -67,6 +67,7 @@ async def _run(args: argparse.Namespace) -> int:
     from streams.auth import Role
     from streams.definitions import Topology
     from streams.subjects import RequestClass
+    from streams.tasks import install_task_dump
     from workers.engines.factory import make_adapter
     from workers.inference.admission import AdmissionConfig
     from workers.inference.worker import Worker, WorkerConfig
@@ -101,6 +102,7 @@ async def _run(args: argparse.Namespace) -> int:
 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop)
+            install_task_dump(logging.getLogger("jetserve.worker"))
             await worker.run()
             if http is not None and http_task is not None:
                 http.should_exit = True

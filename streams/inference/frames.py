@@ -65,6 +65,44 @@ class FrameBuffer(asyncio.Queue[Item]):
         return True
 
 
+class InOrder:
+    """One request's frames from two sources, the live reply subscription and
+    the frames capture, offered to ``out`` once each and in sequence.
+
+    Either source alone can lose frames: core NATS drops what a dying server
+    held, and the capture stores nothing while its stream elects a leader (a
+    short answer can fall entirely into that window, and then nothing shows a
+    gap). Per attempt, a token or final past the next expected seq waits here
+    for the other source; a copy of one already passed is dropped; a heartbeat
+    passes only once the tokens it vouches for have."""
+
+    def __init__(self, out: FrameBuffer) -> None:
+        self._out = out
+        self._next: dict[int, int] = {}  # attempt -> next seq to pass
+        self._held: dict[int, dict[int, Frame]] = {}
+        self._meta = False
+
+    def offer(self, frame: Frame) -> None:
+        if isinstance(frame, Meta):
+            if not self._meta:
+                self._meta = True
+                self._out.offer(frame)
+            return
+        nxt = self._next.get(frame.attempt, 1)
+        if isinstance(frame, Heartbeat):
+            if frame.seq < nxt:
+                self._out.offer(frame)
+            return
+        if frame.seq < nxt:
+            return  # the other source's copy
+        held = self._held.setdefault(frame.attempt, {})
+        held[frame.seq] = frame
+        while nxt in held:
+            self._out.offer(held.pop(nxt))
+            nxt += 1
+        self._next[frame.attempt] = nxt
+
+
 class FrameReader:
     """Reads one request's :class:`FrameBuffer` under the waiting rule."""
 

@@ -20,12 +20,17 @@ served again (plus its turn in the backlog): deadline_exceeded, nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import shutil
+import signal
 import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,20 +41,14 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
 from jetserve.fleet import Fleet
-from streams.agent import TERMINAL, Run, decode_event, decode_run
+from streams.agent import TERMINAL, Run, decode_event, decode_run, model_request_id
 from streams.agent_topology import DEFAULT_AGENT
+from streams.definitions import DEFAULT_TOPOLOGY as TOPOLOGY
+from streams.subjects import frames_filter
 from tests.faults.harness import Window, ledger_rows, tcp_peers
+from tests.waits import until_sync
 
-# open_bug: about 1 run in 8 on a loaded box, executors step no run for tens of
-# seconds after the node dies (runs created right after the cluster served
-# again sat queued at step 0 until their deadline); not yet explained, so not
-# in `make test` until it is (issue 13).
-pytestmark = [
-    pytest.mark.connected,
-    pytest.mark.faults,
-    pytest.mark.open_bug,
-    pytest.mark.timeout(180),
-]
+pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
 
 RUNS = 40
 KILL_AFTER = 20  # runs created before the node dies
@@ -61,6 +60,26 @@ BACKLOG_S = 5.0
 # ends there); past it, plus a redelivery and a lease (2 s each here), it hung.
 HUNG_AFTER_S = 15.0
 ARGS = json.dumps({"from": "alice", "to": "bob", "amount": 1})
+
+
+def _not_logs(_dir: str, names: list[str]) -> list[str]:
+    return [n for n in names if not n.endswith(".log") and "." in n]
+
+
+async def _dump(fleet: Fleet, marker: str) -> None:
+    """With JETSERVE_FAULTS_DUMP=DIR: every process's log, the agents' with
+    their tasks (SIGUSR1) and where each waits, copied to DIR/<marker>."""
+    if not (dump := os.environ.get("JETSERVE_FAULTS_DUMP")):
+        return
+    logs = [fleet.workdir / f"{agent.name}.log" for agent in fleet.agents]
+    for agent in fleet.agents:
+        agent.signal(signal.SIGUSR1)
+    # Each agent's loop writes its dump: until every log has one (a live agent).
+    with contextlib.suppress(AssertionError):
+        await until_sync(
+            lambda: all(" tasks" in p.read_text(errors="replace") for p in logs), "dumps", 5
+        )
+    shutil.copytree(fleet.workdir, Path(dump) / marker, ignore=_not_logs)
 
 
 def rules(marker: str) -> list[dict[str, Any]]:
@@ -220,6 +239,30 @@ async def hung_report(fleet: Fleet, hung: list[str], runs: dict[str, Run]) -> st
     return f"{len(hung)} runs hung past their deadline:\n" + "\n".join(lines)
 
 
+async def frames_report(fleet: Fleet, runs: dict[str, Run], ids: list[str]) -> str:
+    """Per failed run, the frames its model calls got in the capture (for the
+    failure: did a worker answer a call the executor never read?)."""
+    nc = await fleet.connect(name="agent-faults-frames")
+    lines = []
+    try:
+        js = nc.jetstream()
+        for run_id in ids[:5]:
+            step = runs[run_id].step
+            for attempt in (1, 2, 3):
+                rid = model_request_id(run_id, step, attempt)
+                try:
+                    subjects = frames_filter(fleet.spec.tenant, rid)
+                    info = await js.stream_info(TOPOLOGY.frames_stream, subjects_filter=subjects)
+                except (nats.errors.Error, TimeoutError) as exc:
+                    lines.append(f"{rid}: {exc!r}")
+                    continue
+                if info.state.subjects:
+                    lines.append(f"{rid}: frames {dict(info.state.subjects)}")
+    finally:
+        await nc.close()
+    return "\n".join(lines)
+
+
 def describe(runs: dict[str, Run], ids: list[str], t0: float) -> str:
     """Where each of ``ids`` stood when it ended (times from the test's start)."""
     lines = []
@@ -234,7 +277,11 @@ def describe(runs: dict[str, Run], ids: list[str], t0: float) -> str:
 
 async def test_nats_node_killed_during_agent_runs(make_fleet: Callable[..., Fleet]) -> None:
     fleet = make_fleet(
-        workers=2, agents=2, nats_nodes=3, agent_args=["--lease", "2", "--ack-wait", "2"]
+        workers=2,
+        agents=2,
+        nats_nodes=3,
+        agent_args=["--lease", "2", "--ack-wait", "2"],
+        log_level=os.environ.get("JETSERVE_FAULTS_LOG_LEVEL", "warning"),
     )
     marker = "AGENTFAULT" + uuid.uuid4().hex[:8]
     async with httpx.AsyncClient(timeout=30) as sim:
@@ -278,6 +325,8 @@ async def test_nats_node_killed_during_agent_runs(make_fleet: Callable[..., Flee
 
     # None hung: each ended by its deadline.
     hung = [i for i in ids if i not in runs or not runs[i].terminal]
+    if hung:
+        await _dump(fleet, marker)
     assert not hung, await hung_report(fleet, hung, runs)
     # Each ended exactly once: one terminal status (its events agree), one record.
     for run_id, run in runs.items():
@@ -297,6 +346,8 @@ async def test_nats_node_killed_during_agent_runs(make_fleet: Callable[..., Flee
     failed = [i for i, r in runs.items() if r.status != "completed"]
     unpredicted = [i for i in failed if i not in at_risk or runs[i].status != "deadline_exceeded"]
     if unpredicted:
+        print("\nframes of failed runs:\n" + await frames_report(fleet, runs, unpredicted))
+        await _dump(fleet, marker)
         for path in sorted(fleet.workdir.glob("agent*.log")):
             tail = path.read_text(errors="replace").splitlines()[-15:]
             print(f"\n{path.name}:\n" + "\n".join(tail))

@@ -16,7 +16,7 @@ from streams.errors import (
 )
 from streams.headers import Header
 from streams.inference.client import request_headers
-from streams.inference.frames import FrameBuffer, FrameReader
+from streams.inference.frames import FrameBuffer, FrameReader, InOrder
 from streams.inference.tool_calls import ToolCalls
 from streams.wire import ErrorFrame, Final, Frame, Heartbeat, InferenceRequest, Meta, Token, Usage
 
@@ -146,3 +146,40 @@ def test_tool_call_deltas_merge_by_index() -> None:
     )
     assert [c["id"] for c in calls.merged()] == ["c1", "c2"]
     assert calls.merged()[0]["function"] == {"name": "a", "arguments": '{"x":1}'}
+
+
+def merged(*sources: list[Frame]) -> list[Frame]:
+    """What InOrder passes on when the sources' frames arrive interleaved."""
+    buf = FrameBuffer(None)
+    merge = InOrder(buf)
+    longest = max(len(s) for s in sources)
+    for i in range(longest):
+        for source in sources:
+            if i < len(source):
+                merge.offer(source[i])
+    out = []
+    while not buf.empty():
+        item = buf.get_nowait()
+        assert isinstance(item, Token | Final | ErrorFrame | Heartbeat | Meta)
+        out.append(item)
+    return out
+
+
+def test_in_order_fills_one_sources_losses_from_the_other() -> None:
+    meta = Meta(op="chat", model="m", cls="c", tenant="t", deadline=0.0, created=0.0)
+    final = Final(4, "stop", Usage(1, 3))
+    tokens: list[Frame] = [Token(1, "a"), Token(2, "b"), Token(3, "c")]
+    # Live lost token 2 (its server died); the capture replays everything, later.
+    live: list[Frame] = [meta, tokens[0], tokens[2], Heartbeat(3, 0.0), final]
+    capture: list[Frame] = [meta, *tokens, final]
+    assert merged(live, capture) == [meta, *tokens, Heartbeat(3, 0.0), final]
+    # The capture stored nothing (its leader was elected meanwhile): live alone.
+    assert merged([*live[:2], tokens[1], *live[2:]], []) == [meta, *tokens, Heartbeat(3, 0.0), final]
+    # Attempts are sequenced apart: a redelivery starts again at seq 1.
+    again: list[Frame] = [Token(1, "a", attempt=2), ErrorFrame(2, "engine_error", "x", attempt=2)]
+    assert merged([tokens[0]], again) == [tokens[0], *again]
+
+
+def test_in_order_holds_a_heartbeat_until_the_tokens_it_vouches_for() -> None:
+    assert merged([Heartbeat(2, 0.0), Token(1, "a")]) == [Token(1, "a")]
+    assert merged([Token(1, "a"), Heartbeat(1, 0.0)]) == [Token(1, "a"), Heartbeat(1, 0.0)]

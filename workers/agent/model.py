@@ -12,7 +12,6 @@ and charged, once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -34,9 +33,9 @@ from streams.errors import (
     StreamInterruptedError,
 )
 from streams.inference.client import InferenceClient
-from streams.inference.frames import FrameBuffer, FrameReader
+from streams.inference.frames import FrameBuffer, FrameReader, InOrder
 from streams.inference.tool_calls import ToolCalls
-from streams.subjects import RequestClass, reply_subject, request_subject
+from streams.subjects import RequestClass, frames_filter, reply_subject, request_subject
 from streams.wire import ErrorFrame, InferenceRequest, Token, Usage, decode_frame
 from workers.agent.errors import ModelCallFailed
 
@@ -75,6 +74,7 @@ class ModelClient:
         topology: Topology,
         heartbeat_timeout_s: float,
     ) -> None:
+        self._nc = nc
         self._client = InferenceClient(nc, js, topology)
         self._id = executor_id
         self._heartbeat_timeout = heartbeat_timeout_s
@@ -101,25 +101,38 @@ class ModelClient:
     ) -> ModelReply:
         """Publish (or re-publish) the step's request and read its answer."""
         frames = FrameBuffer(limit=None)  # the capture replays at its own pace
+        merged = InOrder(frames)
 
         async def on_frame(msg: Msg) -> None:
             try:
-                frames.offer(decode_frame(msg.data))
+                merged.offer(decode_frame(msg.data))
             except msgspec.DecodeError:
                 log.warning("run %s: undecodable frame dropped", run.id)
 
-        sub = await self._client.follow(run.tenant, call.request_id, on_frame)
+        # Live and from the capture: either alone can lose every frame of a
+        # short answer while a NATS node dies (streams.inference.frames.InOrder).
+        live = await self._nc.subscribe(frames_filter(run.tenant, call.request_id), cb=on_frame)
+        try:
+            sub = await self._client.follow(run.tenant, call.request_id, on_frame)
+        except BaseException:
+            with contextlib.suppress(nats.errors.Error):
+                await live.unsubscribe()
+            raise
         try:
             await self._publish(self.request(run, call, body))
             on_published()
             return await self._collect(FrameReader(frames, run.deadline))
-        except asyncio.CancelledError:
-            # Interrupted (a cancel of the run): stop the engine now, GPU time included.
-            await self._client.cancel(call.request_id, "run_cancelled")
-            raise
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            for each in (sub, live):
+                with contextlib.suppress(nats.errors.Error):
+                    await each.unsubscribe()
+
+    async def cancel(self, call: ModelCall) -> None:
+        """Stop the engine on this call, GPU time included: only for a cancel of
+        the run. A step cancelled for any other reason (its lease lost, a drain)
+        leaves the call running: whoever takes the step over re-publishes the
+        same request id and reads the answer this call produces."""
+        await self._client.cancel(call.request_id, "run_cancelled")
 
     async def _publish(self, req: InferenceRequest) -> None:
         try:

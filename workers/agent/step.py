@@ -248,6 +248,9 @@ class Stepper:
 
             try:
                 return await guard.interruptible(self.models.call(h.run, call, body, published))
+            except StepInterrupted:
+                await self.models.cancel(call)
+                raise
             except ModelCallFailed as exc:
                 self.metrics.model_failures.labels(exc.code).inc()
                 if exc.code == "deadline_exceeded" or (
