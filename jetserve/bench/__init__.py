@@ -15,7 +15,10 @@ The pieces, in the order a run meets them:
 - ``cpu``: CPU time of the fleet's processes (and everyone else's) around each run;
 - ``sweep``, ``report``, ``summary``, ``plots``, ``progress``, ``plan``: orchestration
   and output;
-- ``cli``, ``commands``: the flags and the four commands (run, plan, report, fleet);
+- ``closedloop``, ``capacity``, ``capacity_stats``, ``capacity_report``: `jetserve bench
+  capacity`, a closed loop per concurrency level: max req/s and CPU-ms per request by
+  component;
+- ``cli``, ``commands``: the flags and the commands (run, plan, report, fleet, capacity);
 - ``fleet/``: ``jetserve bench fleet``, the fleet-routing scenarios on real fleets.
 
 Nothing here is imported by the gateway or the workers.

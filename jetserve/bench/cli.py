@@ -6,6 +6,7 @@ jetserve bench [run] --target vllm=http://127.0.0.1:8000/v1 --target gw=URL,key=
 jetserve bench plan --results bench/out/.../results.json --peak-rate 40
 jetserve bench report --results bench/out/.../results.json   (re-render md and plots)
 jetserve bench fleet --scenario affinity,failover   (the fleet-routing scenarios)
+jetserve bench capacity --concurrency 4,16,32   (closed loop: max req/s, CPU per request)
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from jetserve.bench.capacity import add_arguments as add_capacity_arguments
+from jetserve.bench.capacity import cmd_capacity
 from jetserve.bench.commands import cmd_fleet, cmd_plan, cmd_report, cmd_run
 from jetserve.bench.dists import parse_dist
 from jetserve.bench.metrics import DEFAULT_MAX_LAG
@@ -22,7 +25,7 @@ from jetserve.bench.targets import parse_header, parse_target
 from jetserve.bench.units import parse_duration, parse_rates
 from jetserve.bench.workload import parse_class
 
-COMMANDS = ("run", "plan", "report", "fleet")
+COMMANDS = ("run", "plan", "report", "fleet", "capacity")
 
 T = TypeVar("T")
 
@@ -75,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--rho-max", type=float, default=0.8, help="target utilisation")
     pl.add_argument("--replicas", type=int, default=None, help="engine replicas during the run")
 
+    cap = sub.add_parser(
+        "capacity",
+        allow_abbrev=False,
+        help="closed loop on a fleet: max req/s and CPU per request, per target",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_capacity_arguments(cap)
     rp = sub.add_parser("report", allow_abbrev=False, help="re-render markdown and plots")
     rp.add_argument("--results", required=True)
     rp.add_argument("--out", default=None, help="default: the results file's directory")
@@ -260,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "fleet":
             return cmd_fleet(args)
+        if args.command == "capacity":
+            return cmd_capacity(args, args_list)
         return cmd_run(args, parser, args_list)
     except ValueError as exc:
         print(f"jetserve bench: {exc}", file=sys.stderr)

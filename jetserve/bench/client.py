@@ -12,7 +12,7 @@ import asyncio
 import math
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -180,8 +180,9 @@ async def stream_one(
     chunks: list[float] = []
     usage: _Usage | None = None
     end = sent
+    timed = False  # the whole stream was read and timed: what follows cannot fail it
     try:
-        async with asyncio.timeout(max(stop_at - sent, 0.0)):
+        async with asyncio.timeout(max(stop_at - sent, 0.0)) as scope:
             request = client.build_request("POST", url, content=body, headers=headers)
             response = await client.send(request, stream=True)
             try:
@@ -194,19 +195,27 @@ async def stream_one(
                     except msgspec.DecodeError:
                         error = f"http {status}"
                 else:
-                    outcome, error, usage = await _read_stream(response, sent, chunks, clock)
+                    lines = response.aiter_lines()
+                    outcome, error, usage = await _read_stream(lines, sent, chunks, clock)
                 end = clock()  # before closing: the stream's end is what e2e measures
+                if outcome == "ok":
+                    timed = True
+                    await _read_to_end(lines, scope)
             finally:
                 await response.aclose()
     except TimeoutError:
-        end = clock()
-        if cancel_at <= deadline and end >= cancel_at - 0.002:
-            outcome, error = "cancelled", ""
-        else:
-            outcome, error = "timeout", "client deadline"
+        # When `timed`, only the body's end did not come within DRAIN_S: the stream
+        # stands as read, and the connection is closed instead of kept.
+        if not timed:
+            end = clock()
+            if cancel_at <= deadline and end >= cancel_at - 0.002:
+                outcome, error = "cancelled", ""
+            else:
+                outcome, error = "timeout", "client deadline"
     except httpx.HTTPError as exc:
-        end = clock()
-        outcome, error = "error", type(exc).__name__
+        if not timed:
+            end = clock()
+            outcome, error = "error", type(exc).__name__
     if chunks:
         ttft = chunks[0]
     details = usage.prompt_tokens_details if usage is not None else None
@@ -228,12 +237,31 @@ async def stream_one(
     )
 
 
+DRAIN_S = 0.05  # after [DONE], how long the rest of the body (its chunked end) may take
+
+
+async def _read_to_end(lines: AsyncIterator[str], scope: asyncio.Timeout) -> None:
+    """Read what follows [DONE] (normally only the chunked body's end) once the
+    stream's end was timed: a body left unread makes httpx close the connection
+    instead of keeping it for the next request (every request paid a new TCP
+    connect). The request's own deadline is brought forward to DRAIN_S from now, so
+    a server that holds the stream open after [DONE] gets its connection closed, as
+    before, and put back before the response is closed: no second timeout nested in
+    the request's, and none due while httpcore releases the connection."""
+    when = scope.when()
+    soon = asyncio.get_running_loop().time() + DRAIN_S
+    scope.reschedule(soon if when is None else min(when, soon))
+    async for _ in lines:
+        pass
+    scope.reschedule(when)
+
+
 async def _read_stream(
-    response: httpx.Response, sent: float, chunks: list[float], clock: Clock
+    lines: AsyncIterator[str], sent: float, chunks: list[float], clock: Clock
 ) -> tuple[Outcome, str, _Usage | None]:
     usage: _Usage | None = None
     finished = False
-    async for line in response.aiter_lines():
+    async for line in lines:
         now = clock()
         if not line.startswith("data:"):
             continue  # blank separators, `: keep-alive` comments, `event:` lines

@@ -174,7 +174,12 @@ def test_in_order_fills_one_sources_losses_from_the_other() -> None:
     capture: list[Frame] = [meta, *tokens, final]
     assert merged(live, capture) == [meta, *tokens, Heartbeat(3, 0.0), final]
     # The capture stored nothing (its leader was elected meanwhile): live alone.
-    assert merged([*live[:2], tokens[1], *live[2:]], []) == [meta, *tokens, Heartbeat(3, 0.0), final]
+    assert merged([*live[:2], tokens[1], *live[2:]], []) == [
+        meta,
+        *tokens,
+        Heartbeat(3, 0.0),
+        final,
+    ]
     # Attempts are sequenced apart: a redelivery starts again at seq 1.
     again: list[Frame] = [Token(1, "a", attempt=2), ErrorFrame(2, "engine_error", "x", attempt=2)]
     assert merged([tokens[0]], again) == [tokens[0], *again]
