@@ -36,6 +36,9 @@ MIN_DEPTH = 2
 RATE_HALF_LIFE_S = 2.0
 SAFETY = 0.8
 ANSWER_WINDOW = 32  # recent answers per class whose median generation time counts
+# With every queue empty and nothing in flight, the watch looks this seldom (and
+# at once after a publish): the numbers only matter once there is a queue.
+IDLE_EVERY_S = 5.0
 
 
 @dataclass
@@ -60,10 +63,19 @@ class ClassLoad:
 
 
 class QueueWatch:
-    def __init__(self, js: JetStreamContext, topology: Topology, every_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        topology: Topology,
+        every_s: float = 0.5,
+        idle_every_s: float = IDLE_EVERY_S,
+    ) -> None:
         self._js = js
         self._topo = topology
         self._every = every_s
+        self._idle_every = idle_every_s
+        self._poke = asyncio.Event()  # a publish: an idle watch looks again now
+        self._published_at = 0.0
         self.loads: dict[str, ClassLoad] = {c.value: ClassLoad() for c in topology.classes}
         self._answers: dict[str, deque[float]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -77,10 +89,23 @@ class QueueWatch:
 
     async def _run(self) -> None:
         while True:
+            self._poke.clear()  # before looking: a publish during the look looks again
             for cls in self._topo.classes:
                 with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
                     await self._poll(cls.value)
-            await asyncio.sleep(self._every)
+            # A publish may not have landed when we looked: busy for a while after one.
+            recent = time.monotonic() - self._published_at < 2 * self._every
+            if recent or any(load.depth or load.ack_pending for load in self.loads.values()):
+                await asyncio.sleep(self._every)
+                continue
+            # Idle: each look costs a consumer_info per consumer (17 a laned class),
+            # so look seldom, and again at once when this gateway publishes.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._idle_every):
+                    await self._poke.wait()
+                # Woken by a publish (counted as it was let in, before it lands):
+                # look a beat later, when the burst it began is in the queue.
+                await asyncio.sleep(self._every)
 
     async def _poll(self, cls: str) -> None:
         depth = acking = delivered = 0
@@ -114,6 +139,8 @@ class QueueWatch:
         load = self.loads.get(cls)
         if load is not None:
             load.since += 1
+        self._published_at = time.monotonic()
+        self._poke.set()
 
     def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
         """None: admit. Otherwise the Retry-After (seconds) of a refusal."""
