@@ -8,7 +8,8 @@ and lets the worker emit heartbeats and frames as tokens arrive.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import msgspec
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.lean_http import LeanClient
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
@@ -81,6 +83,21 @@ _encoder = msgspec.json.Encoder()
 _PATHS: dict[Op, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
+async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
+    """httpx's lines as the lean client's ``sse_data`` gives them: the ``data:``
+    payloads until ``[DONE]``; a transport failure is a broken stream."""
+    try:
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # comments, blank separators
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield data
+    except httpx.TransportError as exc:
+        raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
+
+
 class OpenAIAdapter(EngineAdapter):
     name = "openai"
 
@@ -91,12 +108,25 @@ class OpenAIAdapter(EngineAdapter):
         api_key: str | None = None,
         max_connections: int = 256,
         connect_timeout: float = 5.0,
+        lean_streams: bool = True,
     ) -> None:
         self._client = engine_client(
             base_url, api_key, max_connections=max_connections, connect_timeout=connect_timeout
         )
+        # The streaming hot path skips httpx over plain http (issue 14);
+        # https and every other call stay on httpx.
+        self._lean: LeanClient | None = None
+        if lean_streams and base_url.startswith("http://"):
+            self._lean = LeanClient(
+                base_url,
+                headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+                max_connections=max_connections,
+                connect_timeout=connect_timeout,
+            )
 
     async def aclose(self) -> None:
+        if self._lean is not None:
+            await self._lean.aclose()
         await self._client.aclose()
 
     async def generate(
@@ -108,43 +138,49 @@ class OpenAIAdapter(EngineAdapter):
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
         hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
-        request = self._client.build_request(
-            "POST", _PATHS[op], content=_encoder.encode(payload), headers=hdrs
-        )
-        async with open_stream(self._client, request) as response:
-            async for event in self._events(response):
+        content = _encoder.encode(payload)
+        if self._lean is not None:
+            async with (
+                self._lean.stream(_PATHS[op], content, hdrs) as lean,
+                contextlib.aclosing(self._events(lean.sse_data())) as events,
+            ):
+                async for event in events:
+                    yield event
+            return
+        request = self._client.build_request("POST", _PATHS[op], content=content, headers=hdrs)
+        async with (
+            open_stream(self._client, request) as response,
+            contextlib.aclosing(_sse_data(response)) as payloads,
+            contextlib.aclosing(self._events(payloads)) as events,
+        ):
+            async for event in events:
                 yield event
 
-    async def _events(self, response: httpx.Response) -> AsyncIterator[Delta | Done]:
+    async def _events(
+        self, payloads: AsyncIterator[bytes | str]
+    ) -> AsyncGenerator[Delta | Done, None]:
+        """Deltas from the stream's ``data:`` payloads, then one Done."""
         finish: str | None = None
         usage: Usage | None = None
         model = ""
-        try:
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # comments, blank separators
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    chunk = _chunk_decoder.decode(data)
-                except msgspec.DecodeError as exc:
-                    raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
-                model = chunk.model or model
-                if chunk.usage is not None:
-                    usage = chunk.usage.to_wire()
-                for choice in chunk.choices:
-                    text = choice.text or ""
-                    calls = None
-                    if choice.delta is not None:
-                        text = choice.delta.content or text
-                        calls = choice.delta.tool_calls
-                    if choice.finish_reason:
-                        finish = choice.finish_reason
-                    if text or calls or choice.finish_reason:
-                        yield Delta(text, calls, choice.finish_reason)
-        except httpx.TransportError as exc:
-            raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
+        async for data in payloads:
+            try:
+                chunk = _chunk_decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
+            model = chunk.model or model
+            if chunk.usage is not None:
+                usage = chunk.usage.to_wire()
+            for choice in chunk.choices:
+                text = choice.text or ""
+                calls = None
+                if choice.delta is not None:
+                    text = choice.delta.content or text
+                    calls = choice.delta.tool_calls
+                if choice.finish_reason:
+                    finish = choice.finish_reason
+                if text or calls or choice.finish_reason:
+                    yield Delta(text, calls, choice.finish_reason)
         if finish is None:
             raise EngineStreamBroken("engine stream ended without a finish reason")
         yield Done(finish, usage or Usage(), model)

@@ -1,0 +1,125 @@
+"""OpenAIAdapter's lean streaming path (workers/engines/lean_http.py) against the
+real simulator in its own process: the same text, usage and finish reason as
+httpx gives, keep-alive reuse, and a cancel mid-stream reaching the engine as
+an abort."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from jetserve.services import free_port, wait_port
+from tests.waits import until
+from workers.engines.base import Delta, Done, closing
+from workers.engines.openai import OpenAIAdapter
+
+pytestmark = pytest.mark.connected
+
+CHAT = {"model": "sim-8b", "messages": [{"role": "user", "content": "say something"}]}
+
+
+@pytest.fixture(scope="module")
+def sim_url() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim", "--profile", "fast", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, 30.0, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+async def adapter(sim_url: str) -> AsyncIterator[OpenAIAdapter]:
+    async with OpenAIAdapter(sim_url) as a:
+        assert a._lean is not None  # http:// streams take the lean path
+        yield a
+
+
+async def record(sim_url: str, request_id: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=5) as c:
+        r = await c.get(f"{sim_url}/sim/requests/{request_id}")
+    rec: dict[str, Any] = r.json() if r.status_code == 200 else {}
+    return rec
+
+
+async def run(adapter: OpenAIAdapter, op: Any, body: dict[str, Any], rid: str) -> tuple[str, Done]:
+    events = [e async for e in adapter.generate(op, body, rid, {})]
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert all(isinstance(e, Delta) for e in events[:-1])
+    return "".join(e.text for e in events[:-1] if isinstance(e, Delta)), done
+
+
+@pytest.mark.parametrize(
+    ("op", "body"),
+    [
+        ("chat", {**CHAT, "max_tokens": 12}),
+        ("completion", {"model": "sim-8b", "prompt": "once upon a time", "max_tokens": 12}),
+    ],
+)
+async def test_stream_matches_httpx(
+    adapter: OpenAIAdapter, sim_url: str, op: str, body: dict[str, Any]
+) -> None:
+    text, done = await run(adapter, op, body, f"lean-{op}")
+    assert text
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == 12
+    assert done.usage.prompt_tokens > 0
+    assert done.model == "sim-8b"
+    assert (await record(sim_url, f"lean-{op}"))["status"] == "finished"
+    async with OpenAIAdapter(sim_url, lean_streams=False) as plain:
+        assert await run(plain, op, body, f"httpx-{op}") == (text, done)
+
+
+async def test_sequential_streams_share_one_connection(adapter: OpenAIAdapter) -> None:
+    assert adapter._lean is not None
+    for i in range(5):
+        await run(adapter, "chat", {**CHAT, "max_tokens": 4}, f"seq-{i}")
+        # A stream ends at [DONE]; its socket rejoins the pool when the chunked
+        # terminator (a separate write) lands, so wait for that, not a sleep.
+        await until(lambda: _true(adapter._lean is not None and adapter._lean._idle), "pooled")
+    assert adapter._lean.connects == 1
+
+
+async def test_cancel_mid_stream_aborts_in_the_engine(adapter: OpenAIAdapter, sim_url: str) -> None:
+    rid = "lean-cancel"
+    body = {**CHAT, "max_tokens": 4000}
+    got = asyncio.Event()
+
+    async def consume() -> None:
+        # 50 ms per token (the simulator's slow fault): still streaming when cancelled.
+        events = adapter.generate("chat", body, rid, {"X-Sim-Fault": "slow:50"})
+        async with closing(events):
+            async for event in events:
+                if isinstance(event, Delta) and event.text:
+                    got.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got.wait(), 30)
+    assert (await record(sim_url, rid))["status"] == "running"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def aborted() -> bool:
+        return (await record(sim_url, rid)).get("status") == "aborted"
+
+    await until(aborted, "the simulator to record the abort")
+    rec = await record(sim_url, rid)
+    assert rec["status"] == "aborted", rec
+
+
+async def _true(value: object) -> bool:
+    return bool(value)
