@@ -6,7 +6,7 @@ bench/results/profile/summary.md (inclusive and self shares of the samples).
     .venv/bin/pip install py-spy        # a profiler, not a project dependency
     .venv/bin/python bench/profile.py --seconds 12 --clients 16 [--stream]
 
-The raw py-spy stacks go beside the summary (``<process>.txt``, collapsed stacks:
+The raw py-spy stacks go beside the summary (``<process>.txt.gz``, collapsed stacks:
 ``frame;frame;... count``), so a flame graph can be drawn from them later.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gzip
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def frame_name(frame: str) -> str:
 Shares = list[tuple[float, str]]
 
 
-def summarize(raw: Path, top: int = 25) -> tuple[int, Shares, Shares]:
+def summarize(raw: Path, top: int = 50) -> tuple[int, Shares, Shares]:
     """(samples, inclusive shares, self shares) of one py-spy raw file."""
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
@@ -136,6 +137,10 @@ def main() -> int:
         lines += ["", "| self | function |", "| ---: | --- |"]
         lines += [f"| {pct:.1f}% | `{fn}` |" for pct, fn in own[:15]]
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    for name in procs:  # the raw stacks, compressed (a megabyte a process)
+        raw = args.out / f"{name}.txt"
+        (args.out / f"{name}.txt.gz").write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
     print(args.out / "summary.md")
     return 0
 
