@@ -394,33 +394,3 @@ def test_on_uvloop(scenario: Callable[[Start], Awaitable[None]]) -> None:
 
 async def _async(value: object) -> object:
     return value
-
-
-def delta(text: str) -> bytes:
-    return b'data: {"choices":[{"delta":{"content":"%s"}}]}\n\n' % text.encode()
-
-
-async def test_adapter_merges_text_deltas_that_came_in_one_read(start: Start) -> None:
-    stop = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
-    second_part = asyncio.Event()
-
-    async def respond(_s: Seen, _r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
-        # Three deltas in one write, then (after the reader has taken them) two more.
-        w.write(SSE_HEAD + chunk(delta("a") + delta("b") + delta("c")))
-        await w.drain()
-        await second_part.wait()
-        w.write(chunk(delta("d")) + chunk(delta("e") + stop) + b"0\r\n\r\n")
-        await w.drain()
-        return True
-
-    _srv, client = await start(respond)
-    async with OpenAIAdapter(f"http://127.0.0.1:{client._port}/base") as adapter:
-        events = adapter.generate("chat", {"model": "m", "messages": []}, "r", {})
-        first = await anext(events)
-        second_part.set()  # what follows had to wait for the network: not merged into it
-        rest = [e async for e in events]
-    assert first == Delta("abc")
-    assert [e for e in rest if isinstance(e, Delta)][-1] == Delta("", None, "stop")
-    text = "".join(e.text for e in rest if isinstance(e, Delta))
-    assert text == "de"  # "d" alone or with "e": either way in order, none lost
-    assert isinstance(rest[-1], Done)

@@ -234,12 +234,6 @@ class SSEData:
     def __aiter__(self) -> SSEData:
         return self
 
-    def ready(self) -> bool:
-        """A whole next ``data:`` line is here already (the engine wrote faster
-        than we read): the next payload needs no wait on the network."""
-        at = self._buf.find(b"data:", self._pos)
-        return at >= 0 and self._buf.find(b"\n", at) >= 0
-
     async def __anext__(self) -> bytes:
         buf, pos = self._buf, self._pos
         while True:

@@ -18,7 +18,7 @@ import msgspec
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
-from workers.engines.lean_http import LeanClient, SSEData
+from workers.engines.lean_http import LeanClient
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
@@ -142,7 +142,7 @@ class OpenAIAdapter(EngineAdapter):
         if self._lean is not None:
             async with (
                 self._lean.stream(_PATHS[op], content, hdrs) as lean,
-                contextlib.aclosing(self._merged(lean.sse_data())) as events,
+                contextlib.aclosing(self._events(lean.sse_data())) as events,
             ):
                 async for event in events:
                     yield event
@@ -154,25 +154,6 @@ class OpenAIAdapter(EngineAdapter):
             contextlib.aclosing(self._events(payloads)) as events,
         ):
             async for event in events:
-                yield event
-
-    async def _merged(self, payloads: SSEData) -> AsyncGenerator[Delta | Done, None]:
-        """:meth:`_events`, with text deltas that came in one read of the engine's
-        stream merged into one: one frame, one NATS message, one relay step, where
-        the engine wrote faster than the worker reads (tokens under a read's time
-        apart); a delta that has to wait for the network goes out alone, at once."""
-        text: list[str] = []
-        async with contextlib.aclosing(self._events(payloads)) as events:
-            async for event in events:
-                if isinstance(event, Delta) and not (event.tool_calls or event.finish_reason):
-                    text.append(event.text)
-                    if payloads.ready():
-                        continue
-                    event = Delta("".join(text))
-                    text.clear()
-                elif text:
-                    yield Delta("".join(text))
-                    text.clear()
                 yield event
 
     async def _events(
