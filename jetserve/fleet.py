@@ -236,6 +236,16 @@ class Fleet:
     def admin(self) -> AdminClient:
         return AdminClient(self.admin_url, self.admin_token)
 
+    def log_tails(self, lines: int) -> list[tuple[str, str]]:
+        """(process name, its log's last ``lines`` lines), for every process log."""
+        out = []
+        for log in sorted(self.workdir.glob("*.log")):
+            with log.open("rb") as fh:
+                fh.seek(max(0, log.stat().st_size - 200 * lines))
+                text = fh.read().decode(errors="replace")
+            out.append((log.stem, "\n".join(text.splitlines()[-lines:])))
+        return out
+
     # -- lifecycle ---------------------------------------------------------
     def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         cmd = [sys.executable, "-m", "jetserve", "--log-level", self.spec.log_level, *args]

@@ -12,8 +12,16 @@ Strays: a pull request outlives a cancelled fetch until it expires at the
 server, and a message it hands over meanwhile would sit unseen until its
 ack_wait ran out. So a pull is waited for until the server says it ended (its
 batch, or the expiry note), not until a client-side timer fires first; and on
-shutdown each source listens until its last pull has expired and hands back
-(naks) what arrives, so another consumer starts it now.
+shutdown each source takes its interest off the pull's reply subject (the
+server drops a waiting pull with no interest instead of delivering to it),
+flushes, and hands back (naks) what the server sent before, so another
+consumer starts it now. Only when that round trip fails does it listen until
+its last pull has expired.
+
+Idle cost: an empty queue costs one pull per expiry. While the owner is quiet
+(nothing in flight) and pulls keep coming back empty, each expiry doubles, up
+to ``idle_poll_s``; the first message, or any work in flight, brings it back
+to ``poll_s``. Most of an idle fleet's CPU was these pulls (issue 14).
 
 A source is anything with ``run()`` (pull and start messages until cancelled,
 or until its slots close) and ``hand_back()``: :class:`PullLoop` fetches from
@@ -32,7 +40,9 @@ from collections.abc import Callable, Coroutine
 from typing import Protocol
 
 import nats.errors
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from streams.tasks import stop_task
@@ -92,6 +102,31 @@ class Limit:
         self._room.set()
 
 
+def idle_expiry(
+    poll_s: float, idle_poll_s: float | None, empty: int, quiet: Callable[[], bool]
+) -> float:
+    """A pull's expiry after ``empty`` empty pulls in a row: ``poll_s``, doubled per
+    empty pull while ``quiet()``, up to ``idle_poll_s`` (None: never longer)."""
+    if idle_poll_s is None or empty <= 0 or not quiet():
+        return poll_s
+    return max(poll_s, min(idle_poll_s, poll_s * float(2 ** min(empty, 16))))
+
+
+async def stop_interest(nc: Client, sub: Subscription) -> bool:
+    """Tell the server to stop delivering to ``sub`` (UNSUB), and wait until what
+    it sent before has arrived (a PING round trip), keeping the subscription
+    open here so those messages can still be read. False when that failed."""
+    try:
+        # nats-py's own drain() does this, then waits for a callback to consume
+        # the queue, which a pull inbox read with next_msg does not have.
+        await nc._send_unsubscribe(sub._id)
+        await nc.flush(timeout=5)
+    except (nats.errors.Error, TimeoutError) as exc:
+        log.warning("could not withdraw a pull's interest (%r): waiting out its expiry", exc)
+        return False
+    return True
+
+
 class PullLoop:
     """Fetches from one pull subscription: up to ``batch`` messages a pull, as
     many as it holds slots for (one waited for, the rest free now). ``more``:
@@ -108,6 +143,8 @@ class PullLoop:
         poll_s: float = 1.0,
         more: int = 0,
         error_backoff_s: float = 0.5,
+        idle_poll_s: float | None = None,
+        quiet: Callable[[], bool] = lambda: True,
     ) -> None:
         self._sub = sub
         self._start = start
@@ -117,13 +154,21 @@ class PullLoop:
         self._more = more
         self._backoff = error_backoff_s
         self._pull_until = 0.0  # when the newest pull expires at the server
+        self._idle_poll = idle_poll_s
+        self._quiet = quiet
+        self._empty = 0  # pulls in a row that brought nothing
+
+    def expiry(self) -> float:
+        """The next pull's expiry (see the module docstring: idle cost)."""
+        return idle_expiry(self._poll, self._idle_poll, self._empty, self._quiet)
 
     async def run(self) -> None:
         while held := await self._take(self._batch, wait=True):
-            msgs = await self._fetch(held, self._poll)
+            msgs = await self._fetch(held, self.expiry())
             if msgs is None:
                 await asyncio.sleep(self._backoff)
                 continue
+            self._empty = 0 if msgs else self._empty + 1
             for msg in msgs:
                 self._start(msg)
             if msgs and self._more:
@@ -216,7 +261,9 @@ class PullLoop:
         """Nak what the last pull still delivers (and what arrived unfetched),
         then drop the subscription."""
         inbox = self._sub._sub  # the core subscription behind the pull (nats-py has no public one)
-        end = self._pull_until + _EXPIRY_MARGIN_S
+        end = time.monotonic()
+        if not await stop_interest(self._sub._nc, inbox):
+            end = self._pull_until + _EXPIRY_MARGIN_S  # unsure: listen until the pulls expire
         while (left := end - time.monotonic()) > 0 or inbox.pending_msgs:
             try:
                 msg = await inbox.next_msg(timeout=max(left, 0.001))

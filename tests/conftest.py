@@ -15,6 +15,10 @@ from jetserve.services import Service, start_nats, start_redis
 from tests.refusals import assert_no_refusals
 
 _DESELECTED = pytest.StashKey[dict[str, int]]()
+_FLEETS = pytest.StashKey[list[Fleet]]()
+# The last lines of each process's log attached to a failing test's report: a
+# fleet's processes log to files, and a flake in CI must explain itself.
+_LOG_TAIL_LINES = 60
 
 # Opt-in tiers: deselected unless ``-m`` names them (or their environment is
 # set), and said so in the summary, never skipped silently.
@@ -54,6 +58,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{tier} tier: {n} tests deselected ({_TIERS[tier][1]})")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report: pytest.TestReport = yield
+    if report.failed and call.when == "call":
+        module = item.getparent(pytest.Module)
+        fleets = [*item.stash.get(_FLEETS, []), *(module.stash.get(_FLEETS, []) if module else [])]
+        for i, f in enumerate(fleets):
+            for name, tail in f.log_tails(_LOG_TAIL_LINES):
+                report.sections.append((f"fleet {i} {name}.log (last lines)", tail))
+    return report  # type: ignore[return-value]
+
+
 @pytest.fixture
 def nats_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Service]:
     """A nats-server with the generated authorization (every role, tenant "demo"):
@@ -80,6 +96,7 @@ def redis_server(tmp_path: Path) -> Iterator[Service]:
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     """One fleet shared by a module's read-only tests: fast simulator, 2 workers."""
     with Fleet(FleetSpec(workers=2, profile="fast")) as f:
+        request.node.stash[_FLEETS] = [f]
         yield f
     assert_no_refusals(request, f.violations())
 
@@ -88,6 +105,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 def make_fleet(request: pytest.FixtureRequest) -> Iterator[Callable[..., Fleet]]:
     """Fleets a test may break (kill workers, stop services): torn down after it."""
     made: list[Fleet] = []
+    request.node.stash[_FLEETS] = made
 
     def make(**kwargs: object) -> Fleet:
         f = Fleet(FleetSpec(**kwargs))  # type: ignore[arg-type]

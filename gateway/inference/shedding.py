@@ -88,24 +88,42 @@ class QueueWatch:
             await stop_task(self._task)
 
     async def _run(self) -> None:
+        glance = False  # an idle look: the stream's count first
         while True:
             self._poke.clear()  # before looking: a publish during the look looks again
-            for cls in self._topo.classes:
-                with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
-                    await self._poll(cls.value)
+            if not (glance and await self._stream_empty()):
+                for cls in self._topo.classes:
+                    with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
+                        await self._poll(cls.value)
+            glance = False
             # A publish may not have landed when we looked: busy for a while after one.
             recent = time.monotonic() - self._published_at < 2 * self._every
             if recent or any(load.depth or load.ack_pending for load in self.loads.values()):
                 await asyncio.sleep(self._every)
                 continue
             # Idle: each look costs a consumer_info per consumer (17 a laned class),
-            # so look seldom, and again at once when this gateway publishes.
-            with contextlib.suppress(TimeoutError):
+            # so look seldom (a glance at the stream first), and again at once
+            # when this gateway publishes.
+            try:
                 async with asyncio.timeout(self._idle_every):
                     await self._poke.wait()
-                # Woken by a publish (counted as it was let in, before it lands):
-                # look a beat later, when the burst it began is in the queue.
-                await asyncio.sleep(self._every)
+            except TimeoutError:
+                # Nothing published here; another gateway may have. One
+                # stream_info says whether anything is queued or in flight at all.
+                glance = True
+                continue
+            # Woken by a publish (counted as it was let in, before it lands):
+            # look a beat later, when the burst it began is in the queue.
+            await asyncio.sleep(self._every)
+
+    async def _stream_empty(self) -> bool:
+        """The work queue holds no message (none waiting, none unacked): every
+        class's numbers are zero as they stand. False when it cannot be read."""
+        try:
+            info = await self._js.stream_info(self._topo.stream)
+        except (nats.errors.Error, TimeoutError, APIError):
+            return False
+        return not info.state.messages
 
     async def _poll(self, cls: str) -> None:
         depth = acking = delivered = 0

@@ -7,6 +7,7 @@ jetserve bench plan --results bench/out/.../results.json --peak-rate 40
 jetserve bench report --results bench/out/.../results.json   (re-render md and plots)
 jetserve bench fleet --scenario affinity,failover   (the fleet-routing scenarios)
 jetserve bench capacity --concurrency 4,16,32   (closed loop: max req/s, CPU per request)
+jetserve bench idle --duration 30   (what an idle fleet costs, per process)
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from jetserve.bench.capacity import add_arguments as add_capacity_arguments
 from jetserve.bench.capacity import cmd_capacity
 from jetserve.bench.commands import cmd_fleet, cmd_plan, cmd_report, cmd_run
 from jetserve.bench.dists import parse_dist
+from jetserve.bench.idle import add_arguments as add_idle_arguments
+from jetserve.bench.idle import cmd_idle
 from jetserve.bench.metrics import DEFAULT_MAX_LAG
 from jetserve.bench.targets import parse_header, parse_target
 from jetserve.bench.units import parse_duration, parse_rates
 from jetserve.bench.workload import parse_class
 
-COMMANDS = ("run", "plan", "report", "fleet", "capacity")
+COMMANDS = ("run", "plan", "report", "fleet", "capacity", "idle")
 
 T = TypeVar("T")
 
@@ -85,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_capacity_arguments(cap)
+    idle = sub.add_parser(
+        "idle",
+        allow_abbrev=False,
+        help="an idle fleet's CPU, per process",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_idle_arguments(idle)
     rp = sub.add_parser("report", allow_abbrev=False, help="re-render markdown and plots")
     rp.add_argument("--results", required=True)
     rp.add_argument("--out", default=None, help="default: the results file's directory")
@@ -272,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_fleet(args)
         if args.command == "capacity":
             return cmd_capacity(args, args_list)
+        if args.command == "idle":
+            return cmd_idle(args, args_list)
         return cmd_run(args, parser, args_list)
     except ValueError as exc:
         print(f"jetserve bench: {exc}", file=sys.stderr)

@@ -123,3 +123,25 @@ async def test_cancel_mid_stream_aborts_in_the_engine(adapter: OpenAIAdapter, si
 
 async def _true(value: object) -> bool:
     return bool(value)
+
+
+async def test_the_engine_poll_reads_load_and_health_on_one_kept_alive_socket(
+    adapter: OpenAIAdapter, sim_url: str
+) -> None:
+    lean = adapter._lean
+    assert lean is not None
+    before = lean.connects
+    for _ in range(5):
+        load = await adapter.load()
+        assert load.num_gpu_blocks  # the simulator's vLLM metrics, parsed
+        assert await adapter.healthy()
+    assert lean.connects - before <= 1  # ten GETs, at most one new connection
+    # The same figures httpx reads.
+    async with OpenAIAdapter(sim_url, lean_streams=False) as plain:
+        assert (await plain.load()).num_gpu_blocks == load.num_gpu_blocks
+
+
+async def test_the_engine_poll_says_down_when_nothing_listens() -> None:
+    async with OpenAIAdapter(f"http://127.0.0.1:{free_port()}") as gone:
+        assert not await gone.healthy()
+        assert (await gone.load()).num_gpu_blocks is None

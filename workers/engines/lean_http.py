@@ -1,6 +1,8 @@
-"""A lean HTTP/1.1 client for the one hot path: streaming a chat or completion
+"""A lean HTTP/1.1 client for the hot paths: streaming a chat or completion
 from an engine over plain ``http://`` (issue 14: httpx's send path was ~26% of
-a worker's CPU). Everything else (TLS, embeddings, probes) stays on httpx.
+a worker's CPU), and the load scrape and health probe a worker sends its engine
+every half second (through httpx they were most of an idle worker's CPU).
+Everything else (TLS, embeddings) stays on httpx.
 
 One pool per client, i.e. per engine (host, port): at most ``max_connections``
 sockets, idle ones reused last-in first-out (the warmest). A stream that ends
@@ -19,9 +21,9 @@ from collections.abc import Mapping
 from types import TracebackType
 from urllib.parse import urlsplit
 
-from workers.engines.http import StatusCheck, raise_for_status
+from workers.engines.http import PROBE_TIMEOUT_S, StatusCheck, raise_for_status
 from workers.engines.lean_conn import Conn, Stale
-from workers.errors import EngineRejected, EngineUnavailable
+from workers.errors import EngineError, EngineRejected, EngineUnavailable
 
 POOL_TIMEOUT_S = 30.0  # as engine_client's pool timeout
 _END = b"[DONE]"  # the OpenAI stream's last event
@@ -65,6 +67,13 @@ class LeanClient:
         error status goes through ``check`` (with the whole error body)."""
         return Exchange(self, self._request(path, body, headers), check)
 
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """GET ``path``: (status, whole body), any status; EngineUnavailable
+        when unreachable. The caller bounds the time (``asyncio.timeout``)."""
+        exchange = Exchange(self, self._request(path, b"", {}, "GET"), _any_status)
+        async with exchange as response:
+            return response.status, await response.read()
+
     async def aclose(self) -> None:
         self._closed = True
         for conn in list(self._all):
@@ -72,13 +81,15 @@ class LeanClient:
         self._idle.clear()
         await asyncio.sleep(0)  # let the transports finish closing
 
-    def _request(self, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+    def _request(
+        self, path: str, body: bytes, headers: Mapping[str, str], method: str = "POST"
+    ) -> bytes:
         fields = self._defaults
         if headers:
             fields = dict(fields)
             for name, value in headers.items():
                 fields[name.lower()] = (name, value)
-        lines = [f"POST {self._prefix}{path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n"]
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n"]
         for name, value in fields.values():
             if "\n" in name or "\r" in name or "\n" in value or "\r" in value:
                 raise EngineRejected(f"header {name!r} holds a line break")
@@ -136,6 +147,10 @@ class LeanClient:
             conn.idle = False
             if conn in self._idle:
                 self._idle.remove(conn)
+
+
+def _any_status(status: int, body: bytes) -> None:
+    """A check that lets every status through (the caller reads it)."""
 
 
 class Exchange:
@@ -263,3 +278,23 @@ class SSEData:
                 self._response.ended = True
                 raise StopAsyncIteration
             return payload
+
+
+async def lean_probe(client: LeanClient, path: str) -> bool:
+    """``probe`` on the lean client (plain http://)."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            status, _ = await client.get(path)
+    except (EngineError, TimeoutError):
+        return False
+    return status == 200
+
+
+async def lean_scrape(client: LeanClient, path: str) -> str | None:
+    """``scrape`` on the lean client (plain http://)."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            status, body = await client.get(path)
+    except (EngineError, TimeoutError):
+        return None
+    return body.decode(errors="replace") if status == 200 else None

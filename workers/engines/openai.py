@@ -18,7 +18,7 @@ import msgspec
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
-from workers.engines.lean_http import LeanClient
+from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
@@ -230,8 +230,13 @@ class OpenAIAdapter(EngineAdapter):
         return None if any(c is None for c in counts) else [c for c in counts if c is not None]
 
     async def healthy(self) -> bool:
+        if self._lean is not None:
+            return await lean_probe(self._lean, "/health")
         return await probe(self._client, "/health")
 
     async def load(self) -> EngineLoad:
-        text = await scrape(self._client, "/metrics")
+        if self._lean is not None:
+            text = await lean_scrape(self._lean, "/metrics")
+        else:
+            text = await scrape(self._client, "/metrics")
         return EngineLoad() if text is None else parse_vllm_metrics(text)

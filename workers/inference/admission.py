@@ -40,6 +40,7 @@ class Admission:
         self.num_gpu_blocks = cfg.num_gpu_blocks
         self.block_size = cfg.block_size
         self.held = 0  # slots held: polling fetchers and in-flight requests
+        self.waiters = 0  # pull loops and held messages waiting for room now
         self.reserved_blocks = 0
         self.engine = EngineLoad()
         self._cond = asyncio.Condition()
@@ -82,11 +83,20 @@ class Admission:
                     self.held += 1
                     return True
                 # Wake periodically: starvation is a function of time, not events.
-                # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.cfg.starve_after / 4):
-                        await self._cond.wait()
+                await self._wait()
             return False
+
+    async def _wait(self) -> None:
+        """One wait for a change (or a quarter of ``starve_after``), counted in
+        ``waiters``; the condition's lock is held."""
+        self.waiters += 1
+        try:
+            # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.starve_after / 4):
+                    await self._cond.wait()
+        finally:
+            self.waiters -= 1
 
     def try_acquire(self, rank: int) -> bool:
         """A slot now or never (a message already in hand: the lane puller)."""
@@ -104,10 +114,7 @@ class Admission:
                 need = 1 if rank == 0 else 1 + self.cfg.reserve
                 if self.free_slots() >= need:
                     return True
-                # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.cfg.starve_after / 4):
-                        await self._cond.wait()
+                await self._wait()
             return False
 
     async def release(self, blocks: int = 0) -> None:

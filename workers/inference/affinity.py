@@ -44,6 +44,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from streams.consumer import idle_expiry, stop_interest
 from streams.definitions import PRIORITY_GROUP, Topology
 from streams.subjects import RequestClass
 from streams.tasks import stop_task
@@ -162,6 +163,8 @@ class LanePuller:
         start: Callable[[Msg], None],
         poll_s: float,
         count: Callable[[str], None] = lambda event: None,
+        idle_poll_s: float | None = None,
+        quiet: Callable[[], bool] = lambda: True,
     ) -> None:
         self._nc = nc
         self._topo = topology
@@ -176,6 +179,12 @@ class LanePuller:
         self._live_until = [0.0] * topology.lanes
         self._current = [0] * topology.lanes  # the newest pull per lane (reply token)
         self._left = [0] * topology.lanes  # messages the newest pull may still bring
+        # Idle cost (streams/consumer.py): a lane's pulls that keep coming back
+        # empty while the worker is quiet get longer, up to idle_poll_s.
+        self._idle_poll = idle_poll_s
+        self._quiet = quiet
+        self._empty = [0] * topology.lanes  # pulls in a row that brought nothing
+        self._brought = [True] * topology.lanes  # the newest pull delivered something
         self._wake = asyncio.Event()
         self._sub: Subscription | None = None
         membership.changed.append(self._reprioritize)
@@ -210,8 +219,17 @@ class LanePuller:
             return
         if self._held:  # admission is closed: each hands its message back
             await asyncio.wait(set(self._held))
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
+        if await stop_interest(self._nc, self._sub):
+            # What the server sent before it saw the UNSUB is queued here: the
+            # callback takes each (and, admission closed, hands it back).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await self._sub._pending_queue.join()
+        else:
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
+        if self._held:
+            await asyncio.wait(set(self._held))
         with contextlib.suppress(nats.errors.Error):
             await self._sub.unsubscribe()
 
@@ -219,6 +237,7 @@ class LanePuller:
         """Ranks moved: pull every lane again at the new priority (the old pulls
         expire within ``poll_s``; until then the lane may go to either)."""
         self._live_until = [0.0] * len(self._live_until)
+        self._empty = [0] * len(self._empty)
         self._wake.set()
 
     def _pull_done(self, lane: int) -> None:
@@ -233,9 +252,12 @@ class LanePuller:
         # come together), as many as it has slots for; the others take one.
         batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if priority == 0 else 1
         self._left[lane] = batch
+        self._empty[lane] = 0 if self._brought[lane] else self._empty[lane] + 1
+        self._brought[lane] = False
+        expiry = idle_expiry(self._poll, self._idle_poll, self._empty[lane], self._quiet)
         request = {
             "batch": batch,
-            "expires": int(self._poll * 1e9),
+            "expires": int(expiry * 1e9),
             "group": PRIORITY_GROUP,
             "priority": priority,
         }
@@ -248,7 +270,7 @@ class LanePuller:
         # Marked live before the publish: its answer can arrive (and mark the
         # lane done) before the publish returns. A little before the server's
         # own expiry, so a new pull overlaps the old.
-        self._live_until[lane] = now + self._poll * 0.9
+        self._live_until[lane] = now + expiry * 0.9
         try:
             await self._nc.publish(subject, json.dumps(request).encode(), reply=reply)
             self._count("pull")
@@ -271,6 +293,7 @@ class LanePuller:
         else:
             lane = int(msg.subject.rsplit(".", 1)[-1].lstrip("l"))
         self._left[lane] -= 1
+        self._brought[lane] = True
         if self._left[lane] <= 0:
             self._pull_done(lane)
         if self._admission.try_acquire(self._rank):

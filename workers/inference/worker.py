@@ -38,7 +38,7 @@ from streams.subjects import RequestClass, class_of
 from streams.tasks import stop_task
 from streams.tracing import Tracer
 from streams.wire import InferenceRequest, Usage, decode_request
-from workers.engines.base import Delta, EngineAdapter, closing
+from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.inference.admission import Admission, AdmissionConfig
 from workers.inference.affinity import LanePuller, Membership
@@ -70,7 +70,14 @@ class WorkerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     heartbeat_s: float = 1.0
     poll_s: float = 1.0  # long-poll expiry of one pull request
+    # Up to how long pulls grow while the worker is quiet and its queues stay
+    # empty (streams/consumer.py, idle cost); a lower class, whose polling pull
+    # holds a slot, grows to a quarter of it (as its poll_s is a quarter).
+    idle_poll_s: float = 8.0
     load_poll_s: float = 0.5  # how often to read the engine's own metrics
+    # How often to probe the engine's /health while it is up (every load poll
+    # while it is down): readiness may lag this long, admission never does.
+    health_poll_s: float = 2.0
     drain_timeout_s: float = 30.0
     retry_backoff_s: float = 0.2
     topology: Topology = DEFAULT_TOPOLOGY
@@ -104,6 +111,7 @@ class Worker:
         )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
+        self._health_due = 0.0  # loop time of the next /health probe
         self._deployment = cfg.deployment.name if cfg.deployment else ""
         self.lanes: list[LanePuller] = []
         self._cancels: CancelWatch | None = None
@@ -134,9 +142,18 @@ class Worker:
                 # (workers/inference/batching.py).
                 more = cfg.embed_batch_max - 1 if cls is RequestClass.EMBED else 0
                 poll = cfg.poll_s if rank == 0 else cfg.poll_s / 4
+                idle = cfg.idle_poll_s if rank == 0 else cfg.idle_poll_s / 4
                 slots = self.admission.slots(rank)
                 self.consumer.add(
-                    PullLoop(sub, self.consumer.start, slots=slots, poll_s=poll, more=more)
+                    PullLoop(
+                        sub,
+                        self.consumer.start,
+                        slots=slots,
+                        poll_s=poll,
+                        more=more,
+                        idle_poll_s=idle,
+                        quiet=self._quiet,
+                    )
                 )
             members = Membership(js, cfg.worker_id, topo.replicas)
             await members.start()
@@ -151,6 +168,8 @@ class Worker:
                     self.consumer.start,
                     cfg.poll_s,
                     lambda event: self.metrics.lane_events.labels(event).inc(),
+                    idle_poll_s=cfg.idle_poll_s,
+                    quiet=self._quiet,
                 )
                 for rank, cls in enumerate(cfg.classes)
                 if cls in topo.lane_classes
@@ -188,6 +207,12 @@ class Worker:
     async def shutdown(self) -> None:
         self._stop.set()
 
+    def _quiet(self) -> bool:
+        """Nothing in flight and nothing waiting for a slot: empty queues may be
+        polled less often (a polling pull holds a slot: with few slots, a long
+        one would keep a waiting class out)."""
+        return self.consumer.inflight == 0 and self.admission.waiters == 0
+
     def probe(self, host: str, port: int) -> ProbeServer:
         """/metrics, /healthz and /readyz (NATS connected, engine healthy)."""
 
@@ -204,7 +229,11 @@ class Worker:
     async def _observe_engine(self) -> None:
         load = await self.engine.load()
         await self.admission.observe(load)
-        self.engine_up = await self.engine.healthy()
+        now = asyncio.get_running_loop().time()
+        # A load that says nothing (the scrape failed) is a reason to look now.
+        if not self.engine_up or now >= self._health_due or load == EngineLoad():
+            self.engine_up = await self.engine.healthy()
+            self._health_due = now + self.cfg.health_poll_s
         m = self.metrics
         m.engine_up.set(1 if self.engine_up else 0)
         m.engine_waiting.set(load.waiting or 0)
