@@ -4,7 +4,7 @@ whole fleets (simulator, gateway, workers) as real processes."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,15 +59,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    report: pytest.TestReport = yield
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     if report.failed and call.when == "call":
         module = item.getparent(pytest.Module)
         fleets = [*item.stash.get(_FLEETS, []), *(module.stash.get(_FLEETS, []) if module else [])]
         for i, f in enumerate(fleets):
             for name, tail in f.log_tails(_LOG_TAIL_LINES):
                 report.sections.append((f"fleet {i} {name}.log (last lines)", tail))
-    return report  # type: ignore[return-value]
+    return report
 
 
 @pytest.fixture
