@@ -53,6 +53,9 @@ class GatewayConfig:
     # after this long from the claim (its gateway died in between).
     idempotency_takeover_s: float = 5.0
     default_max_tokens: int = 512  # worst case for admission when the body sets none
+    # model -> max_model_len, for models whose route contract names none: prompt +
+    # max_tokens past it is refused with 400 before any hold (unknown: no check).
+    context_lengths: dict[str, int] = field(default_factory=dict)
     # Engine-facing request headers passed through to workers (route policy).
     # Off by default; ``jetserve up`` and the tests allow the simulator's ``x-sim-``.
     forward_header_prefixes: tuple[str, ...] = ()

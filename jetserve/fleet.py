@@ -236,6 +236,25 @@ class Fleet:
     def admin(self) -> AdminClient:
         return AdminClient(self.admin_url, self.admin_token)
 
+    def _context_args(self) -> list[str]:
+        """The simulator's max_model_len, told to the gateway, which refuses what
+        cannot fit (a real engine's is for whoever runs it to set, or its route's)."""
+        if self.spec.engine_url is not None:
+            return []
+        n: int | None = None
+        args = self.spec.sim_args
+        for i, arg in enumerate(args):
+            if arg == "--max-model-len" and i + 1 < len(args):
+                n = int(args[i + 1])
+            elif arg.startswith("--max-model-len="):
+                n = int(arg.partition("=")[2])
+        if n is None:
+            from sim.profiles import PROFILES
+
+            profile = PROFILES.get(self.spec.profile)
+            n = profile.max_model_len if profile else None
+        return ["--context-length", f"{self.spec.model}={n}"] if n else []
+
     def log_tails(self, lines: int) -> list[tuple[str, str]]:
         """(process name, its log's last ``lines`` lines), for every process log."""
         out = []
@@ -350,6 +369,7 @@ class Fleet:
             self.spec.model,
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
+            *self._context_args(),
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,

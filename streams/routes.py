@@ -49,6 +49,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_policy: Term = "prefix-cache"
     batching: Term = "continuous"
     hardware: Term = "unspecified"
+    # The engine's max_model_len (prompt + output tokens). Set: the gateway
+    # refuses (400 context_length_exceeded) what cannot fit, before any hold.
+    context_length: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -155,8 +158,12 @@ def fingerprint(dep: Deployment, contract: RouteContract) -> str:
     """sha256 (first 16 hex digits) of the canonical JSON of every deployment
     term plus the route policy terms. Equal inputs give equal output across
     processes; any changed term gives a different one."""
+    deployment = msgspec.to_builtins(dep)
+    if deployment.get("context_length") is None:
+        # Added later: a contract without it keeps the fingerprint it had.
+        deployment.pop("context_length", None)
     terms: dict[str, Any] = {
-        "deployment": msgspec.to_builtins(dep),
+        "deployment": deployment,
         "policy": {k: msgspec.to_builtins(getattr(contract, k)) for k in _POLICY_TERMS},
     }
     canonical = msgspec.json.encode(terms, order="sorted")

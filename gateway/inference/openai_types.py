@@ -188,6 +188,19 @@ def estimate_prompt_tokens(req: Parsed) -> int:
     return text // 4 + ids + 8 * messages + 1
 
 
+# Bytes per token, at most, over a whole prompt: real tokenizers average 3-5 on
+# text; 16 leaves room for code and long whitespace runs.
+MAX_BYTES_PER_TOKEN = 16
+
+
+def floor_prompt_tokens(req: Parsed) -> int:
+    """A lower bound for the context check: token ids count as they are, text at
+    no fewer than one token per ``MAX_BYTES_PER_TOKEN`` bytes, no template. A
+    request refused on it would not fit whatever the tokenizer."""
+    text, ids, _ = _prompt_units(req)
+    return text // MAX_BYTES_PER_TOKEN + ids
+
+
 def bound_prompt_tokens(req: Parsed) -> int:
     """An upper bound for budget holds: a token covers at least one byte of text
     (byte-level BPE), plus a generous allowance per message for the chat template.

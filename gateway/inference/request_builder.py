@@ -20,6 +20,7 @@ from gateway.inference.openai_types import (
     Parsed,
     ParsedType,
     estimate_prompt_tokens,
+    floor_prompt_tokens,
 )
 from gateway.inference.route_table import RouteTable
 from gateway.tenancy.keys import KeyRecord
@@ -61,6 +62,7 @@ def build_request(
     key.scopes.check(model=parsed.model, cls=cls.value, tools=tools, data_class=data_class)
     timeout = _timeout(cfg, route, headers)
     max_tokens, body = _bounded(cfg, parsed, body)
+    _check_context(cfg, route, parsed, max_tokens)
     forwarded = {
         k: v
         for k, v in headers.items()
@@ -130,6 +132,45 @@ def _bounded(
         max_tokens = cfg.default_max_tokens if isinstance(parsed, ChatRequest) else 16
         body = {**body, "max_tokens": max_tokens}
     return max_tokens, body
+
+
+def context_length(cfg: GatewayConfig, route: RouteRecord | None, model: str) -> int | None:
+    """The context a request of ``model`` must fit: the smallest of its route's
+    candidates that name one (a fallback may land on any), else the gateway's
+    setting for the model; None when unknown."""
+    if route is not None:
+        named = [d.context_length for d in route.contract.candidates if d.context_length]
+        if named:
+            return min(named)
+    return cfg.context_lengths.get(model)
+
+
+def _check_context(
+    cfg: GatewayConfig, route: RouteRecord | None, parsed: Parsed, max_tokens: int
+) -> None:
+    """As vLLM checks, before any hold or publish: prompt + max_tokens within the
+    model's context. The prompt counts at its lower bound (no tokenizer here), so
+    what is refused cannot fit; a closer call is the engine's (its 400 comes back)."""
+    if not max_tokens:
+        return  # embeddings: the engine truncates or refuses
+    limit = context_length(cfg, route, parsed.model)
+    if limit is None:
+        return
+    prompt = floor_prompt_tokens(parsed)
+    if prompt + max_tokens <= limit:
+        return
+    param = "max_completion_tokens" if _asked_completion_tokens(parsed) else "max_tokens"
+    raise BadRequest(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{max_tokens} tokens for the completion and the prompt has at least {prompt} "
+        f"({prompt + max_tokens} in all). Reduce the prompt or the completion length.",
+        code="context_length_exceeded",
+        param=param,
+    )
+
+
+def _asked_completion_tokens(parsed: Parsed) -> bool:
+    return isinstance(parsed, ChatRequest) and bool(parsed.max_completion_tokens)
 
 
 def _route_fields(route: RouteRecord | None) -> dict[str, Any]:

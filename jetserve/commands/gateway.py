@@ -152,7 +152,23 @@ def _admin_and_pricing(g: argparse.ArgumentParser) -> None:
     g.add_argument("--price-version", default="v1")
 
 
+def _context_length(text: str) -> tuple[str, int]:
+    model, sep, tokens = text.rpartition("=")
+    if not sep or not model or not tokens.isdigit() or int(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"--context-length wants MODEL=TOKENS, got {text!r}")
+    return model, int(tokens)
+
+
 def _routing(g: argparse.ArgumentParser) -> None:
+    g.add_argument(
+        "--context-length",
+        action="append",
+        default=[],
+        type=_context_length,
+        metavar="MODEL=TOKENS",
+        help="a model's max_model_len (prompt + output) where no route contract names one: "
+        "past it, 400 context_length_exceeded before any hold; repeatable",
+    )
     g.add_argument("--coalesce", action="store_true", help="share identical T=0 requests")
     g.add_argument(
         "--routing",
@@ -248,6 +264,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         redis_password=redis_password(args, "gateway"),
         models=split_csv(args.models),
         embedding_models=split_csv(args.embedding_models),
+        context_lengths=dict(args.context_length),
         default_timeout_s=args.timeout,
         forward_header_prefixes=split_csv(args.forward_header_prefix),
         heartbeat_timeout_s=args.heartbeat_timeout,

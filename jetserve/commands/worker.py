@@ -42,6 +42,13 @@ def register(sub: Subparsers) -> None:
     w.add_argument("--replicas", type=int, default=1, help=REPLICAS_HELP)
     w.add_argument("--classes", default="interactive,agent,embed,batch", help="in priority order")
     w.add_argument("--max-inflight", type=int, default=16, help="the engine's max_num_seqs")
+    w.add_argument(
+        "--lower-share",
+        type=float,
+        default=0.125,
+        help="slots the lower classes keep under contention, as a share of --max-inflight "
+        "(at least one): batch progresses, interactive comes first (docs/routing.md)",
+    )
     w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")
     w.add_argument("--heartbeat", type=float, default=1.0)
     w.add_argument("--worker-id", default="")
@@ -77,7 +84,11 @@ async def _run(args: argparse.Namespace) -> int:
         nats_url=args.nats,
         nats_auth=bus_auth(args, Role.WORKER),
         classes=tuple(RequestClass(c) for c in split_csv(args.classes)),
-        admission=AdmissionConfig(max_inflight=args.max_inflight, target_util=args.target_util),
+        admission=AdmissionConfig(
+            max_inflight=args.max_inflight,
+            target_util=args.target_util,
+            lower_share=args.lower_share,
+        ),
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.grace,
         otel_exporter=args.otel_exporter,

@@ -150,3 +150,27 @@ def test_embeddings_float_and_base64_agree(fleet: Fleet) -> None:
     as_float = c.embeddings.create(model="sim-embed", input="x", encoding_format="float")
     as_default = c.embeddings.create(model="sim-embed", input="x")  # the SDK asks for base64
     assert as_default.data[0].embedding == pytest.approx(as_float.data[0].embedding, rel=1e-6)
+
+
+def test_max_tokens_past_the_context_is_refused_at_the_gateway(fleet: Fleet) -> None:
+    """As vLLM refuses it, but before any hold or publish: the engine never sees it."""
+    body = {"model": "sim-8b", "messages": MESSAGES, "max_tokens": 9000}  # context: 8192
+    before = httpx.get(f"{fleet.sim_url}/sim/stats", timeout=10).json()["requests"]
+    r = httpx.post(
+        f"{fleet.base_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {fleet.api_key}"},
+        timeout=10,
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert err["param"] == "max_tokens"
+    assert "maximum context length is 8192 tokens" in err["message"]
+    assert httpx.get(f"{fleet.sim_url}/sim/stats", timeout=10).json()["requests"] == before
+    # The engine itself agrees: the same body straight to it is a 400 too.
+    direct = httpx.post(f"{fleet.sim_url}/v1/chat/completions", json=body, timeout=10)
+    assert direct.status_code == 400
+    # And one that fits still runs.
+    ok = client(fleet).chat.completions.create(model="sim-8b", messages=MESSAGES, max_tokens=8)
+    assert ok.choices[0].message.content

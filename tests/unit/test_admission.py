@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
+from tests.waits import until
 from workers.engines.base import EngineLoad
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.inference.admission import Admission, AdmissionConfig
@@ -29,6 +31,47 @@ async def test_kv_blocks_limit_slots() -> None:
     assert adm.free_slots() == 10  # 100 blocks / 10 blocks per typical request
     await adm.reserve_blocks(16 * 50)
     assert adm.free_slots() == 5
+
+
+async def test_a_pulled_request_reserves_its_own_blocks_and_waits_its_turn() -> None:
+    cfg = AdmissionConfig(max_inflight=64, num_gpu_blocks=100, block_size=16, target_util=1.0)
+    adm = Admission(cfg)
+    small = await adm.reserve_blocks(16 * 60)  # 60 blocks in flight
+    assert small == 60
+    # 50 more blocks do not fit (110 > 100): the big one waits, and nothing more
+    # is pulled meanwhile.
+    assert not adm.fits_now(16 * 50)
+    big = asyncio.create_task(adm.reserve_blocks(16 * 50))
+    await asyncio.sleep(0)
+    assert not big.done()
+    assert adm.free_slots() == 0
+    # A small one that would fit does not overtake it: arrival order.
+    assert not adm.fits_now(16)
+    later = asyncio.create_task(adm.reserve_blocks(16))
+    await asyncio.sleep(0)
+    assert not later.done()
+    await adm.release(small)  # the 60 free: the big one first, then the small one
+    assert await asyncio.wait_for(big, 1) == 50
+    assert await asyncio.wait_for(later, 1) == 1
+    assert adm.reserved_blocks == 51
+
+
+async def test_a_request_larger_than_the_budget_runs_alone() -> None:
+    adm = Admission(AdmissionConfig(num_gpu_blocks=100, block_size=16, target_util=0.9))
+    assert adm.fits_now(16 * 500)  # nothing reserved: it runs, the engine copes
+    assert await adm.reserve_blocks(16 * 500) == 500
+    assert not adm.fits_now(16)  # and nothing joins it
+
+
+async def test_a_cancelled_wait_for_blocks_reserves_nothing() -> None:
+    adm = Admission(AdmissionConfig(num_gpu_blocks=10, block_size=16, target_util=1.0))
+    held = await adm.reserve_blocks(16 * 8)
+    waiting = asyncio.create_task(adm.reserve_blocks(16 * 5))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert adm.reserved_blocks == held
+    assert adm.fits_now(16 * 2)  # the queue is empty again
 
 
 async def test_engine_queue_stops_pulling() -> None:
@@ -62,3 +105,51 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="4096",model_name="m"} 1.0
     load = parse_vllm_metrics(text)
     assert (load.waiting, load.running, load.kv_usage) == (2.0, 5.0, 0.25)
     assert (load.num_gpu_blocks, load.block_size) == (4096, 16)
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    """Until ``cond`` holds (the waits poll on their own timer: a condition, not a sleep)."""
+
+    async def check() -> bool:
+        return cond()
+
+    await until(check, "the admission state")
+
+
+async def test_interactive_first_and_batch_kept_to_its_floor_when_starved() -> None:
+    cfg = AdmissionConfig(max_inflight=4, reserve=1, lower_share=0.25, starve_after=0.2)
+    adm = Admission(cfg)
+    assert adm.lower_floor() == 1
+    for _ in range(4):
+        assert await adm.acquire(0)  # interactive holds every slot
+    batch = asyncio.create_task(adm.acquire(3))
+    more = asyncio.create_task(adm.acquire(0))  # and wants more
+    await _until(lambda: adm.starved_lower == 1 and adm.top_waiters == 1)
+    # A slot frees: the starved batch puller is below its floor, so it gets it,
+    # even though interactive is waiting (batch always progresses).
+    await adm.release(rank=0)
+    await asyncio.wait_for(batch, 5)
+    assert adm.held_lower == 1
+    assert not more.done()
+    # Another frees: batch is at its floor now, so interactive comes first.
+    batch2 = asyncio.create_task(adm.acquire(3))
+    await _until(lambda: adm.starved_lower == 1)
+    await adm.release(rank=0)
+    await asyncio.wait_for(more, 5)
+    assert not batch2.done()
+    batch2.cancel()
+    await asyncio.gather(batch2, return_exceptions=True)
+    assert adm.starved_lower == 0
+
+
+async def test_batch_uses_idle_slots_but_not_past_an_interactive_waiter() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=4, reserve=1, starve_after=60))
+    for _ in range(3):
+        assert adm.try_acquire(3)  # nothing else wants them: batch may have them
+    assert not adm.try_acquire(3)  # the reserve stays free
+    assert adm.try_acquire(0)
+    waiter = asyncio.create_task(adm.acquire(0))
+    await _until(lambda: adm.top_waiters == 1)
+    await adm.release(rank=3)  # freed by batch: interactive's
+    await asyncio.wait_for(waiter, 5)
+    assert adm.held_lower == 2

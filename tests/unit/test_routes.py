@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ DEPLOYMENT_CHANGES: list[dict[str, Any]] = [
     {"kv_policy": "no-cache"},
     {"batching": "static"},
     {"hardware": "h100"},
+    {"context_length": 4096},
 ]
 POLICY_CHANGES: list[dict[str, Any]] = [
     {"deadline_s": 30.0},
@@ -166,6 +168,19 @@ def test_every_deployment_term_changes_the_fingerprint(change: dict[str, Any]) -
 def test_every_policy_term_changes_the_fingerprint(change: dict[str, Any]) -> None:
     changed = msgspec.structs.replace(BASE, **change)
     assert fingerprint(DEP, changed) != fingerprint(DEP, BASE)
+
+
+def test_a_contract_without_context_length_keeps_its_fingerprint() -> None:
+    # The field came later: leaving it out hashes exactly what was hashed before.
+    terms = {
+        "deployment": {k: v for k, v in msgspec.to_builtins(DEP).items() if k != "context_length"},
+        "policy": {
+            k: msgspec.to_builtins(getattr(BASE, k))
+            for k in ("deadline_s", "retry", "fallback", "hedge", "routing", "coalesce")
+        },
+    }
+    old = hashlib.sha256(msgspec.json.encode(terms, order="sorted")).hexdigest()[:16]
+    assert fingerprint(DEP, BASE) == old
 
 
 def test_fingerprints_per_candidate_and_record_round_trip() -> None:

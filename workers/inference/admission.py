@@ -8,14 +8,31 @@ engine's blocks, and (c) the engine itself reports no waiting queue and KV use
 under target (the correction for what our estimate misses: other clients,
 prefix sharing, preemption).
 
-Classes are ranked; a lower-ranked class leaves ``reserve`` slots for the top
-one unless it has waited longer than ``starve_after`` seconds, so interactive
-work is preferred and batch is never starved.
+Once pulled, a request counts as itself: its own prompt + max_tokens is
+reserved (:meth:`Admission.reserve_blocks`), and one that would overrun the
+budget waits for blocks to free, in arrival order (a large request is not
+overtaken forever by small ones), unless nothing else is reserved (alone, it
+runs: the engine preempts or recomputes, as vLLM does).
+
+Classes are ranked, and split without preemption (what runs, runs to its end):
+
+- a lower-ranked class takes a slot only while ``reserve`` more stay free and
+  no top-class puller is waiting for one, so interactive work gets every slot
+  it asks for first;
+- batch is never starved: a lower class that has waited ``starve_after``
+  seconds may take the next free slot, but only while the lower classes hold
+  fewer than their floor, ``lower_share`` of ``max_inflight`` (at least one);
+  the top class leaves a slot free for it meanwhile.
+
+(Before this split a starved lower class competed for every slot as an equal,
+and under saturation it was always starved: a half-batch mix doubled
+interactive TTFT.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 from dataclasses import dataclass
@@ -31,6 +48,7 @@ class AdmissionConfig:
     block_size: int = 16
     typical_tokens: int = 1024  # expected prompt + output before the message is read
     reserve: int = 1
+    lower_share: float = 0.125  # the lower classes' floor under contention (issue 15)
     starve_after: float = 1.0
 
 
@@ -40,7 +58,11 @@ class Admission:
         self.num_gpu_blocks = cfg.num_gpu_blocks
         self.block_size = cfg.block_size
         self.held = 0  # slots held: polling fetchers and in-flight requests
+        self.held_lower = 0  # of those, by lower-ranked classes
+        self.top_waiters = 0  # top-class pullers waiting for a slot now
+        self.starved_lower = 0  # lower-class pullers past starve_after, waiting now
         self.waiters = 0  # pull loops and held messages waiting for room now
+        self._block_queue: collections.deque[object] = collections.deque()  # arrival order
         self.reserved_blocks = 0
         self.engine = EngineLoad()
         self._cond = asyncio.Condition()
@@ -53,6 +75,8 @@ class Admission:
         return self.blocks_for(self.cfg.typical_tokens)
 
     def free_slots(self) -> int:
+        if self._block_queue:
+            return 0  # a pulled request waits for blocks: pulling more would queue here
         free = self.cfg.max_inflight - self.held
         if self.num_gpu_blocks:
             budget = int(self.num_gpu_blocks * self.cfg.target_util) - self.reserved_blocks
@@ -71,25 +95,60 @@ class Admission:
             return 1.0
         return max(0.0, 1 - self.reserved_blocks / self.num_gpu_blocks)
 
+    def lower_floor(self) -> int:
+        return max(1, math.ceil(self.cfg.lower_share * self.cfg.max_inflight))
+
+    def _room(self, rank: int, starved: bool) -> bool:
+        """Whether a puller of ``rank`` may have a slot now (the class split above)."""
+        free = self.free_slots()
+        below_floor = self.held_lower < self.lower_floor()
+        if rank == 0:
+            return free >= (2 if self.starved_lower and below_floor else 1)
+        if starved and below_floor:
+            return free >= 1
+        return free >= 1 + self.cfg.reserve and not self.top_waiters
+
+    def _take(self, rank: int) -> None:
+        self.held += 1
+        if rank:
+            self.held_lower += 1
+
     async def acquire(self, rank: int) -> bool:
         """Wait for a slot; rank 0 is the top class. False once closed."""
+        return await self._await_room(rank, take=True)
+
+    async def wait_room(self, rank: int) -> bool:
+        """Wait until a slot is free without taking it (pull requests may go out
+        while one could be served); False once closed."""
+        return await self._await_room(rank, take=False)
+
+    async def _await_room(self, rank: int, *, take: bool) -> bool:
         loop = asyncio.get_running_loop()
         since = loop.time()
+        counted_starved = False
         async with self._cond:
-            while not self._closed:
-                starved = loop.time() - since >= self.cfg.starve_after
-                need = 1 if rank == 0 or starved else 1 + self.cfg.reserve
-                if self.free_slots() >= need:
-                    self.held += 1
-                    return True
-                # Wake periodically: starvation is a function of time, not events.
-                await self._wait()
-            return False
+            try:
+                while not self._closed:
+                    starved = rank > 0 and loop.time() - since >= self.cfg.starve_after
+                    if starved and not counted_starved:
+                        self.starved_lower += 1
+                        counted_starved = True
+                    if self._room(rank, starved):
+                        if take:
+                            self._take(rank)
+                        return True
+                    # Wake periodically: starvation is a function of time, not events.
+                    await self._wait(rank)
+                return False
+            finally:
+                if counted_starved:
+                    self.starved_lower -= 1
 
-    async def _wait(self) -> None:
+    async def _wait(self, rank: int) -> None:
         """One wait for a change (or a quarter of ``starve_after``), counted in
-        ``waiters``; the condition's lock is held."""
+        ``waiters`` (and ``top_waiters``); the condition's lock is held."""
         self.waiters += 1
+        self.top_waiters += rank == 0
         try:
             # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
             with contextlib.suppress(TimeoutError):
@@ -97,36 +156,46 @@ class Admission:
                     await self._cond.wait()
         finally:
             self.waiters -= 1
+            self.top_waiters -= rank == 0
 
     def try_acquire(self, rank: int) -> bool:
         """A slot now or never (a message already in hand: the lane puller)."""
-        need = 1 if rank == 0 else 1 + self.cfg.reserve
-        if self._closed or self.free_slots() < need:
+        if self._closed or not self._room(rank, starved=False):
             return False
-        self.held += 1
+        self._take(rank)
         return True
 
-    async def wait_room(self, rank: int) -> bool:
-        """Wait until a slot is free without taking it (pull requests may go out
-        while one could be served); False once closed."""
-        async with self._cond:
-            while not self._closed:
-                need = 1 if rank == 0 else 1 + self.cfg.reserve
-                if self.free_slots() >= need:
-                    return True
-                await self._wait()
-            return False
-
-    async def release(self, blocks: int = 0) -> None:
+    async def release(self, blocks: int = 0, rank: int = 0) -> None:
         async with self._cond:
             self.held -= 1
+            if rank:
+                self.held_lower -= 1
             self.reserved_blocks -= blocks
             self._cond.notify_all()
 
+    def _fits(self, blocks: int) -> bool:
+        if not self.num_gpu_blocks or not self.reserved_blocks:
+            return True
+        return self.reserved_blocks + blocks <= int(self.num_gpu_blocks * self.cfg.target_util)
+
+    def fits_now(self, tokens: int) -> bool:
+        """Whether :meth:`reserve_blocks` would return at once."""
+        return not self._block_queue and self._fits(self.blocks_for(tokens))
+
     async def reserve_blocks(self, tokens: int) -> int:
+        """Reserve this request's blocks (``tokens`` = its prompt + max_tokens),
+        waiting in arrival order while they would overrun the budget."""
         blocks = self.blocks_for(tokens)
+        me = object()
         async with self._cond:
-            self.reserved_blocks += blocks
+            self._block_queue.append(me)
+            try:
+                while not (self._block_queue[0] is me and self._fits(blocks)):
+                    await self._cond.wait()  # a release or an observation notifies
+                self.reserved_blocks += blocks
+            finally:
+                self._block_queue.remove(me)
+                self._cond.notify_all()
         return blocks
 
     async def observe(self, load: EngineLoad) -> None:
@@ -160,4 +229,4 @@ class RankSlots:
         return self.admission.try_acquire(self.rank)
 
     async def release(self) -> None:
-        await self.admission.release()
+        await self.admission.release(rank=self.rank)

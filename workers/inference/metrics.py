@@ -41,6 +41,12 @@ class WorkerMetrics:
             ["event"],
             registry=r,
         )
+        self.block_waits = Counter(
+            "jetserve_worker_block_waits",
+            "Requests that waited for KV blocks: their prompt + max_tokens did not fit yet",
+            ["cls"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token_seconds",
             "Engine call start to first token",

@@ -111,6 +111,7 @@ class Worker:
         )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
+        self._ranks = {c.value: rank for rank, c in enumerate(cfg.classes)}
         self._health_due = 0.0  # loop time of the next /health probe
         self._deployment = cfg.deployment.name if cfg.deployment else ""
         self.lanes: list[LanePuller] = []
@@ -207,6 +208,10 @@ class Worker:
     async def shutdown(self) -> None:
         self._stop.set()
 
+    def _rank_of(self, msg: Msg) -> int:
+        """The rank of the class whose puller took this message's slot."""
+        return self._ranks.get(class_of(msg.subject), 0)
+
     def _quiet(self) -> bool:
         """Nothing in flight and nothing waiting for a slot: empty queues may be
         polled less often (a polling pull holds a slot: with few slots, a long
@@ -259,15 +264,33 @@ class Worker:
                 await msg.term()
                 self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
                 return
-            blocks = await self.admission.reserve_blocks(req.prompt_tokens_est + req.max_tokens)
+            blocks = await self._reserve(msg, req)
             self.metrics.inflight.inc()
             try:
                 await self._serve(msg, req)
             finally:
                 self.metrics.inflight.dec()
         finally:
-            await self.admission.release(blocks)
+            await self.admission.release(blocks, self._rank_of(msg))
             self.metrics.kv_headroom.set(self.admission.headroom())
+
+    async def _reserve(self, msg: Msg, req: InferenceRequest) -> int:
+        """This request's KV blocks (its prompt + max_tokens). While they would
+        not fit it waits its turn, telling the server the message is still ours."""
+        tokens = req.prompt_tokens_est + req.max_tokens
+        if self.admission.fits_now(tokens):
+            return await self.admission.reserve_blocks(tokens)
+        self.metrics.block_waits.labels(req.cls).inc()
+        waiting = asyncio.create_task(self.admission.reserve_blocks(tokens))
+        beat = self.cfg.topology.limits.ack_wait_s / 3
+        try:
+            while not (await asyncio.wait({waiting}, timeout=beat))[0]:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.in_progress()
+        finally:
+            if not waiting.done():
+                await stop_task(waiting)
+        return waiting.result()
 
     async def _serve(self, msg: Msg, req: InferenceRequest) -> None:
         nc = self._nc
