@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from gateway.config import GatewayConfig
 from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
+from gateway.inference.hedge_budget import SharedHedgeBudget
 from gateway.inference.route_table import RouteTable
 from gateway.inference.service import InferenceService
 from gateway.inference.settlements import Settlements, keep_books
@@ -142,8 +143,18 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         await ensure_ledger(js, ledger_topo)
         outbox_topo = dataclasses.replace(DEFAULT_OUTBOX, replicas=cfg.topology.replicas)
         await ensure_outbox(js, outbox_topo)
+        # The hedge budget is the fleet's (Redis), not this replica's.
+        hedge_budget = await _started(stack, SharedHedgeBudget(rds))
         dispatcher = await _started(
-            stack, Dispatcher(nc, js, cfg.gateway_id, cfg.topology, cfg.max_buffered_frames)
+            stack,
+            Dispatcher(
+                nc,
+                js,
+                cfg.gateway_id,
+                cfg.topology,
+                cfg.max_buffered_frames,
+                hedge_budget=hedge_budget,
+            ),
         )
         # Route contracts: loaded before serving, then followed live.
         route_table = await _started(stack, RouteTable(await ensure_routes(js, cfg.topology)))

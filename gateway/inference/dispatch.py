@@ -33,6 +33,7 @@ from gateway.errors import (
     Unavailable,
     from_frame,
 )
+from gateway.inference.hedge_budget import SharedHedgeBudget
 from gateway.inference.hedging import Hedger
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
@@ -92,6 +93,7 @@ class Dispatcher:
         topology: Topology,
         max_buffered_frames: int = MAX_BUFFERED_FRAMES,
         gap_recovery_s: float = GAP_RECOVERY_S,
+        hedge_budget: SharedHedgeBudget | None = None,
     ) -> None:
         self.max_buffered = max_buffered_frames
         self.gap_recovery_s = gap_recovery_s
@@ -104,7 +106,7 @@ class Dispatcher:
         self._sub: Subscription | None = None
         self._closing: set[asyncio.Task[object]] = set()  # owned: awaited in stop()
         self._watches: dict[str, Subscription] = {}
-        self.hedger = Hedger()
+        self.hedger = Hedger(hedge_budget)
         # Counts hedges (sent, won, lost, capped, failed); the gateway sets its metric.
         self.on_hedge: Callable[[str, str], None] = lambda cls, outcome: None
 
@@ -204,7 +206,7 @@ class Dispatcher:
         req = stream.req
         if stream.started or stream.done or time.time() >= req.deadline:
             return
-        if not self.hedger.take(req.cls):
+        if not await self.hedger.take(req.cls):
             self.on_hedge(req.cls, "capped")
             return
         copy = msgspec.structs.replace(req, attempt_base=HEDGE_ATTEMPT_BASE)

@@ -17,8 +17,10 @@ runs: the engine preempts or recomputes, as vLLM does).
 Classes are ranked, and split without preemption (what runs, runs to its end):
 
 - a lower-ranked class takes a slot only while ``reserve`` more stay free and
-  no top-class puller is waiting for one, so interactive work gets every slot
-  it asks for first;
+  no top-class puller has waited for one in the last ``starve_after`` seconds,
+  so interactive work gets every slot it asks for first, and batch uses only
+  capacity interactive has left idle a while (a slot batch takes is held to its
+  end: taking one in a lull of an interactive burst delays the burst);
 - batch is never starved: a lower class that has waited ``starve_after``
   seconds may take the next free slot, but only while the lower classes hold
   fewer than their floor, ``lower_share`` of ``max_inflight`` (at least one);
@@ -60,6 +62,7 @@ class Admission:
         self.held = 0  # slots held: polling fetchers and in-flight requests
         self.held_lower = 0  # of those, by lower-ranked classes
         self.top_waiters = 0  # top-class pullers waiting for a slot now
+        self._top_waited_at = -math.inf  # loop time a top-class puller last waited
         self.starved_lower = 0  # lower-class pullers past starve_after, waiting now
         self.waiters = 0  # pull loops and held messages waiting for room now
         self._block_queue: collections.deque[object] = collections.deque()  # arrival order
@@ -106,7 +109,13 @@ class Admission:
             return free >= (2 if self.starved_lower and below_floor else 1)
         if starved and below_floor:
             return free >= 1
-        return free >= 1 + self.cfg.reserve and not self.top_waiters
+        return free >= 1 + self.cfg.reserve and not self._top_busy()
+
+    def _top_busy(self) -> bool:
+        if self.top_waiters:
+            return True
+        now = asyncio.get_running_loop().time()
+        return now - self._top_waited_at < self.cfg.starve_after
 
     def _take(self, rank: int) -> None:
         self.held += 1
@@ -149,6 +158,8 @@ class Admission:
         ``waiters`` (and ``top_waiters``); the condition's lock is held."""
         self.waiters += 1
         self.top_waiters += rank == 0
+        if rank == 0:
+            self._top_waited_at = asyncio.get_running_loop().time()
         try:
             # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
             with contextlib.suppress(TimeoutError):
@@ -157,6 +168,8 @@ class Admission:
         finally:
             self.waiters -= 1
             self.top_waiters -= rank == 0
+            if rank == 0:
+                self._top_waited_at = asyncio.get_running_loop().time()
 
     def try_acquire(self, rank: int) -> bool:
         """A slot now or never (a message already in hand: the lane puller)."""

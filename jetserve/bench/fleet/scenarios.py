@@ -16,6 +16,9 @@ its own baseline in the same run.
 - ``soak``: minutes of ordinary mixed load, no faults (``fleet/soak.py``): no
   accepted request may fail, and the gateway's and workers' RSS stays flat.
   Not in the default set; run it as ``--scenario soak --rate 40 --duration 240``.
+- ``fairness``: one tenant floods a class at 5x capacity while another sends a
+  tenth of it (``fleet/fairness.py``): the second tenant's TTFT against its own
+  alone. Not in the default set.
 
 Every latency figure is published beside the admission rate it was measured at.
 """
@@ -42,10 +45,11 @@ from jetserve.bench.fleet.client import (
     summarize,
     system_prompt,
 )
+from jetserve.bench.fleet.fairness import fairness
 from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
 
-SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak")
+SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness")
 
 
 def _fleet(**kw: Any) -> Fleet:
@@ -143,7 +147,11 @@ async def saturation(opts: Options) -> dict[str, Any]:
     capacity = len(ends) / max(ends[-1] - ends[0], 1e-3) if len(ends) > 1 else 1.0
     rate = 2 * capacity
     rows = []
-    for mix, mix_name in ((1.0, "interactive only"), (0.5, "half batch")):
+    # The half-batch mix's interactive half, alone at its own rate: the baseline
+    # its interactive TTFT is held to (issue 15: class priority, <= 1.3x).
+    runs = ((1.0, 1.0, "interactive only"), (1.0, 0.5, "interactive half alone"),
+            (0.5, 1.0, "half batch"))  # fmt: skip
+    for mix, share, mix_name in runs:
         for shed in (True, False):
             fleet = await asyncio.to_thread(
                 _fleet,
@@ -156,7 +164,7 @@ async def saturation(opts: Options) -> dict[str, Any]:
             )
             try:
                 shots = await _run(
-                    fleet, opts.seed, timeout + 10, rate, opts.duration, make_cls(mix)
+                    fleet, opts.seed, timeout + 10, rate * share, opts.duration, make_cls(mix)
                 )
             finally:
                 await asyncio.to_thread(fleet.stop)
@@ -174,7 +182,7 @@ async def saturation(opts: Options) -> dict[str, Any]:
             "deadline_s": timeout,
             "capacity_rps": round(capacity, 2),
             "offered_rps": round(rate, 2),
-            "mixes": "interactive only; 50% interactive, 50% batch",
+            "mixes": "interactive only; its half alone (half the rate); 50% interactive, 50% batch",
             "duration_s": opts.duration,
         },
         "rows": [asdict(r) for r in rows],
@@ -281,12 +289,17 @@ async def soak_run(opts: Options) -> dict[str, Any]:
     return await soak(opts.rate, opts.duration, opts.seed)
 
 
+async def fairness_run(opts: Options) -> dict[str, Any]:
+    return await fairness(opts.seed, opts.duration)
+
+
 RUNNERS = {
     "affinity": affinity,
     "saturation": saturation,
     "failover": failover,
     "hedging": hedging,
     "soak": soak_run,
+    "fairness": fairness_run,
 }
 
 
