@@ -90,6 +90,9 @@ class GatewayConfig:
     hedge: HedgePolicy = field(default_factory=HedgePolicy)
     # Refuse (429) what the queue ahead would keep past its deadline.
     shed: bool = True
+    # Tenants in turn within a class: the class's queue kept short, the rest held
+    # here per tenant (gateway/inference/fair_gate.py).
+    fair: bool = True
     # Identical temperature-0 requests share one execution (gateway/inference/coalesce.py).
     coalesce: CoalescePolicy = field(default_factory=CoalescePolicy)
     # The HTTP and WebSocket edge (gateway/ingress/limits.py, http_protocol.py, ws.py):

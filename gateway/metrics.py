@@ -33,6 +33,12 @@ class GatewayMetrics:
             ["cls"],
             registry=r,
         )
+        self.fair_waiting = Gauge(
+            "jetserve_gateway_fair_waiting",
+            "Requests held at this gateway for their tenant's turn, per class",
+            ["cls"],
+            registry=r,
+        )
         self.consumer_ack_pending = Gauge(
             "jetserve_consumer_ack_pending",
             "Messages delivered to a worker and not yet acked, per class",

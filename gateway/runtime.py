@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from gateway.config import GatewayConfig
 from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
+from gateway.inference.fair_gate import FairGate
 from gateway.inference.hedge_budget import SharedHedgeBudget
 from gateway.inference.route_table import RouteTable
 from gateway.inference.service import InferenceService
@@ -159,8 +160,14 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         # Route contracts: loaded before serving, then followed live.
         route_table = await _started(stack, RouteTable(await ensure_routes(js, cfg.topology)))
         queue_watch = await _started(stack, QueueWatch(js, cfg.topology))
-        accountant = Accountant(rds)
         metrics = GatewayMetrics(cfg.metrics_tenants)
+        fair_gate = None
+        if cfg.fair:
+            fair_gate = FairGate(
+                queue_watch, lambda cls, n: metrics.fair_waiting.labels(cls).set(n)
+            )
+            stack.push_async_callback(fair_gate.stop)
+        accountant = Accountant(rds)
         settlements = Settlements(
             js,
             Outbox(js, outbox_topo),
@@ -185,6 +192,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             metrics,
             routes=route_table,
             queue_watch=queue_watch,
+            fair_gate=fair_gate,
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
         await _started(stack, NatsIngress(nc, gw))

@@ -28,6 +28,7 @@ from gateway.inference.books import Books
 from gateway.inference.coalesce import Coalescer
 from gateway.inference.dispatch import Dispatcher, FrameStream, error_from_frame
 from gateway.inference.event_ids import tokens_through
+from gateway.inference.fair_gate import FairGate
 from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
 from gateway.inference.request_builder import KINDS, build_request, with_id
@@ -64,6 +65,7 @@ class InferenceService:
         metrics: GatewayMetrics,
         routes: RouteTable | None = None,
         queue_watch: QueueWatch | None = None,
+        fair_gate: FairGate | None = None,
     ) -> None:
         self.cfg = cfg
         self.tenancy = tenancy
@@ -74,6 +76,7 @@ class InferenceService:
         self.metrics = metrics
         self.routes = routes  # route contracts (None: only cfg.models, no contracts)
         self.queue_watch = queue_watch  # deadline-aware shedding (None: off)
+        self.fair_gate = fair_gate  # tenants in turn within a class (None: off)
         self.lanes = LaneRouter(cfg.topology)
         self.settlements = settlements
         self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
@@ -209,6 +212,14 @@ class InferenceService:
         meta = self._meta(req, scope, reservation.cost_micros)
         try:
             self._shed(req)
+            if self.fair_gate is not None:
+                # The tenant's turn (at once unless the class has a queue); counted
+                # as published to the queue watch when it comes.
+                await self.fair_gate.enter(req.cls, req.tenant, req.deadline)
+            elif self.queue_watch is not None and self.cfg.shed:
+                # Counted as queued until the next look at the queue (a coalesced
+                # follower too: a slight overestimate, on the safe side).
+                self.queue_watch.published(req.cls)
             stream = await self._submit(req, meta, claim is not None)
         except GatewayError as exc:
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
@@ -272,9 +283,6 @@ class InferenceService:
                 code="deadline_unmeetable",
                 retry_after=retry_after,
             )
-        # Counted as queued until the next look at the queue (a coalesced
-        # follower too: a slight overestimate, on the safe side).
-        self.queue_watch.published(req.cls)
 
     # -- the terminal outcome --------------------------------------------------------
     async def finish(

@@ -186,6 +186,11 @@ def _routing(g: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-shed", action="store_true", help="queue what cannot meet its deadline (no 429)"
     )
+    g.add_argument(
+        "--no-fair",
+        action="store_true",
+        help="one first-come queue per class for every tenant (no tenant turns)",
+    )
     b = g.add_argument_group("books (docs/reliability.md, the settlement outbox)")
     b.add_argument(
         "--settle-grace",
@@ -286,6 +291,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         routing=RoutingPolicy(mode=args.routing),
         hedge=hedge_policy(args.hedge, args.hedge_max_extra),
         shed=not args.no_shed,
+        fair=not args.no_fair,
         settle_grace_s=args.settle_grace,
         sweep_s=args.sweep_every,
         outbox_grace_s=args.outbox_grace,

@@ -246,7 +246,14 @@ async def test_cancel_before_pickup_removes_the_request(
 
 
 def test_oversized_request_is_413(fleet: Fleet) -> None:
-    body = {"model": "sim-8b", "messages": [{"role": "user", "content": "x" * 1_500_000}]}
-    r = httpx.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth(fleet))
+    # Over the bus's message size (1 MiB), under the body cap (4 MiB).
+    body = {"model": "sim-embed", "input": "x" * 1_500_000}
+    r = httpx.post(f"{fleet.base_url}/v1/embeddings", json=body, headers=auth(fleet))
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+    # A chat prompt that size cannot fit the model's context either: that refusal
+    # comes first, before any hold.
+    chat = {"model": "sim-8b", "messages": [{"role": "user", "content": "x" * 1_500_000}]}
+    r = httpx.post(f"{fleet.base_url}/v1/chat/completions", json=chat, headers=auth(fleet))
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
