@@ -10,9 +10,10 @@ queue per tenant, released in turn.
   (``num_pending`` of the class's consumers) plus what this gateway published
   since, less what the fleet started meanwhile at its measured rate. It is kept
   under ``target`` = max(:data:`MIN_BACKLOG`, rate x :data:`TARGET_WAIT_S`).
-  Under it, with nobody waiting, a request passes at once (no cost at light
-  load). While the last look found the queue empty (the workers keep up) a burst
-  of up to :data:`BURST` passes too: the gate engages once a queue is seen.
+  The gate engages only once a look finds the queue at the target or past it,
+  at a known rate: until then (light load, workers that keep up) a request
+  passes at once, at no cost. Engaged, it releases at the fleet's measured start
+  rate, faster each time a look finds the queue emptied while requests wait.
 - **In turn.** Start-time fair queueing: a request is tagged max(virtual time,
   its tenant's last tag) + 1, and the smallest tag goes first. A tenant with one
   request waiting goes before another tenant's thousandth.
@@ -37,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import GatewayError, RateLimited
-from gateway.inference.shedding import SAFETY, QueueWatch
+from gateway.inference.shedding import SAFETY, ClassLoad, QueueWatch
 from streams.tasks import stop_task
 
 MIN_BACKLOG = 2  # messages the class's queue may hold before requests wait here
 TARGET_WAIT_S = 0.2  # ...or this long of the fleet's starts, when more
-BURST = 32  # passes while the last look found the queue empty
 MAX_WAITING = 1024  # per tenant and class
 IDLE_CHECK_S = 0.05  # how often a gate without a rate looks again
 
@@ -72,6 +72,8 @@ class _ClassGate:
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
         self._waiting = 0
+        self._pace = 0.0  # releases per second while requests wait here
+        self._look = 0.0  # the queue watch's look the pace last followed
         self.released = 0  # requests that waited here, then went (metrics, tests)
 
     @property
@@ -83,33 +85,51 @@ class _ClassGate:
         self._report(self.cls, self._waiting)
 
     # -- the backlog ------------------------------------------------------------
-    def _load(self) -> tuple[float, float | None, bool]:
-        """(backlog estimate, start rate, whether the last look found it empty)."""
-        load = self._watch.loads.get(self.cls)
+    def _class_load(self) -> ClassLoad | None:
+        return self._watch.loads.get(self.cls)
+
+    def _target(self) -> float:
+        return max(float(MIN_BACKLOG), self._pace * TARGET_WAIT_S)
+
+    def _engaged(self) -> bool:
+        """The class is backed up: the last look found its queue at the target or
+        past it, at a known start rate. Workers that keep up leave no queue, and
+        then nobody waits here."""
+        load = self._class_load()
+        if load is None or load.rate is None:
+            return False
+        if not self._pace:
+            self._pace = load.rate
+        return load.depth >= self._target()
+
+    def _follow_looks(self) -> None:
+        """At each new look of the queue watch, the release pace: the fleet's
+        measured start rate while the queue was not empty; faster each time a look
+        finds it emptied while requests wait here (the pace was too slow, and an
+        empty queue measures no rate)."""
+        load = self._class_load()
+        if load is None or load.at == self._look:
+            return
+        self._look = load.at
+        if load.depth == 0:
+            self._pace = max(self._pace * 1.5, self._pace + 2 * MIN_BACKLOG)
+        elif load.rate:
+            self._pace = load.rate
+
+    def _backlog(self) -> float:
+        """The class's queue now: the last look, plus what this gateway published
+        since, less what the fleet started since at the release pace."""
+        load = self._class_load()
         if load is None:
-            return 0.0, None, True
+            return 0.0
         backlog = float(load.depth + load.since)
-        if load.rate and load.at:
-            backlog -= load.rate * (time.monotonic() - load.at)
-        return max(0.0, backlog), load.rate, load.depth == 0
-
-    def _target(self, rate: float | None) -> float:
-        return max(float(MIN_BACKLOG), (rate or 0.0) * TARGET_WAIT_S)
-
-    def _room(self, *, burst: bool) -> bool:
-        """Whether one more may be published now; ``burst``: also while the last
-        look found the queue empty (only with nobody waiting: held requests are
-        released by the backlog alone, or a look that caught the queue empty for
-        a moment would release them all at once)."""
-        backlog, rate, empty = self._load()
-        if backlog < self._target(rate):
-            return True
-        load = self._watch.loads.get(self.cls)
-        return burst and empty and (load.since if load is not None else 0) < BURST
+        if self._pace and load.at:
+            backlog -= self._pace * (time.monotonic() - load.at)
+        return max(0.0, backlog)
 
     # -- entering -------------------------------------------------------------
     async def enter(self, tenant: str, deadline: float) -> None:
-        if not self.waiting and self._room(burst=True):
+        if not self.waiting and not self._engaged():
             self._watch.published(self.cls)
             return
         queue = self._queues.setdefault(tenant, deque())
@@ -143,11 +163,10 @@ class _ClassGate:
                     del self._queues[tenant]
 
     def _refuse_if_late(self, tenant: str, ahead: int, deadline: float) -> None:
-        backlog, rate, _ = self._load()
-        if not rate:
+        if not self._pace:
             return  # never shed blind
         tenants = len(self._queues.keys() | {tenant})
-        wait = (backlog + (ahead + 1) * tenants) / rate
+        wait = (self._backlog() + (ahead + 1) * tenants) / self._pace
         left = deadline - time.time()
         if wait > SAFETY * left:
             raise RateLimited(
@@ -164,11 +183,11 @@ class _ClassGate:
 
     async def _release(self) -> None:
         while self.waiting:
-            if self._room(burst=False):
+            self._follow_looks()
+            if self._backlog() < self._target():
                 self._release_one()
                 continue
-            _, rate, _ = self._load()
-            await asyncio.sleep(min(0.25, 1.0 / rate) if rate else IDLE_CHECK_S)
+            await asyncio.sleep(min(0.25, 1.0 / self._pace) if self._pace else IDLE_CHECK_S)
 
     def _release_one(self) -> None:
         heads = [q[0] for q in self._queues.values() if q]

@@ -23,17 +23,20 @@ def gate_and_load() -> tuple[FairGate, Any]:
     return FairGate(watch), watch.loads[CLS]
 
 
-async def test_an_empty_queue_lets_requests_straight_through() -> None:
+async def test_a_class_without_a_queue_lets_requests_straight_through() -> None:
     gate, load = gate_and_load()
-    for _ in range(MIN_BACKLOG):
+    for _ in range(50):  # no rate known yet: never held
         await asyncio.wait_for(gate.enter(CLS, "a", time.time() + 10), 1)
-    assert load.since == MIN_BACKLOG  # counted as published
+    load.rate, load.depth, load.at = 100.0, MIN_BACKLOG - 1, time.monotonic()
+    for _ in range(50):  # a queue under the target: the workers keep up
+        await asyncio.wait_for(gate.enter(CLS, "a", time.time() + 10), 1)
+    assert load.since == 100  # counted as published
     assert gate.of(CLS).waiting == 0
 
 
 async def test_tenants_go_in_turn_once_the_class_has_a_queue() -> None:
     gate, load = gate_and_load()
-    load.depth, load.at = 100, time.monotonic()  # a queue: nobody passes
+    load.depth, load.rate, load.at = 100, 10.0, time.monotonic()  # a queue: nobody passes
     order: list[str] = []
 
     async def one(tenant: str) -> None:
@@ -72,9 +75,13 @@ async def test_a_request_is_refused_by_its_own_tenants_queue() -> None:
 
 async def test_a_wait_past_the_deadline_ends_504() -> None:
     gate, load = gate_and_load()
-    load.depth, load.at = 100, time.monotonic()
+    load.depth, load.rate, load.at = 500, 1000.0, time.monotonic()  # due in ~0.5 s
+    waiting = asyncio.create_task(gate.enter(CLS, "a", time.time() + 2.0))
+    await asyncio.sleep(0)
+    # The next look: the queue has not moved, the fleet has all but stopped.
+    load.rate, load.at = 0.001, time.monotonic()
     with pytest.raises(DeadlinePassed) as info:
-        await gate.enter(CLS, "a", time.time() + 0.05)
+        await waiting
     assert (info.value.status, info.value.code) == (504, "deadline_exceeded")
     assert gate.of(CLS).waiting == 0
     await gate.stop()
