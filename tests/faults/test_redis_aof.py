@@ -82,7 +82,8 @@ async def remaining_holds(fleet: Fleet, tenant: str) -> dict[str, int]:
     client = aioredis.from_url(fleet.redis_url, decode_responses=True)
     try:
         holds: dict[str, int] = {}
-        for request_id in await client.zrange("jetserve:acct:resv-expiry", 0, -1):
+        for raw in await client.zrange("jetserve:acct:resv-expiry", 0, -1):
+            request_id = str(raw)
             cost, owner = await client.hmget(f"jetserve:acct:resv:{request_id}", ["cost", "tenant"])
             if cost is not None:
                 assert owner == tenant, (request_id, owner)
