@@ -39,6 +39,15 @@ class GatewayMetrics:
             ["cls"],
             registry=r,
         )
+        self.fair_passes = Counter(
+            "jetserve_gateway_fair_passes_total",
+            "Requests the fair gate let go while engaged, per class and way: in_turn "
+            "(at once, to the class subject), excess (waited, to the excess subject), "
+            "waited (then to the class subject: its tenant alone in the class, "
+            "or its last waiting)",
+            ["cls", "way"],
+            registry=r,
+        )
         self.consumer_ack_pending = Gauge(
             "jetserve_consumer_ack_pending",
             "Messages delivered to a worker and not yet acked, per class",

@@ -164,7 +164,9 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         fair_gate = None
         if cfg.fair:
             fair_gate = FairGate(
-                queue_watch, lambda cls, n: metrics.fair_waiting.labels(cls).set(n)
+                queue_watch,
+                lambda cls, n: metrics.fair_waiting.labels(cls).set(n),
+                lambda cls, way: metrics.fair_passes.labels(cls, way).inc(),
             )
             stack.push_async_callback(fair_gate.stop)
         accountant = Accountant(rds)

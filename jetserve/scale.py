@@ -211,7 +211,7 @@ async def lags_from_nats(
                 out.append(Lag(cls, name, 0, 0, 0, found=False, stream_last_seq=last))
                 continue
             pending, acking = info.num_pending or 0, info.num_ack_pending or 0
-            # The class's affinity lanes hold its work too (docs/routing.md).
+            # The class's affinity lanes and excess hold its work too (docs/routing.md).
             for lane in topo.consumer_names(cls)[1:]:
                 with contextlib.suppress(NotFoundError):
                     lane_info = await js.consumer_info(topo.stream, lane)

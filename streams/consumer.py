@@ -60,11 +60,12 @@ class Slots(Protocol):
     redelivery); a pull that brings fewer gives the rest back, and the handler
     gives its own back when it ends."""
 
-    async def acquire(self) -> bool:
-        """Wait for one slot; False: closed, stop pulling."""
+    async def acquire(self, idle: bool = False) -> bool:
+        """Wait for one slot; False: closed, stop pulling. ``idle``: the puller's
+        last pull found its queue empty (a slot to poll with, likely unused)."""
         ...
 
-    def try_acquire(self) -> bool: ...
+    def try_acquire(self, idle: bool = False) -> bool: ...
 
     async def release(self) -> None: ...
 
@@ -84,14 +85,14 @@ class Limit:
         if n > 0:
             self._room.set()
 
-    async def acquire(self) -> bool:
+    async def acquire(self, idle: bool = False) -> bool:
         while self._free <= 0:
             self._room.clear()
             await self._room.wait()
         self._free -= 1
         return True
 
-    def try_acquire(self) -> bool:
+    def try_acquire(self, idle: bool = False) -> bool:
         if self._free <= 0:
             return False
         self._free -= 1
@@ -131,7 +132,11 @@ class PullLoop:
     """Fetches from one pull subscription: up to ``batch`` messages a pull, as
     many as it holds slots for (one waited for, the rest free now). ``more``:
     after a pull brings something, take up to this many already waiting at once
-    (they may share work with it, e.g. an embedding batch), never lingering."""
+    (they may share work with it, e.g. an embedding batch), never lingering.
+    ``rest_s``: after a pull that brought nothing, wait this long (doubling per
+    empty pull while ``quiet``, up to ``idle_poll_s``) before taking a slot for the next, instead
+    of long polls that hold one: for a queue that is mostly empty and must not
+    keep slots from busier ones while it is (a class's excess)."""
 
     def __init__(
         self,
@@ -145,8 +150,10 @@ class PullLoop:
         error_backoff_s: float = 0.5,
         idle_poll_s: float | None = None,
         quiet: Callable[[], bool] = lambda: True,
+        rest_s: float | None = None,
     ) -> None:
         self._sub = sub
+        self._rest = rest_s
         self._start = start
         self._slots = slots
         self._batch = batch
@@ -160,6 +167,8 @@ class PullLoop:
 
     def expiry(self) -> float:
         """The next pull's expiry (see the module docstring: idle cost)."""
+        if self._rest is not None:
+            return self._poll  # short: the rests between pulls grow instead
         return idle_expiry(self._poll, self._idle_poll, self._empty, self._quiet)
 
     async def run(self) -> None:
@@ -169,6 +178,12 @@ class PullLoop:
                 await asyncio.sleep(self._backoff)
                 continue
             self._empty = 0 if msgs else self._empty + 1
+            if not msgs and self._rest is not None:
+                # Growing only while the worker is quiet: a flood's pause must not
+                # leave its excess unpulled for long.
+                await asyncio.sleep(
+                    idle_expiry(self._rest, self._idle_poll, self._empty, self._quiet)
+                )
             for msg in msgs:
                 self._start(msg)
             if msgs and self._more:
@@ -180,11 +195,12 @@ class PullLoop:
         if self._slots is None:
             return n
         held = 0
+        idle = self._empty > 0
         if wait:
-            if not await self._slots.acquire():
+            if not await self._slots.acquire(idle):
                 return 0
             held = 1
-        while held < n and self._slots.try_acquire():
+        while held < n and self._slots.try_acquire(idle):
             held += 1
         return held
 

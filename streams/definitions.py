@@ -22,7 +22,9 @@ from streams.routes import ROUTES_BUCKET, ROUTES_HISTORY
 from streams.subjects import (
     LANE_CLASSES,
     PREFIX,
+    SHARE_CLASSES,
     RequestClass,
+    excess_subject,
     lane_subject,
     lane_wildcard,
     request_subject,
@@ -87,6 +89,10 @@ class Topology:
     def lane_classes(self) -> tuple[RequestClass, ...]:
         return tuple(c for c in self.classes if c in LANE_CLASSES) if self.lanes else ()
 
+    @property
+    def excess_classes(self) -> tuple[RequestClass, ...]:
+        return tuple(c for c in self.classes if c in SHARE_CLASSES)
+
     def stream_config(self) -> StreamConfig:
         lim = self.limits
         return StreamConfig(
@@ -94,7 +100,8 @@ class Topology:
             # Exactly the served class subjects: a publish to anything else fails
             # fast (no responders) instead of being stored and never consumed.
             subjects=[request_subject(c) for c in self.classes]
-            + [lane_wildcard(c) for c in self.lane_classes],
+            + [lane_wildcard(c) for c in self.lane_classes]
+            + [excess_subject(c) for c in self.excess_classes if c not in self.lane_classes],
             retention=RetentionPolicy.WORK_QUEUE,
             discard=DiscardPolicy.NEW,
             storage=StorageType.FILE,
@@ -170,19 +177,25 @@ class Topology:
             "priority_policy": "prioritized",
         }
 
+    def excess_consumer_name(self, cls: RequestClass | str) -> str:
+        return f"workers-{RequestClass(cls).value}-excess"
+
     def consumer_names(self, cls: RequestClass | str) -> list[str]:
-        """Every consumer that serves a class: the plain one and its lanes."""
+        """Every consumer that serves a class: the plain one, its lanes, its excess."""
         names = [self.consumer_name(cls)]
         if cls in self.lane_classes:
             names += [self.lane_consumer_name(cls, n) for n in range(self.lanes)]
+        if cls in self.excess_classes:
+            names.append(self.excess_consumer_name(cls))
         return names
 
-    def consumer_config(self, cls: RequestClass) -> ConsumerConfig:
+    def consumer_config(self, cls: RequestClass, *, excess: bool = False) -> ConsumerConfig:
+        """The plain consumer of a class (``excess``: the one of its excess subject)."""
         lim = self.limits
         # Work-queue consumers must not overlap: one class subject each.
         return ConsumerConfig(
-            durable_name=self.consumer_name(cls),
-            filter_subject=request_subject(cls),
+            durable_name=self.excess_consumer_name(cls) if excess else self.consumer_name(cls),
+            filter_subject=excess_subject(cls) if excess else request_subject(cls),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=lim.ack_wait_s,
             max_deliver=lim.max_deliver,

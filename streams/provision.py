@@ -65,6 +65,8 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     for cls in topo.lane_classes:
         for lane in range(topo.lanes):
             await ensure_raw_consumer(js, topo.stream, topo.lane_consumer_config(cls, lane))
+    for cls in topo.excess_classes:
+        await js.add_consumer(topo.stream, topo.consumer_config(cls, excess=True))
 
 
 async def ensure_raw_consumer(js: JetStreamContext, stream: str, config: dict[str, Any]) -> None:

@@ -59,8 +59,20 @@ def lane_wildcard(cls: RequestClass | str) -> str:
     return f"{PREFIX}.req.{RequestClass(cls).value}.*"
 
 
+# Classes whose gateways hold a flooding tenant's excess (gateway/inference/
+# fair_gate.py): each also has ``jetserve.req.<class>.excess``, its own durable
+# consumer, which workers serve only with the slots no in-turn request of the
+# class waits for (workers/inference/admission.py), so a tenant that sends in
+# turn is not queued behind another tenant's flood.
+SHARE_CLASSES = (RequestClass.INTERACTIVE, RequestClass.BATCH, RequestClass.EMBED)
+
+
+def excess_subject(cls: RequestClass | str) -> str:
+    return f"{PREFIX}.req.{RequestClass(cls).value}.excess"
+
+
 def class_of(subject: str) -> str:
-    """The request class of a work-queue subject (plain or lane)."""
+    """The request class of a work-queue subject (plain, lane or excess)."""
     parts = subject.split(".")
     return parts[2] if len(parts) > 2 else subject
 

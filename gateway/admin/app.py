@@ -55,6 +55,7 @@ class Limits(msgspec.Struct):
     period: Literal["day", "month", "total"] = "month"
     rpm: int | None = None
     tpm: int | None = None
+    weight: float | None = None
 
 
 def _decode(raw: bytes, kind: type[T]) -> T:
@@ -74,6 +75,7 @@ def _limits_view(spec: LimitSpec) -> dict[str, Any]:
         "period": spec.period,
         "rpm": spec.rpm,
         "tpm": spec.tpm,
+        "weight": spec.weight,
     }
 
 
@@ -188,7 +190,7 @@ async def put_limits(request: Request) -> Response:
         await tenancy.get_key(ident)
     body = _decode(await request.body(), Limits)
     try:
-        spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm)
+        spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm, body.weight)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     await _accountant(request).set_limits(level, ident, spec)

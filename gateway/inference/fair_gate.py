@@ -15,8 +15,22 @@ queue per tenant, released in turn.
   passes at once, at no cost. Engaged, it releases at the fleet's measured start
   rate, faster each time a look finds the queue emptied while requests wait.
 - **In turn.** Start-time fair queueing: a request is tagged max(virtual time,
-  its tenant's last tag) + 1, and the smallest tag goes first. A tenant with one
-  request waiting goes before another tenant's thousandth.
+  its tenant's last tag) + 1 / weight (the tenant's ``weight`` in its limits,
+  default 1), and the smallest tag goes first. A tenant with one request
+  waiting goes before another tenant's thousandth; a tenant of weight 2 gets
+  two turns for one of weight 1.
+- **Apart.** What waited here while more of its tenant's wait behind it (a
+  flood) goes to the class's excess subject, which workers
+  serve only with slots no in-turn request of the class waits for, and whose
+  pullers hold no slot while they wait (workers/inference/admission.py); a
+  request of a tenant not ahead of the virtual time (nothing of its waiting
+  here, its tag at most :data:`IN_TURN_BURST` turns past the virtual time: a
+  light tenant's short burst) is in turn: it passes at once, to the class's own
+  subject, whose puller on every worker holds a slot ready for it. So a tenant
+  sending in turn is not queued behind a flood, in JetStream either. The price:
+  while another tenant is around, a flood gets one slot less per worker and
+  class. A tenant alone in the class (no other seen here for :data:`ALONE_S`)
+  keeps the class's own subject, and every slot.
 - **Refused early, by its own queue.** A request whose turn would come past its
   deadline (the backlog, plus its place in its tenant's queue times the tenants
   waiting, at the class's start rate) gets 429 ``deadline_unmeetable`` at once.
@@ -45,6 +59,12 @@ MIN_BACKLOG = 2  # messages the class's queue may hold before requests wait here
 TARGET_WAIT_S = 0.2  # ...or this long of the fleet's starts, when more
 MAX_WAITING = 1024  # per tenant and class
 IDLE_CHECK_S = 0.05  # how often a gate without a rate looks again
+ALONE_S = 30.0  # a tenant is alone in its class when no other entered for this long
+# How far past the virtual time a tenant with nothing waiting may run and still
+# pass at once. 1 would hold a light tenant's second request of a turn (two
+# arrivals close together) until the next release, which a saturated class
+# makes only as a running request ends.
+IN_TURN_BURST = 4.0
 
 
 class DeadlinePassed(GatewayError):
@@ -58,14 +78,23 @@ class _Waiter:
     tag: float
     seq: int
     tenant: str = field(compare=False)
-    turn: asyncio.Future[None] = field(compare=False)
+    turn: asyncio.Future[bool] = field(compare=False)  # True: more of its tenant's wait
 
 
 class _ClassGate:
-    def __init__(self, cls: str, watch: QueueWatch, report: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        cls: str,
+        watch: QueueWatch,
+        report: Callable[[str, int], None],
+        passed: Callable[[str, str], None],
+        burst: float = IN_TURN_BURST,
+    ) -> None:
         self.cls = cls
+        self._burst = burst
         self._watch = watch
         self._report = report
+        self._passed = passed
         self._queues: dict[str, deque[_Waiter]] = {}
         self._last_tag: dict[str, float] = {}
         self._vtime = 0.0
@@ -75,6 +104,10 @@ class _ClassGate:
         self._pace = 0.0  # releases per second while requests wait here
         self._look = 0.0  # the queue watch's look the pace last followed
         self.released = 0  # requests that waited here, then went (metrics, tests)
+        self.in_turn = 0  # requests that passed at once while the gate was engaged
+        self.excess = 0  # requests sent to the excess subject
+        self._seen: dict[str, float] = {}  # tenant -> when it last entered (monotonic)
+        self._pruned = 0.0
 
     @property
     def waiting(self) -> int:
@@ -127,11 +160,41 @@ class _ClassGate:
             backlog -= self._pace * (time.monotonic() - load.at)
         return max(0.0, backlog)
 
+    # -- tenants around ----------------------------------------------------------
+    def _met(self, tenant: str) -> None:
+        now = time.monotonic()
+        self._seen[tenant] = now
+        if now - self._pruned < 1.0:
+            return
+        self._pruned = now
+        for t, at in list(self._seen.items()):
+            if now - at >= ALONE_S and t not in self._queues:
+                del self._seen[t]
+                if self._last_tag.get(t, 0.0) <= self._vtime:
+                    self._last_tag.pop(t, None)  # nothing owed: forgotten
+
+    def _others_around(self, tenant: str) -> bool:
+        now = time.monotonic()
+        return any(t != tenant and now - at < ALONE_S for t, at in self._seen.items())
+
     # -- entering -------------------------------------------------------------
-    async def enter(self, tenant: str, deadline: float) -> None:
+    async def enter(self, tenant: str, deadline: float, weight: float = 1.0) -> bool:
+        """Whether the request goes to the class's excess subject."""
+        step = 1.0 / weight
+        self._met(tenant)
         if not self.waiting and not self._engaged():
             self._watch.published(self.cls)
-            return
+            return False
+        queue = self._queues.get(tenant)
+        last = self._last_tag.get(tenant, 0.0)
+        if not queue and last + step <= self._vtime + self._burst:
+            # In turn: its tag is within the burst of the virtual time; it goes
+            # now, and is charged.
+            self._last_tag[tenant] = max(self._vtime, last) + step
+            self.in_turn += 1
+            self._passed(self.cls, "in_turn")
+            self._watch.published(self.cls)
+            return False
         queue = self._queues.setdefault(tenant, deque())
         if len(queue) >= MAX_WAITING:
             raise RateLimited(
@@ -140,7 +203,7 @@ class _ClassGate:
                 retry_after=1.0,
             )
         self._refuse_if_late(tenant, len(queue), deadline)
-        tag = max(self._vtime, self._last_tag.get(tenant, 0.0)) + 1.0
+        tag = max(self._vtime, self._last_tag.get(tenant, 0.0)) + step
         self._last_tag[tenant] = tag
         self._seq += 1
         waiter = _Waiter(tag, self._seq, tenant, asyncio.get_running_loop().create_future())
@@ -149,7 +212,7 @@ class _ClassGate:
         self._ensure_releasing()
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
-                await asyncio.shield(waiter.turn)
+                backlogged = await asyncio.shield(waiter.turn)
         except TimeoutError:
             raise DeadlinePassed(
                 "The request's deadline passed while it waited for its tenant's turn."
@@ -161,6 +224,12 @@ class _ClassGate:
                 self._count(-1)
                 if not queue and self._queues.get(tenant) is queue:
                     del self._queues[tenant]
+        # Apart only a tenant with more of its own waiting (a flood): one that
+        # waited only because it came twice within a turn goes in turn now.
+        apart = backlogged and self._others_around(tenant)
+        self.excess += apart
+        self._passed(self.cls, "excess" if apart else "waited")
+        return apart
 
     def _refuse_if_late(self, tenant: str, ahead: int, deadline: float) -> None:
         if not self._pace:
@@ -200,7 +269,7 @@ class _ClassGate:
         self._vtime = waiter.tag
         self.released += 1
         self._watch.published(self.cls)  # counted in the backlog from now on
-        waiter.turn.set_result(None)
+        waiter.turn.set_result(bool(queue))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -211,22 +280,31 @@ class FairGate:
     """One :class:`_ClassGate` per class, made on first use."""
 
     def __init__(
-        self, watch: QueueWatch, report: Callable[[str, int], None] = lambda cls, n: None
+        self,
+        watch: QueueWatch,
+        report: Callable[[str, int], None] = lambda cls, n: None,
+        passed: Callable[[str, str], None] = lambda cls, way: None,
+        burst: float = IN_TURN_BURST,
     ) -> None:
+        self._burst = burst  # turns a tenant with nothing waiting may run ahead
         self._watch = watch
         self._report = report  # (class, requests waiting now): the gateway's gauge
+        self._passed = passed  # (class, way): a request let go while engaged
         self._gates: dict[str, _ClassGate] = {}
 
     def of(self, cls: str) -> _ClassGate:
         gate = self._gates.get(cls)
         if gate is None:
-            gate = self._gates[cls] = _ClassGate(cls, self._watch, self._report)
+            gate = self._gates[cls] = _ClassGate(
+                cls, self._watch, self._report, self._passed, self._burst
+            )
         return gate
 
-    async def enter(self, cls: str, tenant: str, deadline: float) -> None:
-        """Return when this request may be published (at once, mostly); raise a
-        429 or 504 refusal when its turn would come, or came, too late."""
-        await self.of(cls).enter(tenant, deadline)
+    async def enter(self, cls: str, tenant: str, deadline: float, weight: float = 1.0) -> bool:
+        """Return when this request may be published (at once, mostly): whether
+        to the class's excess subject. Raise a 429 or 504 refusal when its turn
+        would come, or came, too late. ``weight``: the tenant's share weight."""
+        return await self.of(cls).enter(tenant, deadline, weight)
 
     async def stop(self) -> None:
         for gate in self._gates.values():

@@ -21,7 +21,7 @@ from typing import Any
 
 from streams.definitions import Topology
 from streams.routes import RoutingPolicy
-from streams.subjects import lane_subject, request_subject
+from streams.subjects import excess_subject, lane_subject, request_subject
 
 
 def _text(content: Any) -> str:
@@ -70,7 +70,12 @@ class LaneRouter:
         body: Mapping[str, Any],
         routing: RoutingPolicy,
         shared_prefix: bool = False,
+        excess: bool = False,
     ) -> str:
+        """The work-queue subject: a lane by prefix or in turn, the class's own,
+        or (``excess``, a tenant past its turn) the class's excess subject."""
+        if excess and cls in self._topo.excess_classes:
+            return excess_subject(cls)
         lanes = self._topo.lanes
         if routing.mode == "least_loaded" or cls not in self._topo.lane_classes:
             return request_subject(cls)

@@ -212,15 +212,18 @@ class InferenceService:
         meta = self._meta(req, scope, reservation.cost_micros)
         try:
             self._shed(req)
+            excess = False
             if self.fair_gate is not None:
                 # The tenant's turn (at once unless the class has a queue); counted
                 # as published to the queue watch when it comes.
-                await self.fair_gate.enter(req.cls, req.tenant, req.deadline)
+                excess = await self.fair_gate.enter(
+                    req.cls, req.tenant, req.deadline, reservation.weight
+                )
             elif self.queue_watch is not None and self.cfg.shed:
                 # Counted as queued until the next look at the queue (a coalesced
                 # follower too: a slight overestimate, on the safe side).
                 self.queue_watch.published(req.cls)
-            stream = await self._submit(req, meta, claim is not None)
+            stream = await self._submit(req, meta, claim is not None, excess)
         except GatewayError as exc:
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
             await self.books.append(refusal, release=True)
@@ -245,9 +248,13 @@ class InferenceService:
             prompt_tokens_est=req.prompt_tokens_est,
         )
 
-    async def _submit(self, req: InferenceRequest, meta: Meta, idempotent: bool) -> FrameStream:
+    async def _submit(
+        self, req: InferenceRequest, meta: Meta, idempotent: bool, excess: bool = False
+    ) -> FrameStream:
         """Publish under the route's policies (lane, hedging), or follow an
-        identical request in flight (coalescing; never on the idempotency path)."""
+        identical request in flight (coalescing; never on the idempotency path).
+        ``excess``: a tenant's request past its turn, to the class's excess
+        subject, never hedged (its delay is its tenant's own queue)."""
         # The revision the request was built under (a change may land meanwhile).
         record = (
             self.routes.at(req.route, req.route_revision)
@@ -263,12 +270,15 @@ class InferenceService:
             req.body,
             contract.routing if contract is not None else self.cfg.routing,
             shared_prefix=contract.coalesce.cross_tenant if contract is not None else False,
+            excess=excess,
         )
         coalesce = contract.coalesce if contract is not None else self.cfg.coalesce
         return await self.coalescer.submit(
             req,
             None if idempotent else coalesce,
-            lambda: self.dispatcher.submit(req, meta, subject, hedge if hedge.enabled else None),
+            lambda: self.dispatcher.submit(
+                req, meta, subject, hedge if hedge.enabled and not excess else None
+            ),
         )
 
     def _shed(self, req: InferenceRequest) -> None:

@@ -207,9 +207,14 @@ class Accountant:
         check_level(level)
         _check_ident(ident)
         fields: dict[str, str] = {"period": spec.period}
-        for name, value in (("budget", spec.budget_micros), ("rpm", spec.rpm), ("tpm", spec.tpm)):
+        for name, value in (
+            ("budget", spec.budget_micros),
+            ("rpm", spec.rpm),
+            ("tpm", spec.tpm),
+            ("weight", spec.weight),
+        ):
             if value is not None:
-                fields[name] = str(value)
+                fields[name] = repr(float(value)) if name == "weight" else str(value)
         key = self._limits_key(level, ident)
         # MULTI/EXEC: a reserve never sees the old fields half-replaced.
         async with (
@@ -224,14 +229,15 @@ class Accountant:
         check_level(level)
         async with self._store("get_limits"):
             raw = await self._redis.hmget(
-                self._limits_key(level, ident), ["budget", "period", "rpm", "tpm"]
+                self._limits_key(level, ident), ["budget", "period", "rpm", "tpm", "weight"]
             )
-        budget, period, rpm, tpm = (_opt_str(v) for v in raw)
+        budget, period, rpm, tpm, weight = (_opt_str(v) for v in raw)
         return LimitSpec(
             budget_micros=None if budget is None else int(budget),
             period=as_period(period),
             rpm=None if rpm is None else int(rpm),
             tpm=None if tpm is None else int(tpm),
+            weight=None if weight is None else float(weight),
         )
 
     # the request path

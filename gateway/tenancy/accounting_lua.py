@@ -32,7 +32,8 @@ local function int(x) return string.format('%d', x) end
 if redis.call('EXISTS', KEYS[19]) == 1 then
   local r = redis.call('HMGET', KEYS[19], 'cost', 'tokens', 'created', 'expires',
                        'org', 'tenant', 'key')
-  return {'held', r[1], r[2], r[3], r[4], r[5], r[6], r[7]}
+  local w = redis.call('HGET', KEYS[2], 'weight') or ''
+  return {'held', r[1], r[2], r[3], r[4], r[5], r[6], r[7], w}
 end
 local done_type = redis.call('TYPE', KEYS[20]).ok
 if done_type == 'hash' then return {'settled', redis.call('HGET', KEYS[20], 'charge')} end
@@ -48,9 +49,10 @@ local counter_ttl = {tonumber(ARGV[11]), tonumber(ARGV[12]), 0}
 -- Read phase. Nothing below writes until every check has passed.
 local limits, counters = {}, {}
 for i = 1, 3 do
-  local l = redis.call('HMGET', KEYS[i], 'budget', 'period', 'rpm', 'tpm')
+  local l = redis.call('HMGET', KEYS[i], 'budget', 'period', 'rpm', 'tpm', 'weight')
   local p = period_index[l[2]] or 2
-  limits[i] = {budget = tonumber(l[1]), rpm = tonumber(l[3]), tpm = tonumber(l[4])}
+  limits[i] = {budget = tonumber(l[1]), rpm = tonumber(l[3]), tpm = tonumber(l[4]),
+               weight = l[5] or ''}
   counters[i] = {key = KEYS[3 + 3 * (i - 1) + p], ttl = counter_ttl[p], period = p}
 end
 
@@ -108,7 +110,8 @@ redis.call('HSET', KEYS[19], 'cost', ARGV[2], 'tokens', ARGV[3], 'created', ARGV
            'c1', counters[1].key, 'c2', counters[2].key, 'c3', counters[3].key)
 redis.call('PEXPIRE', KEYS[19], ARGV[5])
 redis.call('ZADD', KEYS[21], expires, ARGV[7])
-return {'ok', ARGV[2], ARGV[3], ARGV[1], expires, ARGV[8], ARGV[9], ARGV[10]}
+return {'ok', ARGV[2], ARGV[3], ARGV[1], expires, ARGV[8], ARGV[9], ARGV[10],
+        limits[2].weight}
 """
 
 # KEYS 1 reservation hash, 2 settled marker, 3 expiry index, 4..6 the reservation's
@@ -147,6 +150,15 @@ return {1, actual}
 """
 
 
+def _weight(raw: Any) -> float:
+    """The tenant's share weight as its limits store it ('' or absent: 1)."""
+    text = as_str(raw) if raw is not None else ""
+    try:
+        return float(text) if text else 1.0
+    except ValueError:
+        return 1.0
+
+
 def reservation_of(
     reply: Sequence[Any], scope: Scope, request_id: str, cost_micros: int, now: float
 ) -> Reservation:
@@ -161,6 +173,7 @@ def reservation_of(
             created_at=int(reply[3]) / 1_000_000,
             expires_at=int(reply[4]) / 1_000_000,
             replayed=status == "held",
+            weight=_weight(reply[8] if len(reply) > 8 else None),
         )
     if status == "settled":
         return Reservation(

@@ -36,19 +36,25 @@ class Scope:
         return {"org": self.org, "tenant": self.tenant, "key": self.key_id}[level]
 
 
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
+
+
 @dataclass(frozen=True, slots=True)
 class LimitSpec:
     """Limits of one org, tenant or key. ``None`` means unlimited.
 
     ``budget_micros`` applies per ``period`` (UTC day, UTC month, or for all time);
     ``rpm`` / ``tpm`` are requests and worst-case tokens per minute (GCRA, see
-    gateway/tenancy/accounting.py for the burst).
+    gateway/tenancy/accounting.py for the burst). ``weight`` (a tenant's; ``None``:
+    1) is its share of a busy class against other tenants' (gateway/inference/
+    fair_gate.py): weight 2 gets two turns for another's one.
     """
 
     budget_micros: int | None = None
     period: Period = "month"
     rpm: int | None = None
     tpm: int | None = None
+    weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.period not in PERIODS:
@@ -61,6 +67,15 @@ class LimitSpec:
             rate = getattr(self, name)
             if rate is not None and (not is_int(rate) or rate < 1):
                 raise ValueError(f"{name} must be a positive integer or None")
+        w = self.weight
+        if w is not None and (
+            isinstance(w, bool)
+            or not isinstance(w, int | float)
+            or not MIN_WEIGHT <= w <= MAX_WEIGHT
+        ):
+            raise ValueError(
+                f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} or None"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +96,7 @@ class Reservation:
     replayed: bool = False
     settled: bool = False
     charged_micros: int = 0
+    weight: float = 1.0  # the tenant's share weight, read with its limits
 
 
 def period_buckets(now: float) -> dict[Period, str]:

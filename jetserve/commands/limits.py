@@ -23,6 +23,12 @@ def register(sub: Subparsers) -> None:
     ls.add_argument("--period", choices=["day", "month", "total"], default=None)
     ls.add_argument("--rpm", type=int, default=None)
     ls.add_argument("--tpm", type=int, default=None)
+    ls.add_argument(
+        "--weight",
+        type=float,
+        default=None,
+        help="a tenant's share of a busy class against other tenants' (default 1)",
+    )
     lsh = admin_command(actions, "show", _show)
     lsh.add_argument("--level", choices=LEVELS, required=True)
     lsh.add_argument("--id", required=True)
@@ -31,10 +37,11 @@ def register(sub: Subparsers) -> None:
 def _set(admin: AdminClient, args: argparse.Namespace) -> None:
     # Only the flags given change; the others keep their current value.
     current = admin.get_limits(args.level, args.id)
-    limits = {k: current.get(k) for k in ("budget_micros", "period", "rpm", "tpm")}
+    names = ("budget_micros", "period", "rpm", "tpm", "weight")
+    limits = {k: current.get(k) for k in names}
     if args.budget_usd is not None:
         limits["budget_micros"] = round(args.budget_usd * 1_000_000)
-    for name in ("period", "rpm", "tpm"):
+    for name in ("period", "rpm", "tpm", "weight"):
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)
     show(admin.set_limits(args.level, args.id, **limits))

@@ -694,3 +694,19 @@ async def test_a_repeat_settlement_under_the_gateways_redis_user(redis_server: S
         assert await acct.settle_as("acl-never", 1_500, "gw1/admitted") == ("none", 0)
     finally:
         await rds.aclose()
+
+
+async def test_a_reservation_carries_its_tenants_share_weight(acct: Accountant) -> None:
+    scope = Scope("org-w", "tenant-w", "key-w")
+    first = await acct.reserve(scope, "req-w1", 10, 10)
+    assert first.weight == 1.0  # no weight set: 1
+    await acct.set_limits("tenant", "tenant-w", LimitSpec(weight=2.5))
+    assert (await acct.get_limits("tenant", "tenant-w")).weight == 2.5
+    assert (await acct.reserve(scope, "req-w2", 10, 10)).weight == 2.5
+    # A repeated reserve of a held id answers with the weight too.
+    assert (await acct.reserve(scope, "req-w2", 10, 10)).weight == 2.5
+    # A key's or an org's weight is not the tenant's.
+    await acct.set_limits("key", "key-w", LimitSpec(weight=9.0))
+    assert (await acct.reserve(scope, "req-w3", 10, 10)).weight == 2.5
+    with pytest.raises(ValueError, match="weight"):
+        LimitSpec(weight=0.0)

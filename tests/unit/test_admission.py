@@ -153,3 +153,74 @@ async def test_batch_uses_idle_slots_but_not_past_an_interactive_waiter() -> Non
     await adm.release(rank=3)  # freed by batch: interactive's
     await asyncio.wait_for(waiter, 5)
     assert adm.held_lower == 2
+
+
+async def test_a_class_excess_yields_every_slot_to_the_class_in_turn() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=4, reserve=1, starve_after=60))
+    assert adm.try_acquire(0)  # the in-turn puller's slot, held while it polls
+    for _ in range(3):
+        assert adm.try_acquire(0, excess=True)  # a flood's excess takes what is free
+    assert not adm.try_acquire(0, excess=True)
+    # The in-turn puller started its request and wants the next slot: it waits,
+    # and the excess takes no slot while it does, not even one freed by the excess.
+    in_turn = asyncio.create_task(adm.acquire(0))
+    await _until(lambda: adm.in_turn_waiters[0] == 1)
+    excess = asyncio.create_task(adm.acquire(0, excess=True))
+    await _until(lambda: adm.waiters == 2)
+    await adm.release()
+    await asyncio.wait_for(in_turn, 5)
+    assert not excess.done()
+    await adm.release()  # no in-turn waiter now: the excess has it
+    await asyncio.wait_for(excess, 5)
+    assert adm.held == 4
+    assert adm.in_turn_waiters[0] == 0
+    # A lower class's in-turn puller does not hold back interactive's excess.
+    batch = asyncio.create_task(adm.acquire(1))
+    await _until(lambda: adm.in_turn_waiters[1] == 1)
+    await adm.release()
+    assert adm.try_acquire(0, excess=True)
+    batch.cancel()
+    await asyncio.gather(batch, return_exceptions=True)
+
+
+async def test_with_one_slot_the_excess_still_runs_beside_the_polling_puller() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=1, reserve=1, starve_after=60))
+    assert adm.try_acquire(0)  # the in-turn puller, polling
+    assert adm.try_acquire(0, excess=True)  # one more: a flood is not starved
+    assert not adm.try_acquire(0, excess=True)
+    await adm.release(rank=0, excess=True)
+    assert adm.held_excess == 0
+    assert adm.held == 1
+
+
+async def test_a_lower_class_excess_never_counts_as_starved() -> None:
+    # One slot: interactive waits for it while a lower class's excess waits too.
+    # Counted as starved, the excess would make interactive leave the slot free
+    # for it, and the excess yields to interactive: neither would ever have it.
+    adm = Admission(AdmissionConfig(max_inflight=1, reserve=1, starve_after=0.05))
+    assert adm.try_acquire(0)
+    assert adm.try_acquire(1, excess=True)  # the one beside
+    excess = asyncio.create_task(adm.acquire(1, excess=True))
+    interactive = asyncio.create_task(adm.acquire(0))
+    await _until(lambda: adm.in_turn_waiters[0] == 1)
+    await asyncio.sleep(0.2)  # well past starve_after
+    assert adm.starved_lower == 0
+    await adm.release(rank=1, excess=True)
+    await adm.release()
+    await asyncio.wait_for(interactive, 5)
+    excess.cancel()
+    await asyncio.gather(excess, return_exceptions=True)
+
+
+async def test_an_idle_excess_polls_only_as_a_lower_class_does() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=4, reserve=1, starve_after=60))
+    for _ in range(3):
+        assert adm.try_acquire(0)
+    # One slot free: an excess whose last pull found nothing leaves it to the
+    # class (polling an empty queue must not keep a slot from a saturated one)...
+    assert not adm.try_acquire(0, excess=True, idle=True)
+    # ...one with work takes it.
+    assert adm.try_acquire(0, excess=True)
+    await adm.release(rank=0, excess=True)
+    await adm.release()
+    assert adm.try_acquire(0, excess=True, idle=True)  # two free: it may poll

@@ -11,16 +11,18 @@ from typing import Any, cast
 import pytest
 
 from gateway.errors import RateLimited
-from gateway.inference.fair_gate import MIN_BACKLOG, DeadlinePassed, FairGate
+from gateway.inference.fair_gate import IN_TURN_BURST, MIN_BACKLOG, DeadlinePassed, FairGate
 from gateway.inference.shedding import QueueWatch
 from streams.definitions import DEFAULT_TOPOLOGY
 
 CLS = "interactive"
 
 
-def gate_and_load() -> tuple[FairGate, Any]:
-    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)  # never started: numbers set here
-    return FairGate(watch), watch.loads[CLS]
+def gate_and_load(burst: float = 1.0) -> tuple[FairGate, Any]:
+    """A gate on numbers set here (its watch never started); ``burst`` 1 by default:
+    a tenant passes at once only with no turn owed, so the orders below are exact."""
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    return FairGate(watch, burst=burst), watch.loads[CLS]
 
 
 async def test_a_class_without_a_queue_lets_requests_straight_through() -> None:
@@ -37,21 +39,42 @@ async def test_a_class_without_a_queue_lets_requests_straight_through() -> None:
 async def test_tenants_go_in_turn_once_the_class_has_a_queue() -> None:
     gate, load = gate_and_load()
     load.depth, load.rate, load.at = 100, 10.0, time.monotonic()  # a queue: nobody passes
-    order: list[str] = []
+    order: list[tuple[str, bool]] = []
 
     async def one(tenant: str) -> None:
-        await gate.enter(CLS, tenant, time.time() + 30)
-        order.append(tenant)
+        excess = await gate.enter(CLS, tenant, time.time() + 30)
+        order.append((tenant, excess))
 
     tasks = [asyncio.create_task(one("a")) for _ in range(5)]
     await asyncio.sleep(0)
+    # a's first was in turn (nothing of a's owed): it went at once; the rest wait.
+    assert order == [("a", False)]
+    assert gate.of(CLS).waiting == 4
     tasks.append(asyncio.create_task(one("b")))
     await asyncio.sleep(0)
+    assert order[-1] == ("b", False)  # b's first is in turn too: at once, not queued
+    tasks += [asyncio.create_task(one("b")) for _ in range(2)]
+    await asyncio.sleep(0)
     assert gate.of(CLS).waiting == 6
-    # The queue drained, and the fleet starts them fast: they go, in turn.
+    # The queue drained, and the fleet starts them fast: they go, in turn, and
+    # (another tenant around) to the class's excess subject while more of their
+    # tenant's wait behind them; a tenant's last one goes in turn.
     load.depth, load.rate, load.at = 0, 1000.0, time.monotonic()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
-    assert order == ["a", "b", "a", "a", "a", "a"]  # b's first before a's second
+    apart = [i not in (3, 5) for i in range(6)]  # a tenant's last waiting goes in turn
+    assert order[2:] == list(zip("ababaa", apart, strict=True))
+    assert (gate.of(CLS).in_turn, gate.of(CLS).excess) == (2, 4)
+
+
+async def test_a_tenant_alone_in_its_class_keeps_the_class_subject() -> None:
+    gate, load = gate_and_load()
+    load.depth, load.rate, load.at = 100, 10.0, time.monotonic()
+    tasks = [asyncio.create_task(gate.enter(CLS, "a", time.time() + 30)) for _ in range(4)]
+    await asyncio.sleep(0)
+    load.depth, load.rate, load.at = 0, 1000.0, time.monotonic()
+    # Nobody else around: no slot is kept from it for anyone.
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 5) == [False] * 4
+    await gate.stop()
 
 
 async def test_a_request_is_refused_by_its_own_tenants_queue() -> None:
@@ -63,7 +86,9 @@ async def test_a_request_is_refused_by_its_own_tenants_queue() -> None:
     with pytest.raises(RateLimited) as info:
         await gate.enter(CLS, "a", time.time() + 5)
     assert info.value.code == "deadline_unmeetable"
-    # b's first is judged by b's queue (empty): it waits its turn instead.
+    # b's first is judged by b's queue (empty): in turn, it goes at once; b's
+    # second waits its turn (a's flood ahead does not refuse it).
+    assert await asyncio.wait_for(gate.enter(CLS, "b", time.time() + 5), 1) is False
     b = asyncio.create_task(gate.enter(CLS, "b", time.time() + 5))
     await asyncio.sleep(0)
     assert not b.done()
@@ -76,6 +101,7 @@ async def test_a_request_is_refused_by_its_own_tenants_queue() -> None:
 async def test_a_wait_past_the_deadline_ends_504() -> None:
     gate, load = gate_and_load()
     load.depth, load.rate, load.at = 500, 1000.0, time.monotonic()  # due in ~0.5 s
+    await gate.enter(CLS, "a", time.time() + 2.0)  # in turn: at once; a owes one now
     waiting = asyncio.create_task(gate.enter(CLS, "a", time.time() + 2.0))
     await asyncio.sleep(0)
     # The next look: the queue has not moved, the fleet has all but stopped.
@@ -84,4 +110,38 @@ async def test_a_wait_past_the_deadline_ends_504() -> None:
         await waiting
     assert (info.value.status, info.value.code) == (504, "deadline_exceeded")
     assert gate.of(CLS).waiting == 0
+    await gate.stop()
+
+
+async def test_a_tenant_of_weight_two_gets_two_turns_for_one() -> None:
+    gate, load = gate_and_load(burst=0.0)  # nobody passes at once: every request waits
+    load.depth, load.rate, load.at = 100, 10.0, time.monotonic()
+    order: list[str] = []
+
+    async def one(tenant: str, weight: float) -> None:
+        await gate.enter(CLS, tenant, time.time() + 30, weight)
+        order.append(tenant)
+
+    tasks = [asyncio.create_task(one(t, w)) for t, w in [("a", 1.0), ("b", 2.0)] * 6]
+    await asyncio.sleep(0)
+    assert gate.of(CLS).waiting == 12
+    load.depth, load.rate, load.at = 0, 1000.0, time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    # b's tags advance by 1/2 a turn, a's by 1: b goes twice as often.
+    assert "".join(order[:9]) == "babbabbab"
+    await gate.stop()
+
+
+async def test_a_light_tenant_passes_a_short_burst_at_once() -> None:
+    gate, load = gate_and_load(burst=IN_TURN_BURST)
+    load.depth, load.rate, load.at = 100, 10.0, time.monotonic()
+    # Nothing released meanwhile (a saturated class): up to the burst at once...
+    for _ in range(int(IN_TURN_BURST)):
+        assert await asyncio.wait_for(gate.enter(CLS, "b", time.time() + 30), 1) is False
+    # ...then it waits its turn like anyone.
+    waiting = asyncio.create_task(gate.enter(CLS, "b", time.time() + 30))
+    await asyncio.sleep(0)
+    assert gate.of(CLS).waiting == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
     await gate.stop()

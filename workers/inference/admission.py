@@ -29,6 +29,13 @@ Classes are ranked, and split without preemption (what runs, runs to its end):
 (Before this split a starved lower class competed for every slot as an equal,
 and under saturation it was always starved: a half-batch mix doubled
 interactive TTFT.)
+
+Within a class, tenants: a class's excess subject carries what gateways held
+back from tenants over their turn (gateway/inference/fair_gate.py). Its puller
+takes a slot by its class's rule, and only while no in-turn puller of its class
+or a higher one waits for a slot. The in-turn puller holds its slot while it
+polls, so a tenant sending in turn finds a puller ready while another floods:
+its request starts at once instead of after the flood's queue.
 """
 
 from __future__ import annotations
@@ -61,7 +68,9 @@ class Admission:
         self.block_size = cfg.block_size
         self.held = 0  # slots held: polling fetchers and in-flight requests
         self.held_lower = 0  # of those, by lower-ranked classes
+        self.held_excess = 0  # of those, by excess pullers
         self.top_waiters = 0  # top-class pullers waiting for a slot now
+        self.in_turn_waiters: collections.Counter[int] = collections.Counter()  # by rank
         self._top_waited_at = -math.inf  # loop time a top-class puller last waited
         self.starved_lower = 0  # lower-class pullers past starve_after, waiting now
         self.waiters = 0  # pull loops and held messages waiting for room now
@@ -111,53 +120,83 @@ class Admission:
             return free >= 1
         return free >= 1 + self.cfg.reserve and not self._top_busy()
 
+    def _excess_room(self, rank: int, starved: bool, idle: bool = False) -> bool:
+        """A class's excess: by its class's rule, while no in-turn request of the
+        class or a higher one waits for a slot; while its queue was empty at the
+        last look (``idle``), only while ``reserve`` more stay free, so that
+        polling an empty excess does not take a saturated class's last slot.
+        With one slot, which the in-turn
+        puller holds while it polls, the excess may have one more (the engine
+        then queues an in-turn request behind it, as without the split)."""
+        if any(self.in_turn_waiters[r] for r in range(rank + 1)):
+            return False
+        if self.cfg.max_inflight == 1:
+            return not self._closed and self.held_excess == 0 and self.held <= 1
+        if idle and self.free_slots() < 1 + self.cfg.reserve:
+            return False
+        return self._room(rank, starved)
+
     def _top_busy(self) -> bool:
         if self.top_waiters:
             return True
         now = asyncio.get_running_loop().time()
         return now - self._top_waited_at < self.cfg.starve_after
 
-    def _take(self, rank: int) -> None:
+    def _take(self, rank: int, excess: bool = False) -> None:
         self.held += 1
-        if rank:
-            self.held_lower += 1
+        self.held_lower += rank > 0
+        self.held_excess += excess
 
-    async def acquire(self, rank: int) -> bool:
-        """Wait for a slot; rank 0 is the top class. False once closed."""
-        return await self._await_room(rank, take=True)
+    async def acquire(self, rank: int, excess: bool = False, idle: bool = False) -> bool:
+        """Wait for a slot; rank 0 is the top class, ``excess`` its excess
+        subject's puller (``idle``: its last pull found nothing). False once closed."""
+        return await self._await_room(rank, take=True, excess=excess, idle=idle)
 
     async def wait_room(self, rank: int) -> bool:
         """Wait until a slot is free without taking it (pull requests may go out
         while one could be served); False once closed."""
         return await self._await_room(rank, take=False)
 
-    async def _await_room(self, rank: int, *, take: bool) -> bool:
+    async def _await_room(
+        self, rank: int, *, take: bool, excess: bool = False, idle: bool = False
+    ) -> bool:
         loop = asyncio.get_running_loop()
         since = loop.time()
         counted_starved = False
         async with self._cond:
             try:
                 while not self._closed:
-                    starved = rank > 0 and loop.time() - since >= self.cfg.starve_after
+                    # (An excess is never starved: the floor is for the class's
+                    # requests in turn; counted, it would hold a slot free for a
+                    # puller that yields it to the very waiter holding it free.)
+                    starved = (
+                        rank > 0 and not excess and loop.time() - since >= self.cfg.starve_after
+                    )
                     if starved and not counted_starved:
                         self.starved_lower += 1
                         counted_starved = True
-                    if self._room(rank, starved):
+                    if (
+                        self._excess_room(rank, starved, idle)
+                        if excess
+                        else self._room(rank, starved)
+                    ):
                         if take:
-                            self._take(rank)
+                            self._take(rank, excess)
                         return True
                     # Wake periodically: starvation is a function of time, not events.
-                    await self._wait(rank)
+                    await self._wait(rank, excess)
                 return False
             finally:
                 if counted_starved:
                     self.starved_lower -= 1
 
-    async def _wait(self, rank: int) -> None:
+    async def _wait(self, rank: int, excess: bool = False) -> None:
         """One wait for a change (or a quarter of ``starve_after``), counted in
-        ``waiters`` (and ``top_waiters``); the condition's lock is held."""
+        ``waiters`` (and ``top_waiters``, ``in_turn_waiters``); the condition's
+        lock is held."""
         self.waiters += 1
         self.top_waiters += rank == 0
+        self.in_turn_waiters[rank] += not excess
         if rank == 0:
             self._top_waited_at = asyncio.get_running_loop().time()
         try:
@@ -168,21 +207,23 @@ class Admission:
         finally:
             self.waiters -= 1
             self.top_waiters -= rank == 0
+            self.in_turn_waiters[rank] -= not excess
             if rank == 0:
                 self._top_waited_at = asyncio.get_running_loop().time()
 
-    def try_acquire(self, rank: int) -> bool:
+    def try_acquire(self, rank: int, excess: bool = False, idle: bool = False) -> bool:
         """A slot now or never (a message already in hand: the lane puller)."""
-        if self._closed or not self._room(rank, starved=False):
+        room = self._excess_room(rank, False, idle) if excess else self._room(rank, False)
+        if self._closed or not room:
             return False
-        self._take(rank)
+        self._take(rank, excess)
         return True
 
-    async def release(self, blocks: int = 0, rank: int = 0) -> None:
+    async def release(self, blocks: int = 0, rank: int = 0, excess: bool = False) -> None:
         async with self._cond:
             self.held -= 1
-            if rank:
-                self.held_lower -= 1
+            self.held_lower -= rank > 0
+            self.held_excess -= excess
             self.reserved_blocks -= blocks
             self._cond.notify_all()
 
@@ -225,21 +266,23 @@ class Admission:
             self._closed = True
             self._cond.notify_all()
 
-    def slots(self, rank: int) -> RankSlots:
-        """One class's view of the slots, for its pull loop (``streams.consumer.Slots``)."""
-        return RankSlots(self, rank)
+    def slots(self, rank: int, excess: bool = False) -> RankSlots:
+        """One class's view of the slots (``excess``: its excess subject's), for
+        its pull loop (``streams.consumer.Slots``)."""
+        return RankSlots(self, rank, excess)
 
 
 @dataclass(frozen=True)
 class RankSlots:
     admission: Admission
     rank: int
+    excess: bool = False
 
-    async def acquire(self) -> bool:
-        return await self.admission.acquire(self.rank)
+    async def acquire(self, idle: bool = False) -> bool:
+        return await self.admission.acquire(self.rank, self.excess, idle)
 
-    def try_acquire(self) -> bool:
-        return self.admission.try_acquire(self.rank)
+    def try_acquire(self, idle: bool = False) -> bool:
+        return self.admission.try_acquire(self.rank, self.excess, idle)
 
     async def release(self) -> None:
-        await self.admission.release(rank=self.rank)
+        await self.admission.release(rank=self.rank, excess=self.excess)

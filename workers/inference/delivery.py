@@ -68,6 +68,6 @@ def delivery_limit(topo: Topology, msg: Msg) -> int:
             if consumer == topo.lane_consumer_name(cls, lane):
                 return int(topo.lane_consumer_config(cls, lane)["max_deliver"])
     for cls in topo.classes:
-        if consumer == topo.consumer_name(cls):
+        if consumer in (topo.consumer_name(cls), topo.excess_consumer_name(cls)):
             return topo.consumer_config(cls).max_deliver or topo.limits.max_deliver
     return topo.limits.max_deliver

@@ -34,7 +34,7 @@ from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.marks import CancelMarks, FailureCounts
 from streams.provision import await_topology
 from streams.routes import Deployment
-from streams.subjects import RequestClass, class_of
+from streams.subjects import RequestClass, class_of, excess_subject
 from streams.tasks import stop_task
 from streams.tracing import Tracer
 from streams.wire import InferenceRequest, Usage, decode_request
@@ -59,6 +59,9 @@ DEFAULT_CLASSES = (
     RequestClass.EMBED,
     RequestClass.BATCH,
 )
+
+
+EXCESS_POLL_S = 0.05  # a class's excess subject: each pull's expiry
 
 
 @dataclass(frozen=True)
@@ -135,27 +138,36 @@ class Worker:
             await self._cancels.start()
             await self._observe_engine()
             for rank, cls in enumerate(cfg.classes):
-                sub = await js.pull_subscribe_bind(topo.consumer_name(cls), topo.stream)
                 # One message per pull, and only with a slot in hand. A polling
                 # fetch holds its slot, so lower classes poll briefly: an idle
-                # batch queue does not keep slots from interactive work.
+                # batch queue does not keep slots from interactive work, and a
+                # class's excess (a flood's, held back by the gateways) polls as
+                # briefly: its slots go first to the class's in-turn requests.
                 # Embeddings waiting behind one may share its batch
                 # (workers/inference/batching.py).
                 more = cfg.embed_batch_max - 1 if cls is RequestClass.EMBED else 0
-                poll = cfg.poll_s if rank == 0 else cfg.poll_s / 4
-                idle = cfg.idle_poll_s if rank == 0 else cfg.idle_poll_s / 4
-                slots = self.admission.slots(rank)
-                self.consumer.add(
-                    PullLoop(
-                        sub,
-                        self.consumer.start,
-                        slots=slots,
-                        poll_s=poll,
-                        more=more,
-                        idle_poll_s=idle,
-                        quiet=self._quiet,
+                pullers = [(topo.consumer_name(cls), False)]
+                if cls in topo.excess_classes:
+                    pullers.append((topo.excess_consumer_name(cls), True))
+                for durable, excess in pullers:
+                    brief = rank > 0 or excess
+                    poll = cfg.poll_s / 4 if brief else cfg.poll_s
+                    sub = await js.pull_subscribe_bind(durable, topo.stream)
+                    self.consumer.add(
+                        PullLoop(
+                            sub,
+                            self.consumer.start,
+                            slots=self.admission.slots(rank, excess),
+                            # An excess is empty but for floods: short pulls,
+                            # resting between them without a slot, so a burst
+                            # of in-turn work finds its slots free.
+                            poll_s=EXCESS_POLL_S if excess else poll,
+                            more=more,
+                            idle_poll_s=cfg.idle_poll_s / 4 if brief else cfg.idle_poll_s,
+                            quiet=self._quiet,
+                            rest_s=poll if excess else None,
+                        )
                     )
-                )
             members = Membership(js, cfg.worker_id, topo.replicas)
             await members.start()
             self.lanes = [
@@ -271,7 +283,8 @@ class Worker:
             finally:
                 self.metrics.inflight.dec()
         finally:
-            await self.admission.release(blocks, self._rank_of(msg))
+            excess = msg.subject == excess_subject(class_of(msg.subject))
+            await self.admission.release(blocks, self._rank_of(msg), excess)
             self.metrics.kv_headroom.set(self.admission.headroom())
 
     async def _reserve(self, msg: Msg, req: InferenceRequest) -> int:

@@ -188,7 +188,9 @@ class Driver:
         shot: Shot,
         sent: float,
     ) -> None:
-        url = f"{self.fleet.base_url}/v1/chat/completions"
+        # Across the fleet's gateways in turn (one, mostly).
+        bases = self.fleet.base_urls
+        url = f"{bases[self._turn % len(bases)]}/v1/chat/completions"
         async with client.stream("POST", url, json=payload, headers=headers) as r:
             shot.status = r.status_code
             shot.request_id = r.headers.get("x-request-id")

@@ -1,12 +1,17 @@
 """`jetserve bench fleet --scenario fairness`: what one tenant's flood does to
 another tenant's latency in the same class (issue 15's measure).
 
-One replica (worker + h100-8b engine, 4 sequences at a time). Capacity first
-(the completion rate under overload), then two runs of the same length:
+Two setups: one gateway and one replica (worker + h100-8b engine, 4 sequences
+at a time), then two gateways and four replicas (requests alternate between
+the gateways). For each, capacity first (the completion rate under overload),
+then two runs of the same length:
 
 - tenant B alone at a tenth of capacity;
 - tenant B at the same rate while tenant A offers five times capacity (ten
-  times its fair half).
+  times its fair half). A starts :data:`FLOOD_LEAD_S` earlier: B is measured
+  while A floods, not while the gateways first find the queue (the requests A
+  sent before a look found it are queued in the class's own subject, where
+  B's first requests wait behind them).
 
 B's TTFT percentiles side by side, with A's outcome; the goal is B's p99 within
 1.5x of B alone. Both tenants send the same class (interactive) and the same
@@ -24,13 +29,18 @@ from jetserve.bench.fleet.client import Driver, MakeRequest, Shot, chat, summari
 from jetserve.fleet import Fleet, FleetSpec
 
 DEADLINE_S = 10.0
-SIM = ["--max-num-seqs", "4"]
+FLOOD_LEAD_S = 4.0
+# (gateways, replicas, output tokens): the fleet's requests are longer, so that
+# five times its capacity stays within what one 2-core machine can offer and
+# drive (at 48 tokens the flood alone would be ~90 req/s of streams).
+SETUPS = ((1, 1, 48), (2, 4, 160))
+SIM = ["--max-num-seqs", "4"]  # vLLM's max_num_seqs: 4 sequences at a time
 WORKER = ["--max-inflight", "4"]
 
 
-def _make(key: str) -> MakeRequest:
+def _make(key: str, tokens: int) -> MakeRequest:
     def make(rng: random.Random, i: int) -> tuple[str, dict[str, Any], dict[str, str]]:
-        body = chat(None, f"Request {i}: summarise the ticket queue.", 48)
+        body = chat(None, f"Request {i}: summarise the ticket queue.", tokens)
         return (
             "interactive",
             body,
@@ -43,10 +53,15 @@ def _make(key: str) -> MakeRequest:
     return make
 
 
-def _start() -> tuple[Fleet, str]:
+def _start(gateways: int, replicas: int) -> tuple[Fleet, str]:
     fleet = Fleet(
         FleetSpec(
-            workers=1, engine_per_worker=True, profile="h100-8b", sim_args=SIM, worker_args=WORKER
+            workers=replicas,
+            gateways=gateways,
+            engine_per_worker=True,
+            profile="h100-8b",
+            sim_args=SIM,
+            worker_args=WORKER,
         )
     ).start()
     with fleet.admin() as admin:
@@ -56,46 +71,65 @@ def _start() -> tuple[Fleet, str]:
     return fleet, key
 
 
-async def _drive(fleet: Fleet, seed: int, rate: float, duration: float, key: str) -> list[Shot]:
+async def _drive(
+    fleet: Fleet, seed: int, rate: float, duration: float, key: str, tokens: int
+) -> list[Shot]:
     driver = Driver(fleet, seed, DEADLINE_S + 10)
     try:
-        return await driver.run(rate, duration, _make(key))
+        return await driver.run(rate, duration, _make(key, tokens))
     finally:
         await driver.aclose()
 
 
-async def fairness(seed: int, duration: float) -> dict[str, Any]:
-    fleet, flood_key = await asyncio.to_thread(_start)
+async def _setup(
+    seed: int, duration: float, gateways: int, replicas: int, tokens: int
+) -> dict[str, Any]:
+    fleet, flood_key = await asyncio.to_thread(_start, gateways, replicas)
     try:
         await asyncio.sleep(1.5)  # lane priorities settle
-        probe = await _drive(fleet, seed, 40.0, 8.0, fleet.api_key or "")
+        probe = await _drive(fleet, seed, 10.0 * replicas, 8.0, fleet.api_key or "", tokens)
         ends = sorted(s.sent + (s.e2e or 0) for s in probe if s.outcome == "ok")
         capacity = len(ends) / max(ends[-1] - ends[0], 1e-3) if len(ends) > 1 else 1.0
         b_rate, a_rate = capacity / 10, capacity * 5
         await asyncio.sleep(DEADLINE_S)  # the probe's queue drains or expires
-        alone = await _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or "")
+        alone = await _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or "", tokens)
         await asyncio.sleep(2.0)
-        b_shots, a_shots = await asyncio.gather(
-            _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or ""),
-            _drive(fleet, seed + 2, a_rate, duration, flood_key),
+        flood = asyncio.create_task(
+            _drive(fleet, seed + 2, a_rate, duration + FLOOD_LEAD_S, flood_key, tokens)
         )
+        await asyncio.sleep(FLOOD_LEAD_S)
+        b_shots = await _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or "", tokens)
+        a_shots = await flood
     finally:
         await asyncio.to_thread(fleet.stop)
+    where = f"{gateways} gateway{'s' if gateways > 1 else ''}, {replicas} replica"
+    where += "s" if replicas > 1 else ""
     rows = [
-        summarize("tenant B alone", alone, duration),
-        summarize("tenant B, tenant A flooding", b_shots, duration),
-        summarize("  tenant A (the flood)", a_shots, duration),
+        summarize(f"tenant B alone ({where})", alone, duration),
+        summarize(f"tenant B, tenant A flooding ({where})", b_shots, duration),
+        summarize(f"  tenant A (the flood, {where})", a_shots, duration + FLOOD_LEAD_S),
     ]
+    setup = {
+        "gateways": gateways,
+        "replicas": replicas,
+        "output_tokens": tokens,
+        "capacity_rps": round(capacity, 2),
+        "tenant_b_rps": round(b_rate, 2),
+        "tenant_a_rps": round(a_rate, 2),
+    }
+    return {"setup": setup, "rows": [asdict(r) for r in rows]}
+
+
+async def fairness(seed: int, duration: float) -> dict[str, Any]:
+    runs = [await _setup(seed, duration, g, r, t) for g, r, t in SETUPS]
     return {
         "scenario": "fairness",
         "setup": {
-            "replicas": 1,
             "max_num_seqs": 4,
             "deadline_s": DEADLINE_S,
-            "capacity_rps": round(capacity, 2),
-            "tenant_b_rps": round(b_rate, 2),
-            "tenant_a_rps": round(a_rate, 2),
             "duration_s": duration,
+            "flood_lead_s": FLOOD_LEAD_S,
+            "runs": [run["setup"] for run in runs],
         },
-        "rows": [asdict(r) for r in rows],
+        "rows": [row for run in runs for row in run["rows"]],
     }
