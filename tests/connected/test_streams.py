@@ -47,10 +47,15 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
         assert info.config.subjects == [f"jetserve.req.{c.value}" for c in RequestClass] + [
             "jetserve.req.interactive.*",
             "jetserve.req.batch.*",
+            "jetserve.req.embed.excess",  # the lane classes' wildcards hold theirs
         ]
         for cls in RequestClass:
             ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls.value}")
             assert ci.config.filter_subject == f"jetserve.req.{cls.value}"
+        # The excess of the classes a gateway gates by tenant, one consumer each.
+        for cls in ("interactive", "batch", "embed"):
+            ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls}-excess")
+            assert ci.config.filter_subject == f"jetserve.req.{cls}.excess"
         # Lane consumers: one per lane, in the priority group (raw API fields).
         raw = await conns[0].request("$JS.API.CONSUMER.INFO.JETSERVE_REQ.workers-batch-l15", b"")
         config = json.loads(raw.data)["config"]
