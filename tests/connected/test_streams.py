@@ -53,9 +53,9 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
             ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls.value}")
             assert ci.config.filter_subject == f"jetserve.req.{cls.value}"
         # The excess of the classes a gateway gates by tenant, one consumer each.
-        for cls in ("interactive", "batch", "embed"):
-            ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls}-excess")
-            assert ci.config.filter_subject == f"jetserve.req.{cls}.excess"
+        for gated in ("interactive", "batch", "embed"):
+            ci = await js.consumer_info("JETSERVE_REQ", f"workers-{gated}-excess")
+            assert ci.config.filter_subject == f"jetserve.req.{gated}.excess"
         # Lane consumers: one per lane, in the priority group (raw API fields).
         raw = await conns[0].request("$JS.API.CONSUMER.INFO.JETSERVE_REQ.workers-batch-l15", b"")
         config = json.loads(raw.data)["config"]

@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
+
+import msgspec
 
 from jetserve.bench.fleet.client import Driver, MakeRequest, Shot, chat, summarize
 from jetserve.fleet import Fleet, FleetSpec
 
 DEADLINE_S = 10.0
+LEDGER_WAIT_S = 60.0  # for the flood's last records (the outbox scan runs every 5 s)
 FLOOD_LEAD_S = 4.0
 # (gateways, replicas, output tokens): the fleet's requests are longer, so that
 # five times its capacity stays within what one 2-core machine can offer and
@@ -100,6 +105,7 @@ async def _setup(
         await asyncio.sleep(FLOOD_LEAD_S)
         b_shots = await _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or "", tokens)
         a_shots = await flood
+        books = await asyncio.to_thread(_books, fleet, "flood", a_shots)
     finally:
         await asyncio.to_thread(fleet.stop)
     where = f"{gateways} gateway{'s' if gateways > 1 else ''}, {replicas} replica"
@@ -116,8 +122,33 @@ async def _setup(
         "capacity_rps": round(capacity, 2),
         "tenant_b_rps": round(b_rate, 2),
         "tenant_a_rps": round(a_rate, 2),
+        "flood_ledger": books,
     }
     return {"setup": setup, "rows": [asdict(r) for r in rows]}
+
+
+def _books(fleet: Fleet, tenant: str, shots: list[Shot]) -> dict[str, Any]:
+    """The flood's accepted requests against its ledger: each must have one
+    record, whatever the driver saw (a starved driver may see no end of a
+    stream the gateway ended). Waits (bounded) for records still in the outbox."""
+    accepted = {s.request_id for s in shots if s.request_id}
+    unseen = {s.request_id for s in shots if s.request_id and s.outcome == "lost"}
+    deadline = time.monotonic() + LEDGER_WAIT_S
+    while True:
+        with fleet.admin() as admin:
+            rows = [msgspec.json.decode(x) for x in admin.ledger(tenant).splitlines() if x]
+        ids = Counter(str(r["request_id"]) for r in rows)
+        if accepted <= set(ids) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    ends = Counter(str(r["outcome"]) for r in rows if r["request_id"] in unseen)
+    return {
+        "accepted": len(accepted),
+        "recorded": len(accepted & set(ids)),
+        "recorded_twice": sum(1 for rid in accepted if ids[rid] > 1),
+        "driver_saw_no_end": len(unseen),
+        "their_recorded_outcomes": dict(ends),
+    }
 
 
 async def fairness(seed: int, duration: float) -> dict[str, Any]:
