@@ -106,14 +106,17 @@ async def test_what_cannot_meet_its_deadline_is_refused_early(
     }
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as client:
 
-        async def ask(i: int) -> httpx.Response:
+        async def ask(i: int, deadline_s: str = "4") -> httpx.Response:
             return await client.post(
-                f"{fleet.base_url}/v1/chat/completions", json=body(i, 16), headers=headers
+                f"{fleet.base_url}/v1/chat/completions",
+                json=body(i, 16),
+                headers={**headers, "X-Jetserve-Timeout": deadline_s},
             )
 
-        # A first wave, all of which can make it, teaches the gateway the
-        # fleet's start rate under load.
-        first = await asyncio.gather(*(ask(i) for i in range(3)))
+        # A first wave teaches the gateway the fleet's start rate under load. Its
+        # deadline is loose: three ~1 s requests in turn must not race a 4 s
+        # clock on a loaded machine (they are not what this test judges).
+        first = await asyncio.gather(*(ask(i, deadline_s="60") for i in range(3)))
         await asyncio.sleep(0.5)
         t0 = time.monotonic()
         second = await asyncio.gather(*(ask(100 + i) for i in range(30)))
