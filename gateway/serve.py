@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -52,9 +53,35 @@ def _config(
     )
 
 
+def shared_socket(host: str, port: int) -> socket.socket:
+    """The public listener with SO_REUSEPORT: several gateway processes bind the
+    same port and the kernel spreads new connections over them (docs/bench.md,
+    "Scale up on one node"). Each process keeps its own runtime and NATS/Redis
+    connections; a connection stays with the process that accepted it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 async def serve(
-    cfg: GatewayConfig, host: str, port: int, *, log_level: str = "warning", grace: float = 30.0
+    cfg: GatewayConfig,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "warning",
+    grace: float = 30.0,
+    reuse_port: bool = False,
 ) -> None:
+    # Bound before the runtime opens, so a taken port fails at once.
+    public = shared_socket(host, port) if reuse_port else None
     async with open_runtime(cfg) as rt:
         servers = [_Server(_config(cfg, create_app(rt), host, port, log_level, grace))]
         if cfg.admin_port is not None:
@@ -75,4 +102,7 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
-        await asyncio.gather(*(s.serve() for s in servers))
+        await asyncio.gather(
+            servers[0].serve(sockets=[public] if public is not None else None),
+            *(s.serve() for s in servers[1:]),
+        )

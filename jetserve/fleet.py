@@ -48,6 +48,8 @@ class FleetSpec:
     workers: int = 2
     gateway_port: int = 0
     gateways: int = 1  # several replicas share NATS and Redis (the multi-gateway tests)
+    # The gateways bind one public port with SO_REUSEPORT (scale up on one node).
+    gateways_share_port: bool = False
     nats_nodes: int = 1  # 3: a JetStream cluster, every stream R3
     export_spans: bool = False  # OpenTelemetry spans to <workdir>/<process>.spans.jsonl
     profile: str = "fast"
@@ -349,7 +351,11 @@ class Fleet:
 
     def start_gateway(self, wait: bool = True) -> Proc:
         n = len(self.gateways)
-        port = (self.spec.gateway_port if n == 0 else 0) or free_port()
+        shared = self.spec.gateways_share_port
+        if shared and n > 0:
+            port = self.gateway_ports[0]
+        else:
+            port = (self.spec.gateway_port if n == 0 else 0) or free_port()
         admin_port = free_port()
         metrics_port = free_port()
         gw = self._spawn(
@@ -361,6 +367,7 @@ class Fleet:
             self.redis_url_of("gateway"),
             "--port",
             str(port),
+            *(["--reuse-port"] if shared else []),
             "--admin-port",
             str(admin_port),
             "--metrics-port",
@@ -388,16 +395,23 @@ class Fleet:
     def wait_gateway(self, n: int) -> None:
         """Until gateway ``n`` is ready and serves its metrics."""
         gw = self.gateways[n]
-        self._wait_ready(gw, self.gateway_ports[n])
+        if self.spec.gateways_share_port:
+            # The shared port may answer from another process: this one is ready
+            # once its own metrics listener serves (its runtime is open by then).
+            self._wait_ready(gw, self.gateway_metrics_ports[n], path="/metrics")
+        else:
+            self._wait_ready(gw, self.gateway_ports[n])
         wait_port(self.gateway_metrics_ports[n], 10.0, gw.proc)  # its own listener
 
-    def _wait_ready(self, gw: Proc, port: int, timeout: float = 30.0) -> None:
+    def _wait_ready(
+        self, gw: Proc, port: int, timeout: float = 30.0, path: str = "/readyz"
+    ) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if gw.proc.poll() is not None:
                 raise ServiceError(f"gateway exited ({gw.proc.returncode}); see {self.workdir}")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1.0).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -89,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--profile", default="fast", help="simulator profile (fast: zero latency)")
     f.add_argument("--workers", type=int, default=2, help="jetserve workers")
     f.add_argument("--gateways", type=int, default=1, help="jetserve gateway replicas")
+    f.add_argument("--share-port", action="store_true",
+                   help="the gateways bind one port with SO_REUSEPORT")  # fmt: skip
+    f.add_argument("--engine", default=None, metavar="URL",
+                   help="a running OpenAI-compatible engine instead of the simulator")  # fmt: skip
     f.add_argument("--litellm", choices=["auto", "yes", "install", "no"], default="auto",
                    help="LiteLLM peer (auto: when installed)")  # fmt: skip
     f.add_argument("--sim-arg", action="append", default=[], help="extra simulator flag")
@@ -253,6 +257,8 @@ def cmd_capacity(args: argparse.Namespace, argv: list[str]) -> int:
         profile=args.profile,
         workers=args.workers,
         gateways=args.gateways,
+        share_port=args.share_port,
+        engine_url=args.engine,
         model=args.model,
         litellm=args.litellm,
         sim_args=tuple(args.sim_arg),
@@ -271,6 +277,8 @@ def cmd_capacity(args: argparse.Namespace, argv: list[str]) -> int:
         "profile": args.profile,
         "workers": args.workers,
         "gateways": args.gateways,
+        "share_port": args.share_port,
+        "engine": args.engine,
     }
     res = build(levels, meta=meta, config=config, targets=targets)
     for line in write_outputs(res, out, plots_wanted=not args.no_plots):

@@ -115,6 +115,13 @@ def _targets_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--profile", default="h100-8b", help="--fleet: simulator profile")
     g.add_argument("--workers", type=int, default=2, help="--fleet: workers")
     g.add_argument("--gateways", type=int, default=1, help="--fleet: gateway replicas")
+    g.add_argument("--share-port", action="store_true", help="--fleet: the gateways bind one port")
+    g.add_argument(
+        "--engine",
+        default=None,
+        metavar="URL",
+        help="--fleet: a running OpenAI-compatible engine instead of the simulator",
+    )
     g.add_argument(
         "--litellm",
         choices=["auto", "yes", "install", "no"],

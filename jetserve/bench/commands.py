@@ -132,6 +132,8 @@ def _targets(args: argparse.Namespace) -> Iterator[LocalTargets]:
             profile=args.profile,
             workers=args.workers,
             gateways=args.gateways,
+            share_port=args.share_port,
+            engine_url=args.engine,
             model=args.model,
             litellm=args.litellm,
             sim_args=tuple(args.sim_arg),

@@ -39,6 +39,11 @@ def register(sub: Subparsers) -> None:
     g.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     g.add_argument("--replicas", type=int, default=1, help=REPLICAS_HELP)
     g.add_argument("--port", type=int, default=8080)
+    g.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind the public port with SO_REUSEPORT: several gateway processes share it",
+    )
     g.add_argument("--models", default="sim-8b", help="comma-separated chat/completion models")
     g.add_argument("--embedding-models", default="sim-embed")
     g.add_argument("--timeout", type=float, default=120.0, help="default request deadline (s)")
@@ -315,5 +320,14 @@ def run(args: argparse.Namespace) -> int:
     from gateway.serve import serve
 
     cfg = config(args)
-    uvloop.run(serve(cfg, args.host, args.port, log_level=args.log_level, grace=args.grace))
+    uvloop.run(
+        serve(
+            cfg,
+            args.host,
+            args.port,
+            log_level=args.log_level,
+            grace=args.grace,
+            reuse_port=args.reuse_port,
+        )
+    )
     return 0

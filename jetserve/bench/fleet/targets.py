@@ -29,7 +29,11 @@ class FleetOptions(msgspec.Struct, frozen=True, kw_only=True):
     profile: str = "h100-8b"
     workers: int = 2
     gateways: int = 1
+    share_port: bool = False  # the gateways bind one port (SO_REUSEPORT)
     model: str = "sim-8b"
+    # A real OpenAI-compatible engine already running (a vLLM): it replaces the
+    # simulator behind every target, and its CPU is not counted.
+    engine_url: str | None = None
     litellm: PeerMode = "auto"  # auto: when installed; install: install first if missing
     sim_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
@@ -52,25 +56,31 @@ def local_fleet(opts: FleetOptions) -> Iterator[LocalTargets]:
     spec = FleetSpec(
         workers=opts.workers,
         gateways=opts.gateways,
+        gateways_share_port=opts.share_port,
+        engine_url=opts.engine_url,
         profile=opts.profile,
         model=opts.model,
         sim_args=list(opts.sim_args),
         worker_args=list(opts.worker_args),
         gateway_args=list(opts.gateway_args),
     )
-    _say(f"starting a fleet: simulator ({opts.profile}), {opts.workers} workers ...")
+    engine_text = opts.engine_url or f"simulator ({opts.profile})"
+    _say(f"starting a fleet: {engine_text}, {opts.workers} workers ...")
     fleet = Fleet(spec).start()
+    engine = (opts.engine_url or fleet.sim_url).rstrip("/")
     peer: LiteLLMPeer | None = None
     try:
         targets = [
-            Target(name="direct", url=f"{fleet.sim_url}/v1"),
+            Target(name="direct", url=f"{engine}/v1"),
             Target(name="jetserve", url=f"{fleet.base_url}/v1", key=fleet.api_key),
         ]
         meta: dict[str, object] = {
             "mode": "fleet",
-            "profile": opts.profile,
+            "profile": opts.profile if opts.engine_url is None else None,
+            "engine": "simulator" if opts.engine_url is None else opts.engine_url,
             "workers": opts.workers,
             "gateways": opts.gateways,
+            "gateways_share_port": opts.share_port,
             "engine_replicas": 1,  # one simulator behind every target
             "litellm": "not used",
             # Which processes serve each target, beyond the engine they share.
@@ -88,7 +98,7 @@ def local_fleet(opts: FleetOptions) -> Iterator[LocalTargets]:
             raise SystemExit("LiteLLM is not installed: bench/peers/litellm.sh install")
         if exe is not None and opts.litellm != "no":
             workdir = Path(tempfile.mkdtemp(prefix="jetserve-bench-litellm-"))
-            peer = LiteLLMPeer(exe, workdir, model=opts.model, api_base=f"{fleet.sim_url}/v1")
+            peer = LiteLLMPeer(exe, workdir, model=opts.model, api_base=f"{engine}/v1")
             _say("starting LiteLLM's proxy ...")
             targets.append(peer.start())
             meta["litellm"] = {
@@ -108,7 +118,7 @@ def local_fleet(opts: FleetOptions) -> Iterator[LocalTargets]:
         }
         yield LocalTargets(
             targets=targets,
-            engine_metrics=f"{fleet.sim_url}/metrics",
+            engine_metrics=f"{engine}/metrics",
             meta=meta,
             processes=processes,
         )
