@@ -1,15 +1,19 @@
-"""A worker prefers interactive over batch, and batch still progresses."""
+"""Class order on one worker: interactive before batch, batch still progresses, and
+each class starts its queued requests in arrival order."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import httpx
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.scrape import metric_sum
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -46,3 +50,82 @@ async def test_interactive_overtakes_queued_batch_without_starving_it(
     # ... and every batch job still completed.
     assert len(batch_times) == 6
     assert max(batch_times) > 3 * one_job
+
+
+@pytest.mark.parametrize("cls", ["batch", "interactive"])
+async def test_a_class_queue_starts_its_requests_in_arrival_order(
+    make_fleet: Callable[..., Fleet], cls: str
+) -> None:
+    # Tail at saturation (issue 14) keeps FIFO within a class: with the one
+    # engine slot taken, requests wait (in the class's queue, or at the gateway's
+    # fair gate, FIFO per tenant) and the engine sees them in the order the gateway
+    # accepted them. Laned, the order holds within a lane: one system prompt, one
+    # lane (requests of other prefixes, in other lanes, may pass each other).
+    # Each is sent only once the one before it is counted as waiting (the holder
+    # is acked at its first token, so only the waiting ones count).
+    # No shedding: with the one slot stalled the start rate is nil, and shedding
+    # would rightly refuse what queues behind it (test_hedging_shedding.py).
+    fleet = make_fleet(workers=1, worker_args=["--max-inflight", "1"], gateway_args=["--no-shed"])
+    auth = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Class": cls}
+    url = f"{fleet.base_url}/v1/chat/completions"
+    prefix = "the same long shared prompt prefix for every request of this test " * 4
+
+    async def call(c: httpx.AsyncClient, i: int) -> str:
+        body = {
+            "model": "sim-8b",
+            "max_tokens": 8,
+            "messages": [
+                {"role": "system", "content": prefix},
+                {"role": "user", "content": f"job {i}"},
+            ],
+        }
+        r = await c.post(url, json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        return r.headers["X-Request-Id"]
+
+    async def queued(c: httpx.AsyncClient) -> float:
+        # In the class's queue, or held at the gateway for the tenant's turn (the
+        # fair gate keeps JetStream's queue short; its per-tenant queue is FIFO).
+        text = (await c.get(fleet.gateway_metrics_urls[0])).text
+        return sum(
+            metric_sum(text, name, cls=cls)
+            for name in ("jetserve_queue_depth", "jetserve_gateway_fair_waiting")
+        )
+
+    async def hold(c: httpx.AsyncClient) -> None:
+        # Stalls after its first token, holding the one slot until it is cancelled.
+        body = {"model": "sim-8b", "max_tokens": 8, "stream": True,
+                "messages": [{"role": "user", "content": "holder"}]}  # fmt: skip
+        async with c.stream("POST", url, json=body, headers={**auth, "X-Sim-Fault": "stall"}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for _ in r.aiter_lines():
+                pass
+
+    async with httpx.AsyncClient(timeout=120) as c:
+        holder = asyncio.create_task(hold(c))
+        await until(lambda: _started(c, fleet, 1), "the holder on the engine")
+        tasks: list[asyncio.Task[str]] = []
+        for i in range(6):
+            tasks.append(asyncio.create_task(call(c, i)))
+            await until(partial(_at_least, queued, c, i + 1, tasks), f"request {i} queued")
+        holder.cancel()  # the client hangs up: the slot is freed
+        ids = await asyncio.gather(*tasks)
+        arrived = [(await c.get(f"{fleet.sim_url}/sim/requests/{rid}")).json() for rid in ids]
+    order = sorted(range(len(ids)), key=lambda k: arrived[k]["arrived_at"])
+    assert order == list(range(len(ids)))
+
+
+async def _started(c: httpx.AsyncClient, fleet: Fleet, n: int) -> bool:
+    return int((await c.get(f"{fleet.sim_url}/sim/stats")).json()["started"]) >= n
+
+
+async def _at_least(
+    value: Callable[[httpx.AsyncClient], Awaitable[float]],
+    c: httpx.AsyncClient,
+    n: int,
+    tasks: list[asyncio.Task[str]],
+) -> bool:
+    for t in tasks:
+        if t.done():
+            t.result()  # a request that failed fails the test now, not at the bound
+    return await value(c) >= n

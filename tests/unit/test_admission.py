@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from tests.waits import until
@@ -224,3 +225,52 @@ async def test_an_idle_excess_polls_only_as_a_lower_class_does() -> None:
     await adm.release(rank=0, excess=True)
     await adm.release()
     assert adm.try_acquire(0, excess=True, idle=True)  # two free: it may poll
+
+
+async def test_an_idle_puller_lets_a_freed_slot_go_to_an_eager_waiter() -> None:
+    # One slot, held by a puller polling an empty subject; a held lane message
+    # waits for it. On release the puller loops straight back to acquire: it
+    # must not retake the slot ahead of the waiter (with as many polling pullers
+    # as slots, the lane's messages never started).
+    adm = Admission(AdmissionConfig(max_inflight=1, reserve=0))
+    assert await adm.acquire(0)
+    held_message = asyncio.create_task(adm.acquire(0))
+    await until(lambda: _true(adm.eager_waiters[0] == 1), "the message waiting")
+    await adm.release()
+    assert not adm.try_acquire(0, idle=True)  # the idle puller yields
+    again = asyncio.create_task(adm.acquire(0, idle=True))
+    assert await asyncio.wait_for(held_message, 1)
+    assert not again.done()
+    await adm.release()
+    assert await asyncio.wait_for(again, 1)  # no eager waiter left: its turn
+
+
+async def test_idle_pullers_do_not_yield_to_each_other_or_to_a_lower_class() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=2, reserve=0))
+    # Another idle puller waiting is no reason to wait: two idle ones would
+    # each wait for the other while the slots stayed free.
+    assert await adm.acquire(0, idle=True)
+    assert await adm.acquire(0, idle=True)
+    idle_waiter = asyncio.create_task(adm.acquire(0, idle=True))
+    await until(lambda: _true(adm.waiters == 1), "the idle puller waiting")
+    assert adm.eager_waiters[0] == 0
+    await adm.release()
+    assert await asyncio.wait_for(idle_waiter, 1)
+    # A lower class's eager waiter does not hold back an idle top-class puller.
+    await adm.release()
+    await adm.release()
+    assert await adm.acquire(0)
+    lower = asyncio.create_task(adm.acquire(1))  # batch: needs the top class quiet
+    await until(lambda: _true(adm.eager_waiters[1] == 1), "the batch puller waiting")
+    assert adm.try_acquire(0, idle=True)
+    await stop(lower)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def stop(task: asyncio.Task[bool]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -71,6 +71,9 @@ class Admission:
         self.held_excess = 0  # of those, by excess pullers
         self.top_waiters = 0  # top-class pullers waiting for a slot now
         self.in_turn_waiters: collections.Counter[int] = collections.Counter()  # by rank
+        # Waiters with work in sight (a lane's room, a held message, a puller whose
+        # last pull brought something), by rank: an idle puller yields to them.
+        self.eager_waiters: collections.Counter[int] = collections.Counter()
         self._top_waited_at = -math.inf  # loop time a top-class puller last waited
         self.starved_lower = 0  # lower-class pullers past starve_after, waiting now
         self.waiters = 0  # pull loops and held messages waiting for room now
@@ -136,6 +139,15 @@ class Admission:
             return False
         return self._room(rank, starved)
 
+    def _yields(self, rank: int, idle: bool) -> bool:
+        """Whether a puller whose last pull found nothing (``idle``) lets a slot go
+        to an eager waiter of its rank or above that could take it now. A release
+        wakes the waiters, but the releasing puller, looping straight back, would
+        otherwise take the slot again before any of them runs: with as many
+        polling pullers as slots, a lane's messages (or a held one) never started
+        while the class's own empty subject was polled (issue 14, FIFO)."""
+        return idle and any(self.eager_waiters[r] and self._room(r, False) for r in range(rank + 1))
+
     def _top_busy(self) -> bool:
         if self.top_waiters:
             return True
@@ -178,25 +190,27 @@ class Admission:
                     if (
                         self._excess_room(rank, starved, idle)
                         if excess
-                        else self._room(rank, starved)
+                        else self._room(rank, starved) and not self._yields(rank, idle)
                     ):
                         if take:
                             self._take(rank, excess)
                         return True
                     # Wake periodically: starvation is a function of time, not events.
-                    await self._wait(rank, excess)
+                    await self._wait(rank, excess, idle)
                 return False
             finally:
                 if counted_starved:
                     self.starved_lower -= 1
 
-    async def _wait(self, rank: int, excess: bool = False) -> None:
+    async def _wait(self, rank: int, excess: bool = False, idle: bool = False) -> None:
         """One wait for a change (or a quarter of ``starve_after``), counted in
-        ``waiters`` (and ``top_waiters``, ``in_turn_waiters``); the condition's
-        lock is held."""
+        ``waiters`` (and ``top_waiters``, ``in_turn_waiters``, ``eager_waiters``);
+        the condition's lock is held."""
+        eager = not excess and not idle
         self.waiters += 1
         self.top_waiters += rank == 0
         self.in_turn_waiters[rank] += not excess
+        self.eager_waiters[rank] += eager
         if rank == 0:
             self._top_waited_at = asyncio.get_running_loop().time()
         try:
@@ -208,12 +222,16 @@ class Admission:
             self.waiters -= 1
             self.top_waiters -= rank == 0
             self.in_turn_waiters[rank] -= not excess
+            self.eager_waiters[rank] -= eager
             if rank == 0:
                 self._top_waited_at = asyncio.get_running_loop().time()
 
     def try_acquire(self, rank: int, excess: bool = False, idle: bool = False) -> bool:
         """A slot now or never (a message already in hand: the lane puller)."""
-        room = self._excess_room(rank, False, idle) if excess else self._room(rank, False)
+        if excess:
+            room = self._excess_room(rank, False, idle)
+        else:
+            room = self._room(rank, False) and not self._yields(rank, idle)
         if self._closed or not room:
             return False
         self._take(rank, excess)
