@@ -4,7 +4,7 @@ low-cardinality: operation, class, outcome; tenants only from an allow-list
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -14,6 +14,9 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self._tenants = frozenset(tenants)
         r = self.registry
+        # process_cpu_seconds_total and the rest, read from /proc at scrape time:
+        # what an operator scales gateway processes by (docs/bench.md).
+        ProcessCollector(registry=r)
         self.tenant_requests = Counter(
             "jetserve_gateway_tenant_requests",
             "Requests by tenant (allow-listed tenants; the rest are 'other') and outcome",

@@ -89,6 +89,11 @@ def _describe(res: CapacityResults) -> list[str]:
     peer = f"LiteLLM {lite.get('version')}" if isinstance(lite, dict) else "LiteLLM not used"
     mode = "streaming" if c.get("stream") else "non-streaming"
     eos = " (ignore_eos)" if c.get("ignore_eos") else ""
+    engine = (
+        f"engine {c['engine']} (its CPU not counted)" if c.get("engine") else
+        f"simulator `{c.get('profile')}`"
+    )  # fmt: skip
+    shared = " on one port (SO_REUSEPORT)" if c.get("share_port") else ""
     raw_levels = c.get("levels")
     levels = ", ".join(str(v) for v in raw_levels) if isinstance(raw_levels, list) else "-"
     return [
@@ -97,8 +102,8 @@ def _describe(res: CapacityResults) -> list[str]:
         f"- machine: {mach.get('arch')}, {mach.get('cores')} cores "
         f"({mach.get('usable_cores')} usable), Python {mach.get('python')}; "
         f"git {m.get('git') or '-'}; {m.get('when', '')}",
-        f"- fleet: simulator `{c.get('profile')}`, {c.get('workers')} workers, "
-        f"{c.get('gateways')} gateway(s); {peer}",
+        f"- fleet: {engine}, {c.get('workers')} workers, "
+        f"{c.get('gateways')} gateway(s){shared}; {peer}",
         f"- load: closed loop at concurrency {levels}; {c.get('duration')} s measured per "
         f"level after {c.get('warmup')} s of warm-up; {mode} `{c.get('api')}`, "
         f"{c.get('input_tokens')} prompt tokens, {c.get('max_tokens')} output tokens{eos}",

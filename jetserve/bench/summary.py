@@ -334,9 +334,15 @@ def _fleet_text(m: dict[str, Any]) -> str:
         )
     else:
         peer_text = "no LiteLLM"
+    engine = m.get("engine")
+    engine_text = (
+        f"engine {engine}" if engine not in (None, "simulator") else
+        f"simulator profile {m.get('profile')}"
+    )  # fmt: skip
+    shared = " on one port" if m.get("gateways_share_port") else ""
     return (
-        f"simulator profile {m.get('profile')}, {m.get('workers')} workers, "
-        f"{m.get('gateways')} gateway(s), {peer_text}"
+        f"{engine_text}, {m.get('workers')} workers, "
+        f"{m.get('gateways')} gateway(s){shared}, {peer_text}"
     )
 
 

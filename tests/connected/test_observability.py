@@ -57,6 +57,7 @@ def test_worker_metrics_and_readiness(fleet: Fleet) -> None:
     assert "gen_ai_server_time_to_first_token_seconds_bucket" in joined
     assert "gen_ai_server_time_per_output_token_seconds_bucket" in joined
     assert "jetserve_worker_kv_headroom_ratio" in joined
+    assert "process_cpu_seconds_total" in joined  # what workers are scaled by, per process
     assert "trace me" not in joined
     for port in fleet.worker_metrics_ports:
         ready = httpx.get(f"http://127.0.0.1:{port}/readyz").json()
@@ -90,6 +91,7 @@ def test_gateway_metrics_cover_the_stages_with_low_cardinality(fleet: Fleet) -> 
         'jetserve_consumer_pending{cls="batch"}',
         'jetserve_consumer_ack_pending{cls="interactive"}',
         'jetserve_queue_depth{cls="embed"}',
+        "process_cpu_seconds_total",  # a gateway process's CPU: add one per core near it
     ):
         assert needle in text, needle
     assert fleet.spec.tenant not in text  # not allow-listed: no tenant name in metrics

@@ -8,7 +8,7 @@ class and outcome only; Prometheus adds the instance.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -17,6 +17,7 @@ _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, from /proc at scrape time
         self.requests = Counter(
             "jetserve_worker_requests",
             "Requests by terminal outcome",
