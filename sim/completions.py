@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import msgspec
 from starlette.types import Send
 
+from sim import logprobs as lp
 from sim import outbound as out
 from sim.engine import Sequence
 from sim.faults import Fault, FaultKind
@@ -36,6 +38,7 @@ class Job(msgspec.Struct, kw_only=True):
     include_usage: bool
     fault: Fault | None
     record: RequestRecord
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +111,32 @@ def start(sim: Simulator, job: Job) -> GuardedResponse:
     return GuardedResponse(body)
 
 
+class Logprobs:
+    """The logprobs of the tokens generated since the last emitted chunk (None:
+    the request asked for none), rendered in the request's API shape."""
+
+    def __init__(self, job: Job) -> None:
+        self.top = job.logprobs
+        self.chat = job.chat
+        self.pending: list[lp.TokenLogprob] = []
+        self.sent_chars = 0  # the completions shape's text offsets
+
+    def add(self, piece: str, position: int) -> None:
+        if self.top is not None:
+            self.pending.append(lp.TokenLogprob(piece, position, self.top))
+
+    def take(self) -> dict[str, Any] | None:
+        """What is pending, for the chunk about to go out."""
+        if self.top is None or not self.pending:
+            return None
+        entries, self.pending = self.pending, []
+        if self.chat:
+            return lp.chat(entries)
+        body = lp.completion(entries, self.sent_chars)
+        self.sent_chars += sum(len(e.token) for e in entries)
+        return body
+
+
 def _drop_at(job: Job) -> int | None:
     f = job.fault
     return f.arg if f is not None and f.kind is FaultKind.DROP else None
@@ -118,9 +147,15 @@ def _usage(seq: Sequence, job: Job) -> out.Usage:
 
 
 def _chat_chunk(
-    job: Job, delta: out.ChatDelta, finish: str | None = None, stop: str | None = None
+    job: Job,
+    delta: out.ChatDelta,
+    finish: str | None = None,
+    stop: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> out.ChatChunk:
-    choice = out.ChatChunkChoice(delta=delta, finish_reason=finish, stop_reason=stop)
+    choice = out.ChatChunkChoice(
+        delta=delta, finish_reason=finish, stop_reason=stop, logprobs=logprobs
+    )
     return out.ChatChunk(
         id=job.response_id,
         object="chat.completion.chunk",
@@ -131,9 +166,15 @@ def _chat_chunk(
 
 
 def _text_chunk(
-    job: Job, text: str, finish: str | None = None, stop: str | None = None
+    job: Job,
+    text: str,
+    finish: str | None = None,
+    stop: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> out.CompletionChunk:
-    choice = out.CompletionChoice(text=text, finish_reason=finish, stop_reason=stop)
+    choice = out.CompletionChoice(
+        text=text, finish_reason=finish, stop_reason=stop, logprobs=logprobs
+    )
     return out.CompletionChunk(
         id=job.response_id,
         object="text_completion",
@@ -182,6 +223,7 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
         await send({"type": "http.response.body", "body": out.sse(chunk), "more_body": True})
 
     scanner = StopScanner(job.stops)
+    logprobs = Logprobs(job)
     drop_at = _drop_at(job)
     last = job.num_tokens - 1
     finish: str | None = None
@@ -194,6 +236,7 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
             await emit(_chat_chunk(job, out.ChatDelta(role="assistant", content="")))
         final = i == last
         if isinstance(ev, Text):
+            logprobs.add(ev.piece, i)
             delta = scanner.push(ev.piece)
             if scanner.matched is not None:
                 finish = "stop"
@@ -201,17 +244,18 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
                 delta += scanner.flush()
                 finish = job.finish_reason
             if delta or finish:
+                lps = logprobs.take()
                 if job.chat:
                     chunk = out.ChatDelta(content=delta)
-                    await emit(_chat_chunk(job, chunk, finish, scanner.matched))
+                    await emit(_chat_chunk(job, chunk, finish, scanner.matched, lps))
                 else:
-                    await emit(_text_chunk(job, delta, finish, scanner.matched))
+                    await emit(_text_chunk(job, delta, finish, scanner.matched, lps))
             if finish:
                 break
             continue
         held = scanner.flush()
         if held:
-            await emit(_chat_chunk(job, out.ChatDelta(content=held)))
+            await emit(_chat_chunk(job, out.ChatDelta(content=held), logprobs=logprobs.take()))
         finish = job.finish_reason if final else None
         await emit(_chat_chunk(job, out.ChatDelta(tool_calls=[_tool_delta(ev)]), finish))
     sim.engine.finish(seq, _engine_reason(finish or job.finish_reason))
@@ -223,6 +267,7 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
 
 async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
     scanner = StopScanner(job.stops)
+    logprobs = Logprobs(job)
     drop_at = _drop_at(job)
     calls: dict[int, tuple[str, str, list[str]]] = {}
     finish = job.finish_reason
@@ -231,6 +276,7 @@ async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None
             raise Dropped
         await sim.engine.next_token(seq, event_token(sim, ev))
         if isinstance(ev, Text):
+            logprobs.add(ev.piece, i)
             scanner.push(ev.piece)
             if scanner.matched is not None:
                 finish = "stop"
@@ -257,7 +303,12 @@ async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None
             model=job.model,
             usage=usage,
             choices=[
-                out.ChatChoice(message=message, finish_reason=finish, stop_reason=scanner.matched)
+                out.ChatChoice(
+                    message=message,
+                    finish_reason=finish,
+                    stop_reason=scanner.matched,
+                    logprobs=logprobs.take(),
+                )
             ],
         )
     else:
@@ -267,7 +318,12 @@ async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None
             model=job.model,
             usage=usage,
             choices=[
-                out.CompletionChoice(text=text, finish_reason=finish, stop_reason=scanner.matched)
+                out.CompletionChoice(
+                    text=text,
+                    finish_reason=finish,
+                    stop_reason=scanner.matched,
+                    logprobs=logprobs.take(),
+                )
             ],
         )
     payload = msgspec.json.encode(body)
@@ -309,4 +365,5 @@ def new_job(
         include_usage=plan.include_usage,
         fault=fault,
         record=record,
+        logprobs=plan.logprobs,
     )

@@ -9,6 +9,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from sim.logprobs import MAX_TOP
+
 _T = TypeVar("_T")
 
 
@@ -64,6 +66,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True):
     messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -74,6 +78,7 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]; a msgspec union cannot hold two list
     # types, so the shape is checked by prompt_input().
     prompt: str | list[Any]
+    logprobs: int | None = None  # the legacy API: this many alternatives per token
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +152,27 @@ def check_sampling(req: _Sampling, max_tokens: int | None) -> None:
         raise BadRequest("max_tokens must be at least 1", "max_tokens")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+
+
+def logprobs_top(req: _Sampling) -> int | None:
+    """How many alternatives per token the reply's logprobs list (None: no logprobs),
+    checked as vLLM checks them."""
+    if isinstance(req, ChatRequest):
+        top = req.top_logprobs
+        if top is not None and not req.logprobs:
+            raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not req.logprobs:
+            return None
+        top, param = top or 0, "top_logprobs"
+    elif isinstance(req, CompletionRequest):
+        if req.logprobs is None:
+            return None
+        top, param = req.logprobs, "logprobs"
+    else:
+        return None
+    if not 0 <= top <= MAX_TOP:
+        raise BadRequest(f"{param} must be between 0 and {MAX_TOP}", param)
+    return top
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -6,6 +6,8 @@ it sets; `usage` appears on a chunk only when it is the usage chunk.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -53,7 +55,7 @@ class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None
 
@@ -91,7 +93,7 @@ class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
     stop_reason: str | None = None
 
@@ -112,7 +114,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
 class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None
 

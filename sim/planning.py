@@ -17,6 +17,7 @@ from sim.inbound import (
     CompletionRequest,
     ScriptedResponse,
     check_sampling,
+    logprobs_top,
     prompt_input,
     stop_list,
 )
@@ -83,6 +84,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     stops: list[str]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
 
 
 def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
@@ -143,4 +145,5 @@ def _plan(
         stops=stop_list(req.stop),
         stream=req.stream,
         include_usage=bool(req.stream and opts is not None and opts.include_usage),
+        logprobs=logprobs_top(req),
     )

@@ -81,6 +81,9 @@ class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     # Delivery number of the request message that produced this frame: after a
     # redelivery the receiver keeps to the attempt that emitted the first token.
     attempt: int = 1
+    # The choice's ``logprobs`` as the engine sent it with this delta (chat's
+    # ``{"content": [...]}`` or the completions lists), relayed untouched.
+    logprobs: dict[str, Any] | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):

@@ -6,6 +6,7 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     │   ├── EngineRateLimited    429 (retryable before the first token)
     │   ├── EngineUnavailable    503, 5xx or connect failure (retryable before the first token)
     │   ├── EngineRejected       4xx: the request itself is bad (never retried)
+    │   │   └── EngineUnsupported  400 ``unsupported_parameter``: the adapter cannot carry a field
     │   └── EngineStreamBroken   the stream ended without a finish (never retried)
     └── DeadlineExceeded         the request's absolute deadline passed
 
@@ -49,6 +50,13 @@ class EngineUnavailable(EngineError):
 class EngineRejected(EngineError):
     code = "invalid_request"
     status = 400
+
+
+class EngineUnsupported(EngineRejected):
+    """The deployment's engine (its adapter) cannot do what a field asks: refused,
+    never dropped silently."""
+
+    code = "unsupported_parameter"
 
 
 class EngineStreamBroken(EngineError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import struct
 import time
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -70,6 +71,9 @@ class ChatRequest(_Common):
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Token log-probabilities, relayed as the engine computes them.
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(_Common):
@@ -78,6 +82,8 @@ class CompletionRequest(_Common):
 
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str | int | list[int]] = ""
+    # The legacy API's logprobs: this many alternatives per token (0: the sampled one).
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -109,6 +115,8 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
         raise BadRequest(f"Invalid request: {text}", param=param) from exc
     if isinstance(typed, ChatRequest) and not typed.messages:
         raise BadRequest("'messages' must contain at least one message.", param="messages")
+    if isinstance(typed, ChatRequest) and typed.top_logprobs is not None and not typed.logprobs:
+        raise BadRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     if not isinstance(typed, EmbeddingRequest):
         _refuse_uncarried(body)
     return typed, body
@@ -117,8 +125,6 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
 # Fields whose answer our frames cannot carry back: refused, never forwarded and
 # silently dropped (an engine would compute them, the relay would lose them).
 _UNCARRIED = {
-    "logprobs": "token log-probabilities",
-    "top_logprobs": "token log-probabilities",
     "echo": "the prompt echoed back",
     "best_of": "server-side best-of sampling",
     "suffix": "a completion suffix",
@@ -218,6 +224,24 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def merge_logprobs(parts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Several deltas' ``logprobs`` as one, as a client joining the stream would:
+    each list (chat's ``content`` and ``refusal``, the completions API's
+    ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) is
+    concatenated in order. None when no part carries any."""
+    present = [p for p in parts if p]
+    if len(present) <= 1:
+        return dict(present[0]) if present else None
+    merged: dict[str, Any] = {}
+    for part in present:
+        for key, value in part.items():
+            if isinstance(value, list):
+                merged.setdefault(key, []).extend(value)
+            elif value is not None or key not in merged:
+                merged[key] = value
+    return merged
+
+
 class ChunkWriter:
     """Renders OpenAI stream chunks for one request (chat or completion)."""
 
@@ -240,11 +264,20 @@ class ChunkWriter:
         }
 
     def delta(
-        self, text: str, tool_calls: list[dict[str, Any]] | None, finish_reason: str | None
+        self,
+        text: str,
+        tool_calls: list[dict[str, Any]] | None,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             return [self._chunk([choice])]
         if not self.role_sent:
             self.role_sent = True
@@ -259,7 +292,7 @@ class ChunkWriter:
             delta["tool_calls"] = tool_calls
         out.append(
             self._chunk(
-                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
             )
         )
         return out
@@ -284,6 +317,7 @@ def completion_response(
     tool_calls: list[dict[str, Any]],
     finish_reason: str,
     usage: Usage,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     created = int(time.time())
     if op == "chat":
@@ -293,10 +327,15 @@ def completion_response(
         }
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj, prefix = "text_completion", "cmpl-"
     return {
         "id": prefix + request_id,

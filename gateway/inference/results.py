@@ -11,6 +11,7 @@ from gateway.inference.openai_types import (
     EmbeddingRequest,
     completion_response,
     embeddings_response,
+    merge_logprobs,
 )
 from gateway.inference.sessions import Admitted
 from streams.inference.tool_calls import ToolCalls
@@ -22,6 +23,7 @@ class Result:
     text: str
     tool_calls: list[dict[str, Any]]
     final: Final
+    logprobs: dict[str, Any] | None = None
 
 
 async def read_result(adm: Admitted, heartbeat_timeout: float) -> Result:
@@ -29,16 +31,19 @@ async def read_result(adm: Admitted, heartbeat_timeout: float) -> Result:
     a stream that ends without one); counts the tokens relayed on ``adm``."""
     text: list[str] = []
     calls = ToolCalls()
+    logprobs: list[dict[str, Any] | None] = []
     async for event in adm.stream.events(heartbeat_timeout):
         if isinstance(event, Token):
             adm.tokens_seen += 1
             text.append(event.text)
             if event.tool_calls:
                 calls.add(event.tool_calls)
+            if event.logprobs:
+                logprobs.append(event.logprobs)
         elif isinstance(event, ErrorFrame):
             raise error_from_frame(event)
         else:
-            return Result("".join(text), calls.merged(), event)
+            return Result("".join(text), calls.merged(), event, merge_logprobs(logprobs))
     raise AssertionError("frame stream ended without a terminal frame")
 
 
@@ -59,4 +64,5 @@ def render(adm: Admitted, result: Result) -> dict[str, Any]:
         result.tool_calls,
         result.final.finish_reason,
         result.final.usage,
+        result.logprobs,
     )

@@ -55,7 +55,7 @@ class ChatChoice(msgspec.Struct, frozen=True):
     index: Int0
     message: AssistantMessage
     finish_reason: Annotated[str, Meta(examples=["stop", "length"])]
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # the engine's, as it sent them
 
 
 class ChatCompletion(msgspec.Struct, frozen=True):
@@ -71,7 +71,7 @@ class CompletionChoice(msgspec.Struct, frozen=True):
     index: Int0
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # the engine's, as it sent them
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -93,7 +93,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True):
     index: Int0
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # the engine's, as it sent them
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True):
@@ -112,7 +112,7 @@ class CompletionChunkChoice(msgspec.Struct, frozen=True):
     index: Int0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # the engine's, as it sent them
 
 
 class CompletionChunk(msgspec.Struct, frozen=True):

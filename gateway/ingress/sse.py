@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import ClientTooSlow, GatewayError
 from gateway.inference.dispatch import error_from_frame
 from gateway.inference.event_ids import ROLE_ID, content_id, finish_id, usage_id
-from gateway.inference.openai_types import ChunkWriter
+from gateway.inference.openai_types import ChunkWriter, merge_logprobs
 from gateway.inference.service import InferenceService
 from gateway.inference.sessions import Session
 from streams.inference.frames import Event
@@ -153,7 +153,8 @@ async def client_events(
                 calls = [c for t in batch if t.tool_calls for c in t.tool_calls] or None
                 finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
                 finish_sent = finish_sent or finish is not None
-                *roles, content = writer.delta(text, calls, finish)
+                logprobs = merge_logprobs([t.logprobs for t in batch])
+                *roles, content = writer.delta(text, calls, finish, logprobs)
                 for role in roles:  # the chat role chunk, before the first token
                     yield ClientEvent("chunk", role, event_id=ROLE_ID)
                 yield ClientEvent("chunk", content, event_id=content_id(batch[-1].seq))

@@ -6,15 +6,17 @@ import msgspec
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.inference.openai_types import ChatRequest, CompletionRequest, parse_body
+from gateway.inference.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    merge_logprobs,
+    parse_body,
+)
 
 
 @pytest.mark.parametrize(
     ("kind", "extra", "param"),
     [
-        (ChatRequest, {"logprobs": True}, "logprobs"),
-        (ChatRequest, {"top_logprobs": 3}, "top_logprobs"),
-        (CompletionRequest, {"logprobs": 2}, "logprobs"),
         (CompletionRequest, {"echo": True}, "echo"),
         (CompletionRequest, {"best_of": 3}, "best_of"),
         (CompletionRequest, {"suffix": "end"}, "suffix"),
@@ -28,6 +30,42 @@ def test_fields_the_relay_cannot_carry_are_refused(
         parse_body(msgspec.json.encode({**base, **extra}), kind)
     assert info.value.param == param
     assert info.value.code == "unsupported_parameter"
+
+
+def test_logprobs_are_carried_and_checked() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    typed, _ = parse_body(
+        msgspec.json.encode({**chat, "logprobs": True, "top_logprobs": 5}), ChatRequest
+    )
+    assert isinstance(typed, ChatRequest)
+    assert typed.top_logprobs == 5
+    with pytest.raises(BadRequest) as info:  # alternatives of nothing
+        parse_body(msgspec.json.encode({**chat, "top_logprobs": 2}), ChatRequest)
+    assert info.value.param == "top_logprobs"
+    with pytest.raises(BadRequest):  # OpenAI's bound
+        parse_body(msgspec.json.encode({**chat, "logprobs": True, "top_logprobs": 21}), ChatRequest)
+    legacy = {"model": "m", "prompt": "hi", "logprobs": 3}
+    typed, _ = parse_body(msgspec.json.encode(legacy), CompletionRequest)
+    assert isinstance(typed, CompletionRequest)
+    assert typed.logprobs == 3
+
+
+def test_merged_logprobs_concatenate_in_order() -> None:
+    chat = [{"content": [{"token": "a"}]}, None, {"content": [{"token": "b"}], "refusal": None}]
+    assert merge_logprobs(chat) == {"content": [{"token": "a"}, {"token": "b"}], "refusal": None}
+    legacy = [
+        {"tokens": [t], "token_logprobs": [lp], "top_logprobs": [{t: lp}], "text_offset": [i]}
+        for i, (t, lp) in enumerate([("a", -1.0), ("b", -2.0)])
+    ]
+    assert merge_logprobs(legacy) == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"a": -1.0}, {"b": -2.0}],
+        "text_offset": [0, 1],
+    }
+    one = {"content": [{"token": "a"}]}
+    assert merge_logprobs([None, one]) == one
+    assert merge_logprobs([None, None]) is None
 
 
 def test_their_defaults_pass() -> None:

@@ -25,6 +25,7 @@ class Delta:
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None  # the engine's, for this delta
 
 
 @dataclass(frozen=True, slots=True)

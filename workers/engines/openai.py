@@ -51,6 +51,7 @@ class _ChoiceIn(msgspec.Struct):
     delta: _DeltaIn | None = None  # chat
     text: str | None = None  # completions
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class _Chunk(msgspec.Struct):
@@ -179,8 +180,8 @@ class OpenAIAdapter(EngineAdapter):
                     calls = choice.delta.tool_calls
                 if choice.finish_reason:
                     finish = choice.finish_reason
-                if text or calls or choice.finish_reason:
-                    yield Delta(text, calls, choice.finish_reason)
+                if text or calls or choice.finish_reason or choice.logprobs:
+                    yield Delta(text, calls, choice.finish_reason, choice.logprobs)
         if finish is None:
             raise EngineStreamBroken("engine stream ended without a finish reason")
         yield Done(finish, usage or Usage(), model)

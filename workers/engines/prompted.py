@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from workers.errors import EngineRejected, EngineStreamBroken
+from workers.errors import EngineRejected, EngineStreamBroken, EngineUnsupported
 
 # Fields that describe the call rather than the generation: the adapters consume them.
 METADATA_FIELDS = frozenset({"model", "stream", "stream_options", "user", "n"})
@@ -31,9 +31,12 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 def check_fields(body: Mapping[str, Any], carried: Iterable[str], dialect: str) -> None:
     """Reject any field the adapter would otherwise have to drop silently."""
     allowed = METADATA_FIELDS.union(carried)
-    unknown = sorted(k for k, v in body.items() if k not in allowed and v is not None)
+    # None and False ask for nothing (``"logprobs": false`` is OpenAI's default).
+    unknown = sorted(
+        k for k, v in body.items() if k not in allowed and v is not None and v is not False
+    )
     if unknown:
-        raise EngineRejected(
+        raise EngineUnsupported(
             f"the {dialect} adapter cannot carry {', '.join(unknown)}; remove "
             f"{'them' if len(unknown) > 1 else 'it'} or route to an OpenAI-compatible engine"
         )

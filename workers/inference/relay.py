@@ -37,9 +37,10 @@ class FrameSender:
         text: str,
         tool_calls: list[dict[str, Any]] | None = None,
         finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> None:
         self.seq += 1
-        frame = Token(self.seq, text, tool_calls, finish_reason, self._attempt)
+        frame = Token(self.seq, text, tool_calls, finish_reason, self._attempt, logprobs)
         await self._publish(encode(frame))
 
     async def final(self, **fields: Any) -> None:

@@ -442,7 +442,9 @@ class Worker:
                 async with closing(events):
                     async for event in events:
                         if isinstance(event, Delta):
-                            await sender.token(event.text, event.tool_calls, event.finish_reason)
+                            await sender.token(
+                                event.text, event.tool_calls, event.finish_reason, event.logprobs
+                            )
                             if sender.seq == 1:
                                 ttft = (time.monotonic() - started_at) * 1000
                                 ticker.cancel()
