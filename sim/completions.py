@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -39,15 +40,11 @@ class Job(msgspec.Struct, kw_only=True):
     fault: Fault | None
     record: RequestRecord
     logprobs: int | None = None  # alternatives per token; None: no logprobs
+    more_choices: list[list[Event]] = []  # choices 1..n-1 (``n`` > 1)
 
     @property
-    def num_tokens(self) -> int:
-        return min(len(self.events), self.max_tokens)
-
-    @property
-    def finish_reason(self) -> str:
-        """Why generation ends when no stop string cuts it short."""
-        return "length" if len(self.events) > self.max_tokens else self.natural_finish
+    def choices(self) -> list[list[Event]]:
+        return [self.events, *self.more_choices]
 
 
 class StopScanner:
@@ -152,9 +149,10 @@ def _chat_chunk(
     finish: str | None = None,
     stop: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> out.ChatChunk:
     choice = out.ChatChunkChoice(
-        delta=delta, finish_reason=finish, stop_reason=stop, logprobs=logprobs
+        index=index, delta=delta, finish_reason=finish, stop_reason=stop, logprobs=logprobs
     )
     return out.ChatChunk(
         id=job.response_id,
@@ -171,9 +169,10 @@ def _text_chunk(
     finish: str | None = None,
     stop: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> out.CompletionChunk:
     choice = out.CompletionChoice(
-        text=text, finish_reason=finish, stop_reason=stop, logprobs=logprobs
+        index=index, text=text, finish_reason=finish, stop_reason=stop, logprobs=logprobs
     )
     return out.CompletionChunk(
         id=job.response_id,
@@ -216,49 +215,124 @@ def _tool_delta(ev: ToolStart | ToolArgs) -> out.ToolCallDelta:
     return out.ToolCallDelta(index=ev.index, function=out.FunctionDelta(arguments=ev.piece))
 
 
+class _Choice:
+    """One of the request's ``n`` choices as it is generated: its events, stop
+    scanner and logprobs, and the chunks each token makes."""
+
+    def __init__(self, job: Job, index: int, events: list[Event]) -> None:
+        self.job = job
+        self.index = index
+        self.events = events
+        self.num = min(len(events), job.max_tokens)
+        self.scanner = StopScanner(job.stops)
+        self.logprobs = Logprobs(job)
+        self.finish: str | None = None
+        natural = job.natural_finish if index == 0 else "stop"
+        self.reason = "length" if len(events) > job.max_tokens else natural
+        self.calls: dict[int, tuple[str, str, list[str]]] = {}
+
+    def live(self, i: int) -> bool:
+        return self.finish is None and i < self.num
+
+    def step(self, i: int, ev: Event) -> list[object]:
+        """The stream chunks token ``i`` makes (none while a stop string may start)."""
+        job, final = self.job, i == self.num - 1
+        if isinstance(ev, Text):
+            self.logprobs.add(ev.piece, i)
+            delta = self.scanner.push(ev.piece)
+            if self.scanner.matched is not None:
+                self.finish = "stop"
+            elif final:
+                delta += self.scanner.flush()
+                self.finish = self.reason
+            if not (delta or self.finish):
+                return []
+            lps = self.logprobs.take()
+            if job.chat:
+                d = out.ChatDelta(content=delta)
+                return [_chat_chunk(job, d, self.finish, self.scanner.matched, lps, self.index)]
+            return [_text_chunk(job, delta, self.finish, self.scanner.matched, lps, self.index)]
+        chunks: list[object] = []
+        held = self.scanner.flush()
+        if held:
+            d = out.ChatDelta(content=held)
+            chunks.append(_chat_chunk(job, d, logprobs=self.logprobs.take(), index=self.index))
+        self.finish = self.reason if final else None
+        d = out.ChatDelta(tool_calls=[_tool_delta(ev)])
+        chunks.append(_chat_chunk(job, d, self.finish, index=self.index))
+        return chunks
+
+    def collect(self, i: int, ev: Event) -> None:
+        """Token ``i`` of a whole (non-streamed) reply."""
+        if isinstance(ev, Text):
+            self.logprobs.add(ev.piece, i)
+            self.scanner.push(ev.piece)
+            if self.scanner.matched is not None:
+                self.finish = "stop"
+        elif isinstance(ev, ToolStart):
+            self.calls[ev.index] = (ev.id, ev.name, [])
+        else:
+            self.calls[ev.index][2].append(ev.piece)
+        if self.finish is None and i == self.num - 1:
+            self.finish = self.reason
+
+    def whole(self) -> out.ChatChoice | out.CompletionChoice:
+        text, finish = self.scanner.text, self.finish or self.reason
+        if not self.job.chat:
+            return out.CompletionChoice(
+                index=self.index,
+                text=text,
+                finish_reason=finish,
+                stop_reason=self.scanner.matched,
+                logprobs=self.logprobs.take(),
+            )
+        tool_calls = [
+            out.ToolCall(id=cid, function=out.FunctionCall(name=name, arguments="".join(args)))
+            for cid, name, args in self.calls.values()
+        ]
+        message = out.AssistantMessage(
+            content=None if (tool_calls and not text) else text, tool_calls=tool_calls
+        )
+        return out.ChatChoice(
+            index=self.index,
+            message=message,
+            finish_reason=finish,
+            stop_reason=self.scanner.matched,
+            logprobs=self.logprobs.take(),
+        )
+
+
+async def _tokens(
+    sim: Simulator, seq: Sequence, job: Job, choices: list[_Choice]
+) -> AsyncIterator[tuple[int, _Choice, Event]]:
+    """Every choice's tokens through the engine, a step of each in turn (as a
+    batch of ``n`` sequences steps together)."""
+    drop_at = _drop_at(job)
+    for i in range(max(c.num for c in choices)):
+        if drop_at is not None and i == drop_at:
+            raise Dropped
+        for choice in choices:
+            if choice.live(i):
+                ev = choice.events[i]
+                await sim.engine.next_token(seq, event_token(sim, ev))
+                yield i, choice, ev
+
+
 async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": _headers(job)})
 
     async def emit(chunk: object) -> None:
         await send({"type": "http.response.body", "body": out.sse(chunk), "more_body": True})
 
-    scanner = StopScanner(job.stops)
-    logprobs = Logprobs(job)
-    drop_at = _drop_at(job)
-    last = job.num_tokens - 1
-    finish: str | None = None
-    for i, ev in enumerate(job.events[: job.num_tokens]):
-        if drop_at is not None and i == drop_at:
-            raise Dropped
-        await sim.engine.next_token(seq, event_token(sim, ev))
+    choices = [_Choice(job, j, events) for j, events in enumerate(job.choices)]
+    async for i, choice, ev in _tokens(sim, seq, job, choices):
         if i == 0 and job.chat:
             # Like vLLM: headers go out at once, the role chunk with the first token.
-            await emit(_chat_chunk(job, out.ChatDelta(role="assistant", content="")))
-        final = i == last
-        if isinstance(ev, Text):
-            logprobs.add(ev.piece, i)
-            delta = scanner.push(ev.piece)
-            if scanner.matched is not None:
-                finish = "stop"
-            elif final:
-                delta += scanner.flush()
-                finish = job.finish_reason
-            if delta or finish:
-                lps = logprobs.take()
-                if job.chat:
-                    chunk = out.ChatDelta(content=delta)
-                    await emit(_chat_chunk(job, chunk, finish, scanner.matched, lps))
-                else:
-                    await emit(_text_chunk(job, delta, finish, scanner.matched, lps))
-            if finish:
-                break
-            continue
-        held = scanner.flush()
-        if held:
-            await emit(_chat_chunk(job, out.ChatDelta(content=held), logprobs=logprobs.take()))
-        finish = job.finish_reason if final else None
-        await emit(_chat_chunk(job, out.ChatDelta(tool_calls=[_tool_delta(ev)]), finish))
-    sim.engine.finish(seq, _engine_reason(finish or job.finish_reason))
+            role = out.ChatDelta(role="assistant", content="")
+            await emit(_chat_chunk(job, role, index=choice.index))
+        for chunk in choice.step(i, ev):
+            await emit(chunk)
+    sim.engine.finish(seq, _engine_reason(choices[0].finish or choices[0].reason))
     if job.include_usage:
         await emit(_usage_chunk(job, _usage(seq, job)))
     await send({"type": "http.response.body", "body": out.DONE, "more_body": True})
@@ -266,50 +340,20 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
 
 
 async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
-    scanner = StopScanner(job.stops)
-    logprobs = Logprobs(job)
-    drop_at = _drop_at(job)
-    calls: dict[int, tuple[str, str, list[str]]] = {}
-    finish = job.finish_reason
-    for i, ev in enumerate(job.events[: job.num_tokens]):
-        if drop_at is not None and i == drop_at:
-            raise Dropped
-        await sim.engine.next_token(seq, event_token(sim, ev))
-        if isinstance(ev, Text):
-            logprobs.add(ev.piece, i)
-            scanner.push(ev.piece)
-            if scanner.matched is not None:
-                finish = "stop"
-                break
-        elif isinstance(ev, ToolStart):
-            calls[ev.index] = (ev.id, ev.name, [])
-        else:
-            calls[ev.index][2].append(ev.piece)
-    sim.engine.finish(seq, _engine_reason(finish))
-    text = scanner.text
+    choices = [_Choice(job, j, events) for j, events in enumerate(job.choices)]
+    async for i, choice, ev in _tokens(sim, seq, job, choices):
+        choice.collect(i, ev)
+    sim.engine.finish(seq, _engine_reason(choices[0].finish or choices[0].reason))
     usage = _usage(seq, job)
     body: object
+    whole = [c.whole() for c in choices]
     if job.chat:
-        tool_calls = [
-            out.ToolCall(id=cid, function=out.FunctionCall(name=name, arguments="".join(args)))
-            for cid, name, args in calls.values()
-        ]
-        message = out.AssistantMessage(
-            content=None if (tool_calls and not text) else text, tool_calls=tool_calls
-        )
         body = out.ChatCompletion(
             id=job.response_id,
             created=job.created,
             model=job.model,
             usage=usage,
-            choices=[
-                out.ChatChoice(
-                    message=message,
-                    finish_reason=finish,
-                    stop_reason=scanner.matched,
-                    logprobs=logprobs.take(),
-                )
-            ],
+            choices=[c for c in whole if isinstance(c, out.ChatChoice)],
         )
     else:
         body = out.Completion(
@@ -317,14 +361,7 @@ async def _complete(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None
             created=job.created,
             model=job.model,
             usage=usage,
-            choices=[
-                out.CompletionChoice(
-                    text=text,
-                    finish_reason=finish,
-                    stop_reason=scanner.matched,
-                    logprobs=logprobs.take(),
-                )
-            ],
+            choices=[c for c in whole if isinstance(c, out.CompletionChoice)],
         )
     payload = msgspec.json.encode(body)
     headers = [
@@ -366,4 +403,5 @@ def new_job(
         fault=fault,
         record=record,
         logprobs=plan.logprobs,
+        more_choices=plan.more_choices,
     )

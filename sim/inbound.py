@@ -11,6 +11,8 @@ import msgspec
 
 from sim.logprobs import MAX_TOP
 
+MAX_CHOICES = 16  # n: choices per request
+
 _T = TypeVar("_T")
 
 
@@ -146,8 +148,8 @@ def content_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def check_sampling(req: _Sampling, max_tokens: int | None) -> None:
-    if req.n != 1:
-        raise BadRequest("the simulator only supports n=1", "n")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise BadRequest(f"n must be between 1 and {MAX_CHOICES}", "n")
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", "max_tokens")
     if req.stream_options is not None and not req.stream:

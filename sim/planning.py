@@ -85,6 +85,22 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # alternatives per token; None: no logprobs
+    more_choices: list[list[Event]] = []  # choices 1..n-1
+
+
+def _more_choices(
+    sim: Simulator,
+    req: ChatRequest | CompletionRequest,
+    prompt_ids: list[int],
+    scripted: list[Event] | None,
+    forced: int | None,
+) -> list[list[Event]]:
+    """Choices 1..n-1: a scripted reply repeats; natural ones differ, each drawn
+    with its own seed derived from the request's (deterministic, as ``seed`` is)."""
+    if scripted is not None:
+        return [list(scripted) for _ in range(req.n - 1)]
+    base = req.seed if req.seed is not None else 0
+    return [_natural(sim, prompt_ids, base * 7919 + j, forced) for j in range(1, req.n)]
 
 
 def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
@@ -101,13 +117,14 @@ def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
     last_user = last.text if last.role == "user" else None
     conv = Conversation(last_user=last_user, last_role=last.role, prompt=prompt)
     script = _script_for(sim, headers, conv)
+    forced = max_tokens if req.ignore_eos else None
     if script is not None:
         sim.stats.scripted += 1
         events, finish = _scripted_events(sim, script)
     else:
-        forced = max_tokens if req.ignore_eos else None
         events, finish = _natural(sim, prompt_ids, req.seed, forced), "stop"
-    return _plan(req, prompt_ids, events, finish, max_tokens)
+    more = _more_choices(sim, req, prompt_ids, events if script is not None else None, forced)
+    return _plan(req, prompt_ids, events, finish, max_tokens, more)
 
 
 def plan_completion(sim: Simulator, req: CompletionRequest, headers: Headers) -> Plan:
@@ -120,13 +137,14 @@ def plan_completion(sim: Simulator, req: CompletionRequest, headers: Headers) ->
         prompt_ids, text = prompt, ""
     conv = Conversation(last_user=text, last_role="user", prompt=text)
     script = _script_for(sim, headers, conv)
+    forced = req.max_tokens if req.ignore_eos else None
     if script is not None:
         sim.stats.scripted += 1
         events, _ = _scripted_events(sim, ScriptedResponse(content=script.content))
     else:
-        forced = req.max_tokens if req.ignore_eos else None
         events = _natural(sim, prompt_ids, req.seed, forced)
-    return _plan(req, prompt_ids, events, "stop", req.max_tokens)
+    more = _more_choices(sim, req, prompt_ids, events if script is not None else None, forced)
+    return _plan(req, prompt_ids, events, "stop", req.max_tokens, more)
 
 
 def _plan(
@@ -135,6 +153,7 @@ def _plan(
     events: list[Event],
     finish: str,
     max_tokens: int | None,
+    more_choices: list[list[Event]],
 ) -> Plan:
     opts = req.stream_options
     return Plan(
@@ -146,4 +165,5 @@ def _plan(
         stream=req.stream,
         include_usage=bool(req.stream and opts is not None and opts.include_usage),
         logprobs=logprobs_top(req),
+        more_choices=more_choices,
     )

@@ -50,7 +50,7 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     traceparent: str = ""  # W3C: the ingress's span; workers and engines continue it
     tracestate: str = ""
     prompt_tokens_est: int = 0  # the ingress' estimate, for KV admission
-    max_tokens: int = 0  # worst-case output tokens, for KV admission
+    max_tokens: int = 0  # worst-case output tokens, all choices together (KV admission, holds)
     created: float = 0.0
     # Engine-facing headers the route allows through (e.g. simulator fault hooks).
     headers: dict[str, str] = {}
@@ -84,6 +84,7 @@ class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     # The choice's ``logprobs`` as the engine sent it with this delta (chat's
     # ``{"content": [...]}`` or the completions lists), relayed untouched.
     logprobs: dict[str, Any] | None = None
+    index: int = 0  # the choice this delta belongs to (``n`` > 1, or a batch of prompts)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):

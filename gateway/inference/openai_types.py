@@ -10,6 +10,7 @@ import base64
 import struct
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -49,6 +50,9 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
 
 
+MAX_CHOICES = 16  # n: capped before any work (each choice may cost max_tokens)
+
+
 class _Common(msgspec.Struct):
     model: ModelName
     stream: bool = False
@@ -56,15 +60,15 @@ class _Common(msgspec.Struct):
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1  # one choice per request, as our frames carry
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1  # choices, indexed in the frames
     stop: str | list[str] | None = None
     seed: int | None = None
 
 
 class ChatRequest(_Common):
     """A chat completion request. Fields jetserve does not read pass through to the
-    engine unchanged. `n` must be 1. Without `max_tokens` (or `max_completion_tokens`)
-    the output is bounded by the gateway's default."""
+    engine unchanged; `n` choices (up to 16) come back indexed. Without `max_tokens`
+    (or `max_completion_tokens`) the output is bounded by the gateway's default."""
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] = []
     max_completion_tokens: MaxTokens | None = None
@@ -141,6 +145,16 @@ def _refuse_uncarried(body: dict[str, Any]) -> None:
             param=name,
             code="unsupported_parameter",
         )
+
+
+def choices_of(parsed: object) -> int:
+    """How many choices the reply has: ``n`` per prompt, and a completions batch
+    (a list of strings or of token-id lists) has one prompt per item."""
+    n = int(getattr(parsed, "n", 1))
+    prompt = getattr(parsed, "prompt", None)
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return n * len(prompt)
+    return n
 
 
 # Non-text content parts (images, audio, files) cost tokens the bytes of the
@@ -251,7 +265,8 @@ class ChunkWriter:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.model = model
         self.created = int(time.time())
-        self.role_sent = False
+        self.role_sent = False  # choice 0's role chunk
+        self._roles: set[int] = set()  # choices whose first delta went out
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -269,80 +284,107 @@ class ChunkWriter:
         tool_calls: list[dict[str, Any]] | None,
         finish_reason: str | None,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> list[dict[str, Any]]:
+        """The chunks of one choice's delta: choice 0's first is preceded by the role
+        chunk (its own event id, see sse.py); another choice's first delta carries
+        the role itself."""
         out: list[dict[str, Any]] = []
         if not self.chat:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             return [self._chunk([choice])]
-        if not self.role_sent:
+        delta: dict[str, Any] = {}
+        if index == 0 and not self.role_sent:
             self.role_sent = True
             role = {"role": "assistant", "content": ""}
             out.append(
                 self._chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
             )
-        delta: dict[str, Any] = {}
+        elif index and index not in self._roles:
+            delta["role"] = "assistant"
+        self._roles.add(index)
         if text:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        out.append(
-            self._chunk(
-                [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-            )
-        )
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        out.append(self._chunk([choice]))
         return out
 
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        """A closing chunk, when the last token frame did not carry the reason."""
-        if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
-        return self._chunk([choice])
+    def finish(self, finish_reason: str, indexes: Sequence[int] = (0,)) -> dict[str, Any]:
+        """A closing chunk, for the choices whose last token frame did not carry
+        the reason."""
+        body: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
+        return self._chunk(
+            [
+                {"index": i, **body, "logprobs": None, "finish_reason": finish_reason}
+                for i in indexes
+            ]
+        )
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([], usage=usage_json(usage))
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a whole (non-streamed) reply."""
+
+    index: int = 0
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None  # None: the final frame's
+    logprobs: dict[str, Any] | None = None
 
 
 def completion_response(
     op: str,
     request_id: str,
     model: str,
-    text: str,
-    tool_calls: list[dict[str, Any]],
+    choices: list[ChoiceResult],
     finish_reason: str,
     usage: Usage,
-    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     created = int(time.time())
-    if op == "chat":
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": text if text or not tool_calls else None,
-        }
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        obj, prefix = "text_completion", "cmpl-"
+    rendered: list[dict[str, Any]] = []
+    for c in choices:
+        finish = c.finish_reason or finish_reason
+        if op == "chat":
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": c.text if c.text or not c.tool_calls else None,
+            }
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            rendered.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": c.logprobs,
+                    "finish_reason": finish,
+                }
+            )
+        else:
+            rendered.append(
+                {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": finish}
+            )
+    obj, prefix = ("chat.completion", "chatcmpl-") if op == "chat" else ("text_completion", "cmpl-")
     return {
         "id": prefix + request_id,
         "object": obj,
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": rendered,
         "usage": usage_json(usage),
     }
 

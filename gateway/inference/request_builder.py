@@ -19,6 +19,7 @@ from gateway.inference.openai_types import (
     EmbeddingRequest,
     Parsed,
     ParsedType,
+    choices_of,
     estimate_prompt_tokens,
     floor_prompt_tokens,
 )
@@ -83,7 +84,9 @@ def build_request(
         traceparent="",  # set by admit(): the request span's own context
         tracestate=headers.get("tracestate", "")[:512],
         prompt_tokens_est=estimate_prompt_tokens(parsed),
-        max_tokens=max_tokens,
+        # Every one of the n choices may run to max_tokens: the hold and the KV
+        # budget are for all of them (the context check above is per choice).
+        max_tokens=max_tokens * choices_of(parsed),
         created=now,
         headers=forwarded,
         **_route_fields(route),

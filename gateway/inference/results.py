@@ -8,6 +8,7 @@ from typing import Any
 
 from gateway.inference.dispatch import error_from_frame
 from gateway.inference.openai_types import (
+    ChoiceResult,
     EmbeddingRequest,
     completion_response,
     embeddings_response,
@@ -20,30 +21,52 @@ from streams.wire import ErrorFrame, Final, Token
 
 @dataclass
 class Result:
-    text: str
-    tool_calls: list[dict[str, Any]]
+    choices: list[ChoiceResult]
     final: Final
-    logprobs: dict[str, Any] | None = None
+
+
+class _Choice:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.calls = ToolCalls()
+        self.logprobs: list[dict[str, Any] | None] = []
+        self.finish: str | None = None
+
+    def add(self, token: Token) -> None:
+        self.text.append(token.text)
+        if token.tool_calls:
+            self.calls.add(token.tool_calls)
+        if token.logprobs:
+            self.logprobs.append(token.logprobs)
+        self.finish = token.finish_reason or self.finish
+
+    def result(self) -> ChoiceResult:
+        return ChoiceResult(
+            self.index,
+            "".join(self.text),
+            self.calls.merged(),
+            self.finish,
+            merge_logprobs(self.logprobs),
+        )
 
 
 async def read_result(adm: Admitted, heartbeat_timeout: float) -> Result:
     """Read the stream to its final frame (a GatewayError for an error frame or
-    a stream that ends without one); counts the tokens relayed on ``adm``."""
-    text: list[str] = []
-    calls = ToolCalls()
-    logprobs: list[dict[str, Any] | None] = []
+    a stream that ends without one); counts the tokens relayed on ``adm``. Each
+    choice (``n`` > 1) is gathered by its index; one that sent no token still
+    gets its place, with the final frame's finish reason."""
+    choices = {i: _Choice(i) for i in range(adm.choices)}
     async for event in adm.stream.events(heartbeat_timeout):
         if isinstance(event, Token):
             adm.tokens_seen += 1
-            text.append(event.text)
-            if event.tool_calls:
-                calls.add(event.tool_calls)
-            if event.logprobs:
-                logprobs.append(event.logprobs)
+            if event.index not in choices:
+                choices[event.index] = _Choice(event.index)
+            choices[event.index].add(event)
         elif isinstance(event, ErrorFrame):
             raise error_from_frame(event)
         else:
-            return Result("".join(text), calls.merged(), event, merge_logprobs(logprobs))
+            return Result([choices[i].result() for i in sorted(choices)], event)
     raise AssertionError("frame stream ended without a terminal frame")
 
 
@@ -60,9 +83,7 @@ def render(adm: Admitted, result: Result) -> dict[str, Any]:
         adm.op,
         adm.request_id,
         model,
-        result.text,
-        result.tool_calls,
+        result.choices,
         result.final.finish_reason,
         result.final.usage,
-        result.logprobs,
     )

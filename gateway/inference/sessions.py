@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.inference.dispatch import FrameStream
-from gateway.inference.openai_types import Parsed
+from gateway.inference.openai_types import Parsed, choices_of
 from gateway.tenancy.accounting import Reservation, Scope
 from gateway.tenancy.idempotency import Claim
 from gateway.tenancy.keys import KeyRecord
@@ -54,6 +54,11 @@ class Admitted:
         return bool(opts and opts.include_usage)
 
     @property
+    def choices(self) -> int:
+        """The choices the reply has (each gets its finish reason)."""
+        return choices_of(self.parsed)
+
+    @property
     def model(self) -> str:
         return self.parsed.model
 
@@ -77,6 +82,8 @@ class Resumed:
     started: float = field(default_factory=time.monotonic)
     outcome: str | None = None
     tokens_seen: int = 0
+    # The request body is not in the capture: choices past 0 are known by their tokens.
+    choices: int = 1
 
     @property
     def meta(self) -> Meta:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -135,7 +136,8 @@ async def client_events(
     stream = adm.stream
     after = adm.last_event_id
     writer.role_sent = after >= ROLE_ID  # a resume past the role chunk
-    finish_sent = False
+    finished: set[int] = set()  # choices whose finish reason went out on a token
+    seen: set[int] = set()
     event = first
     try:
         while True:
@@ -146,26 +148,22 @@ async def client_events(
                     yield ClientEvent("keepalive")
                     continue
             if isinstance(event, Token):
-                # Coalesce whatever is already buffered into one write (slow clients).
+                # Coalesce whatever is already buffered into one write per choice
+                # (slow clients); each run of one choice's tokens is a chunk.
                 batch = [event, *stream.drain_tokens()]
                 adm.tokens_seen += len(batch)
-                text = "".join(t.text for t in batch)
-                calls = [c for t in batch if t.tool_calls for c in t.tool_calls] or None
-                finish = next((t.finish_reason for t in reversed(batch) if t.finish_reason), None)
-                finish_sent = finish_sent or finish is not None
-                logprobs = merge_logprobs([t.logprobs for t in batch])
-                *roles, content = writer.delta(text, calls, finish, logprobs)
-                for role in roles:  # the chat role chunk, before the first token
-                    yield ClientEvent("chunk", role, event_id=ROLE_ID)
-                yield ClientEvent("chunk", content, event_id=content_id(batch[-1].seq))
+                for chunk in _token_chunks(writer, batch, seen, finished):
+                    yield chunk
                 event = None
                 continue
             if isinstance(event, ErrorFrame):
                 raise error_from_frame(event)
             # A token the resumed client already has may have carried the reason.
-            finish_sent = finish_sent or stream.skipped_finish is not None
-            if not finish_sent and finish_id(event.seq) > after:
-                closing = writer.finish(event.finish_reason)
+            if stream.skipped_finish is not None:
+                finished.add(0)
+            unfinished = sorted((set(range(adm.choices)) | seen) - finished)
+            if unfinished and finish_id(event.seq) > after:
+                closing = writer.finish(event.finish_reason, unfinished)
                 yield ClientEvent("chunk", closing, event_id=finish_id(event.seq))
             if adm.include_usage and usage_id(event.seq) > after:
                 usage = writer.usage(event.usage)
@@ -176,6 +174,26 @@ async def client_events(
     except GatewayError as exc:  # StreamInterrupted included
         await gw.fail(adm, exc)
         yield ClientEvent("error", exc.body(), exc.status)
+
+
+def _token_chunks(
+    writer: ChunkWriter, batch: list[Token], seen: set[int], finished: set[int]
+) -> Iterator[ClientEvent]:
+    """One chunk per run of one choice's tokens in ``batch`` (its text, tool calls,
+    logprobs and finish reason merged), noting the choices seen and finished."""
+    for index, run in itertools.groupby(batch, key=lambda t: t.index):
+        group = list(run)
+        seen.add(index)
+        text = "".join(t.text for t in group)
+        calls = [c for t in group if t.tool_calls for c in t.tool_calls] or None
+        finish = next((t.finish_reason for t in reversed(group) if t.finish_reason), None)
+        if finish is not None:
+            finished.add(index)
+        logprobs = merge_logprobs([t.logprobs for t in group])
+        *roles, content = writer.delta(text, calls, finish, logprobs, index)
+        for role in roles:  # the chat role chunk, before the first token
+            yield ClientEvent("chunk", role, event_id=ROLE_ID)
+        yield ClientEvent("chunk", content, event_id=content_id(group[-1].seq))
 
 
 async def sse_body(events: AsyncIterator[ClientEvent]) -> AsyncIterator[bytes]:

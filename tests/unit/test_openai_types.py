@@ -9,6 +9,7 @@ from gateway.errors import BadRequest
 from gateway.inference.openai_types import (
     ChatRequest,
     CompletionRequest,
+    choices_of,
     merge_logprobs,
     parse_body,
 )
@@ -73,3 +74,18 @@ def test_their_defaults_pass() -> None:
     typed, raw = parse_body(msgspec.json.encode(body), CompletionRequest)
     assert isinstance(typed, CompletionRequest)
     assert raw["best_of"] == 1
+
+
+def test_choices_count_n_per_prompt_of_a_batch() -> None:
+    def completion(prompt: object, n: int = 1) -> CompletionRequest:
+        body = {"model": "m", "prompt": prompt, "n": n}
+        typed, _ = parse_body(msgspec.json.encode(body), CompletionRequest)
+        assert isinstance(typed, CompletionRequest)
+        return typed
+
+    assert choices_of(completion("one", 3)) == 3
+    assert choices_of(completion([1, 2, 3], 2)) == 2  # token ids: one prompt
+    assert choices_of(completion(["a", "b"], 2)) == 4
+    assert choices_of(completion([[1, 2], [3]])) == 2
+    with pytest.raises(BadRequest):  # capped before any work
+        completion("x", 17)

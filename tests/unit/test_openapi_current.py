@@ -9,7 +9,12 @@ import msgspec
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.inference.openai_types import ChunkWriter, completion_response, embeddings_response
+from gateway.inference.openai_types import (
+    ChoiceResult,
+    ChunkWriter,
+    completion_response,
+    embeddings_response,
+)
 from gateway.ingress import openapi_types as types
 from gateway.ingress.openapi import SHIPPED, build_spec, render
 from streams.wire import Usage
@@ -44,12 +49,17 @@ def _refs(node: Any) -> list[str]:
 
 @pytest.mark.parametrize("tool_calls", [[], CALL], ids=["text", "tool-calls"])
 def test_a_chat_completion_is_described(tool_calls: list[dict[str, Any]]) -> None:
-    body = completion_response("chat", "r1", "m", "hi", tool_calls, "stop", USAGE)
+    choices = [ChoiceResult(0, "hi", tool_calls), ChoiceResult(1, "ho", [], "length")]
+    body = completion_response("chat", "r1", "m", choices, "stop", USAGE)
     msgspec.convert(body, types.ChatCompletion)
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
 
 
 def test_a_completion_is_described() -> None:
-    body = completion_response("completion", "r1", "m", "hi", [], "length", USAGE)
+    lps = {"tokens": ["hi"], "token_logprobs": [-0.5], "top_logprobs": [{"hi": -0.5}]}
+    body = completion_response(
+        "completion", "r1", "m", [ChoiceResult(0, "hi", logprobs=lps)], "length", USAGE
+    )
     msgspec.convert(body, types.Completion)
 
 

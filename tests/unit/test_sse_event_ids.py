@@ -33,6 +33,7 @@ class FakeSession:
     request_id: str = "r1"
     model: str = "m"
     tokens_seen: int = 0
+    choices: int = 1
 
 
 async def _noop(*_: object) -> None:

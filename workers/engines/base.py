@@ -26,6 +26,7 @@ class Delta:
     tool_calls: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None  # the engine's, for this delta
+    index: int = 0  # its choice
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,7 +181,7 @@ class OpenAIAdapter(EngineAdapter):
                 if choice.finish_reason:
                     finish = choice.finish_reason
                 if text or calls or choice.finish_reason or choice.logprobs:
-                    yield Delta(text, calls, choice.finish_reason, choice.logprobs)
+                    yield Delta(text, calls, choice.finish_reason, choice.logprobs, choice.index)
         if finish is None:
             raise EngineStreamBroken("engine stream ended without a finish reason")
         yield Done(finish, usage or Usage(), model)

@@ -41,7 +41,7 @@ def check_fields(body: Mapping[str, Any], carried: Iterable[str], dialect: str) 
             f"{'them' if len(unknown) > 1 else 'it'} or route to an OpenAI-compatible engine"
         )
     if body.get("n", 1) not in (1, None):
-        raise EngineRejected(f"the {dialect} adapter serves n=1 only")
+        raise EngineUnsupported(f"the {dialect} adapter serves n=1 only")
 
 
 def max_tokens(body: Mapping[str, Any]) -> int | None:

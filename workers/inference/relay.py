@@ -38,9 +38,10 @@ class FrameSender:
         tool_calls: list[dict[str, Any]] | None = None,
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> None:
         self.seq += 1
-        frame = Token(self.seq, text, tool_calls, finish_reason, self._attempt, logprobs)
+        frame = Token(self.seq, text, tool_calls, finish_reason, self._attempt, logprobs, index)
         await self._publish(encode(frame))
 
     async def final(self, **fields: Any) -> None:

@@ -443,7 +443,11 @@ class Worker:
                     async for event in events:
                         if isinstance(event, Delta):
                             await sender.token(
-                                event.text, event.tool_calls, event.finish_reason, event.logprobs
+                                event.text,
+                                event.tool_calls,
+                                event.finish_reason,
+                                event.logprobs,
+                                event.index,
                             )
                             if sender.seq == 1:
                                 ttft = (time.monotonic() - started_at) * 1000
