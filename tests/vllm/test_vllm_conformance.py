@@ -26,6 +26,7 @@ from jetserve.conformance.corpus import CASES, Case
 from jetserve.conformance.report import Status
 from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
+from tests.connected.test_choices import Choices, from_body, from_stream
 from tests.vllm.vllmkit import VllmServer
 from workers.engines import translation as tr
 from workers.engines.base import Delta, Done
@@ -296,3 +297,51 @@ def test_one_request_through_a_fleet(vllm_server: VllmServer) -> None:
     assert usage is not None
     assert usage.prompt_tokens == direct["usage"]["prompt_tokens"]
     assert usage.completion_tokens == direct["usage"]["completion_tokens"] == 24
+
+
+def _close(relayed: Choices, direct: Choices) -> None:
+    """Same indexes, texts, finish reasons and logprob tokens; the values within
+    float noise (two runs of the same seeded request on the CPU)."""
+    assert sorted(relayed) == sorted(direct)
+    for i, (text, finish, lps) in direct.items():
+        r_text, r_finish, r_lps = relayed[i]
+        assert (r_text, r_finish) == (text, finish)
+        assert lps is not None
+        assert r_lps is not None
+        mine, theirs = r_lps["content"], lps["content"]
+        assert [e["token"] for e in mine] == [e["token"] for e in theirs]
+        assert [e["logprob"] for e in mine] == pytest.approx(
+            [e["logprob"] for e in theirs], abs=1e-3
+        )
+        assert [len(e["top_logprobs"]) for e in mine] == [len(e["top_logprobs"]) for e in theirs]
+
+
+@pytest.mark.connected
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_and_n_through_a_fleet(vllm_server: VllmServer, stream: bool) -> None:
+    """Issue 17: vLLM's logprobs and n choices reach the client through the relay as
+    vLLM gives them directly (sampled with a seed, so both runs choose the same
+    tokens; vLLM refuses n > 1 with greedy sampling)."""
+    body = chat(
+        vllm_server, "Choices and their odds.", max_tokens=12, temperature=1.0, seed=3, n=2,
+        logprobs=True, top_logprobs=2, stream=stream,
+    )  # fmt: skip
+
+    def answer(url: str, headers: dict[str, str]) -> Choices:
+        with httpx.Client(timeout=60) as c:
+            if stream:
+                with c.stream(
+                    "POST", f"{url}/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    assert r.status_code == 200, r.read()
+                    return from_stream(list(r.iter_lines()))
+            r = c.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            return from_body(r.json())
+
+    direct = answer(vllm_server.url, {})
+    spec = FleetSpec(workers=1, engine_url=vllm_server.url, model=vllm_server.model)
+    with Fleet(spec) as fleet:
+        relayed = answer(fleet.base_url, {"Authorization": f"Bearer {fleet.api_key}"})
+    assert sorted(direct) == [0, 1]
+    _close(relayed, direct)
