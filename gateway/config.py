@@ -19,7 +19,7 @@ class GatewayConfig:
     nats_auth: BusAuth = OPEN
     redis_password: str | None = None
     models: tuple[str, ...] = ("sim-8b",)
-    embedding_models: tuple[str, ...] = ("sim-embed",)
+    embedding_models: tuple[str, ...] = ()  # listed by /v1/models only when served
     gateway_id: str = field(default_factory=lambda: f"gw{uuid.uuid4().hex[:10]}")
     default_timeout_s: float = 120.0
     max_timeout_s: float = 600.0

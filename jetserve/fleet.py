@@ -374,6 +374,8 @@ class Fleet:
             str(metrics_port),
             "--models",
             self.spec.model,
+            # The simulator serves its embedding model too; a real engine, only its own.
+            *(["--embedding-models", "sim-embed"] if self.spec.engine_url is None else []),
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
             *self._context_args(),

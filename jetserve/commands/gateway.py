@@ -45,7 +45,12 @@ def register(sub: Subparsers) -> None:
         help="bind the public port with SO_REUSEPORT: several gateway processes share it",
     )
     g.add_argument("--models", default="sim-8b", help="comma-separated chat/completion models")
-    g.add_argument("--embedding-models", default="sim-embed")
+    g.add_argument(
+        "--embedding-models",
+        default="",
+        help="comma-separated embedding models (none by default: /v1/models lists only "
+        "what is served)",
+    )
     g.add_argument("--timeout", type=float, default=120.0, help="default request deadline (s)")
     g.add_argument("--heartbeat-timeout", type=float, default=3.0)
     g.add_argument("--keepalive", type=float, default=10.0, help="SSE keep-alive interval (s)")

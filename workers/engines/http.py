@@ -38,17 +38,26 @@ def engine_client(
 
 
 def error_message(body: bytes) -> str:
-    """The message of an engine's error body (OpenAI-shaped, ``{"message"}`` or text)."""
+    """The message of an engine's error body, as text: OpenAI's ``{"error":
+    {"message"}}``, a bare ``{"message"}`` or ``{"error": "..."}``, FastAPI's
+    ``{"detail"}`` (vLLM's routes that do not exist), or the body itself."""
+    text = body[:500].decode("utf-8", "replace")
     try:
         err = msgspec.json.decode(body)
-        if isinstance(err, dict):
-            inner = err.get("error", err)
-            if isinstance(inner, dict):
-                return str(inner.get("message", body[:200]))
-            return str(err.get("message", inner))
     except msgspec.DecodeError:
-        pass
-    return body[:200].decode("utf-8", "replace")
+        return text
+    if not isinstance(err, dict):
+        return text
+    inner = err.get("error", err)
+    if isinstance(inner, str):
+        return inner
+    for holder in (inner, err):
+        if isinstance(holder, dict):
+            for key in ("message", "detail"):
+                value = holder.get(key)
+                if isinstance(value, str) and value:
+                    return value
+    return text
 
 
 def raise_for_status(status: int, body: bytes) -> None:
