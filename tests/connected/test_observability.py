@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,8 +67,10 @@ def test_worker_metrics_and_readiness(fleet: Fleet) -> None:
 
 
 def test_metrics_pass_promtool(fleet: Fleet) -> None:
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool missing: run `make setup` (installs Debian's prometheus package)"
+    # On PATH, or where `make test-setup` puts it: beside this venv's python.
+    beside = Path(sys.executable).parent / "promtool"
+    promtool = shutil.which("promtool") or (str(beside) if beside.exists() else None)
+    assert promtool, "promtool missing: run `make test-setup` (extracts it into .venv/bin)"
     sources = [fleet.gateway_metrics_urls[0]] + [
         f"http://127.0.0.1:{p}/metrics" for p in fleet.worker_metrics_ports
     ]
