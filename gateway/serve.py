@@ -48,6 +48,7 @@ def _config(
         ws_max_size=cfg.ws_max_message_bytes,
         lifespan="off",
         log_level=log_level,
+        log_config=None,  # uvicorn's own lines go through the process's (JSON) handler
         access_log=False,
         timeout_graceful_shutdown=round(grace),
     )

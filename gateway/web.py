@@ -3,6 +3,7 @@ OpenAI-shaped error responses and handlers, and ledger-window query parsing."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -13,6 +14,9 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from gateway.errors import BadRequest, GatewayError, NotFound
+from streams.logs import log_event
+
+log = logging.getLogger(__name__)
 
 _encoder = msgspec.json.Encoder()
 MAX_UNIX_S = 1e11  # year ~5138: anything later is not a time, it is a typo or an attack
@@ -66,6 +70,12 @@ def ledger_window(request: Request) -> tuple[float | None, float | None, int | N
 
 async def on_gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
+    # Every refusal, accepted or not (bad key, bad body, unknown model, budget):
+    # the code and the route, never the body.
+    log_event(
+        log, "http_error", status=exc.status, code=exc.code, method=request.method,
+        path=request.url.path, param=exc.param,
+    )  # fmt: skip
     return error_response(exc)
 
 

@@ -6,7 +6,6 @@ imports every package."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -27,6 +26,7 @@ from jetserve.commands import (
     worker,
 )
 from streams.errors import CredentialError, SecretError
+from streams.logs import configure
 
 # In `jetserve --help` order.
 GROUPS = (
@@ -38,6 +38,12 @@ GROUPS = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jetserve", description=__doc__, allow_abbrev=False)
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="JSON lines (one event per line: request id, tenant, class, worker) or text",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     for group in GROUPS:
         group.register(sub)
@@ -55,9 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if head[:1] == ["sim"]:
         return sim.run(head[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure(args.log_level, args.log_format)
     try:
         result: int = args.func(args)
     except (CredentialError, SecretError) as exc:

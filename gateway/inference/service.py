@@ -44,6 +44,7 @@ from gateway.tenancy.idempotency import Claim, IdempotencyStore
 from gateway.tenancy.keys import KeyRecord, Tenancy
 from gateway.tenancy.request_ledger import LedgerWriter
 from gateway.tracing import Span, Tracer
+from streams.logs import log_event
 from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token
 
 # An ingress's check of the authenticated caller against the parsed request.
@@ -205,6 +206,7 @@ class InferenceService:
             )
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
+            self._log_refusal(req, exc)
             await self.books.append(self.books.refusal(req, key, f"rejected:{kind}", exc))
             raise
         if reservation.settled:
@@ -225,11 +227,18 @@ class InferenceService:
                 self.queue_watch.published(req.cls)
             stream = await self._submit(req, meta, claim is not None, excess)
         except GatewayError as exc:
+            self._log_refusal(req, exc)
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
             await self.books.append(refusal, release=True)
             raise
         self.metrics.inflight.inc()
         return Admitted(op, parsed, key, stream, reservation, raw, claim, span)
+
+    def _log_refusal(self, req: InferenceRequest, exc: GatewayError) -> None:
+        log_event(
+            log, "refused", request_id=req.id, tenant=req.tenant, cls=req.cls,
+            model=req.model, code=exc.code, status=exc.status, gateway=self.cfg.gateway_id,
+        )  # fmt: skip
 
     def _meta(self, req: InferenceRequest, scope: Scope, reserved_micros: int) -> Meta:
         """The stream's head frame: what a resume on any replica needs to keep the books."""
@@ -312,6 +321,13 @@ class InferenceService:
                 span.set("jetserve.attempts", final.attempt)
             span.end(final.finish_reason if final else outcome)
         e2e = time.monotonic() - adm.started
+        if final is None:  # an accepted request that did not complete: say which, and why
+            req = adm.stream.req
+            log_event(
+                log, "ended", request_id=req.id, tenant=req.tenant, cls=req.cls,
+                outcome=outcome, status=status, ms=round(e2e * 1000),
+                gateway=self.cfg.gateway_id,
+            )  # fmt: skip
         first_ms = self._observe(adm, "ok" if final else outcome, final, e2e)
         await self.books.settle(adm, outcome, status, final, e2e, first_ms)
         if isinstance(adm, Admitted) and adm.wants_stream and final is not None:

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -31,6 +32,7 @@ from streams.connect import OPEN, BusAuth, connect
 from streams.consumer import PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.logs import log_event
 from streams.marks import CancelMarks, FailureCounts
 from streams.provision import await_topology
 from streams.routes import Deployment
@@ -341,7 +343,7 @@ class Worker:
                 )  # fmt: skip
                 await msg.term()
                 self.metrics.requests.labels(req.cls, "cancelled").inc()
-                log.info("request %s cancelled before it started", req.id)
+                self._event("cancelled", req, req.cls, started=False)
                 return
             await self._attempt(msg, req, sender, attempt, cancelled)
 
@@ -376,7 +378,7 @@ class Worker:
                 if not sender.started:
                     await msg.term()
                 self.metrics.requests.labels(req.cls, "cancelled").inc()
-                log.info("request %s cancelled by client", req.id)
+                self._event("cancelled", req, req.cls, started=sender.started)
             else:
                 await work
         except asyncio.CancelledError:
@@ -500,6 +502,10 @@ class Worker:
         req: InferenceRequest | None = None,
     ) -> None:
         cls = class_of(msg.subject)
+        delivered = msg.metadata.num_delivered or 1
+        # The code and status, not the engine's message: an engine may echo input in it.
+        self._event("engine_error", req, cls, code=exc.code, status=exc.status,
+                    delivery=delivered, started=sender.started)  # fmt: skip
         if sender.started:
             # Mid-stream failures are never retried silently (the client saw tokens).
             err = exc
@@ -515,7 +521,6 @@ class Worker:
         if req is not None:
             limit = min(limit, req.retry_max or limit)
             eligible = eligible and (not req.retry_on or exc.code in req.retry_on)
-        delivered = msg.metadata.num_delivered or 1
         # Failed attempts, not deliveries: a hand-back is no failure (delivery.py).
         failures = None
         if eligible and req is not None and self._failures is not None:
@@ -526,6 +531,7 @@ class Worker:
             # to any worker, inside the request's original deadline.
             await msg.nak(delay=self.cfg.retry_backoff_s * failures)
             self.metrics.redeliveries.labels(cls, exc.code).inc()
+            self._event("redelivered", req, cls, code=exc.code, failures=failures)
             return
         await sender.error(exc.code, exc.message, status=exc.status, retryable=exc.retryable)
         if eligible:
@@ -535,8 +541,16 @@ class Worker:
             seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
             reason = f"{failures} failed attempts; last {exc.code}: {exc.message}"
             await dead_letter(js, msg.subject, msg.data, reason, seq)
+            self._event("dead_lettered", req, cls, code=exc.code, failures=failures, seq=seq)
         await msg.term()
         self.metrics.requests.labels(cls, exc.code).inc()
+
+    def _event(self, event: str, req: InferenceRequest | None, cls: str, **fields: Any) -> None:
+        """A structured log line (streams/logs.py): ids and codes, never request text."""
+        log_event(
+            log, event, request_id=req.id if req else None, tenant=req.tenant if req else None,
+            cls=cls, worker=self.cfg.worker_id, **fields,
+        )  # fmt: skip
 
     async def _in_progress_until_started(self, msg: Msg, sender: FrameSender) -> None:
         beat = self.cfg.topology.limits.ack_wait_s / 3

@@ -1,0 +1,99 @@
+"""Structured logs (issue 17): at info, the gateway and the worker write one JSON
+object per line for every refusal, engine error, cancel, redelivery and dead
+letter, with the request id, tenant, class and worker; never prompt or
+completion text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from jetserve.fleet import Fleet
+from tests.waits import until
+
+pytestmark = pytest.mark.connected
+
+SECRET = "zebra quartz prompt words"
+
+
+def events(fleet: Fleet, name: str) -> list[dict[str, Any]]:
+    lines = (fleet.workdir / f"{name}.log").read_text().splitlines()
+    out = []
+    for line in lines:
+        if line.strip():
+            out.append(msgspec.json.decode(line))  # every line is one JSON object
+    return out
+
+
+def find(fleet: Fleet, name: str, event: str, request_id: str) -> dict[str, Any] | None:
+    for e in events(fleet, name):
+        if e.get("event") == event and e.get("request_id") == request_id:
+            return e
+    return None
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "sim-8b",
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": SECRET}],
+        **extra,
+    }
+
+
+async def test_refusals_errors_cancels_and_dead_letters_are_json_events(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=1, log_level="info")
+    url = f"{fleet.base_url}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        bad_key = await c.post(url, json=body(), headers={"Authorization": "Bearer sk-wrong"})
+        assert bad_key.status_code == 401
+        # Every attempt fails before the first token: redelivered, then dead-lettered.
+        failing = await c.post(url, json=body(), headers={**auth, "X-Sim-Fault": "500"})
+        assert failing.status_code >= 500
+        failed_id = failing.headers.get("X-Request-Id") or ""
+        # A client that hangs up mid-stream: the worker cancels the engine call.
+        async with c.stream(
+            "POST", url, json=body(stream=True), headers={**auth, "X-Sim-Fault": "slow:50"}
+        ) as r:
+            cancelled_id = r.headers["X-Request-Id"]
+            lines = r.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+
+    async def logged() -> bool:
+        return all(
+            find(fleet, name, event, rid) is not None
+            for name, event, rid in [
+                ("worker0", "cancelled", cancelled_id),
+                ("gateway0", "ended", cancelled_id),
+            ]
+        )
+
+    await until(logged, "the cancel logged by the worker and the gateway")
+    gateway, worker = events(fleet, "gateway0"), events(fleet, "worker0")
+    assert any(e.get("event") == "http_error" and e["status"] == 401 for e in gateway)
+    cancel = find(fleet, "worker0", "cancelled", cancelled_id)
+    assert cancel is not None
+    assert (cancel["tenant"], cancel["cls"]) == (fleet.spec.tenant, "interactive")
+    assert cancel["worker"]
+    assert cancel["started"] is True
+    errors = [e for e in worker if e.get("event") == "engine_error"]
+    assert errors
+    assert all(e["code"] == "engine_unavailable" and e["tenant"] for e in errors)
+    assert any(e.get("event") == "redelivered" for e in worker)
+    dead = [e for e in worker if e.get("event") == "dead_lettered"]
+    assert len(dead) == 1
+    if failed_id:
+        assert dead[0]["request_id"] == failed_id
+    ended = find(fleet, "gateway0", "ended", cancelled_id)
+    assert ended is not None
+    assert ended["outcome"] == "cancelled"  # the hang-up, as the ledger records it
+    for name in ("gateway0", "worker0"):
+        assert SECRET not in (fleet.workdir / f"{name}.log").read_text()
