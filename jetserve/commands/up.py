@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from jetserve.commands import up_demo
 from jetserve.commands.admin_client import AdminError
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import NATS_SYNC_DEFAULT, check_nats_sync
@@ -25,6 +26,13 @@ def register(sub: Subparsers) -> None:
     u.add_argument("--api-key", default=None, help="demo key (default: a fresh random one)")
     u.add_argument("--workers", type=int, default=2)
     u.add_argument("--profile", default="h100-8b", help="simulator latency profile")
+    u.add_argument(
+        "--engine",
+        default=None,
+        metavar="URL",
+        help="a running OpenAI-compatible engine (e.g. vLLM) in place of the simulator",
+    )
+    u.add_argument("--model", default="sim-8b", help="the model name the engine serves")
     u.add_argument("--check", action="store_true", help="run the self-check, then stop")
     u.add_argument(
         "--nats-sync",
@@ -77,10 +85,14 @@ def run_up(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         insecure=args.insecure,
         nats_sync=args.nats_sync,
+        engine_url=args.engine,
+        model=args.model,
+        agents=1,  # an agent run executor with the demo tools
     )
+    engine = f"the engine at {args.engine}" if args.engine else "simulator"
     print(
-        "jetserve up: starting nats-server, redis-server, simulator, gateway and "
-        f"{spec.workers} workers on 127.0.0.1 ...",
+        f"jetserve up: starting nats-server, redis-server, {engine}, gateway, "
+        f"{spec.workers} workers and an agent executor on 127.0.0.1 ...",
         flush=True,
     )
     started = time.monotonic()
@@ -96,7 +108,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"ready in {time.monotonic() - started:.1f}s (logs: {fleet.workdir})\n")
         print(f"  base URL : {fleet.base_url}/v1")
         print(f"  API key  : {fleet.api_key}")
-        print(f"  model    : {spec.model} (simulated, profile {spec.profile})")
+        served = f"served by {args.engine}" if args.engine else f"simulated, profile {spec.profile}"
+        print(f"  model    : {spec.model} ({served})")
         print(f"  NATS     : {fleet.nats_url}    Redis: {fleet.redis_url_of('admin')}")
         print(
             f"  fsync    : JetStream sync_interval {spec.nats_sync}, "
@@ -125,14 +138,17 @@ def run_up(args: argparse.Namespace) -> int:
             "  jetserve limits set --level tenant --id acme --budget-usd 5 --rpm 600\n"
             f"  jetserve ledger --tenant {spec.tenant}\n"
         )
-        print(f"self-check: {self_check(fleet)}\n", flush=True)
+        approver = up_demo.prepare(fleet)
+        print(up_demo.examples(fleet, approver))
+        print(f"self-check: {self_check(fleet)}", flush=True)
+        print(f"agent run : {up_demo.agent_check(fleet, approver)}\n", flush=True)
         if args.check:
             return 0
         print("serving; Ctrl-C stops everything.", flush=True)
         while not stop.wait(0.5):
             dead = [
                 p.name
-                for p in (fleet.gateway, fleet.sim, *fleet.workers)
+                for p in (fleet.gateway, fleet.sim, *fleet.workers, *fleet.agents)
                 if p is not None and p.proc.poll() is not None
             ]
             if dead:
