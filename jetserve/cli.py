@@ -54,10 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `sim` owns its own flags: hand everything after it to the simulator's parser.
     head = argv
-    if head[:1] == ["--log-level"]:
-        head = head[2:]
-    elif head and head[0].startswith("--log-level="):
-        head = head[1:]
+    while head and head[0].split("=", 1)[0] in ("--log-level", "--log-format"):
+        head = head[1:] if "=" in head[0] else head[2:]
     if head[:1] == ["sim"]:
         return sim.run(head[1:])
     args = build_parser().parse_args(argv)
