@@ -274,3 +274,21 @@ async def stop(task: asyncio.Task[bool]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_an_engine_without_a_kv_cache_is_admitted_by_slots() -> None:
+    # vLLM's pooling runner (all-MiniLM-L6-v2) reports num_gpu_blocks=1 and a busy
+    # cache: budgeting that block gave 0 slots, and no embedding was ever pulled.
+    adm = Admission(AdmissionConfig(max_inflight=8))
+    await adm.observe(EngineLoad(num_gpu_blocks=1, block_size=16, kv_usage=1.0, waiting=0))
+    assert adm.num_gpu_blocks is None
+    assert adm.free_slots() == 8
+    assert await adm.acquire(0)
+    assert adm.free_slots() == 7  # a busy cache is no reason to stop: it is not one
+    # Its waiting queue still is.
+    await adm.observe(EngineLoad(num_gpu_blocks=1, block_size=16, waiting=3))
+    assert adm.free_slots() == 0
+    # A real KV cache is budgeted as before.
+    await adm.release()
+    await adm.observe(EngineLoad(num_gpu_blocks=100, block_size=16, kv_usage=0.0, waiting=0))
+    assert adm.num_gpu_blocks == 100

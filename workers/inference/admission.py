@@ -8,6 +8,10 @@ engine's blocks, and (c) the engine itself reports no waiting queue and KV use
 under target (the correction for what our estimate misses: other clients,
 prefix sharing, preemption).
 
+An engine without a KV cache to speak of (a pooling model: vLLM reports one
+block for an encoder-only model) is admitted by slots and the engine's waiting
+queue alone; budgeting its one block would leave no slot at all.
+
 Once pulled, a request counts as itself: its own prompt + max_tokens is
 reserved (:meth:`Admission.reserve_blocks`), and one that would overrun the
 budget waits for blocks to free, in arrival order (a large request is not
@@ -43,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -272,12 +277,25 @@ class Admission:
 
     async def observe(self, load: EngineLoad) -> None:
         async with self._cond:
-            self.engine = load
-            if self.cfg.num_gpu_blocks is None and load.num_gpu_blocks:
-                self.num_gpu_blocks = load.num_gpu_blocks
             if load.block_size:
                 self.block_size = load.block_size
+            if self._kv_less(load):
+                # A pooling (embedding) model: vLLM reports one block, and its
+                # usage says nothing of room. Slots and the waiting queue decide.
+                self.num_gpu_blocks = self.cfg.num_gpu_blocks
+                load = dataclasses.replace(load, kv_usage=None, num_gpu_blocks=None)
+            elif self.cfg.num_gpu_blocks is None and load.num_gpu_blocks:
+                self.num_gpu_blocks = load.num_gpu_blocks
+            self.engine = load
             self._cond.notify_all()
+
+    def _kv_less(self, load: EngineLoad) -> bool:
+        """An engine whose KV cache cannot hold one typical request has none to
+        budget (an encoder-only model: vLLM's pooling runner reports
+        ``num_gpu_blocks=1``); a configured block count still applies."""
+        if self.cfg.num_gpu_blocks is not None or not load.num_gpu_blocks:
+            return False
+        return load.num_gpu_blocks * self.block_size < self.cfg.typical_tokens
 
     async def close(self) -> None:
         async with self._cond:
