@@ -153,7 +153,7 @@ async def test_bad_requests_are_400(start_sim: StartSim) -> None:
     cases = [
         chat_body(long_prompt),  # prompt over max_model_len
         chat_body(max_tokens=60),  # prompt + max_tokens over max_model_len
-        chat_body(n=2),
+        chat_body(n=17),  # more choices than the simulator draws
         chat_body(max_tokens=0),
         {"model": "sim-8b", "messages": "hi"},
         {"model": "sim-8b"},
