@@ -64,8 +64,15 @@ async def test_a_class_queue_starts_its_requests_in_arrival_order(
     # Each is sent only once the one before it is counted as waiting (the holder
     # is acked at its first token, so only the waiting ones count).
     # No shedding: with the one slot stalled the start rate is nil, and shedding
-    # would rightly refuse what queues behind it (test_hedging_shedding.py).
-    fleet = make_fleet(workers=1, worker_args=["--max-inflight", "1"], gateway_args=["--no-shed"])
+    # would rightly refuse what queues behind it (test_hedging_shedding.py). The
+    # worker ranks this class first: a lower class waits out its starvation bound
+    # for each slot (the class split, tested above), which only slows this.
+    ranked = [cls, *({"batch", "interactive"} - {cls})]
+    fleet = make_fleet(
+        workers=1,
+        worker_args=["--max-inflight", "1", "--classes", ",".join(ranked)],
+        gateway_args=["--no-shed"],
+    )
     auth = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Class": cls}
     url = f"{fleet.base_url}/v1/chat/completions"
     prefix = "the same long shared prompt prefix for every request of this test " * 4
