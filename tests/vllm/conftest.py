@@ -39,13 +39,21 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
         )
     if not (Path(peers) / "vllm" / "bin" / "python").exists():
         pytest.fail(f"JETSERVE_VLLM_PEERS={peers} has no vllm venv: bench/peers/vllm.sh install")
+    yield from _serve(tmp_path_factory, peers, "serve", model)
+
+
+def _serve(
+    tmp: pytest.TempPathFactory, peers: str, command: str, model: str
+) -> Iterator[VllmServer]:
+    """``bench/peers/vllm.sh COMMAND PORT`` in its own process group, until healthy;
+    stopped, with EngineCore and its workers, at the end."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    log = tmp.mktemp("vllm") / f"vllm-{command}.log"
     t0 = time.monotonic()
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            ["bash", str(SERVE), "serve", str(port)],
+            ["bash", str(SERVE), command, str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: EngineCore and workers stop with it
@@ -60,7 +68,21 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
             time.sleep(0.5)
         startup = time.monotonic() - t0
         server = VllmServer(url, model, startup, tree_rss_mb(proc.pid))
-        print(f"\nvllm tier: vLLM up in {startup:.1f}s, RSS {server.rss_mb:.0f} MB (log {log})")
+        print(f"\nvllm tier: vLLM ({model}) up in {startup:.1f}s, RSS {server.rss_mb:.0f} MB")
         yield server
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="session")
+def vllm_embed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """all-MiniLM-L6-v2 on vLLM's pooling runner (JETSERVE_VLLM_EMBED_URL: one
+    already running, serving `minilm`)."""
+    url = os.environ.get("JETSERVE_VLLM_EMBED_URL")
+    if url:
+        yield VllmServer(url.rstrip("/").removesuffix("/v1"), "minilm")
+        return
+    peers = os.environ.get("JETSERVE_VLLM_PEERS")
+    if not peers:
+        pytest.fail("embedding checks need JETSERVE_VLLM_EMBED_URL or JETSERVE_VLLM_PEERS")
+    yield from _serve(tmp_path_factory, peers, "serve-embed", "minilm")
