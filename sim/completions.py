@@ -41,6 +41,7 @@ class Job(msgspec.Struct, kw_only=True):
     record: RequestRecord
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     more_choices: list[list[Event]] = []  # choices 1..n-1 (``n`` > 1)
+    echo: str = ""  # ``echo``: the prompt, ahead of each choice's text
 
     @property
     def choices(self) -> list[list[Event]]:
@@ -277,7 +278,7 @@ class _Choice:
             self.finish = self.reason
 
     def whole(self) -> out.ChatChoice | out.CompletionChoice:
-        text, finish = self.scanner.text, self.finish or self.reason
+        text, finish = self.job.echo + self.scanner.text, self.finish or self.reason
         if not self.job.chat:
             return out.CompletionChoice(
                 index=self.index,
@@ -330,6 +331,8 @@ async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:
             # Like vLLM: headers go out at once, the role chunk with the first token.
             role = out.ChatDelta(role="assistant", content="")
             await emit(_chat_chunk(job, role, index=choice.index))
+        elif i == 0 and job.echo:
+            await emit(_text_chunk(job, job.echo, index=choice.index))  # the prompt first
         for chunk in choice.step(i, ev):
             await emit(chunk)
     sim.engine.finish(seq, _engine_reason(choices[0].finish or choices[0].reason))
@@ -404,4 +407,5 @@ def new_job(
         record=record,
         logprobs=plan.logprobs,
         more_choices=plan.more_choices,
+        echo=plan.echo,
     )

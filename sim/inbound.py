@@ -81,6 +81,9 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     # types, so the shape is checked by prompt_input().
     prompt: str | list[Any]
     logprobs: int | None = None  # the legacy API: this many alternatives per token
+    echo: bool = False  # the prompt comes back ahead of the completion
+    best_of: int | None = None  # sequences generated; n of them returned
+    suffix: str | None = None  # refused, as vLLM refuses it
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,6 +12,7 @@ import msgspec
 from starlette.datastructures import Headers
 
 from sim.inbound import (
+    MAX_CHOICES,
     BadRequest,
     ChatRequest,
     CompletionRequest,
@@ -86,6 +87,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     more_choices: list[list[Event]] = []  # choices 1..n-1
+    echo: str = ""  # the prompt, returned ahead of each choice's text (``echo``)
 
 
 def _more_choices(
@@ -129,6 +131,10 @@ def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
 
 def plan_completion(sim: Simulator, req: CompletionRequest, headers: Headers) -> Plan:
     check_sampling(req, req.max_tokens)
+    if req.suffix is not None:
+        raise BadRequest("suffix is not currently supported", "suffix")  # as vLLM answers
+    if req.best_of is not None and not req.n <= req.best_of <= MAX_CHOICES:
+        raise BadRequest(f"best_of must be between n and {MAX_CHOICES}", "best_of")
     prompt = prompt_input(req.prompt)
     if isinstance(prompt, str):
         prompt_ids, text = sim.tokenizer.encode(prompt), prompt
@@ -144,7 +150,11 @@ def plan_completion(sim: Simulator, req: CompletionRequest, headers: Headers) ->
     else:
         events = _natural(sim, prompt_ids, req.seed, forced)
     more = _more_choices(sim, req, prompt_ids, events if script is not None else None, forced)
-    return _plan(req, prompt_ids, events, "stop", req.max_tokens, more)
+    plan = _plan(req, prompt_ids, events, "stop", req.max_tokens, more)
+    if req.echo:
+        # Token-id prompts have no text here (the tokenizer does not decode).
+        plan = msgspec.structs.replace(plan, echo=text)
+    return plan
 
 
 def _plan(

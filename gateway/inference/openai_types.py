@@ -88,6 +88,11 @@ class CompletionRequest(_Common):
     prompt: str | list[str | int | list[int]] = ""
     # The legacy API's logprobs: this many alternatives per token (0: the sampled one).
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # Carried like any text: the engine's echoed prompt arrives as a delta. best_of
+    # sequences are generated (and held for); n of them come back.
+    echo: bool | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] | None = None
+    suffix: str | None = None
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -121,40 +126,31 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
         raise BadRequest("'messages' must contain at least one message.", param="messages")
     if isinstance(typed, ChatRequest) and typed.top_logprobs is not None and not typed.logprobs:
         raise BadRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
-    if not isinstance(typed, EmbeddingRequest):
-        _refuse_uncarried(body)
+    best_of = typed.best_of if isinstance(typed, CompletionRequest) else None
+    if best_of is not None and best_of < getattr(typed, "n", 1):
+        raise BadRequest("'best_of' must be at least 'n'.", param="best_of")
     return typed, body
 
 
-# Fields whose answer our frames cannot carry back: refused, never forwarded and
-# silently dropped (an engine would compute them, the relay would lose them).
-_UNCARRIED = {
-    "echo": "the prompt echoed back",
-    "best_of": "server-side best-of sampling",
-    "suffix": "a completion suffix",
-}
-
-
-def _refuse_uncarried(body: dict[str, Any]) -> None:
-    for name, what in _UNCARRIED.items():
-        value = body.get(name)
-        if value in (None, False, 0) or (name == "best_of" and value == 1):
-            continue  # absent, or the default that asks for nothing
-        raise BadRequest(
-            f"'{name}' is not supported: jetserve does not relay {what}.",
-            param=name,
-            code="unsupported_parameter",
-        )
+def _prompts(parsed: object) -> int:
+    """A completions batch (a list of strings or of token-id lists) has one prompt
+    per item; anything else is one."""
+    prompt = getattr(parsed, "prompt", None)
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 1
 
 
 def choices_of(parsed: object) -> int:
-    """How many choices the reply has: ``n`` per prompt, and a completions batch
-    (a list of strings or of token-id lists) has one prompt per item."""
+    """How many choices the reply has: ``n`` per prompt."""
+    return int(getattr(parsed, "n", 1)) * _prompts(parsed)
+
+
+def sequences_of(parsed: object) -> int:
+    """How many sequences the engine generates, each up to ``max_tokens``: ``n``,
+    or ``best_of`` when larger, per prompt (what holds and KV budgets are for)."""
     n = int(getattr(parsed, "n", 1))
-    prompt = getattr(parsed, "prompt", None)
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        return n * len(prompt)
-    return n
+    return max(n, int(getattr(parsed, "best_of", None) or 1)) * _prompts(parsed)
 
 
 # Non-text content parts (images, audio, files) cost tokens the bytes of the

@@ -19,9 +19,9 @@ from gateway.inference.openai_types import (
     EmbeddingRequest,
     Parsed,
     ParsedType,
-    choices_of,
     estimate_prompt_tokens,
     floor_prompt_tokens,
+    sequences_of,
 )
 from gateway.inference.route_table import RouteTable
 from gateway.tenancy.keys import KeyRecord
@@ -84,9 +84,9 @@ def build_request(
         traceparent="",  # set by admit(): the request span's own context
         tracestate=headers.get("tracestate", "")[:512],
         prompt_tokens_est=estimate_prompt_tokens(parsed),
-        # Every one of the n choices may run to max_tokens: the hold and the KV
+        # Every sequence (n choices, or best_of) may run to max_tokens: the hold and the KV
         # budget are for all of them (the context check above is per choice).
-        max_tokens=max_tokens * choices_of(parsed),
+        max_tokens=max_tokens * sequences_of(parsed),
         created=now,
         headers=forwarded,
         **_route_fields(route),

@@ -115,3 +115,30 @@ async def test_the_hold_covers_every_choice(make_fleet: Callable[..., Fleet]) ->
 
 async def _zero(fleet: Fleet) -> bool:
     return await reserved(fleet) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_echo_and_best_of_arrive_as_the_engine_gives_them(fleet: Fleet, stream: bool) -> None:
+    # echo: the engine's echoed prompt is text like any other; best_of: the engine
+    # generates best_of sequences and answers n, carried by index.
+    body = {**COMPLETION, "echo": True, "best_of": 3, "n": 2, "stream": stream}
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        direct = await choices(c, fleet.sim_url, body, {})
+        relayed = await choices(c, fleet.base_url, body, auth)
+    assert sorted(direct) == [0, 1]
+    assert all(text.startswith(COMPLETION["prompt"]) for text, _, _ in direct.values())
+    assert relayed == direct
+
+
+async def test_what_the_engine_refuses_comes_back_in_its_words(fleet: Fleet) -> None:
+    # suffix goes to the engine, which decides: the simulator refuses it as vLLM does.
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    body = {**COMPLETION, "suffix": " the end"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(url(fleet.base_url, body), json=body, headers=auth)
+        early = await c.post(url(fleet.base_url, body), json={**body, "best_of": 2}, headers=auth)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "suffix is not currently supported"
+    assert early.status_code == 400  # best_of below n: refused before any work
+    assert early.json()["error"]["param"] == "best_of"
