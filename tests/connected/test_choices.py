@@ -127,7 +127,7 @@ async def test_echo_and_best_of_arrive_as_the_engine_gives_them(fleet: Fleet, st
         direct = await choices(c, fleet.sim_url, body, {})
         relayed = await choices(c, fleet.base_url, body, auth)
     assert sorted(direct) == [0, 1]
-    assert all(text.startswith(COMPLETION["prompt"]) for text, _, _ in direct.values())
+    assert all(text.startswith(str(COMPLETION["prompt"])) for text, _, _ in direct.values())
     assert relayed == direct
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -129,3 +130,30 @@ async def test_matrix_lists_every_adapter(fast: SimHandle) -> None:
     table = matrix_markdown(reports)
     assert table.splitlines()[0] == "| field | openai | tgi | triton |"
     assert "| `tools` | passed | emulated | rejected |" in table
+
+
+@pytest.mark.parametrize(
+    ("reply", "status"),
+    [
+        ('{"city": "Paris", "temp_c": 2', Status.PASSED),  # the grammar held, cut short
+        ("Sure, the weather in Paris is fine today", Status.DROPPED),  # format ignored
+    ],
+)
+async def test_a_json_reply_cut_at_max_tokens_is_no_silent_drop(
+    fast: SimHandle, reply: str, status: Status
+) -> None:
+    # A random-weight model under a JSON grammar rarely closes the object in time:
+    # valid JSON so far, ended by `length`, means the engine applied the format.
+    base = next(c for c in CASES if c.name == "json_mode")
+    words = len(reply.split())  # the simulator's tokens are words
+    case = dataclasses.replace(
+        base,
+        body={**base.body, "max_tokens": words - 1},
+        sim_script={"content": reply + " and more words after it"},
+    )
+    async with make_adapter("openai", fast.url, model="sim-8b") as adapter:
+        report = await run_corpus(adapter, engine_url=fast.url, dialect="openai", cases=[case])
+    row = report.rows[0]
+    assert row.status is status, row
+    if status is Status.PASSED:
+        assert "cut at max_tokens" in row.note
