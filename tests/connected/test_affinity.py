@@ -13,6 +13,8 @@ import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.scrape import metric_sum
+from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(120)]
 
@@ -59,17 +61,30 @@ async def served_by(fleet: Fleet, ids: list[str]) -> dict[str, str]:
     raise AssertionError(f"ledger lacks {len(want - set(got))} records")
 
 
-async def settled() -> None:
-    """Workers started one after another: the pulls made before the last one
-    joined carry the old ranks until they expire (poll_s, 1 s)."""
-    await asyncio.sleep(1.2)
+async def settled(fleet: Fleet) -> None:
+    """Workers started one after another: until every worker ranks the lanes among
+    all of them, and has withdrawn the pulls it made at older ranks, a lane may
+    still go to its former owner. Waits on the workers' own gauges."""
+    urls = [f"http://127.0.0.1:{p}/metrics" for p in fleet.worker_metrics_ports]
+    n = len(urls)
+
+    async def ranked() -> bool:
+        async with httpx.AsyncClient(timeout=5) as c:
+            texts = [(await c.get(u)).text for u in urls]
+        return all(
+            metric_sum(t, "jetserve_worker_lane_members") == n
+            and metric_sum(t, "jetserve_worker_lane_stale_pullers") == 0
+            for t in texts
+        )
+
+    await until(ranked, "every worker ranking the lanes among all of them")
 
 
 async def test_shared_prefixes_stick_to_one_replica_and_fail_over(
     make_fleet: Callable[..., Fleet],
 ) -> None:
     fleet = make_fleet(workers=4, engine_per_worker=True)
-    await settled()
+    await settled(fleet)
     groups = range(8)
     async with httpx.AsyncClient(timeout=30) as client:
 
@@ -102,7 +117,7 @@ async def test_shared_prefixes_stick_to_one_replica_and_fail_over(
 
 async def test_a_saturated_owner_spills_over(make_fleet: Callable[..., Fleet]) -> None:
     fleet = make_fleet(workers=3, engine_per_worker=True, worker_args=["--max-inflight", "2"])
-    await settled()
+    await settled(fleet)
     async with httpx.AsyncClient(timeout=30) as client:
         # One group, more at once than its owner may hold: the rest spill over
         # rather than queue behind the owner.

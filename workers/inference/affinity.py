@@ -174,7 +174,7 @@ class LanePuller:
         self._members = membership
         self._start = start
         self._poll = poll_s
-        self._count = count  # lane events for the metrics: "pull", "handed_back"
+        self._count = count  # lane events: "pull", "held", "handed_back", "withdrawn"
         self._inbox = f"{nc.new_inbox()}.{cls.value}"
         self._live_until = [0.0] * topology.lanes
         self._current = [0] * topology.lanes  # the newest pull per lane (reply token)
@@ -187,6 +187,9 @@ class LanePuller:
         self._brought = [True] * topology.lanes  # the newest pull delivered something
         self._wake = asyncio.Event()
         self._sub: Subscription | None = None
+        # Membership changes seen, and the one whose old pulls were last withdrawn.
+        self._changes = 0
+        self._withdrawn = 0
         membership.changed.append(self._reprioritize)
         self._held: set[asyncio.Task[None]] = set()  # over-fetched, waiting for a slot
         self._unheld = asyncio.Event()
@@ -199,6 +202,8 @@ class LanePuller:
         loop = asyncio.get_running_loop()
         self._sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
         while await self._admission.wait_room(self._rank):
+            if self.stale:
+                await self._withdraw_pulls()
             if self._held:
                 await self._unheld.wait()  # held messages take the next slots first
                 continue
@@ -233,12 +238,36 @@ class LanePuller:
         with contextlib.suppress(nats.errors.Error):
             await self._sub.unsubscribe()
 
+    @property
+    def stale(self) -> bool:
+        """Whether standing pulls may still carry the ranks of before a change."""
+        return self._withdrawn != self._changes
+
     def _reprioritize(self) -> None:
-        """Ranks moved: pull every lane again at the new priority (the old pulls
-        expire within ``poll_s``; until then the lane may go to either)."""
+        """Ranks moved: withdraw the pulls made at the old priorities (an idle
+        worker's last far longer than ``poll_s``: until they expired, a lane this
+        worker no longer owns still came here first), then pull every lane again."""
+        self._changes += 1
         self._live_until = [0.0] * len(self._live_until)
         self._empty = [0] * len(self._empty)
         self._wake.set()
+
+    async def _withdraw_pulls(self) -> None:
+        """Move to a new reply inbox and drop interest in the old one: the server
+        drops the pulls waiting on it. What it sent before is still handled."""
+        change = self._changes
+        old = self._sub
+        self._inbox = f"{self._nc.new_inbox()}.{self._cls.value}"
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
+        if old is not None:
+            if await stop_interest(self._nc, old):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5.0):
+                        await old._pending_queue.join()  # nats-py has no public drain for this
+            with contextlib.suppress(nats.errors.Error):
+                await old.unsubscribe()
+        self._withdrawn = change
+        self._count("withdrawn")
 
     def _pull_done(self, lane: int) -> None:
         """The lane needs a new pull now (an older, overlapped pull answering

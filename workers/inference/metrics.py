@@ -36,6 +36,17 @@ class WorkerMetrics:
             ["cls"],
             registry=r,
         )
+        self.lane_members = Gauge(
+            "jetserve_worker_lane_members",
+            "Live workers this one ranks lanes among (itself included)",
+            registry=r,
+        )
+        self.lane_stale_pullers = Gauge(
+            "jetserve_worker_lane_stale_pullers",
+            "Lane pullers whose standing pulls carry ranks from before the last "
+            "membership change (withdrawn at their next turn)",
+            registry=r,
+        )
         self.lane_events = Counter(
             "jetserve_worker_lane_events",
             "Lane pulls made (pull); messages handed back, the worker full (handed_back)",

@@ -191,6 +191,10 @@ class Worker:
             ]
             for lane in self.lanes:
                 self.consumer.add(lane)
+            self.metrics.lane_members.set_function(lambda: len(members.members))
+            self.metrics.lane_stale_pullers.set_function(
+                lambda: sum(lane.stale for lane in self.lanes)
+            )
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(self.consumer.run())
                 poller = tg.create_task(self._poll_engine())
