@@ -177,10 +177,14 @@ async def test_redis_stop_and_restart(make_fleet: Callable[..., Fleet]) -> None:
     (down,) = outage
     # Redis holds keys, limits and spend, not requests: an accepted request goes
     # on (its settlement waits for Redis); a new one is refused 503, fail closed,
-    # and only while Redis is away (its keys survive the restart: the AOF).
+    # and only while Redis is away (its keys survive the restart: the AOF). As it
+    # comes back, every user's next request lands at once: shedding may refuse
+    # part of that burst (429 deadline_unmeetable, with Retry-After) until the
+    # queue is short again; still inside the fault's window.
     report.assert_no_failures("Redis holds no request in flight")
     report.assert_rejections(
-        {"accounting_unavailable", "service_unavailable"}, lambda o: o.open_during(down)
+        {"accounting_unavailable", "service_unavailable", "deadline_unmeetable"},
+        lambda o: o.open_during(down),
     )
     report.assert_served_after(down.end, "Redis came back")
     judged(report, "Redis stopped 3 s", f"; outage {down.end - down.start:.2f}s")
