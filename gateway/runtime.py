@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
+from gateway.inference.coalesce_fleet import FleetCoalescing
 from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
 from gateway.inference.fair_gate import FairGate
@@ -195,6 +196,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             routes=route_table,
             queue_watch=queue_watch,
             fair_gate=fair_gate,
+            fleet_coalescing=FleetCoalescing(rds),
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
         await _started(stack, NatsIngress(nc, gw))

@@ -68,7 +68,7 @@ class Books:
             usage = Usage(req.prompt_tokens_est if adm.tokens_seen else 0, adm.tokens_seen)
         actual = self.cfg.prices.for_model(req.model).cost(usage)
         coalesced = adm.stream if isinstance(adm.stream, MemberStream) else None
-        if coalesced is not None and not coalesced.pays:
+        if coalesced is not None and not await coalesced.charged():
             actual = 0  # one shared execution is charged once (gateway/inference/coalesce.py)
         claim = adm.claim if isinstance(adm, Admitted) else None
         head = RecordHead.of_request(req, adm.scope, self.cfg.prices.version, self.cfg.gateway_id)

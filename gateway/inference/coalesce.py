@@ -33,6 +33,11 @@ carries ``coalesced_with`` = the leader's request id (the execution's id, the
 one the worker and engine saw), so the records of one execution are those
 with ``request_id == X or coalesced_with == X``, and their charges sum to one
 execution's cost.
+
+Across replicas (gateway/inference/coalesce_fleet.py): a replica with no group
+for the key asks Redis. It leads (publishes, as above) or follows another
+replica's execution through its frames capture, as one more group; the groups
+of all replicas share the stopping rule and the one charge.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import GatewayError
+from gateway.inference.coalesce_fleet import FOLLOW_WAIT_S, Claim, FleetCoalescing
 from gateway.inference.dispatch import Dispatcher, FrameStream
 from streams.inference.frames import Event, FrameBuffer, FrameReader
 from streams.routes import CoalescePolicy
@@ -93,8 +99,10 @@ class Coalescer:
         heartbeat_timeout_s: float,
         max_buffered: int,
         on_coalesced: Callable[[], None] = lambda: None,
+        fleet: FleetCoalescing | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.fleet = fleet  # None: this replica's own requests only
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_buffered = max_buffered
         self.on_coalesced = on_coalesced  # one per follower (the gateway's counter)
@@ -113,11 +121,11 @@ class Coalescer:
             await group.ready.wait()
             if group.joinable(req, self.max_buffered):
                 self.on_coalesced()
-                return group.join(req, leader=False)
+                return group.join(req)
         group = _Group(self, key, req.deadline)
         self._groups[key] = group  # identical requests arriving now wait for it
         try:
-            upstream = await submit()
+            upstream = await self._upstream(group, req, submit)
         except BaseException:
             self._drop(group)
             group.ready.set()  # they find it unjoinable and submit on their own
@@ -127,9 +135,49 @@ class Coalescer:
         if upstream.duplicate:
             self._drop(group)  # a retried id: JetStream already holds it, nothing to share
             return upstream
-        member = group.join(req, leader=True)
+        member = group.join(req)
         group.pump_task = self._own(group.pump(), f"coalesce-{req.id}")
         return member
+
+    async def _upstream(self, group: _Group, req: InferenceRequest, submit: Submit) -> FrameStream:
+        """Lead (publish) or follow another replica's execution of this key."""
+        if self.fleet is None:
+            return await submit()
+        claim = await self.fleet.claim(
+            group.key, req.id, req.tenant, req.deadline, req.deadline - DEADLINE_SLACK_S
+        )
+        if claim.kind == "follow":
+            followed = await self._follow(claim)
+            if followed is not None:
+                group.fleet = "follow"
+                self.on_coalesced()
+                return followed
+            await self.fleet.leave(group.key, claim.request_id, leads=False)
+            return await submit()  # its own, unshared: the other's capture never came
+        if claim.kind != "lead":
+            return await submit()
+        try:
+            upstream = await submit()
+        except BaseException:
+            await self.fleet.end(group.key, req.id)
+            raise
+        group.fleet = "lead"
+        return upstream
+
+    async def _follow(self, claim: Claim) -> FrameStream | None:
+        """The leader's frames capture, from its head frame; None when it has not
+        reached the capture within FOLLOW_WAIT_S (or the bus is unavailable)."""
+        give_up = time.monotonic() + FOLLOW_WAIT_S
+        while True:
+            try:
+                stream = await self.dispatcher.resume(
+                    claim.tenant, claim.request_id, 0, follower=True
+                )
+            except GatewayError:
+                return None
+            if stream is not None or time.monotonic() >= give_up:
+                return stream
+            await asyncio.sleep(0.05)  # the leader is between its claim and its publish
 
     def _drop(self, group: _Group) -> None:
         if self._groups.get(group.key) is group:
@@ -162,6 +210,8 @@ class _Group:
         self.payer: MemberStream | None = None
         self.log: list[Event] = []  # what was fanned out so far, for late joiners
         self.ended = False
+        # "lead" / "follow": registered fleet-wide (coalesce_fleet.py); None: ours only.
+        self.fleet: str | None = None
 
     def joinable(self, req: InferenceRequest, max_buffered: int) -> bool:
         return (
@@ -172,16 +222,32 @@ class _Group:
             and self.deadline >= req.deadline - DEADLINE_SLACK_S
         )
 
-    def join(self, req: InferenceRequest, *, leader: bool) -> MemberStream:
+    @property
+    def execution_id(self) -> str:
+        """The id the worker and engine saw: the leader's, whichever replica it is on."""
+        assert self.upstream is not None
+        return self.upstream.req.id
+
+    def join(self, req: InferenceRequest) -> MemberStream:
         upstream = self.upstream
         assert upstream is not None
-        member = MemberStream(self, upstream, req, leader=leader)
+        member = MemberStream(self, upstream, req)
         for event in self.log:
             member.feed(event)
+        if not self.members:
+            self.payer = member  # the first: the leader, or this replica's first follower
         self.members.append(member)
-        if leader:
-            self.payer = member
         return member
+
+    async def charges(self, member: MemberStream) -> bool:
+        """Whether ``member``'s record carries the execution's charge: it pays in
+        this group, and (fleet-wide) its group is the first to claim the charge."""
+        if member is not self.payer:
+            return False
+        fleet = self.owner.fleet
+        if self.fleet is None or fleet is None:
+            return True
+        return await fleet.pay(self.execution_id, leads=self.fleet == "lead")
 
     async def pump(self) -> None:
         upstream = self.upstream
@@ -204,9 +270,18 @@ class _Group:
                         status=exc.status,
                         attempt=upstream.attempt or 1,
                     )
+                    if self.fleet == "follow":
+                        # Our reading failed, not necessarily the execution: its
+                        # charge is for the groups that read it to the end.
+                        await self._leave_fleet()
+                        self.fleet = None
+                        self.payer = None
                 self.log.append(event)
                 self._fan(event)
                 if isinstance(event, Final | ErrorFrame):
+                    self.ended = True  # before any await: members settle on this now
+                    if self.fleet is not None and self.owner.fleet is not None:
+                        await self.owner.fleet.end(self.key, self.execution_id)
                     return
         finally:
             self.ended = True
@@ -237,13 +312,29 @@ class _Group:
         return not self.members
 
     async def _stop(self, reason: str) -> None:
-        """The last one out stops the engine (and the pump waiting on it)."""
+        """The last one out stops the engine (and the pump waiting on it); fleet-wide,
+        only the last group out does, and a group that leaves others reading pays nothing."""
         self.ended = True
         self.owner._drop(self)
-        if self.upstream is not None:
-            await self.upstream.cancel(reason)
+        stop_engine = True
+        if self.fleet is not None:
+            following = await self._leave_fleet()
+            if following != 0:
+                stop_engine = False  # others read it (or Redis did not say: err on serving)
+                if (following or 0) > 0 or self.fleet == "follow":
+                    self.payer = None  # the charge is theirs (opened to them by leave)
+        if self.upstream is not None and stop_engine:
+            if self.fleet == "follow":
+                await self.owner.dispatcher.cancel(self.execution_id, reason)
+            else:
+                await self.upstream.cancel(reason)
         if self.pump_task is not None:
-            self.pump_task.cancel()
+            self.pump_task.cancel()  # its end closes the upstream (our reading of it)
+
+    async def _leave_fleet(self) -> int | None:
+        fleet = self.owner.fleet
+        assert fleet is not None
+        return await fleet.leave(self.key, self.execution_id, leads=self.fleet == "lead")
 
 
 class MemberStream(FrameStream):
@@ -254,18 +345,15 @@ class MemberStream(FrameStream):
 
     silence_message = "The shared execution stopped responding mid-stream."
 
-    def __init__(
-        self, group: _Group, upstream: FrameStream, req: InferenceRequest, *, leader: bool
-    ) -> None:
+    def __init__(self, group: _Group, upstream: FrameStream, req: InferenceRequest) -> None:
         owner = group.owner
         super().__init__(owner.dispatcher, req, FrameBuffer(owner.max_buffered), duplicate=False)
         self.group = group
-        self.coalesced_with = "" if leader else upstream.req.id
+        self.coalesced_with = "" if req.id == upstream.req.id else upstream.req.id
 
-    @property
-    def pays(self) -> bool:
+    async def charged(self) -> bool:
         """Whether this member's ledger record carries the execution's charge."""
-        return self.group.payer is self
+        return await self.group.charges(self)
 
     def feed(self, frame: Token | Final | ErrorFrame | Heartbeat) -> None:
         self._queue.offer(frame)  # too slow: this member ends; the others go on

@@ -232,10 +232,14 @@ class Dispatcher:
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    async def resume(self, tenant: str, request_id: str, last_seq: int) -> FrameStream | None:
+    async def resume(
+        self, tenant: str, request_id: str, last_seq: int, *, follower: bool = False
+    ) -> FrameStream | None:
         """Replay a request's captured frames after ``last_seq``, then follow it live
         (an ordered consumer on the frames stream). None: nothing captured for this
-        tenant and id (unknown, expired, or another tenant's)."""
+        tenant and id (unknown, expired, or another tenant's). ``follower``: for
+        coalescing across replicas, a :class:`FollowedStream`, and no resume announced
+        (the request's own client is still there)."""
         subject = frames_filter(tenant, request_id)
         queue = FrameBuffer(self.max_buffered)
 
@@ -257,12 +261,14 @@ class Dispatcher:
         if not isinstance(first, Meta):
             await sub.unsubscribe()
             return None  # the head of the capture expired: not resumable
-        stream = FrameStream(
+        kind = FollowedStream if follower else FrameStream
+        stream = kind(
             self, _request_of(request_id, first), queue, duplicate=False, meta=first, sub=sub
         )
         stream.skip_through = last_seq
-        with contextlib.suppress(nats.errors.Error):
-            await self._nc.publish(resumed_subject(request_id), b"")
+        if not follower:
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(resumed_subject(request_id), b"")
         return stream
 
     async def cancel(
@@ -368,6 +374,19 @@ class FrameStream(FrameReader):
         if self._sub is not None:
             sub, self._sub = self._sub, None
             self._d.defer_unsubscribe(sub)
+
+
+class FollowedStream(FrameStream):
+    """Another replica's execution, read from its frames capture (coalescing across
+    replicas, gateway/inference/coalesce_fleet.py). Reading it never stops it: the
+    registry decides when the last reader anywhere has left. Its first token,
+    replayed, says nothing of the class's queue, so the hedger does not learn from it."""
+
+    async def on_first_token(self, attempt: int) -> None:
+        await FrameReader.on_first_token(self, attempt)
+
+    async def cancel(self, reason: str = "client_disconnected") -> None:
+        self.done = True
 
 
 def error_from_frame(frame: ErrorFrame) -> GatewayError:

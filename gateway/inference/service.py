@@ -26,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, BudgetExceeded, GatewayError, NotFound, RateLimited
 from gateway.inference.books import Books
 from gateway.inference.coalesce import Coalescer
+from gateway.inference.coalesce_fleet import FleetCoalescing
 from gateway.inference.dispatch import Dispatcher, FrameStream, error_from_frame
 from gateway.inference.event_ids import tokens_through
 from gateway.inference.fair_gate import FairGate
@@ -67,6 +68,7 @@ class InferenceService:
         routes: RouteTable | None = None,
         queue_watch: QueueWatch | None = None,
         fair_gate: FairGate | None = None,
+        fleet_coalescing: FleetCoalescing | None = None,
     ) -> None:
         self.cfg = cfg
         self.tenancy = tenancy
@@ -85,7 +87,11 @@ class InferenceService:
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
         self.coalescer = Coalescer(
-            dispatcher, cfg.heartbeat_timeout_s, cfg.max_buffered_frames, metrics.coalesced.inc
+            dispatcher,
+            cfg.heartbeat_timeout_s,
+            cfg.max_buffered_frames,
+            metrics.coalesced.inc,
+            fleet_coalescing,  # None: each replica coalesces its own requests only
         )
 
     def models(self) -> list[str]:

@@ -17,6 +17,7 @@ import pytest
 
 from jetserve.fleet import Fleet, FleetSpec
 from tests.refusals import checked_fleet
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -52,13 +53,15 @@ async def stream(
     *,
     started: asyncio.Event | None = None,
     leave_after: int | None = None,
+    at: int = 0,
 ) -> tuple[str, str]:
-    """(request id, text) of one streaming request; ``leave_after`` chunks: disconnect."""
+    """(request id, text) of one streaming request to gateway ``at``;
+    ``leave_after`` chunks: disconnect."""
     headers = {"Authorization": f"Bearer {key or fleet.api_key}"}
     parts: list[str] = []
     async with c.stream(
         "POST",
-        f"{fleet.base_url}/v1/chat/completions",
+        f"{fleet.base_urls[at]}/v1/chat/completions",
         json={**body, "stream": True, "stream_options": {"include_usage": True}},
         headers=headers,
     ) as r:
@@ -201,3 +204,135 @@ async def test_leader_leaving_mid_stream_does_not_break_followers(fleet: Fleet) 
     charged = [r for r in records.values() if r["charge_micros"] > 0]
     assert len(charged) == 1
     assert charged[0]["coalesced_with"] == leader_id
+
+
+# -- across replicas (gateway/inference/coalesce_fleet.py) -------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    spec = FleetSpec(
+        workers=2,
+        gateways=2,
+        profile="h100-8b",
+        gateway_args=["--coalesce", "--price", "sim-8b=1000/1000"],
+    )
+    with checked_fleet(request, spec) as f:
+        yield f
+
+
+async def _fleet_coalesced(c: httpx.AsyncClient, fleet: Fleet) -> float:
+    total = 0.0
+    for url in fleet.gateway_metrics_urls:
+        text = (await c.get(url)).text
+        total += sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("jetserve_gateway_coalesced_total")
+        )
+    return total
+
+
+async def _lead(
+    c: httpx.AsyncClient,
+    fleet: Fleet,
+    body: dict[str, Any],
+    started: asyncio.Event,
+    release: asyncio.Event | None = None,
+) -> tuple[str, str]:
+    """The first request, on gateway 0: it reads to the end, or leaves after its
+    first chunk once ``release`` is set."""
+    if release is None:
+        return await stream(c, fleet, body, started=started)
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with c.stream(
+        "POST",
+        f"{fleet.base_urls[0]}/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=headers,
+    ) as r:
+        assert r.status_code == 200, await r.aread()
+        rid = r.headers["x-request-id"]
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                started.set()
+                await release.wait()
+                break  # leaves while the generation is still running
+    return rid, ""
+
+
+async def test_identical_requests_on_two_gateways_share_one_generation(pair: Fleet) -> None:
+    body = chat(max_tokens=300)  # about 3 s of decode: the others arrive while it runs
+    async with httpx.AsyncClient(timeout=30) as c:
+        before, coalesced_before = await sim_stats(c, pair), await _fleet_coalesced(c, pair)
+        started = asyncio.Event()
+        lead = asyncio.create_task(_lead(c, pair, body, started))
+        await started.wait()
+        others = await asyncio.gather(*(stream(c, pair, body, at=i % 2) for i in range(1, N)))
+        results = [await lead, *others]
+        after = await sim_stats(c, pair)
+        assert after["requests"] - before["requests"] == 1  # one engine generation
+        assert await _fleet_coalesced(c, pair) - coalesced_before == N - 1
+    texts = {text for _, text in results}
+    assert len(texts) == 1  # every client got the whole, same text
+    assert texts.pop()
+    ids = {rid for rid, _ in results}
+    records = ledger(pair, pair.spec.tenant, ids)
+    assert set(records) == ids
+    leader_id = results[0][0]
+    assert all(records[rid]["coalesced_with"] == leader_id for rid in ids - {leader_id})
+    charged = [r for r in records.values() if r["charge_micros"] > 0]
+    assert [r["request_id"] for r in charged] == [leader_id]  # charged once, fleet-wide
+
+
+async def test_leader_leaving_on_one_gateway_keeps_the_other_reading(pair: Fleet) -> None:
+    body = chat(max_tokens=400)
+    async with httpx.AsyncClient(timeout=30) as c:
+        before = await sim_stats(c, pair)
+        started, release = asyncio.Event(), asyncio.Event()
+        lead = asyncio.create_task(_lead(c, pair, body, started, release))
+        await started.wait()
+        joined = [asyncio.Event() for _ in range(2)]
+        followers = [asyncio.create_task(stream(c, pair, body, started=e, at=1)) for e in joined]
+        for e in joined:
+            await e.wait()  # reading the leader's capture on gateway 1
+        release.set()
+        leader_id, _ = await lead
+        results = await asyncio.gather(*followers)
+        after = await sim_stats(c, pair)
+        assert after["requests"] - before["requests"] == 1
+        assert after["aborted"] == before["aborted"]  # the engine was not stopped
+        with pair.admin() as admin:
+            admin.create_tenant("coalesce-pair-ref")
+            ref_key = admin.create_key("coalesce-pair-ref")["api_key"]
+        _, reference = await stream(c, pair, body, ref_key)
+    assert all(text == reference for _, text in results)
+    ids = {leader_id, *(rid for rid, _ in results)}
+    records = ledger(pair, pair.spec.tenant, ids)
+    assert records[leader_id]["outcome"] == "cancelled"
+    assert records[leader_id]["charge_micros"] == 0  # its group left others reading
+    charged = [r for r in records.values() if r["charge_micros"] > 0]
+    assert len(charged) == 1
+    assert charged[0]["coalesced_with"] == leader_id
+
+
+async def test_the_last_reader_anywhere_stops_the_engine(pair: Fleet) -> None:
+    body = chat(max_tokens=2000)  # far longer than the test: only a cancel ends it early
+    async with httpx.AsyncClient(timeout=30) as c:
+        before = await sim_stats(c, pair)
+        started, release = asyncio.Event(), asyncio.Event()
+        lead = asyncio.create_task(_lead(c, pair, body, started, release))
+        await started.wait()
+        joined = asyncio.Event()
+        follower = asyncio.create_task(stream(c, pair, body, started=joined, leave_after=1, at=1))
+        await joined.wait()
+        await follower  # gateway 1's group left: the leader still reads, nothing stops
+        assert (await sim_stats(c, pair))["aborted"] == before["aborted"]
+        release.set()
+        await lead  # the last reader anywhere left: now the engine stops
+
+        async def stopped() -> bool:
+            return bool((await sim_stats(c, pair))["aborted"] > before["aborted"])
+
+        await until(stopped, "the engine to stop")
+        assert (await sim_stats(c, pair))["requests"] - before["requests"] == 1
