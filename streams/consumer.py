@@ -23,6 +23,12 @@ Idle cost: an empty queue costs one pull per expiry. While the owner is quiet
 to ``idle_poll_s``; the first message, or any work in flight, brings it back
 to ``poll_s``. Most of an idle fleet's CPU was these pulls (issue 14).
 
+A polling pull holds a slot. Under load (the owner not quiet) a puller with
+``peek`` whose last pull was empty asks the consumer's pending count (one API
+call, no slot) every ``poll_s`` instead, and takes a slot only once something
+waits: a lower class's empty queue then keeps no slot from interactive work
+under saturation, and its floor goes to the class that has work (issue 15).
+
 A source is anything with ``run()`` (pull and start messages until cancelled,
 or until its slots close) and ``hand_back()``: :class:`PullLoop` fetches from
 a pull subscription; the worker's prefix lanes (``workers/inference/affinity.py``)
@@ -151,9 +157,11 @@ class PullLoop:
         idle_poll_s: float | None = None,
         quiet: Callable[[], bool] = lambda: True,
         rest_s: float | None = None,
+        peek: bool = False,
     ) -> None:
         self._sub = sub
         self._rest = rest_s
+        self._peek = peek
         self._start = start
         self._slots = slots
         self._batch = batch
@@ -197,12 +205,27 @@ class PullLoop:
         held = 0
         idle = self._empty > 0
         if wait:
+            if idle and self._peek:
+                while not self._quiet():  # quiet: a polling slot keeps no one out
+                    if await self._pending():
+                        idle = False  # work in sight: a waiter like any other
+                        break
+                    await asyncio.sleep(self._poll)
             if not await self._slots.acquire(idle):
                 return 0
             held = 1
         while held < n and self._slots.try_acquire(idle):
             held += 1
         return held
+
+    async def _pending(self) -> bool:
+        """Whether the consumer has messages for us (True when it cannot say)."""
+        try:
+            info = await self._sub.consumer_info()
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.debug("consumer info failed (%r): pull instead", exc)
+            return True
+        return bool(info.num_pending)
 
     async def _fetch(self, held: int, poll_s: float) -> list[Msg] | None:
         """Up to ``held`` messages, waiting up to ``poll_s`` (0: only those

@@ -178,7 +178,9 @@ class _ClassGate:
         return any(t != tenant and now - at < ALONE_S for t, at in self._seen.items())
 
     # -- entering -------------------------------------------------------------
-    async def enter(self, tenant: str, deadline: float, weight: float = 1.0) -> bool:
+    async def enter(
+        self, tenant: str, deadline: float, weight: float = 1.0, service_s: float = 0.0
+    ) -> bool:
         """Whether the request goes to the class's excess subject."""
         step = 1.0 / weight
         self._met(tenant)
@@ -202,7 +204,7 @@ class _ClassGate:
                 code="tenant_queue_full",
                 retry_after=1.0,
             )
-        self._refuse_if_late(tenant, len(queue), deadline)
+        self._refuse_if_late(tenant, len(queue), deadline, service_s)
         tag = max(self._vtime, self._last_tag.get(tenant, 0.0)) + step
         self._last_tag[tenant] = tag
         self._seq += 1
@@ -231,11 +233,16 @@ class _ClassGate:
         self._passed(self.cls, "excess" if apart else "waited")
         return apart
 
-    def _refuse_if_late(self, tenant: str, ahead: int, deadline: float) -> None:
+    def _refuse_if_late(
+        self, tenant: str, ahead: int, deadline: float, service_s: float = 0.0
+    ) -> None:
+        """``service_s``: what the answer takes once its turn came (the class's
+        median first-token delay and answer time), as the shedder counts it: a
+        request that would start in time but not finish only fails later, 504."""
         if not self._pace:
             return  # never shed blind
         tenants = len(self._queues.keys() | {tenant})
-        wait = (self._backlog() + (ahead + 1) * tenants) / self._pace
+        wait = (self._backlog() + (ahead + 1) * tenants) / self._pace + service_s
         left = deadline - time.time()
         if wait > SAFETY * left:
             raise RateLimited(
@@ -300,11 +307,19 @@ class FairGate:
             )
         return gate
 
-    async def enter(self, cls: str, tenant: str, deadline: float, weight: float = 1.0) -> bool:
+    async def enter(
+        self,
+        cls: str,
+        tenant: str,
+        deadline: float,
+        weight: float = 1.0,
+        service_s: float = 0.0,
+    ) -> bool:
         """Return when this request may be published (at once, mostly): whether
         to the class's excess subject. Raise a 429 or 504 refusal when its turn
-        would come, or came, too late. ``weight``: the tenant's share weight."""
-        return await self.of(cls).enter(tenant, deadline, weight)
+        would come, or came, too late. ``weight``: the tenant's share weight;
+        ``service_s``: the answer's expected time once started."""
+        return await self.of(cls).enter(tenant, deadline, weight, service_s)
 
     async def stop(self) -> None:
         for gate in self._gates.values():

@@ -225,7 +225,7 @@ class InferenceService:
                 # The tenant's turn (at once unless the class has a queue); counted
                 # as published to the queue watch when it comes.
                 excess = await self.fair_gate.enter(
-                    req.cls, req.tenant, req.deadline, reservation.weight
+                    req.cls, req.tenant, req.deadline, reservation.weight, self._service_s(req)
                 )
             elif self.queue_watch is not None and self.cfg.shed:
                 # Counted as queued until the next look at the queue (a coalesced
@@ -295,6 +295,13 @@ class InferenceService:
                 req, meta, subject, hedge if hedge.enabled and not excess else None
             ),
         )
+
+    def _service_s(self, req: InferenceRequest) -> float:
+        """What an answer of this class takes once it started: its median first-token
+        delay and answer time (what the fair gate adds to a request's wait)."""
+        first_token_s, _ = self.dispatcher.hedger.quantile(req.cls, 0.5)
+        answer_s = self.queue_watch.answer_time(req.cls) if self.queue_watch else 0.0
+        return first_token_s + answer_s
 
     def _shed(self, req: InferenceRequest) -> None:
         """Refuse early what the queue ahead would keep past its deadline."""

@@ -45,9 +45,17 @@ def register(sub: Subparsers) -> None:
     w.add_argument(
         "--lower-share",
         type=float,
-        default=0.125,
-        help="slots the lower classes keep under contention, as a share of --max-inflight "
-        "(at least one): batch progresses, interactive comes first (docs/routing.md)",
+        default=0.05,
+        help="the lower classes' share of the slots under contention, averaged over 10 s "
+        "(at most that share of --max-inflight at once, at least one): batch progresses, "
+        "interactive comes first (docs/routing.md)",
+    )
+    w.add_argument(
+        "--in-turn-spare",
+        type=int,
+        default=None,
+        help="slots a class's excess (a flooding tenant) leaves free beyond the one kept for "
+        "tenants in turn (default: --max-inflight // 16)",
     )
     w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")
     w.add_argument("--heartbeat", type=float, default=1.0)
@@ -88,6 +96,7 @@ async def _run(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             target_util=args.target_util,
             lower_share=args.lower_share,
+            in_turn_spare=args.in_turn_spare,
         ),
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.grace,

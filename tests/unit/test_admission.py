@@ -143,6 +143,50 @@ async def test_interactive_first_and_batch_kept_to_its_floor_when_starved() -> N
     assert adm.starved_lower == 0
 
 
+async def test_the_floor_is_a_share_of_time_not_a_whole_slot() -> None:
+    now = [0.0]
+    cfg = AdmissionConfig(max_inflight=4, reserve=1, lower_share=0.05, starve_after=0.2)
+    adm = Admission(cfg, clock=lambda: now[0])
+    for _ in range(4):
+        assert await adm.acquire(0)
+    batch = asyncio.create_task(adm.acquire(3))
+    more = asyncio.create_task(adm.acquire(0))
+    await _until(lambda: adm.starved_lower == 1 and adm.top_waiters == 1)
+    await adm.release(rank=0)
+    await asyncio.wait_for(batch, 5)  # nothing used yet: the starved batch goes first
+    now[0] = 10.0  # batch held a quarter of the slots for 10 s: far past 5 %
+    await adm.release(rank=3)
+    await asyncio.wait_for(more, 5)
+    assert adm.lower_share_recent() > 0.15
+    # A starved batch puller now waits behind interactive although it holds no
+    # slot: its class had its share of the last seconds.
+    batch2 = asyncio.create_task(adm.acquire(3))
+    again = asyncio.create_task(adm.acquire(0))
+    await _until(lambda: adm.starved_lower == 1 and adm.top_waiters == 1)
+    await adm.release(rank=0)
+    await asyncio.wait_for(again, 5)
+    assert not batch2.done()
+    # Once the share has decayed under 5 %, the next slot is batch's again.
+    now[0] = 40.0
+    assert adm.lower_share_recent() < 0.05
+    await adm.release(rank=0)
+    await asyncio.wait_for(batch2, 5)
+    assert adm.held_lower == 1
+
+
+async def test_with_16_slots_the_excess_leaves_a_spare_for_the_next_in_turn() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=16, reserve=1, starve_after=60))
+    assert adm.cfg.spare() == 1
+    assert adm.try_acquire(0)  # the in-turn puller's slot, held while it polls
+    taken = 0
+    while adm.try_acquire(0, excess=True):
+        taken += 1
+    assert taken == 14  # the flood: all but the polling puller's and one spare
+    # A request in turn starts in the puller's slot; the puller's next is there.
+    assert adm.try_acquire(0)
+    assert Admission(AdmissionConfig(max_inflight=4)).cfg.spare() == 0
+
+
 async def test_batch_uses_idle_slots_but_not_past_an_interactive_waiter() -> None:
     adm = Admission(AdmissionConfig(max_inflight=4, reserve=1, starve_after=60))
     for _ in range(3):

@@ -145,3 +145,22 @@ async def test_a_light_tenant_passes_a_short_burst_at_once() -> None:
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     await gate.stop()
+
+
+async def test_the_answer_time_counts_toward_the_deadline_as_the_shedder_counts_it() -> None:
+    gate, load = gate_and_load()
+    load.depth, load.rate, load.at = 10, 4.0, time.monotonic()
+    floods = [asyncio.create_task(gate.enter(CLS, "a", time.time() + 60)) for _ in range(4)]
+    await asyncio.sleep(0)
+    # a's 5th starts after ~(10 + 5) / 4 = 3.75 s: inside a 6 s deadline's margin...
+    fits = asyncio.create_task(gate.enter(CLS, "a", time.time() + 6))
+    await asyncio.sleep(0)
+    assert not fits.done()
+    # ...but not once its answer (2 s after it starts) is counted: refused now, not 504 later.
+    with pytest.raises(RateLimited) as info:
+        await gate.enter(CLS, "a", time.time() + 6, service_s=2.0)
+    assert info.value.code == "deadline_unmeetable"
+    for t in [*floods, fits]:
+        t.cancel()
+    await asyncio.gather(*floods, fits, return_exceptions=True)
+    await gate.stop()

@@ -26,9 +26,13 @@ Classes are ranked, and split without preemption (what runs, runs to its end):
   capacity interactive has left idle a while (a slot batch takes is held to its
   end: taking one in a lull of an interactive burst delays the burst);
 - batch is never starved: a lower class that has waited ``starve_after``
-  seconds may take the next free slot, but only while the lower classes hold
-  fewer than their floor, ``lower_share`` of ``max_inflight`` (at least one);
-  the top class leaves a slot free for it meanwhile.
+  seconds may take the next free slot, but only while the lower classes' share
+  of the slots, averaged over the last ``SHARE_WINDOW_S``, is under
+  ``lower_share``, and they hold fewer than ``lower_share`` of ``max_inflight``
+  (at least one) now; the top class leaves a slot free for it meanwhile. So
+  under contention the lower classes get about ``lower_share`` of the
+  capacity, whatever the slot count: a share of time, not a whole slot (with 4
+  slots, one slot is 25 %).
 
 (Before this split a starved lower class competed for every slot as an equal,
 and under saturation it was always starved: a half-batch mix doubled
@@ -39,7 +43,13 @@ back from tenants over their turn (gateway/inference/fair_gate.py). Its puller
 takes a slot by its class's rule, and only while no in-turn puller of its class
 or a higher one waits for a slot. The in-turn puller holds its slot while it
 polls, so a tenant sending in turn finds a puller ready while another floods:
-its request starts at once instead of after the flood's queue.
+its request starts at once instead of after the flood's queue. With
+``max_inflight`` of 16 or more the excess also leaves ``max_inflight // 16``
+slots free beyond that one (``in_turn_spare``): a second request in turn that
+comes while the first has just taken the polling puller's slot finds the next
+one ready, instead of waiting for a running request to end. The flood pays
+1/16 of the slots for it; with fewer than 16 slots that would be a quarter or
+more, so there is none.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import collections
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.engines.base import EngineLoad
@@ -62,13 +73,23 @@ class AdmissionConfig:
     block_size: int = 16
     typical_tokens: int = 1024  # expected prompt + output before the message is read
     reserve: int = 1
-    lower_share: float = 0.125  # the lower classes' floor under contention (issue 15)
+    lower_share: float = 0.05  # the lower classes' floor under contention (issue 15)
     starve_after: float = 1.0
+    in_turn_spare: int | None = None  # None: max_inflight // 16 (see above)
+
+    def spare(self) -> int:
+        """Slots a class's excess leaves free beyond the in-turn puller's own."""
+        return self.max_inflight // 16 if self.in_turn_spare is None else self.in_turn_spare
+
+
+SHARE_WINDOW_S = 10.0  # the lower classes' share of the slots is averaged over this
 
 
 class Admission:
-    def __init__(self, cfg: AdmissionConfig) -> None:
+    def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float] | None = None) -> None:
         self.cfg = cfg
+        # For the lower classes' share of time (a test passes its own).
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self.num_gpu_blocks = cfg.num_gpu_blocks
         self.block_size = cfg.block_size
         self.held = 0  # slots held: polling fetchers and in-flight requests
@@ -87,6 +108,8 @@ class Admission:
         self.engine = EngineLoad()
         self._cond = asyncio.Condition()
         self._closed = False
+        self._lower_avg = 0.0  # decayed mean of held_lower / max_inflight
+        self._lower_at: float | None = None  # loop time of its last update
 
     def blocks_for(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.block_size))
@@ -118,10 +141,31 @@ class Admission:
     def lower_floor(self) -> int:
         return max(1, math.ceil(self.cfg.lower_share * self.cfg.max_inflight))
 
+    def lower_share_recent(self) -> float:
+        """The lower classes' share of the slots over about the last SHARE_WINDOW_S."""
+        self._advance_share()
+        return self._lower_avg
+
+    def _advance_share(self) -> None:
+        """Fold the time since the last change in at the share held meanwhile
+        (called before ``held_lower`` changes, and to read it)."""
+        now = self._clock()
+        if self._lower_at is not None:
+            keep = math.exp(-(now - self._lower_at) / SHARE_WINDOW_S)
+            held = self.held_lower / self.cfg.max_inflight
+            self._lower_avg = self._lower_avg * keep + held * (1 - keep)
+        self._lower_at = now
+
+    def _below_floor(self) -> bool:
+        return (
+            self.held_lower < self.lower_floor()
+            and self.lower_share_recent() < self.cfg.lower_share
+        )
+
     def _room(self, rank: int, starved: bool) -> bool:
         """Whether a puller of ``rank`` may have a slot now (the class split above)."""
         free = self.free_slots()
-        below_floor = self.held_lower < self.lower_floor()
+        below_floor = self._below_floor()
         if rank == 0:
             return free >= (2 if self.starved_lower and below_floor else 1)
         if starved and below_floor:
@@ -140,7 +184,8 @@ class Admission:
             return False
         if self.cfg.max_inflight == 1:
             return not self._closed and self.held_excess == 0 and self.held <= 1
-        if idle and self.free_slots() < 1 + self.cfg.reserve:
+        free = self.free_slots()
+        if free < 1 + self.cfg.spare() or (idle and free < 1 + self.cfg.reserve):
             return False
         return self._room(rank, starved)
 
@@ -160,6 +205,8 @@ class Admission:
         return now - self._top_waited_at < self.cfg.starve_after
 
     def _take(self, rank: int, excess: bool = False) -> None:
+        if rank > 0:
+            self._advance_share()
         self.held += 1
         self.held_lower += rank > 0
         self.held_excess += excess
@@ -244,6 +291,8 @@ class Admission:
 
     async def release(self, blocks: int = 0, rank: int = 0, excess: bool = False) -> None:
         async with self._cond:
+            if rank > 0:
+                self._advance_share()
             self.held -= 1
             self.held_lower -= rank > 0
             self.held_excess -= excess

@@ -168,6 +168,8 @@ class Worker:
                             idle_poll_s=cfg.idle_poll_s / 4 if brief else cfg.idle_poll_s,
                             quiet=self._quiet,
                             rest_s=poll if excess else None,
+                            # A lower class's empty queue takes no slot under load.
+                            peek=rank > 0 and not excess,
                         )
                     )
             members = Membership(js, cfg.worker_id, topo.replicas)

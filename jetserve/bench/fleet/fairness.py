@@ -1,7 +1,7 @@
 """`jetserve bench fleet --scenario fairness`: what one tenant's flood does to
 another tenant's latency in the same class (issue 15's measure).
 
-Two setups: one gateway and one replica (worker + h100-8b engine, 4 sequences
+Two setups: one gateway and one replica (worker + h100-8b engine, 16 sequences
 at a time), then two gateways and four replicas (requests alternate between
 the gateways). For each, capacity first (the completion rate under overload),
 then two runs of the same length:
@@ -38,9 +38,14 @@ FLOOD_LEAD_S = 4.0
 # (gateways, replicas, output tokens): the fleet's requests are longer, so that
 # five times its capacity stays within what one 2-core machine can offer and
 # drive (at 48 tokens the flood alone would be ~90 req/s of streams).
-SETUPS = ((1, 1, 48), (2, 4, 160))
-SIM = ["--max-num-seqs", "4"]  # vLLM's max_num_seqs: 4 sequences at a time
-WORKER = ["--max-inflight", "4"]
+SETUPS = ((1, 1, 192), (2, 4, 640))
+# vLLM's max_num_seqs: 16 sequences at a time (a GPU runs more; 16 is the least
+# at which the excess leaves a spare slot for tenants in turn, admission.py).
+# Outputs are 4x those of 4 sequences, so the request rates stay what one 2-core
+# machine can drive.
+SEQS = 16
+SIM = ["--max-num-seqs", str(SEQS)]
+WORKER = ["--max-inflight", str(SEQS)]
 
 
 def _make(key: str, tokens: int) -> MakeRequest:
@@ -156,7 +161,7 @@ async def fairness(seed: int, duration: float) -> dict[str, Any]:
     return {
         "scenario": "fairness",
         "setup": {
-            "max_num_seqs": 4,
+            "max_num_seqs": SEQS,
             "deadline_s": DEADLINE_S,
             "duration_s": duration,
             "flood_lead_s": FLOOD_LEAD_S,

@@ -48,8 +48,10 @@ from jetserve.bench.fleet.client import (
 from jetserve.bench.fleet.fairness import fairness
 from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
+from workers.inference.admission import AdmissionConfig
 
 SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness")
+BATCH_DEADLINE_S = 20.0  # saturation: batch waits for its share; interactive has 4 s
 
 
 def _fleet(**kw: Any) -> Fleet:
@@ -125,7 +127,9 @@ async def saturation(opts: Options) -> dict[str, Any]:
         def make(rng: random.Random, i: int) -> tuple[str, dict[str, Any], dict[str, str]]:
             cls = "interactive" if rng.random() < mix else "batch"
             body = chat(None, f"Request {i}: summarise the ticket queue.", 48)
-            return cls, body, {"X-Jetserve-Timeout": str(timeout)}
+            # Batch may wait: it is served with the share interactive leaves it.
+            deadline = timeout if cls == "interactive" else BATCH_DEADLINE_S
+            return cls, body, {"X-Jetserve-Timeout": str(deadline)}
 
         return make
 
@@ -164,7 +168,12 @@ async def saturation(opts: Options) -> dict[str, Any]:
             )
             try:
                 shots = await _run(
-                    fleet, opts.seed, timeout + 10, rate * share, opts.duration, make_cls(mix)
+                    fleet,
+                    opts.seed,
+                    max(timeout, BATCH_DEADLINE_S) + 10,
+                    rate * share,
+                    opts.duration,
+                    make_cls(mix),
                 )
             finally:
                 await asyncio.to_thread(fleet.stop)
@@ -180,6 +189,8 @@ async def saturation(opts: Options) -> dict[str, Any]:
             "replicas": 2,
             "max_num_seqs": 4,
             "deadline_s": timeout,
+            "batch_deadline_s": BATCH_DEADLINE_S,
+            "lower_share": AdmissionConfig.lower_share,
             "capacity_rps": round(capacity, 2),
             "offered_rps": round(rate, 2),
             "mixes": "interactive only; its half alone (half the rate); 50% interactive, 50% batch",
