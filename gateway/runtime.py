@@ -140,7 +140,8 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
     async with contextlib.AsyncExitStack() as stack:
         nc, rds = await _connected(stack, cfg)
         js = nc.jetstream()
-        await ensure_topology(js, cfg.topology)
+        # The lane counts are the stream's: every gateway and worker uses them.
+        cfg = dataclasses.replace(cfg, topology=await ensure_topology(js, cfg.topology))
         ledger_topo = dataclasses.replace(DEFAULT_LEDGER, replicas=cfg.topology.replicas)
         await ensure_ledger(js, ledger_topo)
         outbox_topo = dataclasses.replace(DEFAULT_OUTBOX, replicas=cfg.topology.replicas)

@@ -22,7 +22,6 @@ requests already streaming are not in it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +34,7 @@ from nats.js.errors import NotFoundError
 
 from streams.connect import OPEN, BusAuth
 from streams.definitions import Topology
+from streams.depth import ClassDepth, read_depths
 
 HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance
 FORMULA = (
@@ -197,27 +197,23 @@ async def lags_from_nats(
         raise ScaleError(f"cannot connect to NATS at {url}: {exc}") from exc
     try:
         js = nc.jetstream(timeout=3)
+        try:
+            stream = await js.stream_info(topo.stream)
+        except NotFoundError:
+            raise ScaleError(f"stream {topo.stream} not found at {url}") from None
+        # One consumer list for every class: its plain subject, its lanes (as
+        # many as the stream records) and its excess hold its work (docs/routing.md).
+        topo = topo.with_stream_lanes(stream.config.metadata)
+        depths = await read_depths(js, topo)
         out = []
         for cls in classes:
             name = topo.consumer_name(cls)
-            try:
-                info = await js.consumer_info(topo.stream, name)
-            except NotFoundError:
-                try:
-                    stream = await js.stream_info(topo.stream)
-                except NotFoundError:
-                    raise ScaleError(f"stream {topo.stream} not found at {url}") from None
+            d = depths.get(cls, ClassDepth())
+            if not d.found:
                 last = stream.state.last_seq or 0
                 out.append(Lag(cls, name, 0, 0, 0, found=False, stream_last_seq=last))
-                continue
-            pending, acking = info.num_pending or 0, info.num_ack_pending or 0
-            # The class's affinity lanes and excess hold its work too (docs/routing.md).
-            for lane in topo.consumer_names(cls)[1:]:
-                with contextlib.suppress(NotFoundError):
-                    lane_info = await js.consumer_info(topo.stream, lane)
-                    pending += lane_info.num_pending or 0
-                    acking += lane_info.num_ack_pending or 0
-            out.append(Lag(cls, name, pending, acking, info.num_waiting or 0))
+            else:
+                out.append(Lag(cls, name, d.pending, d.ack_pending, d.waiting))
         return out
     except (nats.errors.Error, TimeoutError) as exc:
         raise ScaleError(f"JetStream API at {url}: {exc!r}") from exc

@@ -96,6 +96,8 @@ def _consumers(stream: str, *, manage: bool, names: tuple[str, ...] = (">",)) ->
     for n in names:
         out += [f"$JS.API.CONSUMER.INFO.{stream}.{n}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{n}"]
         out.append(f"$JS.ACK.{stream}.{n}" if n == ">" else f"$JS.ACK.{stream}.{n}.>")
+    if names == (">",):  # all of them: list them too (one request reads every lane)
+        out.append(f"$JS.API.CONSUMER.LIST.{stream}")
     if manage:
         out += [
             f"$JS.API.CONSUMER.CREATE.{stream}",
@@ -103,7 +105,6 @@ def _consumers(stream: str, *, manage: bool, names: tuple[str, ...] = (">",)) ->
             f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
             f"$JS.API.CONSUMER.DELETE.{stream}.>",
             f"$JS.API.CONSUMER.NAMES.{stream}",
-            f"$JS.API.CONSUMER.LIST.{stream}",
             f"$JS.FC.{stream}.>",
         ]
     return out

@@ -5,7 +5,7 @@ server match these; nothing else creates streams or consumers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nats.js.api import (
@@ -34,6 +34,9 @@ from streams.subjects import (
 # (0 = highest); the server hands each message to the highest-priority waiting
 # pull (``prioritized`` policy, nats-server >= 2.12).
 PRIORITY_GROUP = "jetserve"
+# The work-queue stream's metadata key of a class's lane count.
+LANE_METADATA = "jetserve_lanes_"
+LEGACY_LANES = 16
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,36 @@ class Topology:
     frames: FramesLimits = field(default_factory=FramesLimits)
     classes: tuple[RequestClass, ...] = tuple(RequestClass)
     limits: Limits = field(default_factory=Limits)
-    # Prefix-affinity lanes per lane class: more lanes spread owners more evenly,
-    # each costs every worker one outstanding pull request.
-    lanes: int = 16
+    # Prefix-affinity lanes per lane class (``class_lanes`` overrides one
+    # class): at most this many replicas of a class own lanes. Each lane is a
+    # durable consumer; a worker pulls only the lanes it ranks among the first
+    # few (workers/inference/affinity.py), so more lanes cost little per worker.
+    lanes: int = 256
+    class_lanes: tuple[tuple[RequestClass, int], ...] = ()
 
     @property
     def lane_classes(self) -> tuple[RequestClass, ...]:
-        return tuple(c for c in self.classes if c in LANE_CLASSES) if self.lanes else ()
+        return tuple(c for c in self.classes if c in LANE_CLASSES and self.lanes_of(c))
+
+    def lanes_of(self, cls: RequestClass | str) -> int:
+        """The lane count of ``cls`` (0: no lanes; only lane classes have any)."""
+        if RequestClass(cls) not in LANE_CLASSES:
+            return 0
+        return dict(self.class_lanes).get(RequestClass(cls), self.lanes)
+
+    def lane_metadata(self) -> dict[str, str]:
+        """The lane counts, as the stream records them: every gateway and worker
+        reads them there (:meth:`with_stream_lanes`), so none can disagree."""
+        return {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
+
+    def with_stream_lanes(self, metadata: dict[str, str] | None) -> Topology:
+        """This topology with the lane counts the stream records (a stream
+        provisioned before lanes were recorded had 16)."""
+        found = metadata or {}
+        counts = tuple(
+            (c, int(found.get(f"{LANE_METADATA}{c.value}", LEGACY_LANES))) for c in LANE_CLASSES
+        )
+        return replace(self, class_lanes=counts)
 
     @property
     def excess_classes(self) -> tuple[RequestClass, ...]:
@@ -111,6 +137,7 @@ class Topology:
             max_age=lim.max_age_s,
             duplicate_window=lim.duplicate_window_s,
             num_replicas=self.replicas,
+            metadata=self.lane_metadata(),
         )
 
     def frames_config(self) -> StreamConfig:
@@ -158,7 +185,19 @@ class Topology:
         return f"workers-{RequestClass(cls).value}"
 
     def lane_consumer_name(self, cls: RequestClass | str, lane: int) -> str:
-        return f"workers-{RequestClass(cls).value}-l{lane:02d}"
+        return f"workers-{RequestClass(cls).value}-l{lane:02d}"  # l00..l255
+
+    def is_lane_consumer(self, name: str) -> bool:
+        for cls in self.lane_classes:
+            head = f"workers-{cls.value}-l"
+            if name.startswith(head) and name[len(head) :].isdigit():
+                return int(name[len(head) :]) < self.lanes_of(cls)
+        return False
+
+    @property
+    def lane_max_deliver(self) -> int:
+        # An over-fetched message handed back (nak) counts as a delivery.
+        return self.limits.max_deliver * 2
 
     def lane_consumer_config(self, cls: RequestClass, lane: int) -> dict[str, Any]:
         """Raw JetStream API config: nats-py's ConsumerConfig has no priority
@@ -169,8 +208,7 @@ class Topology:
             "filter_subject": lane_subject(cls, lane),
             "ack_policy": "explicit",
             "ack_wait": int(lim.ack_wait_s * 1e9),
-            # An over-fetched message handed back (nak) counts as a delivery.
-            "max_deliver": lim.max_deliver * 2,
+            "max_deliver": self.lane_max_deliver,
             "max_waiting": lim.max_waiting,
             "max_ack_pending": -1,
             "priority_groups": [PRIORITY_GROUP],
@@ -184,7 +222,7 @@ class Topology:
         """Every consumer that serves a class: the plain one, its lanes, its excess."""
         names = [self.consumer_name(cls)]
         if cls in self.lane_classes:
-            names += [self.lane_consumer_name(cls, n) for n in range(self.lanes)]
+            names += [self.lane_consumer_name(cls, n) for n in range(self.lanes_of(cls))]
         if cls in self.excess_classes:
             names.append(self.excess_consumer_name(cls))
         return names

@@ -7,16 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
+from nats.js.api import ConsumerInfo, StreamConfig
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.depth import consumer_infos
 from streams.errors import ProvisioningError
+from streams.subjects import LANE_CLASSES
+
+log = logging.getLogger(__name__)
+
+CREATE_CONCURRENCY = 16
 
 
 async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
@@ -54,7 +61,46 @@ async def ensure_routes(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY)
                 raise ProvisioningError(f"cannot create bucket {want.bucket}: {exc}") from exc
 
 
-async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> None:
+async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
+    """``topo`` with the lane counts an existing work-queue stream records: they
+    win over any configured count (a gateway configured otherwise would publish
+    to lanes the workers do not pull), and a difference is logged."""
+    try:
+        info = await js.stream_info(topo.stream)
+    except NotFoundError:
+        return topo
+    recorded = topo.with_stream_lanes(info.config.metadata)
+    for cls in LANE_CLASSES:
+        if recorded.lanes_of(cls) != topo.lanes_of(cls):
+            log.warning(
+                "%s records %d lanes for %s, not the configured %d: keeping the stream's "
+                "(docs/routing.md, changing the lane count)",
+                topo.stream,
+                recorded.lanes_of(cls),
+                cls.value,
+                topo.lanes_of(cls),
+            )
+    return recorded
+
+
+def _current(info: ConsumerInfo | None, want: dict[str, Any]) -> bool:
+    """Whether a lane consumer exists with the config ``want`` (raw JSON)."""
+    if info is None:
+        return False
+    cfg = info.config
+    return (
+        cfg.filter_subject == want["filter_subject"]
+        and cfg.max_deliver == want["max_deliver"]
+        and cfg.max_waiting == want["max_waiting"]
+        and cfg.ack_wait is not None
+        and int(cfg.ack_wait * 1e9) == want["ack_wait"]
+    )
+
+
+async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> Topology:
+    """Create or update the request path's streams and consumers; returns the
+    topology as provisioned (an existing stream's lane counts kept)."""
+    topo = await recorded_lanes(js, topo)
     await ensure_stream(js, topo.stream_config())
     await ensure_stream(js, topo.frames_config())
     await ensure_stream(js, topo.dlq_config())
@@ -62,11 +108,25 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     for cls in topo.classes:
         # Creating a durable with a config is create-or-update on nats-server >= 2.10.
         await js.add_consumer(topo.stream, topo.consumer_config(cls))
-    for cls in topo.lane_classes:
-        for lane in range(topo.lanes):
-            await ensure_raw_consumer(js, topo.stream, topo.lane_consumer_config(cls, lane))
     for cls in topo.excess_classes:
         await js.add_consumer(topo.stream, topo.consumer_config(cls, excess=True))
+    # Hundreds of lane consumers: create only those missing or changed, a few
+    # requests at a time.
+    have = {i.name: i for i in await consumer_infos(js, topo.stream)}
+    wants = [
+        topo.lane_consumer_config(cls, lane)
+        for cls in topo.lane_classes
+        for lane in range(topo.lanes_of(cls))
+    ]
+    wants = [w for w in wants if not _current(have.get(w["durable_name"]), w)]
+    gate = asyncio.Semaphore(CREATE_CONCURRENCY)
+
+    async def create(want: dict[str, Any]) -> None:
+        async with gate:
+            await ensure_raw_consumer(js, topo.stream, want)
+
+    await asyncio.gather(*(create(w) for w in wants))
+    return topo
 
 
 async def ensure_raw_consumer(js: JetStreamContext, stream: str, config: dict[str, Any]) -> None:
@@ -88,18 +148,23 @@ async def await_topology(
     topo: Topology = DEFAULT_TOPOLOGY,
     within_s: float = 120.0,
     consumers: bool = True,
-) -> None:
+) -> Topology:
     """Until the work-queue stream (and with ``consumers`` every class consumer)
-    exists (a gateway provisions them); a ProvisioningError after ``within_s``."""
-    names = [n for cls in topo.classes for n in topo.consumer_names(cls)] if consumers else []
+    exists (a gateway provisions them); a ProvisioningError after ``within_s``.
+    Returns ``topo`` with the lane counts the stream records."""
     loop = asyncio.get_running_loop()
     end = loop.time() + within_s
     while True:
         try:
-            await js.stream_info(topo.stream)
-            for name in names:
-                await js.consumer_info(topo.stream, name)
-            return
+            info = await js.stream_info(topo.stream)
+            found = topo.with_stream_lanes(info.config.metadata)
+            if not consumers:
+                return found
+            names = {n for cls in found.classes for n in found.consumer_names(cls)}
+            missing = names - {i.name for i in await consumer_infos(js, found.stream)}
+            if not missing:
+                return found
+            raise NotFoundError(description=f"{len(missing)} consumers, e.g. {min(missing)}")
         except (NotFoundError, nats.errors.Error, TimeoutError) as exc:
             if loop.time() > end:
                 raise ProvisioningError(

@@ -76,8 +76,8 @@ class LaneRouter:
         or (``excess``, a tenant past its turn) the class's excess subject."""
         if excess and cls in self._topo.excess_classes:
             return excess_subject(cls)
-        lanes = self._topo.lanes
-        if routing.mode == "least_loaded" or cls not in self._topo.lane_classes:
+        lanes = self._topo.lanes_of(cls)
+        if routing.mode == "least_loaded" or not lanes or cls not in self._topo.lane_classes:
             return request_subject(cls)
         if routing.mode == "round_robin":
             return lane_subject(cls, next(self._turn) % lanes)

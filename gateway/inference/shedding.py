@@ -1,8 +1,9 @@
 """Deadline-aware shedding: refuse at the door what cannot start before its
 deadline, instead of queueing it to die.
 
-A watch polls the class's consumers (the plain one and its lanes; the
-gateway's queue-depth metrics read the same numbers) and keeps
+A watch reads every class's consumers in one list (the plain one, its lanes
+and its excess; ``streams/depth.py``; the gateway's queue-depth metrics read
+the same numbers) and keeps
 the queue depth (``num_pending``: published, not yet handed to a worker) and
 the fleet's start rate (deliveries per second, smoothed). A new request's
 expected wait is depth / rate; if that, plus the first-token delay and the
@@ -29,6 +30,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
 from streams.definitions import Topology
+from streams.depth import read_depths
 from streams.tasks import stop_task
 
 # Too little evidence to refuse anyone: a short queue drains whatever the rate.
@@ -92,17 +94,16 @@ class QueueWatch:
         while True:
             self._poke.clear()  # before looking: a publish during the look looks again
             if not (glance and await self._stream_empty()):
-                for cls in self._topo.classes:
-                    with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
-                        await self._poll(cls.value)
+                with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
+                    await self._poll()
             glance = False
             # A publish may not have landed when we looked: busy for a while after one.
             recent = time.monotonic() - self._published_at < 2 * self._every
             if recent or any(load.depth or load.ack_pending for load in self.loads.values()):
                 await asyncio.sleep(self._every)
                 continue
-            # Idle: each look costs a consumer_info per consumer (17 a laned class),
-            # so look seldom (a glance at the stream first), and again at once
+            # Idle: each look lists every consumer (a few hundred lanes), so
+            # look seldom (a glance at the stream first), and again at once
             # when this gateway publishes.
             try:
                 async with asyncio.timeout(self._idle_every):
@@ -125,13 +126,11 @@ class QueueWatch:
             return False
         return not info.state.messages
 
-    async def _poll(self, cls: str) -> None:
-        depth = acking = delivered = 0
-        for name in self._topo.consumer_names(cls):
-            info = await self._js.consumer_info(self._topo.stream, name)
-            depth += info.num_pending or 0
-            acking += info.num_ack_pending or 0
-            delivered += info.delivered.consumer_seq if info.delivered else 0
+    async def _poll(self) -> None:
+        for cls, found in (await read_depths(self._js, self._topo)).items():
+            self._take(cls, found.pending, found.ack_pending, found.delivered)
+
+    def _take(self, cls: str, depth: int, acking: int, delivered: int) -> None:
         load = self.loads[cls]
         now = time.monotonic()
         dt = now - load.at

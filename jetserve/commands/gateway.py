@@ -22,10 +22,34 @@ from jetserve.commands.common import (
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
     from jetserve.commands.common import Subparsers
+    from streams.definitions import Topology
     from streams.routes import HedgePolicy
 
 log = logging.getLogger(__name__)
 KEY_SECRET_ENV = "JETSERVE_KEY_SECRET"
+
+
+def lane_topology(topo: Topology, specs: list[str]) -> Topology:
+    """``topo`` with ``--lanes`` applied: ``N`` for every lane class, ``CLASS=N`` for one."""
+    import dataclasses
+
+    from streams.subjects import LANE_CLASSES, RequestClass
+
+    lanes, per_class = topo.lanes, dict(topo.class_lanes)
+    for spec in specs:
+        name, _, count = spec.rpartition("=")
+        try:
+            n = int(count)
+            cls = RequestClass(name) if name else None
+        except ValueError:
+            raise SystemExit(f"--lanes {spec!r}: want N or CLASS=N") from None
+        if not 0 <= n <= 4096 or (cls is not None and cls not in LANE_CLASSES):
+            raise SystemExit(f"--lanes {spec!r}: 0..4096 lanes, classes {list(LANE_CLASSES)}")
+        if cls is None:
+            lanes = n
+        else:
+            per_class[cls] = n
+    return dataclasses.replace(topo, lanes=lanes, class_lanes=tuple(per_class.items()))
 
 
 def register(sub: Subparsers) -> None:
@@ -39,6 +63,14 @@ def register(sub: Subparsers) -> None:
     g.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     g.add_argument("--replicas", type=int, default=1, help=REPLICAS_HELP)
     g.add_argument("--port", type=int, default=8080)
+    g.add_argument(
+        "--lanes",
+        action="append",
+        default=[],
+        metavar="N|CLASS=N",
+        help="prefix-affinity lanes per lane class (default 256), or one class's "
+        "(repeatable); recorded in the stream when it is first provisioned, which then wins",
+    )
     g.add_argument(
         "--reuse-port",
         action="store_true",
@@ -288,7 +320,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         resume_grace_s=args.resume_grace,
         max_buffered_frames=args.max_buffered_frames,
         otel_exporter=args.otel_exporter,
-        topology=Topology(replicas=args.replicas),
+        topology=lane_topology(Topology(replicas=args.replicas), args.lanes),
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=split_csv(args.metrics_tenants),

@@ -57,6 +57,18 @@ def register(sub: Subparsers) -> None:
         help="slots a class's excess (a flooding tenant) leaves free beyond the one kept for "
         "tenants in turn (default: --max-inflight // 16)",
     )
+    w.add_argument(
+        "--lane-depth",
+        type=int,
+        default=3,
+        help="the workers each lane is pulled by: its owner and depth-1 backups (spill, failover)",
+    )
+    w.add_argument(
+        "--lane-load-factor",
+        type=float,
+        default=1.4,
+        help="no worker owns more than this times its share of a class's lanes",
+    )
     w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")
     w.add_argument("--heartbeat", type=float, default=1.0)
     w.add_argument("--worker-id", default="")
@@ -104,6 +116,8 @@ async def _run(args: argparse.Namespace) -> int:
         embed_batch_max=args.embed_batch_max,
         embed_batch_delay_ms=args.embed_batch_delay_ms,
         topology=Topology(replicas=args.replicas),
+        lane_depth=args.lane_depth,
+        lane_load_factor=args.lane_load_factor,
         deployment=await deployment(args),
         **kwargs,
     )

@@ -16,9 +16,12 @@ message to the highest-priority waiting pull. So
   ``poll_s``), so the next in order takes over: nothing is lost, and a message
   it held unacked comes back after ``ack_wait``.
 
-Ownership is a rotation of the live members (a KV bucket each worker refreshes)
-sorted by id: lane ``l``'s order starts at member ``l mod n``, so lanes spread
-evenly and every worker ranks every lane distinctly.
+Ownership is rendezvous hashing with bounded load over the live members (a KV
+bucket each worker refreshes; ``streams/rendezvous.py``): one worker joining
+or leaving moves about 1/n of the lanes, so warm prefix caches stay where they
+are, and no worker owns more than ``load_factor`` times its share. A worker
+pulls only the lanes it ranks among the first ``depth`` (owner and backups):
+a class of 256 lanes costs each of 64 workers ~12 standing pulls, not 256.
 
 Over-fetch: pulls stand on several lanes at once, so a worker can be handed
 more messages than it has slots. It keeps such a message (``in_progress``)
@@ -33,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -46,6 +50,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from streams.consumer import idle_expiry, stop_interest
 from streams.definitions import PRIORITY_GROUP, Topology
+from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, LaneOrder, assign
 from streams.subjects import RequestClass
 from streams.tasks import stop_task
 from workers.inference.admission import Admission
@@ -60,14 +65,27 @@ OWNER_BATCH = 4  # messages one pull may bring the lane's owner
 class Membership:
     """The live workers: a KV bucket each worker puts its id into every
     ``every_s``, followed by one watch. A member not heard from for
-    ``4 * every_s`` is gone (entries also expire in the bucket itself); a worker
-    that leaves cleanly deletes its entry, which the watch shows at once."""
+    ``4 * every_s`` is gone, and forgotten: its entry expires in the bucket
+    without a delete marker (a SIGKILLed worker never says goodbye), so the
+    heartbeat loop drops it. A worker that leaves cleanly deletes its entry,
+    which the watch shows at once."""
 
-    def __init__(self, js: JetStreamContext, worker_id: str, replicas: int, every_s: float = 1.0):
+    def __init__(
+        self,
+        js: JetStreamContext,
+        worker_id: str,
+        replicas: int,
+        every_s: float = 1.0,
+        depth: int = DEFAULT_DEPTH,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
+    ):
         self._js = js
         self.worker_id = worker_id
         self._replicas = replicas
         self._every = every_s
+        self._depth = depth
+        self._load_factor = load_factor
+        self._orders: dict[int, LaneOrder] = {}  # by lane count, for the current members
         self._kv: KeyValue | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self._seen: dict[str, float] = {}
@@ -105,11 +123,13 @@ class Membership:
 
     def _recompute(self) -> None:
         horizon = time.monotonic() - self._every * 4
-        alive = {k for k, at in self._seen.items() if at >= horizon}
-        new = tuple(sorted({*alive, self.worker_id}))
+        for gone in [k for k, at in self._seen.items() if at < horizon]:
+            del self._seen[gone]
+        new = tuple(sorted({*self._seen, self.worker_id}))
         if new != self.members:
-            log.info("lane members now: %s", ",".join(new))
+            log.info("lane members now: %d (%s)", len(new), ",".join(new[:8]))
             self.members = new
+            self._orders.clear()
             for tell in self.changed:
                 tell()
 
@@ -133,7 +153,7 @@ class Membership:
         async for entry in watcher:
             if entry is not None:
                 self._note(entry)
-                if entry.operation in (KV_DEL, KV_PURGE) or len(self._seen) != len(self.members):
+                if entry.operation in (KV_DEL, KV_PURGE) or entry.key not in self.members:
                     self._recompute()
 
     async def leave(self) -> None:
@@ -141,11 +161,20 @@ class Membership:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._kv.delete(self.worker_id)
 
-    def priority(self, lane: int) -> int:
-        """0 for the lane's owner, 1 for the next in its rotation, and so on."""
-        members = self.members
-        mine = members.index(self.worker_id)
-        return min((mine - lane) % len(members), MAX_PRIORITY)
+    def order(self, lanes: int) -> LaneOrder:
+        """The owners and backups of a class of ``lanes`` lanes, as the members stand."""
+        order = self._orders.get(lanes)
+        if order is None:
+            order = self._orders[lanes] = assign(
+                self.members, lanes, self._depth, self._load_factor
+            )
+        return order
+
+    def priority(self, lanes: int, lane: int) -> int | None:
+        """0 for the lane's owner, 1 for its first backup, and so on; None: this
+        worker is not among the lane's ``depth`` (it does not pull it)."""
+        rank = self.order(lanes).rank(self.worker_id, lane)
+        return None if rank is None else min(rank, MAX_PRIORITY)
 
 
 class LanePuller:
@@ -176,15 +205,17 @@ class LanePuller:
         self._poll = poll_s
         self._count = count  # lane events: "pull", "held", "handed_back", "withdrawn"
         self._inbox = f"{nc.new_inbox()}.{cls.value}"
-        self._live_until = [0.0] * topology.lanes
-        self._current = [0] * topology.lanes  # the newest pull per lane (reply token)
-        self._left = [0] * topology.lanes  # messages the newest pull may still bring
+        lanes = self._lanes = topology.lanes_of(cls)
+        # When each lane needs its next pull (inf: a lane this worker does not rank).
+        self._live_until = [0.0] * lanes
+        self._current = [0] * lanes  # the newest pull per lane (reply token)
+        self._left = [0] * lanes  # messages the newest pull may still bring
         # Idle cost (streams/consumer.py): a lane's pulls that keep coming back
         # empty while the worker is quiet get longer, up to idle_poll_s.
         self._idle_poll = idle_poll_s
         self._quiet = quiet
-        self._empty = [0] * topology.lanes  # pulls in a row that brought nothing
-        self._brought = [True] * topology.lanes  # the newest pull delivered something
+        self._empty = [0] * lanes  # pulls in a row that brought nothing
+        self._brought = [True] * lanes  # the newest pull delivered something
         self._wake = asyncio.Event()
         self._sub: Subscription | None = None
         # Membership changes seen, and the one whose old pulls were last withdrawn.
@@ -212,9 +243,10 @@ class LanePuller:
             for lane, until in enumerate(self._live_until):
                 if until <= now:
                     await self._pull(lane, now)
-            left = min(self._live_until) - loop.time()
+            nearest = min(self._live_until, default=math.inf)
+            left = None if nearest == math.inf else max(nearest - loop.time(), 0.01)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(left, 0.01)):  # not wait_for: 3.11 drops cancels
+                async with asyncio.timeout(left):  # not wait_for: 3.11 drops cancels
                     await self._wake.wait()
 
     async def hand_back(self) -> None:
@@ -232,7 +264,8 @@ class LanePuller:
                     await self._sub._pending_queue.join()
         else:
             loop = asyncio.get_running_loop()
-            await asyncio.sleep(max(0.0, max(self._live_until) - loop.time()) + 0.1)
+            last = max((t for t in self._live_until if t != math.inf), default=0.0)
+            await asyncio.sleep(max(0.0, last - loop.time()) + 0.1)
         if self._held:
             await asyncio.wait(set(self._held))
         with contextlib.suppress(nats.errors.Error):
@@ -276,7 +309,10 @@ class LanePuller:
         self._wake.set()
 
     async def _pull(self, lane: int, now: float) -> None:
-        priority = self._members.priority(lane)
+        priority = self._members.priority(self._lanes, lane)
+        if priority is None:  # not among this lane's owner and backups
+            self._live_until[lane] = math.inf
+            return
         # The owner takes a burst on its lane (requests sharing a prefix often
         # come together), as many as it has slots for; the others take one.
         batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if priority == 0 else 1

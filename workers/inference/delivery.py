@@ -63,10 +63,8 @@ async def confirm_ack(
 def delivery_limit(topo: Topology, msg: Msg) -> int:
     """The ``max_deliver`` of the consumer that delivered ``msg``."""
     consumer = msg.metadata.consumer or ""
-    for cls in topo.lane_classes:
-        for lane in range(topo.lanes):
-            if consumer == topo.lane_consumer_name(cls, lane):
-                return int(topo.lane_consumer_config(cls, lane)["max_deliver"])
+    if topo.is_lane_consumer(consumer):
+        return topo.lane_max_deliver
     for cls in topo.classes:
         if consumer in (topo.consumer_name(cls), topo.excess_consumer_name(cls)):
             return topo.consumer_config(cls).max_deliver or topo.limits.max_deliver

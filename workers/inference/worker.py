@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -35,6 +36,7 @@ from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.logs import log_event
 from streams.marks import CancelMarks, FailureCounts
 from streams.provision import await_topology
+from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR
 from streams.routes import Deployment
 from streams.subjects import RequestClass, class_of, excess_subject
 from streams.tasks import stop_task
@@ -92,6 +94,10 @@ class WorkerConfig:
     deployment: Deployment | None = None
     embed_batch_max: int = 32  # inputs per batched engine call (1: no batching)
     embed_batch_delay_ms: float = 5.0  # longest a request waits for its batch to fill
+    # Lane ownership (streams/rendezvous.py): the workers that pull each lane,
+    # and how far above its share of lanes one may own.
+    lane_depth: int = DEFAULT_DEPTH
+    lane_load_factor: float = DEFAULT_LOAD_FACTOR
 
 
 class Worker:
@@ -130,7 +136,9 @@ class Worker:
         nc = self._nc = await connect(cfg.nats_url, cfg.worker_id, cfg.nats_auth)
         try:
             js = self._js = nc.jetstream()
-            await await_topology(js, topo)
+            # The lane counts are the stream's (whatever this worker was configured with).
+            topo = await await_topology(js, topo)
+            self.cfg = cfg = dataclasses.replace(cfg, topology=topo)
             self._failures = FailureCounts(js, topo)
             try:
                 await self._failures.open()
@@ -172,7 +180,13 @@ class Worker:
                             peek=rank > 0 and not excess,
                         )
                     )
-            members = Membership(js, cfg.worker_id, topo.replicas)
+            members = Membership(
+                js,
+                cfg.worker_id,
+                topo.replicas,
+                depth=cfg.lane_depth,
+                load_factor=cfg.lane_load_factor,
+            )
             await members.start()
             self.lanes = [
                 LanePuller(

@@ -1,0 +1,66 @@
+"""Queue depth per request class, read once a look.
+
+A class's work sits on several consumers: its plain subject, its affinity lanes
+(hundreds of them) and its excess. One ``CONSUMER.LIST`` request returns the
+numbers of up to 256 consumers, so a look at every class costs a request or
+three, not one ``consumer_info`` per lane."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerInfo
+
+from streams.definitions import Topology
+
+LIST_PAGE = 256  # the server's page of a consumer list (JSApiListLimit)
+
+
+@dataclass(frozen=True)
+class ClassDepth:
+    pending: int = 0  # published, not yet handed to a worker
+    ack_pending: int = 0  # handed to a worker, not yet acknowledged (its first token)
+    delivered: int = 0  # deliveries so far, summed over the class's consumers
+    waiting: int = 0  # pull requests waiting on the class's plain consumer
+    found: bool = False  # the class's plain consumer exists
+
+    @property
+    def lag(self) -> int:
+        """KEDA's lag: what waits for a worker or for its first token."""
+        return self.pending + self.ack_pending
+
+
+async def consumer_infos(js: JetStreamContext, stream: str) -> list[ConsumerInfo]:
+    """Every consumer of ``stream`` with its numbers, a page a request."""
+    out: list[ConsumerInfo] = []
+    while True:
+        page = await js.consumers_info(stream, offset=len(out))
+        out += page
+        if len(page) < LIST_PAGE:
+            return out
+
+
+def class_depths(topo: Topology, infos: list[ConsumerInfo]) -> dict[str, ClassDepth]:
+    """Each class's numbers, summed over the consumers that serve it."""
+    owner = {name: cls.value for cls in topo.classes for name in topo.consumer_names(cls)}
+    plain = {topo.consumer_name(cls): cls.value for cls in topo.classes}
+    sums = {cls.value: [0, 0, 0, 0, False] for cls in topo.classes}
+    for info in infos:
+        cls = owner.get(info.name)
+        if cls is None:
+            continue
+        row = sums[cls]
+        row[0] += info.num_pending or 0
+        row[1] += info.num_ack_pending or 0
+        row[2] += info.delivered.consumer_seq if info.delivered else 0
+        if info.name in plain:
+            row[3], row[4] = info.num_waiting or 0, True
+    return {
+        cls: ClassDepth(int(p), int(a), int(d), int(w), bool(f))
+        for cls, (p, a, d, w, f) in sums.items()
+    }
+
+
+async def read_depths(js: JetStreamContext, topo: Topology) -> dict[str, ClassDepth]:
+    return class_depths(topo, await consumer_infos(js, topo.stream))
