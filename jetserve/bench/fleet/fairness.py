@@ -2,8 +2,8 @@
 another tenant's latency in the same class (issue 15's measure).
 
 Two setups: one gateway and one replica (worker + h100-8b engine, 16 sequences
-at a time), then two gateways and four replicas (requests alternate between
-the gateways). For each, capacity first (the completion rate under overload),
+at a time), then two gateways and four replicas of 4 sequences each (requests
+alternate between the gateways). For each, capacity first (the completion rate under overload),
 then two runs of the same length:
 
 - tenant B alone at a tenth of capacity;
@@ -21,6 +21,7 @@ request shape; the deadline is the same for both.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections import Counter
@@ -38,14 +39,14 @@ FLOOD_LEAD_S = 4.0
 # (gateways, replicas, output tokens): the fleet's requests are longer, so that
 # five times its capacity stays within what one 2-core machine can offer and
 # drive (at 48 tokens the flood alone would be ~90 req/s of streams).
-SETUPS = ((1, 1, 192), (2, 4, 640))
-# vLLM's max_num_seqs: 16 sequences at a time (a GPU runs more; 16 is the least
-# at which the excess leaves a spare slot for tenants in turn, admission.py).
-# Outputs are 4x those of 4 sequences, so the request rates stay what one 2-core
-# machine can drive.
-SEQS = 16
-SIM = ["--max-num-seqs", str(SEQS)]
-WORKER = ["--max-inflight", str(SEQS)]
+# (gateways, replicas, output tokens, vLLM's max_num_seqs per replica): both
+# setups run 16 sequences in all, so the token rate stays what one 2-core
+# machine can stream and drive (at 4x16 sequences the driver and the gateways,
+# not the fleet, were the bottleneck: B's latency measured the machine).
+SETUPS = ((1, 1, 192, 16), (2, 4, 192, 4))
+# With 16 slots the excess leaves one spare for tenants in turn by default
+# (admission.py); with 4 the replica is told to keep one.
+SPARE = 1
 
 
 def _make(key: str, tokens: int) -> MakeRequest:
@@ -63,15 +64,15 @@ def _make(key: str, tokens: int) -> MakeRequest:
     return make
 
 
-def _start(gateways: int, replicas: int) -> tuple[Fleet, str]:
+def _start(gateways: int, replicas: int, seqs: int) -> tuple[Fleet, str]:
     fleet = Fleet(
         FleetSpec(
             workers=replicas,
             gateways=gateways,
             engine_per_worker=True,
             profile="h100-8b",
-            sim_args=SIM,
-            worker_args=WORKER,
+            sim_args=["--max-num-seqs", str(seqs)],
+            worker_args=["--max-inflight", str(seqs), "--in-turn-spare", str(SPARE)],
         )
     ).start()
     with fleet.admin() as admin:
@@ -92,9 +93,9 @@ async def _drive(
 
 
 async def _setup(
-    seed: int, duration: float, gateways: int, replicas: int, tokens: int
+    seed: int, duration: float, gateways: int, replicas: int, tokens: int, seqs: int
 ) -> dict[str, Any]:
-    fleet, flood_key = await asyncio.to_thread(_start, gateways, replicas)
+    fleet, flood_key = await asyncio.to_thread(_start, gateways, replicas, seqs)
     try:
         await asyncio.sleep(1.5)  # lane priorities settle
         probe = await _drive(fleet, seed, 10.0 * replicas, 8.0, fleet.api_key or "", tokens)
@@ -124,6 +125,8 @@ async def _setup(
         "gateways": gateways,
         "replicas": replicas,
         "output_tokens": tokens,
+        "max_num_seqs": seqs,
+        "in_turn_spare": SPARE,
         "capacity_rps": round(capacity, 2),
         "tenant_b_rps": round(b_rate, 2),
         "tenant_a_rps": round(a_rate, 2),
@@ -157,11 +160,12 @@ def _books(fleet: Fleet, tenant: str, shots: list[Shot]) -> dict[str, Any]:
 
 
 async def fairness(seed: int, duration: float) -> dict[str, Any]:
-    runs = [await _setup(seed, duration, g, r, t) for g, r, t in SETUPS]
+    only = os.environ.get("JETSERVE_FAIRNESS_SETUP")  # e.g. "2x4": one setup (a rerun)
+    setups = [s for s in SETUPS if not only or only == f"{s[0]}x{s[1]}"]
+    runs = [await _setup(seed, duration, *s) for s in setups]
     return {
         "scenario": "fairness",
         "setup": {
-            "max_num_seqs": SEQS,
             "deadline_s": DEADLINE_S,
             "duration_s": duration,
             "flood_lead_s": FLOOD_LEAD_S,
