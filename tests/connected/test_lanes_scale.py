@@ -118,7 +118,8 @@ async def test_one_consumer_list_reads_every_lane(nats_server: Service) -> None:
         assert depths["interactive"].ack_pending == 1
         assert depths["interactive"].lag == 10
         assert depths["batch"].pending == 5
-        assert depths["embed"].pending == 0 and depths["embed"].found
+        assert depths["embed"].pending == 0
+        assert depths["embed"].found
         await msg.ack()
     finally:
         await admin.close()

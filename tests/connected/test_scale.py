@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from jetserve.credentials import generate
 from jetserve.fleet import Fleet
@@ -25,6 +29,7 @@ from streams.connect import BusAuth, connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, request_subject
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -219,3 +224,138 @@ async def test_jetstream_api_and_monitoring_endpoint_agree(
     lines = await asyncio.to_thread(watch_lines, url, 2)
     stamps = [json.loads(line)["time"] for line in lines]
     assert stamps[1] > stamps[0]
+
+
+def _promtool() -> str:
+    beside = Path(sys.executable).parent / "promtool"
+    found = shutil.which("promtool") or (str(beside) if beside.exists() else None)
+    assert found, "promtool missing: run `make test-setup` (extracts it into .venv/bin)"
+    return found
+
+
+def _keda_queries() -> dict[str, str]:
+    """Each class's Prometheus query, as deploy/keda.yaml's ScaledObjects hold it."""
+    docs = yaml.safe_load_all((Path(__file__).parents[2] / "deploy" / "keda.yaml").read_text())
+    out = {}
+    for so in docs:
+        triggers = {t["type"]: t["metadata"] for t in so["spec"]["triggers"]}
+        cls = triggers["nats-jetstream"]["consumer"].removeprefix("workers-")
+        out[cls] = triggers["prometheus"]["query"]
+    return out
+
+
+async def test_keda_queries_read_the_whole_lag_a_gateway_exports(
+    make_fleet: Callable[..., Fleet], tmp_path: Path
+) -> None:
+    """deploy/keda.yaml's queries, evaluated by promtool over what a real gateway's
+    /metrics says: the class's lag on its plain subject, its affinity lanes and
+    its excess, which the nats-jetstream trigger alone (one consumer) undercounts."""
+    fleet = make_fleet(workers=0)  # nothing consumes: every request waits in the queue
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "45"}
+    system = "You are a careful assistant. " * 20  # long enough for an affinity lane
+    plan = [("interactive", True, i) for i in range(5)] + [
+        ("interactive", False, 5),
+        ("interactive", False, 6),
+        ("batch", False, 7),
+        ("batch", True, 8),
+    ]
+
+    async def call(c: httpx.AsyncClient, cls: str, laned: bool, i: int) -> int:
+        messages = [{"role": "system", "content": f"{system} {i}"}] if laned else []
+        messages.append({"role": "user", "content": f"request {i}"})
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={"model": "sim-8b", "max_tokens": 4, "messages": messages},
+            headers={**headers, "X-Jetserve-Class": cls},
+        )
+        return r.status_code
+
+    want = {"interactive": 7, "batch": 2, "embed": 0, "agent": 0}
+    metrics_url = fleet.gateway_metrics_urls[0]
+    async with httpx.AsyncClient(timeout=60) as c:
+        calls = [asyncio.create_task(call(c, *p)) for p in plan]
+
+        async def exported() -> dict[str, float]:
+            text = (await c.get(metrics_url)).text
+            return {
+                cls: sum(
+                    s.value
+                    for fam in text_string_to_metric_families(text)
+                    if fam.name == "jetserve_queue_depth"
+                    for s in fam.samples
+                    if s.labels.get("cls") == cls
+                )
+                for cls in want
+            }
+
+        async def counted() -> bool:
+            return await exported() == want
+
+        await until(counted, "the gateway's queue depth counting every queued request")
+        # Most of the lag is on lanes: the plain consumers (what one nats-jetstream
+        # trigger reads) show 2 and 1; `jetserve scale` adds the lanes in.
+        plain = {RequestClass.INTERACTIVE: 2, RequestClass.BATCH: 1}
+        await wait_lag(fleet.nats_url, fleet.bus_auth(), plain)
+        rows = await asyncio.to_thread(scale_as_admin, fleet)
+        assert {cls: row["lag"] for cls, row in rows.items()} == {c: want[c] for c in rows}
+        assert set(rows) >= {"interactive", "batch"}
+
+        text = (await c.get(metrics_url)).text
+        series = [
+            {"series": _series_text(fam.name, s.labels), "values": str(s.value)}
+            for fam in text_string_to_metric_families(text)
+            if fam.name in ("jetserve_queue_depth", "jetserve_gateway_fair_waiting")
+            for s in fam.samples
+        ]
+        tests = [
+            {
+                "expr": query,
+                "eval_time": "0m",
+                "exp_samples": [{"labels": "{}", "value": want[cls]}],
+            }
+            for cls, query in _keda_queries().items()
+        ]
+        spec = tmp_path / "keda-queries.yaml"
+        spec.write_text(
+            yaml.safe_dump(
+                {
+                    "rule_files": [],
+                    "evaluation_interval": "1m",
+                    "tests": [
+                        {"interval": "1m", "input_series": series, "promql_expr_test": tests}
+                    ],
+                }
+            )
+        )
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [_promtool(), "test", "rules", str(spec)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert len(tests) == len(want)
+
+        await asyncio.to_thread(fleet.start_worker, wait=False)
+        assert await asyncio.gather(*calls) == [200] * len(plan)
+
+
+def scale_as_admin(fleet: Fleet) -> dict[str, dict[str, Any]]:
+    assert fleet.creds is not None
+    env_seed = str(fleet.creds.seed_file(Role.ADMIN))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jetserve", "scale", "--json", "--nats", fleet.nats_url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "JETSERVE_NATS_SEED_FILE": env_seed},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {row["class"]: row for row in json.loads(proc.stdout)["classes"]}
+
+
+def _series_text(name: str, labels: dict[str, str]) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"

@@ -1,9 +1,11 @@
 """deploy/ stays in step with the code it runs, without a cluster or kubectl.
 
 - Every YAML document under deploy/ parses, and kustomization.yaml lists every file.
-- Every KEDA ScaledObject names the stream and a consumer that jetserve really
-  creates (streams.definitions.DEFAULT_TOPOLOGY), scales a Deployment defined here
-  whose worker serves exactly that consumer's class, and its lagThreshold is that
+- Every KEDA ScaledObject scales on its class's whole lag through KEDA's Prometheus
+  scaler, with a query that names only metrics the gateway exports, with the class's
+  label; its floor trigger names the stream and a consumer that jetserve really
+  creates (streams.definitions.DEFAULT_TOPOLOGY); it scales a Deployment defined
+  here whose worker serves exactly that class, and both thresholds are that
   worker's --max-inflight.
 - Every jetserve command line parses with jetserve's own parsers, with exact option
   names (argparse would accept abbreviations: a renamed flag must fail here).
@@ -729,7 +731,7 @@ def test_keda_reads_the_unauthenticated_monitoring_port() -> None:
     (nats,) = [c for c in _containers(OBJECTS[("StatefulSet", "nats")]) if c["name"] == "nats"]
     monitor = nats["args"][nats["args"].index("-m") + 1]
     for name, so in _of_kind("ScaledObject").items():
-        (trigger,) = so["spec"]["triggers"]
+        trigger = _trigger(so, "nats-jetstream")
         assert "authenticationRef" not in trigger, name
         assert trigger["metadata"]["natsServerMonitoringEndpoint"].endswith(f":{monitor}")
 
@@ -744,6 +746,19 @@ def test_manifests_with_credentials_say_how_to_make_them() -> None:
 # -- KEDA ---------------------------------------------------------------------------
 
 
+def _trigger(so: dict[str, Any], kind: str) -> dict[str, Any]:
+    (trigger,) = [t for t in so["spec"]["triggers"] if t["type"] == kind]
+    return trigger  # type: ignore[no-any-return]
+
+
+def keda_lag_query(cls: str) -> str:
+    """The whole lag of a class, as the ScaledObjects query it (and the dashboard)."""
+    return (
+        f'max(jetserve_queue_depth{{cls="{cls}"}}) + '
+        f'(sum(jetserve_gateway_fair_waiting{{cls="{cls}"}}) or vector(0))'
+    )
+
+
 def test_one_scaled_object_per_class_on_jetserves_consumers() -> None:
     topo = DEFAULT_TOPOLOGY
     consumers = {topo.consumer_name(cls): cls for cls in topo.classes}
@@ -752,15 +767,26 @@ def test_one_scaled_object_per_class_on_jetserves_consumers() -> None:
     for name, so in scaled.items():
         assert so["apiVersion"] == "keda.sh/v1alpha1", name
         spec = so["spec"]
-        (trigger,) = spec["triggers"]
-        assert trigger["type"] == "nats-jetstream", name
+        # The whole lag first (Prometheus), the plain consumer's lag as a floor.
+        assert [t["type"] for t in spec["triggers"]] == ["prometheus", "nats-jetstream"], name
+        trigger = _trigger(so, "nats-jetstream")
         meta = trigger["metadata"]
         # KEDA's trigger metadata is a map of strings: a bare number fails to apply.
-        assert all(isinstance(v, str) for v in meta.values()), (name, meta)
+        for t in spec["triggers"]:
+            assert all(isinstance(v, str) for v in t["metadata"].values()), (name, t)
         assert meta["stream"] == topo.stream, name
         assert meta["consumer"] in consumers, f"{name}: jetserve creates no {meta['consumer']}"
         cls = consumers[meta["consumer"]]
         seen.append(cls)
+        prom = _trigger(so, "prometheus")["metadata"]
+        assert prom["query"] == keda_lag_query(cls.value), name
+        names = _metric_names(prom["query"])
+        assert names == {"jetserve_queue_depth", "jetserve_gateway_fair_waiting"}, name
+        for metric in names:
+            assert "cls" in KNOWN_SERIES[metric], f"{metric} has no cls label"
+        assert prom["threshold"] == meta["lagThreshold"], name
+        assert prom["activationThreshold"] == meta["activationLagThreshold"], name
+        assert prom["serverAddress"].startswith("http"), name
 
         # It scales a Deployment defined here, whose worker serves exactly that class.
         ref = spec["scaleTargetRef"]
@@ -938,9 +964,9 @@ def test_dashboard_desired_workers_use_the_scaled_objects(dashboard: dict[str, A
     scaled = _of_kind("ScaledObject")
     assert len(exprs) == len(scaled)
     for so in scaled.values():
-        meta = so["spec"]["triggers"][0]["metadata"]
+        meta = _trigger(so, "nats-jetstream")["metadata"]
         cls = meta["consumer"].removeprefix("workers-")
-        lag = f'max(jetserve_queue_depth{{cls="{cls}"}})'
+        lag = f"({keda_lag_query(cls)})"
         low, high = so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]
         # With activationLagThreshold 0, KEDA's 0 <-> 1 step is the clamp at `low`.
         assert meta["activationLagThreshold"] == "0"
@@ -974,7 +1000,7 @@ def test_worker_metric_list_is_current() -> None:
 
 
 def _policy(so: dict[str, Any], max_inflight: int, current: int | None = None) -> Policy:
-    meta = so["spec"]["triggers"][0]["metadata"]
+    meta = _trigger(so, "nats-jetstream")["metadata"]
     return Policy(
         max_inflight=max_inflight,
         lag_threshold=int(meta["lagThreshold"]),

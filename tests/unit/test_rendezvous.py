@@ -85,5 +85,5 @@ def test_a_dead_owners_lanes_go_mostly_to_their_backups() -> None:
 def test_degenerate_inputs() -> None:
     assert assign([], 8).orders == tuple(() for _ in range(8))
     assert assign(["only"], 4).orders == (("only",),) * 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="load_factor"):
         assign(fleet(3), 8, load_factor=0.5)
