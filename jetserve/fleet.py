@@ -131,6 +131,7 @@ class Fleet:
         self.redis: Service | None = None
         self.sim: Proc | None = None
         self.worker_sims: list[Proc | None] = []  # engine_per_worker: each worker's own
+        self.extra_sims: list[Proc] = []  # engines started apart (start_engine)
         self.worker_sim_ports: list[int] = []
         self.gateways: list[Proc] = []
         self.gateway_ports: list[int] = []
@@ -349,6 +350,13 @@ class Fleet:
             wait_port(port, 20.0, sim.proc)
         return sim
 
+    def start_engine(self, *sim_args: str) -> str:
+        """One more simulator of the fleet's profile and model; its base URL."""
+        port = free_port()
+        n = len(self.extra_sims)
+        self.extra_sims.append(self._spawn_sim(f"engine{n}", port, sim_args))
+        return f"http://127.0.0.1:{port}"
+
     def start_gateway(self, wait: bool = True) -> Proc:
         n = len(self.gateways)
         shared = self.spec.gateways_share_port
@@ -519,7 +527,8 @@ class Fleet:
         # engines, then the stores and the bus; each tier at once (every one of
         # them drains on its own, so a tier takes its slowest, not their sum).
         stop_together([*self.agents, *self.workers], 10.0)
-        stop_together([p for p in (*self.gateways, self.sim, *self.worker_sims) if p], 10.0)
+        engines = (self.sim, *self.worker_sims, *self.extra_sims)
+        stop_together([p for p in (*self.gateways, *engines) if p], 10.0)
         stop_together([s for s in (self.redis, *self.nats_nodes) if s is not None], 5.0)
 
     def __enter__(self) -> Fleet:

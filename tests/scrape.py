@@ -4,7 +4,11 @@ from each process's own metrics port."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import httpx
 
@@ -31,3 +35,19 @@ async def fleet_sum(urls: Iterable[str], name: str, **labels: str) -> float:
                 continue
             total += metric_sum(text, name, **labels)
     return total
+
+
+def promtool() -> str:
+    """promtool, on PATH or where `make test-setup` puts it: beside this venv's python."""
+    beside = Path(sys.executable).parent / "promtool"
+    found = shutil.which("promtool") or (str(beside) if beside.exists() else None)
+    assert found, "promtool missing: run `make test-setup` (extracts it into .venv/bin)"
+    return found
+
+
+def promtool_check(text: str) -> None:
+    """``promtool check metrics`` on an exposition: it must pass."""
+    out = subprocess.run(
+        [promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 from typing import TYPE_CHECKING
@@ -21,6 +22,9 @@ from jetserve.commands.common import (
 if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
     from streams.routes import Deployment
+    from workers.inference.worker import WorkerConfig
+
+DEFAULT_ENGINE = "http://127.0.0.1:8100"
 
 
 def register(sub: Subparsers) -> None:
@@ -29,7 +33,16 @@ def register(sub: Subparsers) -> None:
     )
     w.add_argument("--nats", default=DEFAULT_NATS)
     add_bus_args(w)
-    w.add_argument("--engine", default="http://127.0.0.1:8100", help="OpenAI-compatible base URL")
+    w.add_argument(
+        "--engine",
+        dest="engines",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="OpenAI-compatible base URL (default http://127.0.0.1:8100); repeat it to drive "
+        "several engines from one process: each is a replica of its own (worker id "
+        "<id>-<n>, admission, lanes; its metrics labelled replica=<id>-<n>)",
+    )
     w.add_argument("--engine-api-key", default=None)
     w.add_argument(
         "--engine-dialect",
@@ -91,16 +104,65 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import uuid
+
+    from streams.tasks import install_task_dump
+    from workers.engines.factory import make_adapter
+    from workers.inference.worker import Worker
+    from workers.probe import probe_server
+    from workers.replicas import all_ready, replica_registry
+
+    engines = args.engines or [DEFAULT_ENGINE]
+    base_id = args.worker_id or f"w-{uuid.uuid4().hex[:8]}"
+    model = args.deployment_name  # names the model in Triton's URL
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack:
+        workers = []
+        for n, url in enumerate(engines):
+            # One replica per engine: its own id (lane ownership), admission and metrics.
+            worker_id = base_id if len(engines) == 1 else f"{base_id}-{n}"
+            cfg = dataclasses.replace(await worker_config(args, url), worker_id=worker_id)
+            engine = await stack.enter_async_context(
+                make_adapter(args.dialect, url, args.engine_api_key, model)
+            )
+            workers.append(Worker(cfg, engine))
+        http = None
+        if args.metrics_port is not None:
+            if len(workers) == 1:
+                http = workers[0].probe(args.metrics_host, args.metrics_port)
+            else:
+                replicas = [(w.cfg.worker_id, w.metrics.registry) for w in workers]
+                registry = replica_registry(replicas)
+                ready = all_ready([w.checks for w in workers])
+                http = probe_server(registry, ready, args.metrics_host, args.metrics_port)
+        async with asyncio.TaskGroup() as tg:
+            if http is not None:
+                tg.create_task(http.serve())
+
+            def stop() -> None:
+                for worker in workers:
+                    tg.create_task(worker.shutdown())
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop)
+            install_task_dump(logging.getLogger("jetserve.worker"))
+            async with asyncio.TaskGroup() as serving:
+                for worker in workers:
+                    serving.create_task(worker.run())
+            if http is not None:
+                http.should_exit = True
+    return 0
+
+
+async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConfig:
     from streams.auth import Role
     from streams.definitions import Topology
     from streams.subjects import RequestClass
-    from streams.tasks import install_task_dump
-    from workers.engines.factory import make_adapter
     from workers.inference.admission import AdmissionConfig
-    from workers.inference.worker import Worker, WorkerConfig
+    from workers.inference.worker import WorkerConfig
 
-    kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
-    cfg = WorkerConfig(
+    return WorkerConfig(
         nats_url=args.nats,
         nats_auth=bus_auth(args, Role.WORKER),
         classes=tuple(RequestClass(c) for c in split_csv(args.classes)),
@@ -118,32 +180,11 @@ async def _run(args: argparse.Namespace) -> int:
         topology=Topology(replicas=args.replicas),
         lane_depth=args.lane_depth,
         lane_load_factor=args.lane_load_factor,
-        deployment=await deployment(args),
-        **kwargs,
+        deployment=await deployment(args, engine_url),
     )
-    model = args.deployment_name  # names the model in Triton's URL
-    async with make_adapter(args.dialect, args.engine, args.engine_api_key, model) as engine:
-        worker = Worker(cfg, engine)
-        loop = asyncio.get_running_loop()
-        http = None
-        if args.metrics_port is not None:
-            http = worker.probe(args.metrics_host, args.metrics_port)
-        async with asyncio.TaskGroup() as tg:
-            http_task = tg.create_task(http.serve()) if http is not None else None
-
-            def stop() -> None:
-                tg.create_task(worker.shutdown())
-
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop)
-            install_task_dump(logging.getLogger("jetserve.worker"))
-            await worker.run()
-            if http is not None and http_task is not None:
-                http.should_exit = True
-    return 0
 
 
-async def deployment(args: argparse.Namespace) -> Deployment | None:
+async def deployment(args: argparse.Namespace, engine_url: str) -> Deployment | None:
     """The route deployment a worker declares. Unset flags come from the engine:
     name and model = the model it serves, engine = its ``owned_by``; None when the
     engine can't say (then the worker serves only requests whose route lists no
@@ -156,7 +197,7 @@ async def deployment(args: argparse.Namespace) -> Deployment | None:
     if not (name and engine):
         try:
             async with httpx.AsyncClient(timeout=2.0) as client:
-                r = await client.get(f"{args.engine.rstrip('/')}/v1/models")
+                r = await client.get(f"{engine_url.rstrip('/')}/v1/models")
                 r.raise_for_status()
                 first = r.json()["data"][0]
             model = model or str(first["id"])

@@ -78,7 +78,6 @@ async def test_members_forget_the_killed_and_the_departed(nats_server: Service) 
             await nc.close()
 
 
-
 def _sees(member: Member, ids: tuple[str, ...]) -> asyncio.Future[bool]:
     fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
     fut.set_result(member.m.members == ids)

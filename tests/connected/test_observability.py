@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.scrape import promtool_check
 
 pytestmark = pytest.mark.connected
 
@@ -67,19 +63,11 @@ def test_worker_metrics_and_readiness(fleet: Fleet) -> None:
 
 
 def test_metrics_pass_promtool(fleet: Fleet) -> None:
-    # On PATH, or where `make test-setup` puts it: beside this venv's python.
-    beside = Path(sys.executable).parent / "promtool"
-    promtool = shutil.which("promtool") or (str(beside) if beside.exists() else None)
-    assert promtool, "promtool missing: run `make test-setup` (extracts it into .venv/bin)"
     sources = [fleet.gateway_metrics_urls[0]] + [
         f"http://127.0.0.1:{p}/metrics" for p in fleet.worker_metrics_ports
     ]
     for url in sources:
-        text = httpx.get(url).text
-        out = subprocess.run(
-            [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
-        )
-        assert out.returncode == 0, f"{url}: {out.stdout}{out.stderr}"
+        promtool_check(httpx.get(url).text)
 
 
 def test_gateway_metrics_cover_the_stages_with_low_cardinality(fleet: Fleet) -> None:

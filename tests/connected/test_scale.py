@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from streams.connect import BusAuth, connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, request_subject
+from tests.scrape import promtool
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -226,13 +226,6 @@ async def test_jetstream_api_and_monitoring_endpoint_agree(
     assert stamps[1] > stamps[0]
 
 
-def _promtool() -> str:
-    beside = Path(sys.executable).parent / "promtool"
-    found = shutil.which("promtool") or (str(beside) if beside.exists() else None)
-    assert found, "promtool missing: run `make test-setup` (extracts it into .venv/bin)"
-    return found
-
-
 def _keda_queries() -> dict[str, str]:
     """Each class's Prometheus query, as deploy/keda.yaml's ScaledObjects hold it."""
     docs = yaml.safe_load_all((Path(__file__).parents[2] / "deploy" / "keda.yaml").read_text())
@@ -329,7 +322,7 @@ async def test_keda_queries_read_the_whole_lag_a_gateway_exports(
         )
         out = await asyncio.to_thread(
             subprocess.run,
-            [_promtool(), "test", "rules", str(spec)],
+            [promtool(), "test", "rules", str(spec)],
             capture_output=True,
             text=True,
             timeout=30,

@@ -254,11 +254,10 @@ class Worker:
 
     def probe(self, host: str, port: int) -> ProbeServer:
         """/metrics, /healthz and /readyz (NATS connected, engine healthy)."""
+        return probe_server(self.metrics.registry, self.checks, host, port)
 
-        def checks() -> dict[str, bool]:
-            return {"nats": self.connected, "engine": self.engine_up}
-
-        return probe_server(self.metrics.registry, checks, host, port)
+    def checks(self) -> dict[str, bool]:
+        return {"nats": self.connected, "engine": self.engine_up}
 
     async def _poll_engine(self) -> None:
         while True:
