@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Send
 
 from sim import outbound as out
+from sim.clock import Clock
 from sim.completions import new_job, start
 from sim.config import SimConfig
 from sim.dialects import dialect_routes
@@ -300,8 +301,9 @@ ROUTES: tuple[BaseRoute, ...] = (
 )
 
 
-def create_app(cfg: SimConfig) -> Starlette:
-    sim = Simulator(cfg)
+def create_app(cfg: SimConfig, clock: Clock | None = None) -> Starlette:
+    """The simulator's app; `clock`: the engine's (default: the event loop's)."""
+    sim = Simulator(cfg, clock)
     # TGI and Triton surfaces on the same engine.
     app = Starlette(routes=[*ROUTES, *dialect_routes(sim)])
     app.state.sim = sim

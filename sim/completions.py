@@ -306,17 +306,18 @@ class _Choice:
 async def _tokens(
     sim: Simulator, seq: Sequence, job: Job, choices: list[_Choice]
 ) -> AsyncIterator[tuple[int, _Choice, Event]]:
-    """Every choice's tokens through the engine, a step of each in turn (as a
-    batch of ``n`` sequences steps together)."""
+    """Every choice's tokens through the engine: token ``i`` of every live choice
+    comes out of one step, as vLLM's ``n`` sequences decode side by side."""
     drop_at = _drop_at(job)
     for i in range(max(c.num for c in choices)):
         if drop_at is not None and i == drop_at:
             raise Dropped
-        for choice in choices:
-            if choice.live(i):
-                ev = choice.events[i]
-                await sim.engine.next_token(seq, event_token(sim, ev))
-                yield i, choice, ev
+        live = [c for c in choices if c.live(i)]
+        if not live:
+            break
+        await sim.engine.next_tokens(seq, [event_token(sim, c.events[i]) for c in live])
+        for choice in live:
+            yield i, choice, choice.events[i]
 
 
 async def _stream(sim: Simulator, seq: Sequence, job: Job, send: Send) -> None:

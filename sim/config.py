@@ -18,6 +18,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # same text) but fault independently.
     fault_seed: int | None = None
     max_num_seqs: int | None = None  # None: the profile's value
+    max_num_batched_tokens: int | None = None  # a step's token budget (chunked prefill)
     num_gpu_blocks: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
@@ -31,6 +32,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"unknown profile {self.profile!r}; known: {sorted(PROFILES)}")
         for name, value in (
             ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
             ("num_gpu_blocks", self.num_gpu_blocks),
             ("max_model_len", self.max_model_len),
             ("block_size", self.block_size),
@@ -52,6 +54,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def eff_max_num_seqs(self) -> int:
         return self.max_num_seqs or self.base_profile.max_num_seqs
+
+    @property
+    def eff_max_num_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or self.base_profile.max_num_batched_tokens
 
     @property
     def eff_num_gpu_blocks(self) -> int:

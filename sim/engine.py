@@ -1,71 +1,39 @@
-"""Continuous-batching scheduler with a latency model, like vLLM's engine core.
+"""The engine core: one loop task running one scheduling step at a time, like vLLM's.
 
-Each request's tokens are produced in the task that serves it (`next_token`), so a
-cancelled task (client gone) stops generating at once. The engine decides *when* each
-token may appear: admission (at most max_num_seqs running, FIFO waiting queue, KV blocks
-for the prompt), prefill time for uncached prompt tokens, then an inter-token latency
-that grows with the number of running sequences. A running sequence that needs a new
-KV block when none is free preempts the most recently admitted one (recompute, as vLLM
-does), which goes back to the front of the waiting queue.
+A request's serving task calls `add()`, then `next_tokens()` for each round of tokens
+(one per live choice) and waits; `finish()`, `abort()` or `fail()` take it out. The loop
+task asks the scheduler for a step (decodes plus chunked prefills under the token
+budget, sim/scheduler.py), sleeps the step's time from the profile's latency model
+(sim/profiles.py), then emits: every sequence whose step reached the end of its tokens
+gets its tokens and its waiting task is woken (one future per round). Concurrent
+prompts therefore share the step budget, and decodes wait behind the prefill chunks
+scheduled with them. With no sequence the loop task ends; with sequences that cannot
+run (a stalled stream, a busy client) it waits on an event, or on a timer for a fault
+that holds a sequence back: it never polls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import heapq
 import itertools
+import logging
 import random
 import time
 from collections import deque
-from enum import StrEnum
 
+from sim.clock import Clock, RealClock
 from sim.faults import Fault, FaultKind
-from sim.kv import BlockManager, chain_hashes
+from sim.kv import BlockManager
 from sim.metrics import SimMetrics
 from sim.profiles import Profile
 from sim.records import Counters, RequestLog, RequestRecord
+from sim.scheduler import Batch, Scheduler
+from sim.sequence import DONE, SeqStatus, Sequence
 
+__all__ = ["Engine", "SeqStatus", "Sequence"]
 
-class SeqStatus(StrEnum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-
-_DONE = (SeqStatus.FINISHED, SeqStatus.ABORTED, SeqStatus.FAILED)
-
-
-class Sequence:
-    def __init__(self, record: RequestRecord, prompt_ids: list[int], rng: random.Random) -> None:
-        self.record = record
-        self.token_ids = list(prompt_ids)  # prompt, then every generated token
-        self.num_prompt = len(prompt_ids)
-        self.status = SeqStatus.WAITING
-        self.blocks: list[int] = []
-        self.hashes: list[int] = []  # chained hashes of the full blocks of token_ids
-        self.generated = 0
-        self.admit_order = 0
-        self.rng = rng
-        self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.arrived = asyncio.get_running_loop().time()
-        self.last_token = 0.0
-        self.prefill_s = 0.0  # prefill (or recompute) time, set at each admission
-        self.needs_prefill = False
-        self.queued = True  # first admission not yet done
-        # Fault effects on timing.
-        self.first_token_delay = 0.0
-        self.itl_override: float | None = None
-        self.stall_after_first = False
-
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    def is_running(self) -> bool:
-        # A method, not an attribute test: preemption changes status across awaits.
-        return self.status is SeqStatus.RUNNING
+log = logging.getLogger("sim.engine")
 
 
 class Engine:
@@ -78,27 +46,44 @@ class Engine:
         records: RequestLog,
         stats: Counters,
         seed: int,
+        max_num_batched_tokens: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.profile = profile
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens or profile.max_num_batched_tokens
         self.kv = kv
         self.metrics = metrics
         self.records = records
         self.stats = stats
-        self.seed = seed
-        self.waiting: deque[Sequence] = deque()
-        self.running: set[Sequence] = set()
-        self._order = itertools.count(1)
+        self.clock: Clock = clock or RealClock()
+        self.sched = Scheduler(kv, max_num_seqs, self.max_num_batched_tokens)
+        self.steps = 0  # scheduling steps run
+        self._rng = random.Random(seed * 1_000_003 + 17)  # step jitter
+        self._wake = asyncio.Event()
+        self._timers: list[tuple[float, int, Sequence]] = []  # (due, order, sequence)
+        self._tick = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.sched.waiting
+
+    @property
+    def running(self) -> dict[Sequence, None]:
+        return self.sched.running
 
     # -- lifecycle -------------------------------------------------------------------
 
     def add(self, record: RequestRecord, prompt_ids: list[int], fault: Fault | None) -> Sequence:
-        """Queue a request. Call from the task that will then call next_token()."""
-        n = next(self._order)
-        seq = Sequence(record, prompt_ids, random.Random(self.seed * 1_000_003 + n))
+        """Queue a request. Call from the task that will then call next_tokens()."""
+        now = self.clock.now()
+        seq = Sequence(record, prompt_ids, now)
         if fault is not None:
             if fault.kind is FaultKind.STALL and fault.arg is not None:
                 seq.first_token_delay = fault.arg / 1000.0
+                seq.not_before = now + seq.first_token_delay
+                self._defer(seq)
             elif fault.kind is FaultKind.STALL:
                 seq.stall_after_first = True
             elif fault.kind is FaultKind.SLOW and fault.arg is not None:
@@ -109,8 +94,8 @@ class Engine:
         self.stats.started += 1
         self.stats.prompt_tokens += len(prompt_ids)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        self.waiting.append(seq)
-        self._schedule()
+        self.sched.waiting.append(seq)
+        self._kick()
         return seq
 
     def fits(self, num_tokens: int) -> bool:
@@ -118,30 +103,25 @@ class Engine:
         return self.kv.blocks_for(num_tokens) <= self.kv.num_blocks
 
     async def next_token(self, seq: Sequence, token_id: int) -> None:
-        """Wait until `seq` produces its next token (whose id is `token_id`), then count it."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if seq.status is SeqStatus.WAITING:
-                await seq.admitted
-                continue
-            if seq.status is not SeqStatus.RUNNING:
-                raise RuntimeError(f"sequence {seq.id} is {seq.status}")
-            if seq.needs_prefill:
-                delay = seq.prefill_s + (seq.first_token_delay if seq.generated == 0 else 0.0)
-                await _sleep(delay)
-                if seq.is_running():
-                    seq.needs_prefill = False
-                    break  # the prefill (or recompute) step emits a token
-                continue  # preempted during prefill
-            if seq.stall_after_first:
-                await loop.create_future()  # hang until the client goes away (cancel)
-            itl = seq.itl_override
-            if itl is None:
-                itl = self.profile.itl(len(self.running), self.max_num_seqs, seq.rng)
-            await _sleep(seq.last_token + itl - loop.time())
-            if seq.is_running() and self._grow(seq):
-                break
-        self._emit(seq, token_id, loop.time())
+        """Wait until `seq` produces its next token (whose id is `token_id`)."""
+        await self.next_tokens(seq, [token_id])
+
+    async def next_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Wait for the step that produces `seq`'s next round: one token per live choice
+        (their ids are `token_ids`), emitted together as vLLM's n sequences are."""
+        if seq.status not in (SeqStatus.WAITING, SeqStatus.RUNNING):
+            raise RuntimeError(f"sequence {seq.id} is {seq.status}")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        seq.pending = token_ids
+        seq.future = fut
+        if seq.not_before > self.clock.now():
+            self._defer(seq)
+        elif seq.status is SeqStatus.RUNNING and not seq.parked:
+            self.sched.ready[seq] = None
+            self._wake.set()
+        else:
+            self._wake.set()  # a waiting one is picked up by the admission scan
+        await fut
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self._release(seq, SeqStatus.FINISHED, reason)
@@ -152,98 +132,112 @@ class Engine:
     def fail(self, seq: Sequence, reason: str = "error") -> None:
         self._release(seq, SeqStatus.FAILED, reason)
 
-    # -- internals -------------------------------------------------------------------
+    # -- the loop --------------------------------------------------------------------
 
-    def _emit(self, seq: Sequence, token_id: int, now: float) -> None:
-        seq.generated += 1
-        seq.token_ids.append(token_id)
+    def _kick(self) -> None:
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def _run(self) -> None:
+        clock, sched = self.clock, self.sched
+        try:
+            while sched.has_work():
+                self._release_due(clock.now())
+                batch = sched.schedule(clock.now())
+                self._count_preemptions()
+                if not batch:
+                    self._wake.clear()
+                    await clock.wait(self._wake, self._timers[0][0] if self._timers else None)
+                    continue
+                self._admitted(batch, clock.now())
+                dt = self.profile.step_time(
+                    batch.tokens, batch.rows, batch.context_tokens, self._rng
+                )
+                self.steps += 1
+                await clock.sleep(dt)  # the forward pass; yields even when dt is 0
+                self._emit(batch, clock.now())
+                await asyncio.sleep(0)  # woken clients ask for their next round first
+        except Exception as e:  # pragma: no cover - a bug: fail every waiting client
+            log.exception("engine loop failed")
+            for seq in (*sched.running, *sched.waiting):
+                if seq.future is not None and not seq.future.done():
+                    seq.future.set_exception(e)
+        finally:
+            self._task = None
+
+    def _emit(self, batch: Batch, now: float) -> None:
+        ready = self.sched.ready
+        for seq, n in batch.items:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted during the step: nothing to emit, its blocks are free
+            seq.num_computed += n
+            if seq.num_computed < len(seq.token_ids):
+                ready[seq] = None  # a chunk of its prefill: the next one in a later step
+                continue
+            ids = seq.pending or []
+            seq.pending = None
+            seq.token_ids.extend(ids)
+            self._count(seq, len(ids), now)
+            fut, seq.future = seq.future, None
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def _count(self, seq: Sequence, k: int, now: float) -> None:
+        seq.generated += k
         rec = seq.record
         rec.generated_tokens = seq.generated
-        if seq.generated == 1:
+        seq.rounds += 1
+        if seq.first_at is None:
+            seq.first_at = now
             rec.first_token_at = time.time()
+            rec.ttft_s = now - seq.arrived
             self.metrics.ttft.observe(now - seq.arrived)
+            if seq.stall_after_first:
+                seq.parked = True
         else:
+            rec.tpot_s = (now - seq.first_at) / (seq.rounds - 1)
             self.metrics.itl.observe(now - seq.last_token)
         seq.last_token = now
-        self.stats.generated_tokens += 1
-        self.metrics.generation_tokens.inc()
+        if seq.itl_override is not None:
+            seq.not_before = now + seq.itl_override
+        self.stats.generated_tokens += k
+        self.metrics.generation_tokens.inc(k)
 
-    def _schedule(self) -> None:
-        """Admit waiting sequences in FIFO order while slots and KV blocks allow."""
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._allocate(seq):
-                break  # head-of-line blocking, as vLLM's FCFS policy does
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            seq.record.status = SeqStatus.RUNNING
-            seq.admit_order = next(self._order)
-            self.running.add(seq)
-            if not seq.admitted.done():
-                seq.admitted.set_result(None)
-
-    def _allocate(self, seq: Sequence) -> bool:
-        bs = self.kv.block_size
-        n = len(seq.token_ids)
-        chain_hashes(seq.token_ids, bs, seq.hashes)
-        # Never a full-prompt hit: at least the last token is computed.
-        got = self.kv.allocate(seq.hashes, self.kv.blocks_for(n), (n - 1) // bs)
-        if got is None:
-            return False
-        seq.blocks, hit_blocks = got
-        cached = hit_blocks * bs
-        seq.prefill_s = self.profile.prefill(n - cached)
-        seq.needs_prefill = True
-        if seq.queued:
+    def _admitted(self, batch: Batch, now: float) -> None:
+        for seq, cached in batch.admitted:
+            if not seq.queued:
+                continue  # re-admitted after a preemption: counted once, like vLLM's
             seq.queued = False
             seq.record.cached_tokens = cached
             self.stats.cached_tokens += cached
-            self.metrics.prefix_queries.inc(n)
+            self.metrics.prefix_queries.inc(seq.num_prompt)
             self.metrics.prefix_hits.inc(cached)
-            self.metrics.queue_time.observe(asyncio.get_running_loop().time() - seq.arrived)
-        return True
+            self.metrics.queue_time.observe(now - seq.arrived)
 
-    def _grow(self, seq: Sequence) -> bool:
-        """KV slots for this decode step; False if `seq` itself was preempted."""
-        bs = self.kv.block_size
-        n = len(seq.token_ids)  # this step computes KV for every token so far
-        while len(seq.blocks) < self.kv.blocks_for(n):
-            block = self.kv.append()
-            if block is not None:
-                seq.blocks.append(block)
-                continue
-            victim = max(self.running, key=lambda s: s.admit_order)
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        if n % bs == 0:
-            chain_hashes(seq.token_ids, bs, seq.hashes)
-            self.kv.register(seq.blocks[n // bs - 1], seq.hashes[n // bs - 1])
-        return True
+    def _count_preemptions(self) -> None:
+        for seq in self.sched.preempted:
+            seq.record.preemptions += 1
+            self.stats.preemptions += 1
+            self.metrics.preemptions.inc()
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.discard(seq)
-        self.kv.free(seq.blocks)
-        seq.blocks = []
-        seq.status = SeqStatus.WAITING
-        seq.record.status = SeqStatus.WAITING
-        seq.record.preemptions += 1
-        seq.admitted = asyncio.get_running_loop().create_future()
-        self.waiting.appendleft(seq)
-        self.stats.preemptions += 1
-        self.metrics.preemptions.inc()
+    def _defer(self, seq: Sequence) -> None:
+        heapq.heappush(self._timers, (seq.not_before, next(self._tick), seq))
+        self._wake.set()  # the loop recomputes its deadline
+
+    def _release_due(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, seq = heapq.heappop(timers)
+            if seq.status is SeqStatus.RUNNING and seq.ready(now):
+                self.sched.ready[seq] = None
 
     def _release(self, seq: Sequence, status: SeqStatus, reason: str) -> None:
-        if seq.status in _DONE:
+        if seq.status in DONE:
             return
-        if seq.status is SeqStatus.RUNNING:
-            self.running.discard(seq)
-            self.kv.free(seq.blocks)
-            seq.blocks = []
-        else:
-            with contextlib.suppress(ValueError):
-                self.waiting.remove(seq)
+        self.sched.remove(seq)
         seq.status = status
+        seq.pending = None
         rec = seq.record
         rec.status = status
         rec.finish_reason = reason
@@ -260,10 +254,5 @@ class Engine:
             self.stats.finished += 1
         # vLLM counts aborts under request_success{finished_reason="abort"} too.
         self.metrics.success(reason)
-        self.metrics.e2e.observe(asyncio.get_running_loop().time() - seq.arrived)
-        self._schedule()
-
-
-async def _sleep(delay: float) -> None:
-    # sleep(0) still yields, so a zero-latency profile interleaves all streams.
-    await asyncio.sleep(delay if delay > 0.0 else 0)
+        self.metrics.e2e.observe(self.clock.now() - seq.arrived)
+        self._wake.set()  # slots and blocks were freed: waiting ones may fit now

@@ -58,12 +58,22 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_prefix(self, full_hashes: Sequence[int], max_blocks: int) -> int:
+        """How many leading blocks of `full_hashes` are cached (at most `max_blocks`)."""
+        n = 0
+        for h in full_hashes[:max_blocks]:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
     def allocate(
         self, full_hashes: Sequence[int], num_blocks: int, max_cached_blocks: int
     ) -> tuple[list[int], int] | None:
-        """Blocks for a sequence of `num_blocks` blocks whose leading full blocks have
-        `full_hashes`. Reuses the longest cached prefix (at most `max_cached_blocks`).
-        Returns (block ids, number of cached blocks reused), or None if it does not fit.
+        """Blocks for the first `num_blocks` blocks of a sequence whose leading full
+        blocks have `full_hashes` (those being computed now: they become cacheable).
+        Reuses the longest cached prefix (at most `max_cached_blocks`). Returns (block
+        ids, number of cached blocks reused), or None if it does not fit.
         """
         hits: list[int] = []
         for h in full_hashes[:max_cached_blocks]:

@@ -24,6 +24,10 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     fault: str | None = None
     preemptions: int = 0
+    # The engine's own clock (virtual in tests): arrival to first token, and the mean
+    # time between the rounds of tokens after it (one round: a token of each choice).
+    ttft_s: float | None = None
+    tpot_s: float | None = None
     traceparent: str | None = None  # as received: shows the trace crossed the gateway
 
 
@@ -58,6 +62,10 @@ class Counters(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    # The engine's own clock (virtual in tests): arrival to first token, and the mean
+    # time between the rounds of tokens after it (one round: a token of each choice).
+    ttft_s: float | None = None
+    tpot_s: float | None = None
     embeddings: int = 0
     faults: dict[str, int] = msgspec.field(default_factory=dict)
     scripted: int = 0

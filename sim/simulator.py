@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from sim.clock import Clock
 from sim.config import SimConfig
 from sim.engine import Engine
 from sim.faults import Fault, FaultPicker
@@ -21,7 +22,7 @@ from sim.tokenizer import VOCAB_SIZE, Tokenizer
 
 
 class Simulator:
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.model
         self.served_models = (cfg.model, *cfg.aliases)
@@ -56,6 +57,8 @@ class Simulator:
             self.records,
             self.stats,
             cfg.seed,
+            cfg.eff_max_num_batched_tokens,
+            clock,
         )
         fault_seed = cfg.seed if cfg.fault_seed is None else cfg.fault_seed
         self.faults = FaultPicker(cfg.fault_rates, fault_seed)
@@ -140,7 +143,11 @@ class Simulator:
             records=len(self.records),
             script_rules=len(self.scripts),
             profile=self.profile.name,
+            seed=self.cfg.seed,
+            fault_seed=self.cfg.seed if self.cfg.fault_seed is None else self.cfg.fault_seed,
             model=self.model,
             max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.engine.max_num_batched_tokens,
+            steps=self.engine.steps,
         )
         return msgspec.json.encode(view)

@@ -17,6 +17,7 @@ import uvicorn
 
 from sim.app import create_app
 from sim.cli import uvicorn_config
+from sim.clock import Clock
 from sim.config import SimConfig
 from sim.simulator import Simulator
 
@@ -51,8 +52,8 @@ class SimHandle:
 
 
 @asynccontextmanager
-async def serve(cfg: SimConfig) -> AsyncIterator[SimHandle]:
-    app = create_app(cfg)
+async def serve(cfg: SimConfig, clock: Clock | None = None) -> AsyncIterator[SimHandle]:
+    app = create_app(cfg, clock)
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets that say so,
     # and without it every response pays a 40 ms delayed-ACK stall.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -124,16 +124,27 @@ def test_stop_scanner_holds_back_partial_matches() -> None:
     assert plain.flush() == ""
 
 
-def test_itl_grows_with_load() -> None:
+def test_step_time_is_memory_bound_for_decodes_compute_bound_for_prefill() -> None:
     p = PROFILES["h100-8b"]
+    one = p.step_time(1, 1, 100)  # one decode, 100 tokens of context
+    eight = p.step_time(8, 8, 800)
+    # Published: ~7.4 ms at batch 1, ~7.7 ms a step at batch 8 (docs/simulator.md).
+    assert 0.0070 < one < 0.0078
+    assert 0.0074 < eight < 0.0080
+    # Decoding is about one read of the weights: 8x the batch is far from 8x the time.
+    assert eight < 1.1 * one
+    # The KV read grows with the context in the batch.
+    assert p.step_time(8, 8, 8 * 8000) > eight + 0.003
+    # A prefill chunk is compute-bound: its time grows with its tokens.
+    assert p.step_time(4096, 1, 4096) > 1.9 * p.step_time(2048, 1, 2048) - p.step_overhead_s
+    assert p.step_time(8192, 1, 8192) == pytest.approx(0.25, rel=0.1)  # ~34k tokens/s
     rng = random.Random(0)
-    light = sum(p.itl(1, 16, rng) for _ in range(200)) / 200
-    heavy = sum(p.itl(16, 16, rng) for _ in range(200)) / 200
-    assert 0.011 < light < 0.013
-    assert heavy > 1.5 * light
-    assert PROFILES["fast"].itl(64, 64, rng) == 0.0
-    assert PROFILES["fast"].prefill(1000) == 0.0
-    assert p.prefill(100) == pytest.approx(0.030 + 0.025)
+    jittered = [p.step_time(1, 1, 100, rng) for _ in range(200)]
+    assert min(jittered) >= one * (1 - p.step_jitter)
+    assert max(jittered) <= one * (1 + p.step_jitter)
+    assert PROFILES["fast"].step_time(8192, 64, 10**6, rng) == 0.0
+    assert PROFILES["fast"].zero_latency
+    assert not p.zero_latency
 
 
 def test_config_overrides_and_validation() -> None:
@@ -141,6 +152,10 @@ def test_config_overrides_and_validation() -> None:
     assert cfg.eff_max_num_seqs == 3
     assert cfg.eff_num_gpu_blocks == 8192
     assert SimConfig().eff_max_num_seqs == 16
+    assert SimConfig().eff_max_num_batched_tokens == 8192
+    assert SimConfig(max_num_batched_tokens=512).eff_max_num_batched_tokens == 512
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        SimConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="unknown profile 'nope'"):
         SimConfig(profile="nope")
     with pytest.raises(ValueError, match="must sum to <= 1"):
