@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from sim.app import create_app
 from sim.config import SimConfig
 from sim.profiles import PROFILES
+from sim.replicas import replica_configs, serve_replicas
 
 _DROP_LOG = "ASGI callable returned without completing response."
 
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault-seed", type=int, default=None, help="fault draws (default: --seed)")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="a step's token budget, decodes and prefill chunks (default: the profile's)",
+    )
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -104,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. 429=0.05, drop:3=0.01, slow:80=0.1 (repeatable)",
     )
     p.add_argument("--scripts", default=None, metavar="FILE", help="scripted response rules")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N independent engines in this process, on ports PORT..PORT+N-1; replica i "
+        "draws faults from (--fault-seed, else --seed) + i",
+    )
     return p
 
 
@@ -115,6 +130,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         seed=ns.seed,
         fault_seed=ns.fault_seed,
         max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
         num_gpu_blocks=ns.num_gpu_blocks,
         block_size=ns.block_size,
         max_model_len=ns.max_model_len,
@@ -129,10 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         cfg = config_from_args(ns)
-        app = create_app(cfg)
+        if ns.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {ns.replicas}")
+        apps = [create_app(c) for c in replica_configs(cfg, ns.replicas)]
     except (ValueError, OSError) as e:
         print(f"jetserve sim: {e}", file=sys.stderr)
         return 2
-    server = _Server(uvicorn_config(app, ns.host, ns.port))
+    if len(apps) > 1:
+        ports = [ns.port + i for i in range(len(apps))]
+        print(f"jetserve sim: {len(apps)} replicas on {ns.host} ports {ports[0]}..{ports[-1]}")
+        return serve_replicas(
+            [uvicorn_config(app, ns.host, port) for app, port in zip(apps, ports, strict=True)]
+        )
+    server = _Server(uvicorn_config(apps[0], ns.host, ns.port))
     server.run()  # returns on SIGINT/SIGTERM
     return 0 if server.started else 1

@@ -61,6 +61,10 @@ def test_cli_parses_and_rejects_bad_config() -> None:
     cfg = config_from_args(ns)
     assert cfg.fault_rates == {"429": 0.1, "drop:3": 0.05}
     assert cfg.eff_max_model_len == 1024
+    assert cfg.eff_max_num_batched_tokens == 2048  # vLLM's CPU default
+    ns = build_parser().parse_args(["--max-num-batched-tokens", "512"])
+    assert config_from_args(ns).eff_max_num_batched_tokens == 512
+    assert main(["--max-num-batched-tokens", "0"]) == 2
     assert main(["--fault-rate", "meteor=0.5"]) == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--fault-rate", "nonsense"])
