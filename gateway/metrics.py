@@ -107,6 +107,12 @@ class GatewayMetrics:
             ["cls", "outcome"],
             registry=r,
         )
+        self.pool_workers = Gauge(
+            "jetserve_gateway_pool_workers",
+            "Live workers per deployment pool, as this gateway sees the members",
+            ["deployment"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

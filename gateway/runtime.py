@@ -24,6 +24,7 @@ from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
 from gateway.inference.fair_gate import FairGate
 from gateway.inference.hedge_budget import SharedHedgeBudget
+from gateway.inference.pools import PoolView
 from gateway.inference.route_table import RouteTable
 from gateway.inference.service import InferenceService
 from gateway.inference.settlements import Settlements, keep_books
@@ -67,12 +68,19 @@ class Runtime:
         return {"nats": self.nc.is_connected, "redis": redis_ok}
 
     async def refresh_queue_depth(self) -> None:
-        """The queue-depth gauges, from the shedding watch's last look (no I/O
-        here: a scrape must not add JetStream API load)."""
+        """The queue-depth and pool gauges, from the shedding watch's last look
+        and the members view (no I/O here: a scrape must not add JetStream API load)."""
+        m = self.gateway.metrics
+        if self.gateway.pools is not None:
+            seen = self.gateway.pools.workers()
+            for family in m.pool_workers.collect():  # pools now gone: 0
+                for sample in family.samples:
+                    seen.setdefault(sample.labels["deployment"], 0)
+            for dep, n in seen.items():
+                m.pool_workers.labels(dep).set(n)
         watch = self.gateway.queue_watch
         if watch is None:
             return
-        m = self.gateway.metrics
         for cls, load in watch.loads.items():
             m.queue_depth.labels(cls).set(load.depth + load.ack_pending)
             m.consumer_pending.labels(cls).set(load.depth)
@@ -198,6 +206,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             queue_watch=queue_watch,
             fair_gate=fair_gate,
             fleet_coalescing=FleetCoalescing(rds),
+            pools=await _started(stack, PoolView(js, cfg.topology)),
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
         await _started(stack, NatsIngress(nc, gw))

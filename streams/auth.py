@@ -28,7 +28,7 @@ from streams.marks import CANCELS_BUCKET, FAILURES_BUCKET
 from streams.outbox import DEFAULT_OUTBOX, OutboxTopology
 from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology
 from streams.routes import ROUTES_BUCKET
-from streams.subjects import PREFIX, RequestClass, request_subject
+from streams.subjects import POOL_SPACE, PREFIX, RequestClass, request_subject
 
 # Buckets other packages own (their names are theirs; the bus only needs them here).
 MEMBERS_BUCKET = "jetserve_workers"  # workers/inference/affinity.py
@@ -162,6 +162,12 @@ def permissions(
                 *_marks(FAILURES_BUCKET, write=True),  # attempts that really failed
                 reply,  # frames, to whichever gateway or executor asked
                 f"{PREFIX}.dlq.req.>",  # a message it cannot read
+                f"{PREFIX}.dlq.pool.>",
+                # Its deployment's pool: create the pool's consumers (only
+                # consumers filtered on pool subjects), and hand a failed
+                # request to the next candidate's pool (streams/pools.py).
+                f"$JS.API.CONSUMER.CREATE.{topo.stream}.*.{POOL_SPACE}.>",
+                f"{POOL_SPACE}.>",
             ),
             subscribe=(inbox, f"{PREFIX}.cancel.>"),
         )
@@ -197,12 +203,14 @@ def permissions(
     publish += [s for name in owned for s in _consumers(name, manage=True)]
     publish += [*_kv(ROUTES_BUCKET, own=True), *_kv(agent.bucket, own=True)]
     publish += [*_kv(EFFECTS_BUCKET, own=False)]  # the admin API resolves ambiguous effects
+    publish += _kv(MEMBERS_BUCKET, own=False)  # which deployment pools have live workers
     publish += _marks(CANCELS_BUCKET, write=True)  # a cancel's durable mark
     publish += ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
     publish.append(f"$JS.API.STREAM.MSG.DELETE.{topo.stream}")  # cancelled or dead-lettered
     publish.append(f"$JS.API.STREAM.MSG.DELETE.{outbox.stream}")  # a settlement applied
     publish += [
         f"{PREFIX}.req.>",
+        f"{POOL_SPACE}.>",
         f"{PREFIX}.cancel.>",
         f"{PREFIX}.resumed.>",
         f"{PREFIX}.ledger.>",

@@ -21,6 +21,7 @@ from nats.js.api import (
 from streams.routes import ROUTES_BUCKET, ROUTES_HISTORY
 from streams.subjects import (
     LANE_CLASSES,
+    POOL_SPACE,
     PREFIX,
     SHARE_CLASSES,
     RequestClass,
@@ -36,6 +37,7 @@ from streams.subjects import (
 PRIORITY_GROUP = "jetserve"
 # The work-queue stream's metadata key of a class's lane count.
 LANE_METADATA = "jetserve_lanes_"
+POOL_LANES_METADATA = "jetserve_pool_lanes"
 LEGACY_LANES = 16
 
 
@@ -62,6 +64,10 @@ class Limits:
     # dies on the request every time exhausts these (then the dead-letter queue).
     max_deliver: int = 20
     max_waiting: int = 512  # concurrent pull requests per consumer
+    # Consumers of the work-queue stream: 2 x 256 shared lanes, and 4 + 2 x 64
+    # per deployment pool. nats-server 2.15 caps a stream at 1000 unless the
+    # stream names a limit (and takes -1 as "its default"): ~60 pools fit here.
+    max_consumers: int = 8192
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,9 @@ class Topology:
     # few (workers/inference/affinity.py), so more lanes cost little per worker.
     lanes: int = 256
     class_lanes: tuple[tuple[RequestClass, int], ...] = ()
+    # Lanes per lane class in each deployment pool (streams/pools.py): a pool
+    # holds a few of the fleet's replicas, so fewer lanes spread them.
+    pool_lanes: int = 64
 
     @property
     def lane_classes(self) -> tuple[RequestClass, ...]:
@@ -104,7 +113,8 @@ class Topology:
     def lane_metadata(self) -> dict[str, str]:
         """The lane counts, as the stream records them: every gateway and worker
         reads them there (:meth:`with_stream_lanes`), so none can disagree."""
-        return {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
+        counts = {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
+        return {**counts, POOL_LANES_METADATA: str(self.pool_lanes)}
 
     def with_stream_lanes(self, metadata: dict[str, str] | None) -> Topology:
         """This topology with the lane counts the stream records (a stream
@@ -113,7 +123,8 @@ class Topology:
         counts = tuple(
             (c, int(found.get(f"{LANE_METADATA}{c.value}", LEGACY_LANES))) for c in LANE_CLASSES
         )
-        return replace(self, class_lanes=counts)
+        pool_lanes = int(found.get(POOL_LANES_METADATA, self.pool_lanes))
+        return replace(self, class_lanes=counts, pool_lanes=pool_lanes)
 
     @property
     def excess_classes(self) -> tuple[RequestClass, ...]:
@@ -127,7 +138,8 @@ class Topology:
             # fast (no responders) instead of being stored and never consumed.
             subjects=[request_subject(c) for c in self.classes]
             + [lane_wildcard(c) for c in self.lane_classes]
-            + [excess_subject(c) for c in self.excess_classes if c not in self.lane_classes],
+            + [excess_subject(c) for c in self.excess_classes if c not in self.lane_classes]
+            + [f"{POOL_SPACE}.>"],  # deployment pools (streams/pools.py)
             retention=RetentionPolicy.WORK_QUEUE,
             discard=DiscardPolicy.NEW,
             storage=StorageType.FILE,
@@ -136,6 +148,7 @@ class Topology:
             max_msg_size=lim.max_msg_size,
             max_age=lim.max_age_s,
             duplicate_window=lim.duplicate_window_s,
+            max_consumers=lim.max_consumers,
             num_replicas=self.replicas,
             metadata=self.lane_metadata(),
         )
@@ -188,11 +201,25 @@ class Topology:
         return f"workers-{RequestClass(cls).value}-l{lane:02d}"  # l00..l255
 
     def is_lane_consumer(self, name: str) -> bool:
-        for cls in self.lane_classes:
-            head = f"workers-{cls.value}-l"
-            if name.startswith(head) and name[len(head) :].isdigit():
-                return int(name[len(head) :]) < self.lanes_of(cls)
-        return False
+        """A lane consumer's name, shared (``workers-<class>-lNN``) or a pool's
+        (``pool-<token>-<class>-lNN``)."""
+        _, lane = self.consumer_class(name)
+        return lane
+
+    def consumer_class(self, name: str) -> tuple[str | None, bool]:
+        """(the class a work-queue consumer serves, whether it is a lane) by its
+        name; (None, False) for a name that is none of ours."""
+        head, _, tail = name.partition("-")
+        if head not in ("workers", "pool") or not tail:
+            return None, False
+        parts = tail.split("-")
+        lane = len(parts) > 1 and parts[-1][:1] == "l" and parts[-1][1:].isdigit()
+        if lane or (head == "workers" and parts[-1] == "excess"):
+            parts = parts[:-1]
+        cls = parts[-1]
+        if cls not in {c.value for c in self.classes} or (head == "workers" and len(parts) != 1):
+            return None, False
+        return cls, lane
 
     @property
     def lane_max_deliver(self) -> int:

@@ -1,7 +1,7 @@
 """Queue depth per request class, read once a look.
 
 A class's work sits on several consumers: its plain subject, its affinity lanes
-(hundreds of them) and its excess. One ``CONSUMER.LIST`` request returns the
+(hundreds of them), its excess and each deployment pool's. One ``CONSUMER.LIST`` request returns the
 numbers of up to 256 consumers, so a look at every class costs a request or
 three, not one ``consumer_info`` per lane."""
 
@@ -42,12 +42,12 @@ async def consumer_infos(js: JetStreamContext, stream: str) -> list[ConsumerInfo
 
 
 def class_depths(topo: Topology, infos: list[ConsumerInfo]) -> dict[str, ClassDepth]:
-    """Each class's numbers, summed over the consumers that serve it."""
-    owner = {name: cls.value for cls in topo.classes for name in topo.consumer_names(cls)}
+    """Each class's numbers, summed over the consumers that serve it: the shared
+    ones (plain, lanes, excess) and every deployment pool's (streams/pools.py)."""
     plain = {topo.consumer_name(cls): cls.value for cls in topo.classes}
     sums = {cls.value: [0, 0, 0, 0, False] for cls in topo.classes}
     for info in infos:
-        cls = owner.get(info.name)
+        cls, _ = topo.consumer_class(info.name)
         if cls is None:
             continue
         row = sums[cls]

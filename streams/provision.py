@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.depth import consumer_infos
 from streams.errors import ProvisioningError
+from streams.pools import pool_consumer_configs, pool_token
 from streams.subjects import LANE_CLASSES
 
 log = logging.getLogger(__name__)
@@ -118,21 +119,44 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
         for cls in topo.lane_classes
         for lane in range(topo.lanes_of(cls))
     ]
+    await _create_missing(js, topo.stream, wants, have)
+    return topo
+
+
+async def ensure_pool(js: JetStreamContext, topo: Topology, deployment: str) -> str:
+    """Create the consumers of ``deployment``'s pool that are missing or changed
+    (streams/pools.py); its pool token. ``topo`` as provisioned (pool lanes)."""
+    token = pool_token(deployment)
+    wants = pool_consumer_configs(topo, token)
+    have = {i.name: i for i in await consumer_infos(js, topo.stream)}
+    await _create_missing(js, topo.stream, wants, have)
+    return token
+
+
+async def _create_missing(
+    js: JetStreamContext,
+    stream: str,
+    wants: list[dict[str, Any]],
+    have: dict[str, ConsumerInfo],
+) -> None:
+    """Create those of ``wants`` that ``have`` lacks or holds otherwise, a few
+    requests at a time (hundreds of lanes)."""
     wants = [w for w in wants if not _current(have.get(w["durable_name"]), w)]
     gate = asyncio.Semaphore(CREATE_CONCURRENCY)
 
     async def create(want: dict[str, Any]) -> None:
         async with gate:
-            await ensure_raw_consumer(js, topo.stream, want)
+            await ensure_raw_consumer(js, stream, want)
 
     await asyncio.gather(*(create(w) for w in wants))
-    return topo
 
 
 async def ensure_raw_consumer(js: JetStreamContext, stream: str, config: dict[str, Any]) -> None:
     """Create-or-update a durable from a raw JSON config (fields nats-py lacks)."""
     name = config["durable_name"]
-    subject = f"{js._prefix}.CONSUMER.CREATE.{stream}.{name}"  # nats-py keeps the API prefix here
+    # The extended form names the filter too, so a role may be allowed to
+    # create only consumers of some subjects (workers: their pool's).
+    subject = f"{js._prefix}.CONSUMER.CREATE.{stream}.{name}.{config['filter_subject']}"
     payload = json.dumps({"stream_name": stream, "config": config}).encode()
     try:
         reply = await js._nc.request(subject, payload, timeout=5.0)

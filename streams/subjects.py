@@ -71,10 +71,32 @@ def excess_subject(cls: RequestClass | str) -> str:
     return f"{PREFIX}.req.{RequestClass(cls).value}.excess"
 
 
+# Deployment pools (streams/pools.py): a request whose route names candidate
+# deployments goes to ``jetserve.pool.<token>.<class>`` (or one of its lanes,
+# ``...<class>.lNN``), pulled only by workers that serve that deployment.
+POOL_SPACE = f"{PREFIX}.pool"
+
+
+def pool_subject(token: str, cls: RequestClass | str) -> str:
+    return f"{POOL_SPACE}.{token}.{RequestClass(cls).value}"
+
+
+def pool_lane_subject(token: str, cls: RequestClass | str, lane: int) -> str:
+    return f"{pool_subject(token, cls)}.l{lane:02d}"
+
+
 def class_of(subject: str) -> str:
-    """The request class of a work-queue subject (plain, lane or excess)."""
+    """The request class of a work-queue subject (plain, lane, excess or pool)."""
     parts = subject.split(".")
+    if subject.startswith(POOL_SPACE + ".") and len(parts) > 3:
+        return parts[3]
     return parts[2] if len(parts) > 2 else subject
+
+
+def pool_of(subject: str) -> str | None:
+    """The pool token of a pool subject; None for the shared class subjects."""
+    parts = subject.split(".")
+    return parts[2] if subject.startswith(POOL_SPACE + ".") and len(parts) > 3 else None
 
 
 def cancel_subject(request_id: str) -> str:

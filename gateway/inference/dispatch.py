@@ -52,6 +52,8 @@ from streams.inference.frames import MAX_BUFFERED_FRAMES, Event, FrameBuffer, Fr
 from streams.routes import HedgePolicy
 from streams.subjects import (
     frames_filter,
+    pool_of,
+    pool_subject,
     reply_subject,
     reply_wildcard,
     request_subject,
@@ -69,6 +71,13 @@ from streams.wire import (
 # How long a gateway waits for the frames capture to hand back tokens that core
 # NATS lost on their way here (a server died between worker and gateway).
 GAP_RECOVERY_S = 3.0
+
+
+def hedge_subject(subject: str | None, cls: str) -> str:
+    """Where a hedge goes: the plain subject of the pool the original went to
+    (a routed request stays with its candidates), else of its class."""
+    pool = pool_of(subject) if subject else None
+    return pool_subject(pool, cls) if pool else request_subject(cls)
 
 
 def publish_failure(exc: PublishError) -> GatewayError:
@@ -196,12 +205,15 @@ class Dispatcher:
             self.hedger.admit(req.cls, hedge)
             delay = self.hedger.delay(req.cls, hedge)
             if delay is not None:
-                stream.hedge_task = asyncio.create_task(self._hedge_after(stream, delay))
+                stream.hedge_task = asyncio.create_task(
+                    self._hedge_after(stream, delay, hedge_subject(subject, req.cls))
+                )
         return stream
 
-    async def _hedge_after(self, stream: FrameStream, delay: float) -> None:
-        """The second copy: to the plain class subject (any worker with room, so
-        most likely another replica), numbered apart so its frames are told apart."""
+    async def _hedge_after(self, stream: FrameStream, delay: float, subject: str) -> None:
+        """The second copy: to the plain class (or pool) subject (any worker with
+        room, so most likely another replica), numbered apart so its frames are
+        told apart."""
         await asyncio.sleep(delay)
         req = stream.req
         if stream.started or stream.done or time.time() >= req.deadline:
@@ -211,9 +223,7 @@ class Dispatcher:
             return
         copy = msgspec.structs.replace(req, attempt_base=HEDGE_ATTEMPT_BASE)
         try:
-            ack = await self.client.publish(
-                request_subject(req.cls), copy, msg_id=f"{req.id}.hedge"
-            )
+            ack = await self.client.publish(subject, copy, msg_id=f"{req.id}.hedge")
         except PublishError:
             self.on_hedge(req.cls, "failed")
             return  # the original still runs: a hedge is an extra, never a must

@@ -21,7 +21,13 @@ from typing import Any
 
 from streams.definitions import Topology
 from streams.routes import RoutingPolicy
-from streams.subjects import excess_subject, lane_subject, request_subject
+from streams.subjects import (
+    excess_subject,
+    lane_subject,
+    pool_lane_subject,
+    pool_subject,
+    request_subject,
+)
 
 
 def _text(content: Any) -> str:
@@ -71,19 +77,29 @@ class LaneRouter:
         routing: RoutingPolicy,
         shared_prefix: bool = False,
         excess: bool = False,
+        pool: str = "",
     ) -> str:
         """The work-queue subject: a lane by prefix or in turn, the class's own,
-        or (``excess``, a tenant past its turn) the class's excess subject."""
-        if excess and cls in self._topo.excess_classes:
+        or (``excess``, a tenant past its turn) the class's excess subject; with
+        ``pool`` (a deployment pool's token), the pool's lane or plain subject
+        (a pool has no excess: its workers are the route's alone)."""
+        if pool:
+            plain = pool_subject(pool, cls)
+            lanes = self._topo.pool_lanes if cls in self._topo.lane_classes else 0
+        elif excess and cls in self._topo.excess_classes:
             return excess_subject(cls)
-        lanes = self._topo.lanes_of(cls)
-        if routing.mode == "least_loaded" or not lanes or cls not in self._topo.lane_classes:
-            return request_subject(cls)
+        else:
+            plain = request_subject(cls)
+            lanes = self._topo.lanes_of(cls) if cls in self._topo.lane_classes else 0
+        if routing.mode == "least_loaded" or not lanes:
+            return plain
         if routing.mode == "round_robin":
-            return lane_subject(cls, next(self._turn) % lanes)
-        head = prefix_text(op, body, routing)
-        if head is None:
-            return request_subject(cls)
-        scope = "" if shared_prefix else tenant
-        digest = hashlib.blake2b(f"{scope}\0{head}".encode(), digest_size=8).digest()
-        return lane_subject(cls, int.from_bytes(digest, "big") % lanes)
+            lane = next(self._turn) % lanes
+        else:
+            head = prefix_text(op, body, routing)
+            if head is None:
+                return plain
+            scope = "" if shared_prefix else tenant
+            digest = hashlib.blake2b(f"{scope}\0{head}".encode(), digest_size=8).digest()
+            lane = int.from_bytes(digest, "big") % lanes
+        return pool_lane_subject(pool, cls, lane) if pool else lane_subject(cls, lane)

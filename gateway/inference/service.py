@@ -32,6 +32,7 @@ from gateway.inference.event_ids import tokens_through
 from gateway.inference.fair_gate import FairGate
 from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
+from gateway.inference.pools import PoolView
 from gateway.inference.request_builder import KINDS, build_request, with_id
 from gateway.inference.results import Result, read_result, render
 from gateway.inference.route_table import RouteTable
@@ -69,6 +70,7 @@ class InferenceService:
         queue_watch: QueueWatch | None = None,
         fair_gate: FairGate | None = None,
         fleet_coalescing: FleetCoalescing | None = None,
+        pools: PoolView | None = None,
     ) -> None:
         self.cfg = cfg
         self.tenancy = tenancy
@@ -81,6 +83,7 @@ class InferenceService:
         self.queue_watch = queue_watch  # deadline-aware shedding (None: off)
         self.fair_gate = fair_gate  # tenants in turn within a class (None: off)
         self.lanes = LaneRouter(cfg.topology)
+        self.pools = pools  # deployment pools of routed requests (None: shared subjects)
         self.settlements = settlements
         self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
@@ -278,23 +281,23 @@ class InferenceService:
         )
         contract = record.contract if record is not None else None
         hedge = contract.hedge if contract is not None else self.cfg.hedge
-        subject = self.lanes.subject(
-            req.op,
-            req.cls,
-            req.tenant,
-            req.body,
-            contract.routing if contract is not None else self.cfg.routing,
-            shared_prefix=contract.coalesce.cross_tenant if contract is not None else False,
-            excess=excess,
-        )
+        routing = contract.routing if contract is not None else self.cfg.routing
+        shared = contract.coalesce.cross_tenant if contract is not None else False
         coalesce = contract.coalesce if contract is not None else self.cfg.coalesce
-        return await self.coalescer.submit(
-            req,
-            None if idempotent else coalesce,
-            lambda: self.dispatcher.submit(
+
+        async def publish() -> FrameStream:
+            # A routed request goes to a candidate's pool, whose workers alone pull it.
+            pool = ""
+            if req.candidates and self.pools is not None:
+                pool = await self.pools.token(self.pools.choose(req.candidates))
+            subject = self.lanes.subject(
+                req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool
+            )
+            return await self.dispatcher.submit(
                 req, meta, subject, hedge if hedge.enabled and not excess else None
-            ),
-        )
+            )
+
+        return await self.coalescer.submit(req, None if idempotent else coalesce, publish)
 
     def _service_s(self, req: InferenceRequest) -> float:
         """What an answer of this class takes once it started: its median first-token

@@ -16,11 +16,11 @@ from streams.auth import Role
 from streams.connect import connect
 from streams.definitions import Topology
 from streams.depth import read_depths
+from streams.membership import Membership
 from streams.provision import await_topology, ensure_topology
 from streams.subjects import RequestClass, excess_subject, lane_subject, request_subject
 from streams.tasks import stop_task
 from tests.waits import until
-from workers.inference.affinity import Membership
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(120)]
 

@@ -48,7 +48,10 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
             "jetserve.req.interactive.*",
             "jetserve.req.batch.*",
             "jetserve.req.embed.excess",  # the lane classes' wildcards hold theirs
+            "jetserve.pool.>",  # deployment pools (streams/pools.py)
         ]
+        # nats-server 2.15 caps a stream at 1000 consumers unless it names a limit.
+        assert info.config.max_consumers == 8192
         for cls in RequestClass:
             ci = await js.consumer_info("JETSERVE_REQ", f"workers-{cls.value}")
             assert ci.config.filter_subject == f"jetserve.req.{cls.value}"

@@ -221,7 +221,7 @@ def test_workers_name_valid_classes_and_a_served_engine_port() -> None:
     for ns in workers:
         for cls in split_csv(ns.classes):
             RequestClass(cls)  # what cmd_worker does at start-up
-        assert urlsplit(ns.engine).port in engine_ports
+        assert urlsplit(ns.engines[0]).port in engine_ports
 
 
 def test_shared_addresses_agree() -> None:
@@ -546,8 +546,8 @@ def test_addresses_name_services(services: dict[str, dict[str, Any]]) -> None:
             url = getattr(ns, attr, None)
             if url is not None:
                 assert urlsplit(url).hostname in services, (name, attr, url)
-    assert urlsplit(_parsed(services["worker"]).engine).hostname == "sim"
-    assert urlsplit(_parsed(services["worker-gpu"]).engine).hostname == "vllm"
+    assert urlsplit(_parsed(services["worker"]).engines[0]).hostname == "sim"
+    assert urlsplit(_parsed(services["worker-gpu"]).engines[0]).hostname == "vllm"
 
 
 def test_gateway_published_and_probed_on_readyz(services: dict[str, dict[str, Any]]) -> None:
@@ -592,7 +592,7 @@ def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     port = int(vllm["command"][vllm["command"].index("--port") + 1])
-    assert urlsplit(_parsed(services["worker-gpu"]).engine).port == port
+    assert urlsplit(_parsed(services["worker-gpu"]).engines[0]).port == port
     for name, svc in services.items():
         if name not in ("vllm", "worker-gpu", "keys"):
             assert not svc.get("profiles"), f"{name} should start by default"

@@ -381,7 +381,8 @@ def test_each_worker_has_its_own_engine_sized_like_it() -> None:
         assert sim in _pod_spec(OBJECTS[("Deployment", workload)])["initContainers"]
         assert sim["restartPolicy"] == "Always"
         assert sim["startupProbe"]["httpGet"]["port"] == ns.port
-        engine = urlsplit(worker.engine)
+        (url,) = worker.engines
+        engine = urlsplit(url)
         assert engine.hostname in ("127.0.0.1", "localhost")
         assert engine.port == ns.port
         assert sim_cli.config_from_args(ns).max_num_seqs == worker.max_inflight, workload

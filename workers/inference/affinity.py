@@ -37,144 +37,24 @@ import contextlib
 import json
 import logging
 import math
-import time
 from collections.abc import Callable
 
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from streams.consumer import idle_expiry, stop_interest
 from streams.definitions import PRIORITY_GROUP, Topology
-from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, LaneOrder, assign
+from streams.membership import SHARED, Membership
+from streams.pools import pool_lane_consumer_name, pool_token
 from streams.subjects import RequestClass
 from streams.tasks import stop_task
 from workers.inference.admission import Admission
 
 log = logging.getLogger(__name__)
 
-MEMBERS_BUCKET = "jetserve_workers"
-MAX_PRIORITY = 9  # the server's lowest priority level
 OWNER_BATCH = 4  # messages one pull may bring the lane's owner
-
-
-class Membership:
-    """The live workers: a KV bucket each worker puts its id into every
-    ``every_s``, followed by one watch. A member not heard from for
-    ``4 * every_s`` is gone, and forgotten: its entry expires in the bucket
-    without a delete marker (a SIGKILLed worker never says goodbye), so the
-    heartbeat loop drops it. A worker that leaves cleanly deletes its entry,
-    which the watch shows at once."""
-
-    def __init__(
-        self,
-        js: JetStreamContext,
-        worker_id: str,
-        replicas: int,
-        every_s: float = 1.0,
-        depth: int = DEFAULT_DEPTH,
-        load_factor: float = DEFAULT_LOAD_FACTOR,
-    ):
-        self._js = js
-        self.worker_id = worker_id
-        self._replicas = replicas
-        self._every = every_s
-        self._depth = depth
-        self._load_factor = load_factor
-        self._orders: dict[int, LaneOrder] = {}  # by lane count, for the current members
-        self._kv: KeyValue | None = None
-        self._watcher: KeyValue.KeyWatcher | None = None
-        self._seen: dict[str, float] = {}
-        self.members: tuple[str, ...] = (worker_id,)
-        self.changed: list[Callable[[], None]] = []  # told when the members change
-
-    async def start(self) -> None:
-        """Join and read who is there before serving (so priorities start right)."""
-        kv = self._kv = await self._js.create_key_value(
-            KeyValueConfig(
-                bucket=MEMBERS_BUCKET, history=1, ttl=self._every * 4, replicas=self._replicas
-            )
-        )
-        # A bucket just created on a cluster has no leader for a moment: retry.
-        for attempt in range(50):
-            try:
-                await kv.put(self.worker_id, b"")
-                break
-            except (nats.errors.Error, TimeoutError):
-                if attempt == 49:
-                    raise
-                await asyncio.sleep(0.2)
-        self._watcher = await kv.watchall()
-        async for entry in self._watcher:
-            if entry is None:  # the end of the current values
-                break
-            self._note(entry)
-        self._recompute()
-
-    def _note(self, entry: KeyValue.Entry) -> None:
-        if entry.operation in (KV_DEL, KV_PURGE):
-            self._seen.pop(entry.key, None)
-        else:
-            self._seen[entry.key] = time.monotonic()
-
-    def _recompute(self) -> None:
-        horizon = time.monotonic() - self._every * 4
-        for gone in [k for k, at in self._seen.items() if at < horizon]:
-            del self._seen[gone]
-        new = tuple(sorted({*self._seen, self.worker_id}))
-        if new != self.members:
-            log.info("lane members now: %d (%s)", len(new), ",".join(new[:8]))
-            self.members = new
-            self._orders.clear()
-            for tell in self.changed:
-                tell()
-
-    async def run(self) -> None:
-        assert self._kv is not None
-        assert self._watcher is not None
-        follow = asyncio.create_task(self._follow(self._watcher))
-        try:
-            while True:
-                await asyncio.sleep(self._every)
-                with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    await self._kv.put(self.worker_id, b"")
-                self._recompute()
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await stop_task(follow)
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self._watcher.stop()  # type: ignore[no-untyped-call]
-
-    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
-        async for entry in watcher:
-            if entry is not None:
-                self._note(entry)
-                if entry.operation in (KV_DEL, KV_PURGE) or entry.key not in self.members:
-                    self._recompute()
-
-    async def leave(self) -> None:
-        if self._kv is not None:
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self._kv.delete(self.worker_id)
-
-    def order(self, lanes: int) -> LaneOrder:
-        """The owners and backups of a class of ``lanes`` lanes, as the members stand."""
-        order = self._orders.get(lanes)
-        if order is None:
-            order = self._orders[lanes] = assign(
-                self.members, lanes, self._depth, self._load_factor
-            )
-        return order
-
-    def priority(self, lanes: int, lane: int) -> int | None:
-        """0 for the lane's owner, 1 for its first backup, and so on; None: this
-        worker is not among the lane's ``depth`` (it does not pull it)."""
-        rank = self.order(lanes).rank(self.worker_id, lane)
-        return None if rank is None else min(rank, MAX_PRIORITY)
 
 
 class LanePuller:
@@ -194,10 +74,14 @@ class LanePuller:
         count: Callable[[str], None] = lambda event: None,
         idle_poll_s: float | None = None,
         quiet: Callable[[], bool] = lambda: True,
+        pool: str = SHARED,
     ) -> None:
         self._nc = nc
         self._topo = topology
         self._cls = cls
+        # SHARED: the class's own lanes; a deployment: that pool's lanes.
+        self._pool = pool
+        self._token = pool_token(pool) if pool else ""
         self._rank = rank
         self._admission = admission
         self._members = membership
@@ -205,7 +89,7 @@ class LanePuller:
         self._poll = poll_s
         self._count = count  # lane events: "pull", "held", "handed_back", "withdrawn"
         self._inbox = f"{nc.new_inbox()}.{cls.value}"
-        lanes = self._lanes = topology.lanes_of(cls)
+        lanes = self._lanes = topology.pool_lanes if pool else topology.lanes_of(cls)
         # When each lane needs its next pull (inf: a lane this worker does not rank).
         self._live_until = [0.0] * lanes
         self._current = [0] * lanes  # the newest pull per lane (reply token)
@@ -309,7 +193,7 @@ class LanePuller:
         self._wake.set()
 
     async def _pull(self, lane: int, now: float) -> None:
-        priority = self._members.priority(self._lanes, lane)
+        priority = self._members.priority(self._lanes, lane, self._pool)
         if priority is None:  # not among this lane's owner and backups
             self._live_until[lane] = math.inf
             return
@@ -326,10 +210,11 @@ class LanePuller:
             "group": PRIORITY_GROUP,
             "priority": priority,
         }
-        subject = (
-            f"$JS.API.CONSUMER.MSG.NEXT.{self._topo.stream}."
-            f"{self._topo.lane_consumer_name(self._cls, lane)}"
-        )
+        if self._pool:
+            consumer = pool_lane_consumer_name(self._token, self._cls, lane)
+        else:
+            consumer = self._topo.lane_consumer_name(self._cls, lane)
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{self._topo.stream}.{consumer}"
         self._current[lane] += 1
         reply = f"{self._inbox}.{lane}.{self._current[lane]}"
         # Marked live before the publish: its answer can arrive (and mark the
@@ -352,7 +237,8 @@ class LanePuller:
                 if int(pull_s) == self._current[int(lane_s)]:
                     self._pull_done(int(lane_s))
             return
-        # A message arrives under its own subject (jetserve.req.<class>.lNN).
+        # A message arrives under its own subject (jetserve.req.<class>.lNN,
+        # or a pool's jetserve.pool.<token>.<class>.lNN).
         if msg.subject.startswith(self._inbox):
             lane = int(msg.subject.rsplit(".", 2)[-2])
         else:

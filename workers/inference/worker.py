@@ -28,24 +28,28 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 from streams.connect import OPEN, BusAuth, connect
 from streams.consumer import PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.headers import Header
 from streams.logs import log_event
 from streams.marks import CancelMarks, FailureCounts
-from streams.provision import await_topology
+from streams.membership import SHARED, Membership
+from streams.pools import pool_consumer_name, pool_token
+from streams.provision import await_topology, ensure_pool
 from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR
 from streams.routes import Deployment
-from streams.subjects import RequestClass, class_of, excess_subject
+from streams.subjects import RequestClass, class_of, excess_subject, pool_of, pool_subject
 from streams.tasks import stop_task
 from streams.tracing import Tracer
-from streams.wire import InferenceRequest, Usage, decode_request
+from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.inference.admission import Admission, AdmissionConfig
-from workers.inference.affinity import LanePuller, Membership
+from workers.inference.affinity import LanePuller
 from workers.inference.batching import EmbedBatcher
 from workers.inference.cancels import CancelWatch
 from workers.inference.delivery import confirm_ack, delivery_limit
@@ -147,6 +151,10 @@ class Worker:
             self._cancels = CancelWatch(nc, CancelMarks(js, topo), topo.limits.max_age_s)
             await self._cancels.start()
             await self._observe_engine()
+            dep = cfg.deployment.name if cfg.deployment else ""
+            # The pool's consumers exist once a route names the deployment (the
+            # gateway makes them) or a worker of it starts (this one).
+            token = await ensure_pool(js, topo, dep) if dep else ""
             for rank, cls in enumerate(cfg.classes):
                 # One message per pull, and only with a slot in hand. A polling
                 # fetch holds its slot, so lower classes poll briefly: an idle
@@ -159,6 +167,8 @@ class Worker:
                 pullers = [(topo.consumer_name(cls), False)]
                 if cls in topo.excess_classes:
                     pullers.append((topo.excess_consumer_name(cls), True))
+                if token:  # its deployment's pool: routed requests only it may serve
+                    pullers.append((pool_consumer_name(token, cls), False))
                 for durable, excess in pullers:
                     brief = rank > 0 or excess
                     poll = cfg.poll_s / 4 if brief else cfg.poll_s
@@ -186,6 +196,7 @@ class Worker:
                 topo.replicas,
                 depth=cfg.lane_depth,
                 load_factor=cfg.lane_load_factor,
+                deployment=dep,
             )
             await members.start()
             self.lanes = [
@@ -201,9 +212,11 @@ class Worker:
                     lambda event: self.metrics.lane_events.labels(event).inc(),
                     idle_poll_s=cfg.idle_poll_s,
                     quiet=self._quiet,
+                    pool=pool,
                 )
                 for rank, cls in enumerate(cfg.classes)
                 if cls in topo.lane_classes
+                for pool in ((SHARED, dep) if dep else (SHARED,))
             ]
             for lane in self.lanes:
                 self.consumer.add(lane)
@@ -546,8 +559,13 @@ class Worker:
             failures = await self._failures.add(req.id)
         failures = failures or delivered
         if eligible and failures < limit and delivered < delivery_limit(topo, msg):
-            # The one retry owner before the first token: JetStream redelivery,
-            # to any worker, inside the request's original deadline.
+            # The one retry owner before the first token: the next candidate's
+            # pool when the route has one, else JetStream redelivery to any
+            # worker of this pool; inside the request's original deadline.
+            if req is not None and await self._hand_over(msg, req):
+                self.metrics.redeliveries.labels(cls, "fallback").inc()
+                self._event("fallback", req, cls, code=exc.code, failures=failures)
+                return
             await msg.nak(delay=self.cfg.retry_backoff_s * failures)
             self.metrics.redeliveries.labels(cls, exc.code).inc()
             self._event("redelivered", req, cls, code=exc.code, failures=failures)
@@ -563,6 +581,32 @@ class Worker:
             self._event("dead_lettered", req, cls, code=exc.code, failures=failures, seq=seq)
         await msg.term()
         self.metrics.requests.labels(cls, exc.code).inc()
+
+    async def _hand_over(self, msg: Msg, req: InferenceRequest) -> bool:
+        """Fallback inside the contract: publish ``req`` to the pool of the
+        candidate after this worker's deployment and end this message; False
+        when there is none (or the publish failed: the caller redelivers)."""
+        if pool_of(msg.subject) is None or not req.candidates:
+            return False
+        dep = self.cfg.deployment.name if self.cfg.deployment else ""
+        later = req.candidates[req.candidates.index(dep) + 1 :] if dep in req.candidates else []
+        if not later:
+            return False
+        attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
+        moved = msgspec.structs.replace(req, attempt_base=attempt)
+        headers = dict(msg.headers or {})
+        headers[Header.MSG_ID] = f"{req.id}.f{attempt}"  # not the original's dedupe id
+        js = self._js
+        assert js is not None
+        try:
+            await js.publish(
+                pool_subject(pool_token(later[0]), req.cls), encode(moved), headers=headers
+            )
+        except (nats.errors.Error, TimeoutError, APIError) as exc:
+            log.warning("fallback to %s failed (%r): redelivered here instead", later[0], exc)
+            return False
+        await msg.term()
+        return True
 
     def _event(self, event: str, req: InferenceRequest | None, cls: str, **fields: Any) -> None:
         """A structured log line (streams/logs.py): ids and codes, never request text."""
