@@ -61,7 +61,8 @@ class Engine:
         self.steps = 0  # scheduling steps run
         self._rng = random.Random(seed * 1_000_003 + 17)  # step jitter
         self._wake = asyncio.Event()
-        self._timers: list[tuple[float, int, Sequence]] = []  # (due, order, sequence)
+        # (due, order, leaves the API server, sequence): one timer for the loop's wait
+        self._timers: list[tuple[float, int, bool, Sequence]] = []
         self._tick = itertools.count()
         self._task: asyncio.Task[None] | None = None
 
@@ -83,7 +84,7 @@ class Engine:
             if fault.kind is FaultKind.STALL and fault.arg is not None:
                 seq.first_token_delay = fault.arg / 1000.0
                 seq.not_before = now + seq.first_token_delay
-                self._defer(seq)
+                self._hold(seq.not_before, seq)
             elif fault.kind is FaultKind.STALL:
                 seq.stall_after_first = True
             elif fault.kind is FaultKind.SLOW and fault.arg is not None:
@@ -94,7 +95,11 @@ class Engine:
         self.stats.started += 1
         self.stats.prompt_tokens += len(prompt_ids)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        self.sched.waiting.append(seq)
+        if self.profile.frontend_s > 0.0:
+            # In the API server first: not in the scheduler's queue (nor its gauge) yet.
+            self._hold(now + self.profile.frontend_s, seq, queue=True)
+        else:
+            self.sched.waiting.append(seq)
         self._kick()
         return seq
 
@@ -115,7 +120,7 @@ class Engine:
         seq.pending = token_ids
         seq.future = fut
         if seq.not_before > self.clock.now():
-            self._defer(seq)
+            self._hold(seq.not_before, seq)
         elif seq.status is SeqStatus.RUNNING and not seq.parked:
             self.sched.ready[seq] = None
             self._wake.set()
@@ -142,7 +147,7 @@ class Engine:
     async def _run(self) -> None:
         clock, sched = self.clock, self.sched
         try:
-            while sched.has_work():
+            while sched.has_work() or self._timers:
                 self._release_due(clock.now())
                 batch = sched.schedule(clock.now())
                 self._count_preemptions()
@@ -221,15 +226,20 @@ class Engine:
             self.stats.preemptions += 1
             self.metrics.preemptions.inc()
 
-    def _defer(self, seq: Sequence) -> None:
-        heapq.heappush(self._timers, (seq.not_before, next(self._tick), seq))
+    def _hold(self, due: float, seq: Sequence, queue: bool = False) -> None:
+        """Wake the loop at `due` for `seq`: to queue it (`queue`: out of the API
+        server), or because a fault held it until then."""
+        heapq.heappush(self._timers, (due, next(self._tick), queue, seq))
         self._wake.set()  # the loop recomputes its deadline
 
     def _release_due(self, now: float) -> None:
         timers = self._timers
         while timers and timers[0][0] <= now:
-            _, _, seq = heapq.heappop(timers)
-            if seq.status is SeqStatus.RUNNING and seq.ready(now):
+            _, _, queue, seq = heapq.heappop(timers)
+            if queue:
+                if seq.status is SeqStatus.WAITING:
+                    self.sched.waiting.append(seq)
+            elif seq.status is SeqStatus.RUNNING and seq.ready(now):
                 self.sched.ready[seq] = None
 
     def _release(self, seq: Sequence, status: SeqStatus, reason: str) -> None:

@@ -10,7 +10,9 @@ A scheduling step runs one forward pass over every token the scheduler put in it
 
 A small batch of decodes costs about one read of the weights (memory-bound); a long
 prefill chunk costs its FLOPs (compute-bound); every sequence in the batch adds its
-KV-cache read, which grows with its context length. docs/simulator.md gives the fit.
+KV-cache read, which grows with its context length. Before its first step a request
+spends `frontend_s` in vLLM's API server (validation, tokenization, the hop to the
+engine core), outside the scheduler's queue. docs/simulator.md gives the fit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import msgspec
 
 class Profile(msgspec.Struct, frozen=True, kw_only=True):
     name: str
+    frontend_s: float  # arrival to the engine's queue: API server, tokenizer, IPC hop
     step_overhead_s: float  # fixed cost of every step (launch, scheduling, sampling setup)
     weight_read_s: float  # streaming the weights once: the floor of any forward pass
     token_compute_s: float  # compute per token in the batch (prefill and decode alike)
@@ -80,6 +83,7 @@ PROFILES: dict[str, Profile] = {
     # saturation and prefix eviction show at the scale a 2-core fleet bench can drive.
     "h100-8b": Profile(
         name="h100-8b",
+        frontend_s=0.010,
         step_overhead_s=0.0008,
         weight_read_s=0.0066,
         token_compute_s=0.0000295,
@@ -96,6 +100,7 @@ PROFILES: dict[str, Profile] = {
     # Zero latency for functional tests; the engine still yields between steps.
     "fast": Profile(
         name="fast",
+        frontend_s=0.0,
         step_overhead_s=0.0,
         weight_read_s=0.0,
         token_compute_s=0.0,
@@ -110,14 +115,18 @@ PROFILES: dict[str, Profile] = {
         embed_per_token_s=0.0,
     ),
     # Mirrors the CPU vLLM peer (bench/peers/vllm.sh: a 2-layer, 128-wide random
-    # Llama, float32, --max-num-seqs 4, vLLM's CPU default of 2048 batched tokens),
-    # fitted to bench/results/sim-shape (docs/simulator.md).
+    # Llama in float32, --max-num-seqs 4, vLLM's CPU default of 2048 batched tokens),
+    # fitted end to end (the simulator's own HTTP cost included) to what
+    # bench/sim_shape.py measured of it: ~13 ms TTFT for one 400-token prompt and
+    # ~5 ms more per prompt sharing the step; ~1.8 ms ITL alone, more with the batch.
+    # The model is tiny: no weight or KV read to speak of, the step is overhead.
     "cpu-tiny": Profile(
         name="cpu-tiny",
-        step_overhead_s=0.010,
+        frontend_s=0.0025,
+        step_overhead_s=0.0016,
         weight_read_s=0.0,
-        token_compute_s=0.00004,
-        per_seq_s=0.001,
+        token_compute_s=0.0000125,
+        per_seq_s=0.00005,
         kv_read_per_token_s=0.0,
         step_jitter=0.05,
         max_num_seqs=4,

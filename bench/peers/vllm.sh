@@ -5,7 +5,8 @@
 #
 #   bench/peers/vllm.sh [test] [PYTEST ARGS]  # install if missing, then pytest -m vllm tests/vllm
 #   bench/peers/vllm.sh install               # the venv (~3.4 GB, ~1.5 min) and the tiny model
-#   bench/peers/vllm.sh serve PORT            # run vLLM on 127.0.0.1:PORT in the foreground
+#   bench/peers/vllm.sh serve PORT [ARGS]     # run vLLM on 127.0.0.1:PORT in the foreground
+#                                             # (ARGS: more `vllm serve` flags; later ones win)
 #   bench/peers/vllm.sh serve-embed PORT      # all-MiniLM-L6-v2 on vLLM's pooling runner
 #
 # Everything lives in $JETSERVE_VLLM_PEERS (default $JETSERVE_PEERS, else
@@ -48,6 +49,7 @@ case "$cmd" in
     ;;
   serve)
     port="${2:?port}"
+    shift 2
     # Offline (the model is local); 1 GiB of KV cache; prompt_tokens_details carries
     # cached_tokens, which the tier checks. No free whitespace in structured output:
     # a random-weight model would fill a JSON reply with it and never close the object.
@@ -56,7 +58,7 @@ case "$cmd" in
       --served-model-name tiny --host 127.0.0.1 --port "$port" --dtype float32 \
       --max-model-len 1024 --max-num-seqs 4 --enable-prompt-tokens-details \
       --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' \
-      --enable-auto-tool-choice --tool-call-parser pythonic
+      --enable-auto-tool-choice --tool-call-parser pythonic "$@"
     ;;
   serve-embed)
     port="${2:?port}"

@@ -59,11 +59,13 @@ async def test_prefix_cache_hit_lowers_ttft(start_sim: StartSim) -> None:
     assert cached > 600
     assert cached % 16 == 0
     assert cached < u2["prompt_tokens"]
-    # One prefill step each: ~710 tokens is compute-bound (~22 ms on an H100), the
-    # uncached tail of the repeat costs about one read of the weights (~7.5 ms).
+    # The API server's time, then one prefill step each: ~710 tokens is compute-bound
+    # (~22 ms on an H100), the uncached tail of the repeat costs about one read of the
+    # weights (~7.5 ms).
     p = PROFILES["h100-8b"]
     n1, n2 = u1["prompt_tokens"], u2["prompt_tokens"]
     first, repeat = (await h.record(rid1))["ttft_s"], (await h.record(rid2))["ttft_s"]
+    first, repeat = first - p.frontend_s, repeat - p.frontend_s
     assert first == pytest.approx(p.step_time(n1, 1, n1), rel=0.04)  # +/- 3% step jitter
     assert repeat == pytest.approx(p.step_time(n2 - cached, 1, n2), rel=0.04)
     assert repeat < 0.5 * first
@@ -209,6 +211,11 @@ async def test_disconnect_while_waiting_leaves_queue(start_sim: StartSim) -> Non
     ) as r:  # fmt: skip
         assert r.status_code == 200  # headers go out before admission, as with vLLM
         await _wait_status(h, rid, "waiting")
+        # In the queue once out of the API server (the profile's frontend_s).
+        for _ in range(400):
+            if (await h.stats())["waiting"] == 1:
+                break
+            await asyncio.sleep(0.005)
         assert (await h.stats())["waiting"] == 1
     rec = await _wait_status(h, rid, "aborted")
     assert rec["generated_tokens"] == 0
@@ -233,3 +240,22 @@ async def test_zero_latency_profile_serves_200_concurrent_streams(fast: SimHandl
     assert stats["finished"] == 200
     assert stats["kv_blocks_used"] == 0
     assert elapsed < 15.0  # client and server share one loop here; typically ~1-2 s
+
+
+async def test_n_choices_share_each_step(start_sim: StartSim) -> None:
+    # n = 3 is three sequences decoding side by side: one step per round of tokens,
+    # each a little dearer than a single sequence's (three rows in the batch).
+    h = await start_sim(profile="h100-8b", clock=VirtualClock())
+    rid = uuid.uuid4().hex
+    body = {"model": "sim-8b", "prompt": "Once upon a time", "n": 3, "max_tokens": 8,
+            "ignore_eos": True}  # fmt: skip
+    r = await h.client.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert r.status_code == 200
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+    assert r.json()["usage"]["completion_tokens"] == 24
+    assert h.sim.engine.steps == 8  # the prefill emits the first round, then 7 decodes
+    rec = await h.record(rid)
+    p = h.sim.profile
+    one = p.step_time(1, 1, 20)
+    assert rec["tpot_s"] == pytest.approx(p.step_time(3, 3, 3 * 20), rel=0.1)
+    assert rec["tpot_s"] < 1.2 * one

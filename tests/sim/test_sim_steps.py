@@ -107,7 +107,8 @@ async def test_ttft_rises_with_concurrent_prompt_load() -> None:
 
 async def test_itl_rises_with_batch_size() -> None:
     itl = [await _mean_itl(b) for b in (1, 2, 4)]
-    assert all(b > 1.05 * a for a, b in itertools.pairwise(itl)), itl
+    assert itl == sorted(itl)
+    assert itl[-1] > 1.08 * itl[0], itl
 
 
 async def test_long_prompt_is_chunked_and_decodes_stall_behind_it() -> None:
@@ -124,7 +125,9 @@ async def test_long_prompt_is_chunked_and_decodes_stall_behind_it() -> None:
     # compute-bound (~60 ms); the decoding stream gets a token from every one of them.
     stalled = [x for x in itls if x > 5 * calm]
     assert len(stalled) == 3
-    assert long.ttft == pytest.approx(sum(stalled), rel=0.05)
+    # Its TTFT: the API server, the rest of the step in flight, the three chunks.
+    front = sim.profile.frontend_s
+    assert front + sum(stalled) < long.ttft < front + sum(stalled) + 2 * calm
     assert sim.engine.steps - steps_before >= 3 + 1  # the prefill chunks, then decodes
     assert sim.kv.used_blocks == 0
 
@@ -139,7 +142,8 @@ async def test_concurrent_prefills_share_the_step_budget() -> None:
     alone = _sim("h100-8b", max_num_batched_tokens=1024)
     solo = Stream(alone, 1000, 1, seed=1)
     await _run_all([solo])
-    assert b.ttft > 1.8 * solo.ttft
+    front = alone.profile.frontend_s
+    assert b.ttft - front > 1.8 * (solo.ttft - front)
 
 
 async def test_n_choices_decode_in_one_step() -> None:
