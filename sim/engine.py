@@ -218,7 +218,7 @@ class Engine:
             self.stats.cached_tokens += cached
             self.metrics.prefix_queries.inc(seq.num_prompt)
             self.metrics.prefix_hits.inc(cached)
-            self.metrics.queue_time.observe(now - seq.arrived)
+            self.metrics.queue_time.observe(now - seq.enqueued)
 
     def _count_preemptions(self) -> None:
         for seq in self.sched.preempted:
@@ -238,6 +238,7 @@ class Engine:
             _, _, queue, seq = heapq.heappop(timers)
             if queue:
                 if seq.status is SeqStatus.WAITING:
+                    seq.enqueued = now
                     self.sched.waiting.append(seq)
             elif seq.status is SeqStatus.RUNNING and seq.ready(now):
                 self.sched.ready[seq] = None

@@ -29,6 +29,7 @@ class Sequence:
         "admit_order",
         "arrived",
         "blocks",
+        "enqueued",
         "first_at",
         "first_token_delay",
         "future",
@@ -61,6 +62,7 @@ class Sequence:
         self.rounds = 0  # emissions: one token per live choice each
         self.admit_order = 0
         self.arrived = now  # engine clock
+        self.enqueued = now  # into the scheduler's waiting queue (after the API server)
         self.first_at: float | None = None  # engine clock, first token
         self.last_token = now
         # The client's request for its next tokens (one per live choice) and the future

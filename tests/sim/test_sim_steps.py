@@ -199,3 +199,22 @@ async def test_stall_after_first_token_parks_without_steps() -> None:
     stuck.task.cancel()
     await asyncio.gather(stuck.task, return_exceptions=True)
     assert sim.kv.used_blocks == 0
+
+
+def _metric(sim: Simulator, name: str) -> float:
+    text = sim.metrics.render().decode()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "{"))
+
+
+async def test_api_server_time_is_not_queue_time() -> None:
+    # A request spends frontend_s in vLLM's API server, then waits in the scheduler's
+    # queue: TTFT counts both, vllm:request_queue_time_seconds only the second.
+    sim = _sim("h100-8b", max_num_seqs=1)
+    first, second = Stream(sim, 100, 3, seed=1), Stream(sim, 100, 1, seed=2)
+    await _run_all([first, second])
+    front = sim.profile.frontend_s
+    assert first.ttft > front
+    queued = _metric(sim, "vllm:request_queue_time_seconds_sum")
+    # The first is admitted as it arrives; the second waits for the first's 3 steps.
+    assert queued == pytest.approx(first.times[-1] - first.seq.arrived - front, rel=0.01)  # type: ignore[union-attr]
+    assert second.ttft > queued + front
