@@ -11,6 +11,7 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     │   │                        the connection is closed after the answer
     │   └── HeadersTooLarge      431 too many request headers, or too many bytes of them
     ├── NotFound                 404 unknown model or route
+    ├── ResumeWindowExceeded     410 a stream whose start the frames capture no longer holds
     ├── ClientTooSlow            408 the client read the stream too slowly; it was ended
     ├── Conflict                 409 a run id taken or settled; an approval not pending
     ├── RateLimited              429 queue full / rate limit (carries Retry-After;
@@ -140,6 +141,16 @@ class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class ResumeWindowExceeded(GatewayError):
+    """A resume (``Last-Event-ID``) of a stream the frames capture keeps only in
+    part: its start is gone (oldest first), so the text after the client's event
+    cannot be told for sure. Never a partial or wrong text."""
+
+    status = 410
+    type = "invalid_request_error"
+    code = "resume_window_exceeded"
 
 
 class ClientTooSlow(GatewayError):

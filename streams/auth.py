@@ -28,7 +28,7 @@ from streams.marks import CANCELS_BUCKET, FAILURES_BUCKET
 from streams.outbox import DEFAULT_OUTBOX, OutboxTopology
 from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology
 from streams.routes import ROUTES_BUCKET
-from streams.subjects import POOL_SPACE, PREFIX, RequestClass, request_subject
+from streams.subjects import LIVE, POOL_SPACE, PREFIX, RequestClass, request_subject
 
 # Buckets other packages own (their names are theirs; the bus only needs them here).
 MEMBERS_BUCKET = "jetserve_workers"  # workers/inference/affinity.py
@@ -141,6 +141,7 @@ def permissions(
     """The subjects ``role`` may publish and subscribe; everything else is refused."""
     inbox = f"{inbox_prefix(role, tenant)}.>"
     reply = f"{PREFIX}.reply.>"
+    live = f"{LIVE}.>"  # the reply subjects' live twins (workers/inference/relay.py)
     if role is Role.ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if role is Role.SERVICE:
@@ -161,12 +162,11 @@ def permissions(
                 *_marks(CANCELS_BUCKET, watch=True),  # cancels sent before it listened
                 *_marks(FAILURES_BUCKET, write=True),  # attempts that really failed
                 reply,  # frames, to whichever gateway or executor asked
+                live,
                 f"{PREFIX}.dlq.req.>",  # a message it cannot read
                 f"{PREFIX}.dlq.pool.>",
-                # Its deployment's pool: create the pool's consumers (only
-                # consumers filtered on pool subjects), and hand a failed
-                # request to the next candidate's pool (streams/pools.py).
-                f"$JS.API.CONSUMER.CREATE.{topo.stream}.*.{POOL_SPACE}.>",
+                # Hand a failed request to the next candidate's pool
+                # (streams/pools.py; the gateway makes the pools).
                 f"{POOL_SPACE}.>",
             ),
             subscribe=(inbox, f"{PREFIX}.cancel.>"),
@@ -193,7 +193,13 @@ def permissions(
                 f"{PREFIX}.dlq.agent.>",
                 TOOL_SUBJECTS,
             ),
-            subscribe=(inbox, reply, f"{PREFIX}.agentctl.cancel.*", f"{PREFIX}.resumed.>"),
+            subscribe=(
+                inbox,
+                reply,
+                live,
+                f"{PREFIX}.agentctl.cancel.*",
+                f"{PREFIX}.resumed.>",
+            ),
         )
     # The gateway: the control plane. It provisions the request-path streams,
     # publishes requests, reads replies and answers services on their inboxes.
@@ -220,6 +226,7 @@ def permissions(
         f"{PREFIX}.agentctl.>",
         f"{PREFIX}.dlq.>",
         reply,  # a dead-lettered request's error frame
+        live,
         f"{SERVICE_INBOX}.>",  # answers to services (checked: the caller's own inbox)
     ]
     return Permissions(
@@ -228,6 +235,7 @@ def permissions(
             inbox,
             f"{PREFIX}.api.>",
             reply,
+            live,
             f"{PREFIX}.resumed.>",
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>",
         ),

@@ -35,6 +35,26 @@ def reply_wildcard(gateway_id: str) -> str:
     return f"{PREFIX}.reply.*.{gateway_id}.*"
 
 
+# Token frames and heartbeats go live on a twin of the reply subject that the
+# frames capture does not store; the capture keeps the reply subject itself, with
+# tokens batched (workers/inference/relay.py): a quarter second a message.
+LIVE = f"{PREFIX}.live"
+
+
+def live_subject(reply: str) -> str:
+    """The live twin of a reply subject (``jetserve.reply.X`` -> ``jetserve.live.X``)."""
+    head = f"{PREFIX}.reply."
+    return LIVE + "." + reply[len(head) :] if reply.startswith(head) else reply
+
+
+def live_wildcard(gateway_id: str) -> str:
+    return f"{LIVE}.*.{gateway_id}.*"
+
+
+def live_filter(tenant: str, request_id: str) -> str:
+    return f"{LIVE}.{tenant}.*.{request_id}"
+
+
 def frames_filter(tenant: str, request_id: str) -> str:
     """One request's captured frames, whichever gateway accepted it."""
     return f"{PREFIX}.reply.{tenant}.*.{request_id}"

@@ -3,8 +3,13 @@
 Each subject space carries one type or one tagged union:
 
 - ``jetserve.req.<class>`` (JetStream work queue): :class:`InferenceRequest`
-- the reply subject named in a request: :data:`Frame` = :class:`Token` |
-  :class:`Heartbeat` | :class:`Final` | :class:`ErrorFrame` | :class:`Meta`
+- the live twin of a request's reply subject (``jetserve.live...``, core NATS,
+  not stored): :data:`Frame` = :class:`Token` | :class:`Heartbeat` |
+  :class:`Final` | :class:`ErrorFrame` | :class:`Meta`
+- the reply subject named in a request (``jetserve.reply...``, kept by the
+  frames capture): :class:`Meta`, :class:`Tokens` (the tokens of a quarter
+  second in one message), :class:`Final` | :class:`ErrorFrame`; read back with
+  :func:`decode_frames`, which unpacks a :class:`Tokens` into its tokens
 - ``jetserve.cancel.<id>``: :class:`Cancel`
 
 Schema evolution: a new field must have a default, so older peers keep decoding.
@@ -148,6 +153,63 @@ class Meta(msgspec.Struct, frozen=True, tag="meta", omit_defaults=True):
 Frame = Token | Heartbeat | Final | ErrorFrame | Meta
 
 
+class Extra(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a token inside :class:`Tokens` carries besides its text (rare but
+    for logprobs): kept apart, so a plain token costs its text and a comma."""
+
+    tool_calls: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+    index: int = 0
+
+
+class Tokens(msgspec.Struct, frozen=True, tag="tokens", omit_defaults=True):
+    """Consecutive tokens of one attempt, as the frames capture keeps them:
+    one stored message per quarter second of a stream instead of one per token
+    (workers/inference/relay.py). ``seq`` is the first token's; ``extras`` is
+    keyed by a token's offset in ``texts``."""
+
+    seq: int
+    texts: list[str]
+    extras: dict[int, Extra] = {}
+    attempt: int = 1
+
+    @classmethod
+    def of(cls, tokens: list[Token]) -> Tokens:
+        """``tokens``: consecutive, of one attempt."""
+        extras = {
+            i: Extra(t.tool_calls, t.finish_reason, t.logprobs, t.index)
+            for i, t in enumerate(tokens)
+            if t.tool_calls is not None or t.finish_reason or t.logprobs is not None or t.index
+        }
+        return cls(tokens[0].seq, [t.text for t in tokens], extras, tokens[0].attempt)
+
+    def tokens(self) -> list[Token]:
+        plain = Extra()
+        out = []
+        for i, text in enumerate(self.texts):
+            x = self.extras.get(i, plain)
+            out.append(
+                Token(
+                    self.seq + i,
+                    text,
+                    x.tool_calls,
+                    x.finish_reason,
+                    self.attempt,
+                    x.logprobs,
+                    x.index,
+                )
+            )
+        return out
+
+    @property
+    def last_seq(self) -> int:
+        return self.seq + len(self.texts) - 1
+
+
+Captured = Frame | Tokens
+
+
 class Cancel(msgspec.Struct, frozen=True, tag="cancel", omit_defaults=True):
     id: str
     reason: str = "client_disconnected"
@@ -158,10 +220,13 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel", omit_defaults=True):
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(InferenceRequest)
 _frame_decoder = msgspec.json.Decoder(Frame)
+_captured_decoder = msgspec.json.Decoder(Captured)
 _cancel_decoder = msgspec.json.Decoder(Cancel)
 
 
-def encode(msg: InferenceRequest | Token | Heartbeat | Final | ErrorFrame | Meta | Cancel) -> bytes:
+def encode(
+    msg: InferenceRequest | Token | Tokens | Heartbeat | Final | ErrorFrame | Meta | Cancel,
+) -> bytes:
     return _encoder.encode(msg)
 
 
@@ -171,6 +236,18 @@ def decode_request(data: bytes) -> InferenceRequest:
 
 def decode_frame(data: bytes) -> Frame:
     return _frame_decoder.decode(data)
+
+
+def decode_captured(data: bytes) -> Frame | Tokens:
+    return _captured_decoder.decode(data)
+
+
+def decode_frames(data: bytes) -> list[Frame]:
+    """A message of the reply subject (the frames capture) as the frames it holds."""
+    frame = _captured_decoder.decode(data)
+    if isinstance(frame, Tokens):
+        return list(frame.tokens())
+    return [frame]
 
 
 def decode_cancel(data: bytes) -> Cancel:

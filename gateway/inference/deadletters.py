@@ -23,6 +23,7 @@ from nats.js.errors import APIError, NotFoundError
 from gateway.metrics import GatewayMetrics
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
+from streams.subjects import live_subject
 from streams.wire import ErrorFrame, decode_request, encode
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class MaxDeliveriesWatch:
                 status=504 if expired else 503,
                 attempt=adv.deliveries,
             )
-            await self._nc.publish(req.reply, encode(frame))
+            data = encode(frame)
+            await self._nc.publish(live_subject(req.reply), data)  # a waiting reader
+            await self._nc.publish(req.reply, data)  # the capture (a resume)
         await dead_letter(self._js, stored.subject or "", data, reason, adv.stream_seq)
         try:
             await self._js.delete_msg(adv.stream, adv.stream_seq)

@@ -1,10 +1,13 @@
 """Publish requests onto the work queue and receive their frames.
 
-One core-NATS subscription per gateway (``jetserve.reply.*.<gateway>.*``) fans
-frames out to per-request buffers. :class:`FrameStream` reads one of them under
-the waiting rule and de-duplication of streams/inference/frames.py, heals gaps
-from the frames capture, settles hedge races, and turns the reader's failures
-into gateway errors.
+One core-NATS subscription per gateway (``jetserve.live.*.<gateway>.*``, the
+live twins of its requests' reply subjects) fans frames out to per-request
+buffers; the reply subjects themselves are the frames capture's, read back for
+a resume (merged with the live frames), gap healing and a settlement nobody
+made. :class:`FrameStream` reads one of them under the waiting rule and
+de-duplication of streams/inference/frames.py, heals gaps from the frames
+capture, settles hedge races, and turns the reader's failures into gateway
+errors.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from gateway.errors import (
     ClientTooSlow,
     GatewayError,
     RateLimited,
     RequestTooLarge,
+    ResumeWindowExceeded,
     StreamInterrupted,
     Timeout,
     Unavailable,
@@ -48,24 +52,34 @@ from streams.errors import (
     StreamInterruptedError,
 )
 from streams.inference.client import InferenceClient
-from streams.inference.frames import MAX_BUFFERED_FRAMES, Event, FrameBuffer, FrameReader
+from streams.inference.frames import (
+    MAX_BUFFERED_FRAMES,
+    Event,
+    FrameBuffer,
+    FrameReader,
+    InOrder,
+)
 from streams.routes import HedgePolicy
 from streams.subjects import (
     frames_filter,
+    live_filter,
+    live_wildcard,
     pool_of,
     pool_subject,
     reply_subject,
-    reply_wildcard,
     request_subject,
     resumed_subject,
 )
 from streams.wire import (
     HEDGE_ATTEMPT_BASE,
     ErrorFrame,
+    Frame,
     InferenceRequest,
     Meta,
     Token,
-    decode_frame,
+    Tokens,
+    decode_captured,
+    decode_frames,
 )
 
 # How long a gateway waits for the frames capture to hand back tokens that core
@@ -123,7 +137,8 @@ class Dispatcher:
         return reply_subject(tenant, self.gateway_id, request_id)
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(reply_wildcard(self.gateway_id), cb=self._on_frame)
+        # Live frames only: the reply subject itself is the capture's (batched).
+        self._sub = await self._nc.subscribe(live_wildcard(self.gateway_id), cb=self._on_frame)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -147,14 +162,9 @@ class Dispatcher:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    def defer_unsubscribe(self, sub: Subscription) -> None:
-        """Unsubscribe a resumed stream's consumer from sync code (a stream's close)."""
-
-        async def unsubscribe() -> None:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
-
-        self._own(unsubscribe())
+    def defer_unsubscribe(self, subs: tuple[Subscription, ...]) -> None:
+        """Unsubscribe a resumed stream's subscriptions from sync code (a stream's close)."""
+        self._own(_unsubscribe(subs))
 
     async def _on_frame(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
@@ -162,17 +172,20 @@ class Dispatcher:
         if queue is not None:
             self._enqueue(queue, msg, request_id)
 
-    def _enqueue(self, queue: FrameBuffer, msg: Msg, request_id: str) -> None:
-        """Decode once, here; a malformed frame is dead-lettered, not fatal."""
+    def _enqueue(self, queue: FrameBuffer | InOrder, msg: Msg, request_id: str) -> None:
+        """Decode once, here (a capture message may hold many tokens); a
+        malformed frame is dead-lettered, not fatal."""
         try:
-            frame = decode_frame(msg.data)
+            frames = decode_frames(msg.data)
         except msgspec.DecodeError as exc:
             self._own(dead_letter(self._js, msg.subject, msg.data, f"undecodable frame: {exc}"))
             return
-        if queue.offer(frame):
-            # The client fell a buffer's length behind: its reader ends the
-            # stream with a clear error; the engine stops now.
-            self._own(self.cancel(request_id, "client_too_slow"))
+        for frame in frames:
+            if queue.offer(frame):
+                # The client fell a buffer's length behind: its reader ends the
+                # stream with a clear error; the engine stops now.
+                self._own(self.cancel(request_id, "client_too_slow"))
+                return
 
     def _own(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run a background chore this dispatcher owns (awaited in stop())."""
@@ -252,28 +265,40 @@ class Dispatcher:
         (the request's own client is still there)."""
         subject = frames_filter(tenant, request_id)
         queue = FrameBuffer(self.max_buffered)
+        # The capture (batched, from its head frame) and the live frames (tokens
+        # at engine speed, heartbeats), merged in order, each frame once.
+        merged = InOrder(queue, meta_first=True)
 
         async def on_msg(msg: Msg) -> None:
-            self._enqueue(queue, msg, request_id)
+            self._enqueue(merged, msg, request_id)
 
         try:
-            info = await self._js.stream_info(self.topology.frames_stream, subjects_filter=subject)
-            if not info.state.subjects:
+            head = await self._capture_head(subject)
+            if head is None:
                 return None
+            if not isinstance(head, Meta):
+                # The oldest frames go first: this stream's start is gone, so
+                # the text after the client's event cannot be told for sure.
+                raise ResumeWindowExceeded(
+                    f"The stream '{request_id}' is past the resume window: the start of "
+                    "its capture is no longer held."
+                )
+            live = await self._nc.subscribe(live_filter(tenant, request_id), cb=on_msg)
             sub = await self.client.follow(tenant, request_id, on_msg)
         except (nats.errors.Error, TimeoutError, APIError) as exc:
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
+        subs = (sub, live)
         try:
             first = await asyncio.wait_for(queue.get(), 5.0)
         except TimeoutError:
-            await sub.unsubscribe()
-            return None  # listed a moment ago, expired since
-        if not isinstance(first, Meta):
-            await sub.unsubscribe()
-            return None  # the head of the capture expired: not resumable
+            await _unsubscribe(subs)
+            return None  # held a moment ago, expired since
+        if not isinstance(first, Meta):  # cannot be: the merge puts the head first
+            await _unsubscribe(subs)
+            return None
         kind = FollowedStream if follower else FrameStream
         stream = kind(
-            self, _request_of(request_id, first), queue, duplicate=False, meta=first, sub=sub
+            self, _request_of(request_id, first), queue, duplicate=False, meta=first, subs=subs
         )
         stream.skip_through = last_seq
         if not follower:
@@ -281,10 +306,30 @@ class Dispatcher:
                 await self._nc.publish(resumed_subject(request_id), b"")
         return stream
 
+    async def _capture_head(self, subject: str) -> Frame | Tokens | None:
+        """The first captured message of one request (None: nothing captured,
+        or not decodable)."""
+        try:
+            head = await self._js.get_msg(
+                self.topology.frames_stream, seq=1, subject=subject, next=True
+            )
+        except NotFoundError:
+            return None
+        try:
+            return decode_captured(head.data or b"")
+        except msgspec.DecodeError:
+            return None
+
     async def cancel(
         self, request_id: str, reason: str, *seqs: int | None, keep_attempt: int = 0
     ) -> None:
         await self.client.cancel(request_id, reason, *seqs, keep_attempt=keep_attempt)
+
+
+async def _unsubscribe(subs: tuple[Subscription, ...]) -> None:
+    for sub in subs:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
 
 
 def _request_of(request_id: str, meta: Meta) -> InferenceRequest:
@@ -318,12 +363,12 @@ class FrameStream(FrameReader):
         duplicate: bool,
         seq: int | None = None,
         meta: Meta | None = None,
-        sub: Subscription | None = None,
+        subs: tuple[Subscription, ...] = (),
     ) -> None:
         super().__init__(queue, req.deadline)
         self._d = dispatcher
         self.meta = meta
-        self._sub = sub  # a resumed stream's own subscription
+        self._subs = subs  # a resumed stream's own subscriptions
         self.stream_seq = seq  # the request message's sequence in the work queue
         self.req = req
         self.duplicate = duplicate
@@ -381,9 +426,9 @@ class FrameStream(FrameReader):
         if self.hedge_task is not None:
             self.hedge_task.cancel()
         self._d.forget(self.req.id)
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            self._d.defer_unsubscribe(sub)
+        if self._subs:
+            subs, self._subs = self._subs, ()
+            self._d.defer_unsubscribe(subs)
 
 
 class FollowedStream(FrameStream):

@@ -39,7 +39,7 @@ from streams.definitions import Topology
 from streams.outbox import Outbox, Settlement
 from streams.request_ledger import LedgerRecord
 from streams.subjects import frames_filter
-from streams.wire import ErrorFrame, Final, Meta, Usage, decode_frame
+from streams.wire import ErrorFrame, Final, Meta, Usage, decode_frame, decode_frames
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,8 @@ class Settlements:
         except NotFoundError:
             return None
         try:
-            meta, frame = decode_frame(head.data or b""), decode_frame(last.data or b"")
+            # The capture's last message may hold many tokens: its last one counts.
+            meta, frame = decode_frame(head.data or b""), decode_frames(last.data or b"")[-1]
         except msgspec.DecodeError:
             return None
         if not isinstance(meta, Meta):

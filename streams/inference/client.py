@@ -32,7 +32,7 @@ from streams.errors import (
 from streams.headers import Header
 from streams.marks import CancelMarks
 from streams.subjects import cancel_subject, frames_filter
-from streams.wire import Cancel, InferenceRequest, Meta, Token, decode_frame, encode
+from streams.wire import Cancel, InferenceRequest, Meta, Token, decode_frames, encode
 
 PUBLISH_TIMEOUT_S = 5.0
 # JetStream API errors of a full work queue: maximum messages / maximum bytes
@@ -149,11 +149,11 @@ class InferenceClient:
 
         async def on_msg(msg: Msg) -> None:
             with contextlib.suppress(msgspec.DecodeError):
-                frame = decode_frame(msg.data)
-                if isinstance(frame, Token) and frame.attempt == attempt and frame.seq in want:
-                    found[frame.seq] = frame
-                    if len(found) == len(want):
-                        complete.set()
+                for frame in decode_frames(msg.data):  # the capture batches tokens
+                    if isinstance(frame, Token) and frame.attempt == attempt and frame.seq in want:
+                        found[frame.seq] = frame
+                if len(found) == len(want):
+                    complete.set()
 
         try:
             sub = await self.follow(tenant, request_id, on_msg)

@@ -76,31 +76,42 @@ class InOrder:
     for the other source; a copy of one already passed is dropped; a heartbeat
     passes only once the tokens it vouches for have."""
 
-    def __init__(self, out: FrameBuffer) -> None:
+    def __init__(self, out: FrameBuffer, meta_first: bool = False) -> None:
         self._out = out
         self._next: dict[int, int] = {}  # attempt -> next seq to pass
         self._held: dict[int, dict[int, Frame]] = {}
         self._meta = False
+        # A resumed reader starts from the capture's head frame: what the live
+        # subject brings before it waits behind it.
+        self._before_meta: list[Frame] | None = [] if meta_first else None
 
-    def offer(self, frame: Frame) -> None:
+    def offer(self, frame: Frame) -> bool:
+        """True when a frame passed on hit the buffer's bound (FrameBuffer.offer)."""
         if isinstance(frame, Meta):
-            if not self._meta:
-                self._meta = True
-                self._out.offer(frame)
-            return
+            if self._meta:
+                return False
+            self._meta = True
+            hit = self._out.offer(frame)
+            early, self._before_meta = self._before_meta or [], None
+            for waited in early:
+                hit = self.offer(waited) or hit
+            return hit
+        if self._before_meta is not None:
+            self._before_meta.append(frame)
+            return False
         nxt = self._next.get(frame.attempt, 1)
         if isinstance(frame, Heartbeat):
-            if frame.seq < nxt:
-                self._out.offer(frame)
-            return
+            return frame.seq < nxt and self._out.offer(frame)
         if frame.seq < nxt:
-            return  # the other source's copy
+            return False  # the other source's copy
         held = self._held.setdefault(frame.attempt, {})
         held[frame.seq] = frame
+        hit = False
         while nxt in held:
-            self._out.offer(held.pop(nxt))
+            hit = self._out.offer(held.pop(nxt)) or hit
             nxt += 1
         self._next[frame.attempt] = nxt
+        return hit
 
 
 class FrameReader:

@@ -35,6 +35,13 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         yield f
 
 
+def long_chat(max_tokens: int) -> dict[str, Any]:
+    """A request that really generates ``max_tokens`` (the simulator's text
+    otherwise ends after 16..64 tokens): one that must still run while others
+    join and leave."""
+    return chat(max_tokens=max_tokens, ignore_eos=True)
+
+
 def chat(max_tokens: int = 30, **kw: Any) -> dict[str, Any]:
     return {
         "model": "sim-8b",
@@ -155,9 +162,9 @@ async def test_other_tenants_and_sampled_requests_are_not_coalesced(fleet: Fleet
 
 
 async def test_leader_leaving_mid_stream_does_not_break_followers(fleet: Fleet) -> None:
-    # Long enough (about 4 s of decode on h100-8b) that the leader leaves while the
+    # Long enough (seconds of decode on h100-8b) that the leader leaves while the
     # generation still runs, even when joining three followers is slow on a loaded box.
-    body = chat(max_tokens=400)
+    body = long_chat(400)
     async with httpx.AsyncClient(timeout=30) as c:
         before = await sim_stats(c, fleet)
         leader_started = asyncio.Event()
@@ -262,7 +269,7 @@ async def _lead(
 
 
 async def test_identical_requests_on_two_gateways_share_one_generation(pair: Fleet) -> None:
-    body = chat(max_tokens=300)  # about 3 s of decode: the others arrive while it runs
+    body = long_chat(300)  # seconds of decode: the others arrive while it runs
     async with httpx.AsyncClient(timeout=30) as c:
         before, coalesced_before = await sim_stats(c, pair), await _fleet_coalesced(c, pair)
         started = asyncio.Event()
@@ -286,7 +293,7 @@ async def test_identical_requests_on_two_gateways_share_one_generation(pair: Fle
 
 
 async def test_leader_leaving_on_one_gateway_keeps_the_other_reading(pair: Fleet) -> None:
-    body = chat(max_tokens=400)
+    body = long_chat(400)
     async with httpx.AsyncClient(timeout=30) as c:
         before = await sim_stats(c, pair)
         started, release = asyncio.Event(), asyncio.Event()
@@ -317,7 +324,7 @@ async def test_leader_leaving_on_one_gateway_keeps_the_other_reading(pair: Fleet
 
 
 async def test_the_last_reader_anywhere_stops_the_engine(pair: Fleet) -> None:
-    body = chat(max_tokens=2000)  # far longer than the test: only a cancel ends it early
+    body = long_chat(2000)  # far longer than the test: only a cancel ends it early
     async with httpx.AsyncClient(timeout=30) as c:
         before = await sim_stats(c, pair)
         started, release = asyncio.Event(), asyncio.Event()

@@ -20,7 +20,7 @@ from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY, Limits, Topology
 from streams.headers import Header
 from streams.provision import ensure_topology
-from streams.subjects import RequestClass, reply_subject
+from streams.subjects import RequestClass, live_subject, reply_subject
 from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Usage, encode
 
 pytestmark = pytest.mark.connected
@@ -142,8 +142,9 @@ async def test_malformed_frame_is_dead_lettered_and_the_stream_continues(
         await dispatcher.start()
         req, meta = request(reply_subject("acme", "gw", "r2"), "r2")
         stream = await dispatcher.submit(req, meta)
-        await nc.publish(req.reply, b"{garbage")
-        await nc.publish(req.reply, encode(Final(1, "stop", Usage(1, 0))))
+        # As a worker would: on the live twin of the reply subject.
+        await nc.publish(live_subject(req.reply), b"{garbage")
+        await nc.publish(live_subject(req.reply), encode(Final(1, "stop", Usage(1, 0))))
         event = await stream.next_event(heartbeat_timeout=5)
         assert isinstance(event, Final)
         await dispatcher.stop()  # waits for the dead-letter write it owns

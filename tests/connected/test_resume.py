@@ -14,7 +14,10 @@ import pytest
 import websockets
 
 from jetserve.fleet import Fleet, FleetSpec
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.subjects import frames_filter
 from tests.refusals import assert_no_refusals
+from workers.inference.relay import CAPTURE_EVERY_S
 
 pytestmark = pytest.mark.connected
 
@@ -292,3 +295,49 @@ async def test_resume_after_each_websocket_chunk_over_http(two_replicas: Fleet) 
     (request_id,) = request_ids
     async with httpx.AsyncClient(timeout=30) as c:
         await _resume_after_every_event(fleet, c, request_id, full)
+
+
+async def test_the_capture_keeps_tokens_batched_and_refuses_a_resume_past_its_start(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Tokens go live one by one but the frames capture keeps a message per
+    quarter second (workers/inference/relay.py); a stream whose start the
+    capture no longer holds is refused with 410 resume_window_exceeded, never
+    answered with a partial text."""
+    fleet = make_fleet(workers=1)
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:5"}
+    body = {**BODY, "max_tokens": 200, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as c:
+        async with c.stream(
+            "POST", f"{fleet.base_url}/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            request_id = r.headers["x-request-id"]
+            started = asyncio.get_running_loop().time()
+            texts, _, done, error = await read_events(r)
+            elapsed = asyncio.get_running_loop().time() - started
+        assert done, error
+        assert "".join(texts) == reference(fleet, {**body, "stream": False})
+
+        nc = await fleet.connect()
+        try:
+            js = nc.jetstream()
+            topo = DEFAULT_TOPOLOGY
+            subject = frames_filter(fleet.spec.tenant, request_id)
+            info = await js.stream_info(topo.frames_stream, subjects_filter=subject)
+            (captured,) = (info.state.subjects or {}).values()
+            # Meta, the final frame, and one batch per quarter second at most.
+            assert 3 <= captured <= 3 + elapsed / CAPTURE_EVERY_S, (captured, elapsed)
+            assert captured < 200 / 4
+
+            # The oldest frames go first: take the head away as the bound would.
+            head = await js.get_msg(topo.frames_stream, seq=1, subject=subject, next=True)
+            assert head.seq is not None
+            await js.delete_msg(topo.frames_stream, head.seq)
+        finally:
+            await nc.close()
+        r = await c.get(
+            f"{fleet.base_url}/v1/requests/{request_id}/stream",
+            headers={"Authorization": f"Bearer {fleet.api_key}", "Last-Event-ID": "10"},
+        )
+        assert r.status_code == 410, r.text
+        assert r.json()["error"]["code"] == "resume_window_exceeded"

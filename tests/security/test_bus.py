@@ -106,6 +106,9 @@ FORBIDDEN = [
     (Role.SERVICE, "publish", f"{request_subject(RequestClass.BATCH)}.l03"),
     (Role.SERVICE, "subscription", "jetserve.reply.>"),
     (Role.SERVICE, "subscription", "jetserve.reply.acme.*.*"),
+    (Role.SERVICE, "subscription", "jetserve.live.>"),  # the frames' live twins
+    (Role.SERVICE, "subscription", "jetserve.live.acme.*.*"),
+    (Role.SERVICE, "publish", "jetserve.live.acme.gw.r"),
     (Role.SERVICE, "subscription", "_INBOX.tenant.acme.>"),
     (Role.SERVICE, "subscription", "jetserve.run.acme.>"),
     (Role.SERVICE, "subscription", "jetserve.api.>"),
@@ -119,6 +122,7 @@ FORBIDDEN = [
     (Role.WORKER, "publish", "jetserve.api.chat"),
     (Role.WORKER, "publish", f"$JS.API.STREAM.UPDATE.{TOPO.stream}"),
     (Role.WORKER, "publish", f"$JS.API.CONSUMER.CREATE.{TOPO.stream}.mine"),
+    (Role.WORKER, "publish", f"$JS.API.CONSUMER.CREATE.{TOPO.stream}.mine.jetserve.pool.x.batch"),
     (Role.WORKER, "publish", "$JS.API.CONSUMER.MSG.NEXT.JETSERVE_AGENT.agent-executor"),
     (Role.WORKER, "publish", request_subject(RequestClass.INTERACTIVE)),
     (Role.WORKER, "subscription", "_INBOX.gateway.>"),
@@ -130,6 +134,7 @@ FORBIDDEN = [
     # A tool server answers calls; it publishes nothing of its own.
     (Role.TOOLS, "publish", request_subject(RequestClass.INTERACTIVE)),
     (Role.TOOLS, "subscription", "jetserve.reply.>"),
+    (Role.TOOLS, "subscription", "jetserve.live.>"),
     # Even the gateway may not delete or purge a stream.
     (Role.GATEWAY, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
     (Role.GATEWAY, "publish", f"$JS.API.STREAM.PURGE.{TOPO.frames_stream}"),

@@ -35,8 +35,8 @@ from streams.errors import (
 from streams.inference.client import InferenceClient
 from streams.inference.frames import FrameBuffer, FrameReader, InOrder
 from streams.inference.tool_calls import ToolCalls
-from streams.subjects import RequestClass, frames_filter, reply_subject, request_subject
-from streams.wire import ErrorFrame, InferenceRequest, Token, Usage, decode_frame
+from streams.subjects import RequestClass, live_filter, reply_subject, request_subject
+from streams.wire import ErrorFrame, InferenceRequest, Token, Usage, decode_frames
 from workers.agent.errors import ModelCallFailed
 
 log = logging.getLogger(__name__)
@@ -105,13 +105,14 @@ class ModelClient:
 
         async def on_frame(msg: Msg) -> None:
             try:
-                merged.offer(decode_frame(msg.data))
+                for frame in decode_frames(msg.data):  # the capture batches tokens
+                    merged.offer(frame)
             except msgspec.DecodeError:
                 log.warning("run %s: undecodable frame dropped", run.id)
 
         # Live and from the capture: either alone can lose every frame of a
         # short answer while a NATS node dies (streams.inference.frames.InOrder).
-        live = await self._nc.subscribe(frames_filter(run.tenant, call.request_id), cb=on_frame)
+        live = await self._nc.subscribe(live_filter(run.tenant, call.request_id), cb=on_frame)
         try:
             sub = await self._client.follow(run.tenant, call.request_id, on_frame)
         except BaseException:

@@ -1,6 +1,18 @@
-"""Frames from a worker to the reply subject of one request: sequence numbers,
-and heartbeats whenever the request is quiet, so the receiver can tell a slow
-engine from a dead worker."""
+"""Frames from a worker for one request: sequence numbers, and heartbeats
+whenever the request is quiet, so the receiver can tell a slow engine from a
+dead worker.
+
+Two subjects. Every token and heartbeat goes at once to the live twin of the
+request's reply subject (core NATS, nothing stored): the reader's latency is
+the engine's. The frames capture (a memory stream on the reply subject, for
+resume, gap healing and agent model-call recovery) gets what those need in
+fewer, larger messages: the tokens of each quarter second in one
+:class:`streams.wire.Tokens` (JSON arrays, defaults left out), and the terminal
+frame; no heartbeats (only a live reader needs them). A token in a batch
+costs its text and a comma, unless it carries more (logprobs, a tool call). Per request it keeps a
+message per 0.25 s of streaming instead of one per token: the capture's
+bytes per request, and so its window at a given load, scale with the text,
+not the token count (docs/reliability.md, "The resume window")."""
 
 from __future__ import annotations
 
@@ -10,16 +22,32 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from streams.wire import ErrorFrame, Final, Heartbeat, Token, Usage, encode
+from streams.subjects import live_subject
+from streams.wire import ErrorFrame, Final, Heartbeat, Token, Tokens, Usage, encode
+
+CAPTURE_EVERY_S = 0.25  # the longest a token waits for the capture
+CAPTURE_MAX_BYTES = 256 << 10  # a batch is flushed before it grows past this (logprobs)
 
 
 class FrameSender:
-    def __init__(self, nc: Client, subject: str, attempt: int, heartbeat_s: float) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        subject: str,
+        attempt: int,
+        heartbeat_s: float,
+        capture_every_s: float = CAPTURE_EVERY_S,
+    ) -> None:
         self._nc = nc
-        self._subject = subject
+        self._capture = subject  # the reply subject: the frames capture keeps it
+        self._live = live_subject(subject)
         self._attempt = attempt
         self._heartbeat_s = heartbeat_s
+        self._every = capture_every_s
         self._last_sent = time.monotonic()
+        self._batch: list[Token] = []  # tokens sent live, not yet captured
+        self._batch_at = 0.0
+        self._batch_bytes = 0
         self.seq = 0  # seq of the last token sent
         self.closed = False
         self.outcome = ""  # the finish reason or error code of the terminal frame
@@ -27,10 +55,6 @@ class FrameSender:
     @property
     def started(self) -> bool:
         return self.seq > 0
-
-    async def _publish(self, payload: bytes) -> None:
-        self._last_sent = time.monotonic()
-        await self._nc.publish(self._subject, payload)
 
     async def token(
         self,
@@ -42,24 +66,56 @@ class FrameSender:
     ) -> None:
         self.seq += 1
         frame = Token(self.seq, text, tool_calls, finish_reason, self._attempt, logprobs, index)
-        await self._publish(encode(frame))
+        data = encode(frame)
+        now = self._last_sent = time.monotonic()
+        await self._nc.publish(self._live, data)
+        if not self._batch:
+            self._batch_at = now
+        self._batch.append(frame)
+        self._batch_bytes += len(data)
+        if now - self._batch_at >= self._every or self._batch_bytes >= CAPTURE_MAX_BYTES:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """The tokens not captured yet, in one message of the capture."""
+        if self._batch:
+            batch, self._batch, self._batch_bytes = self._batch, [], 0
+            await self._nc.publish(self._capture, encode(Tokens.of(batch)))
+
+    async def _terminal(self, data: bytes) -> None:
+        await self._flush()
+        self._last_sent = time.monotonic()
+        await self._nc.publish(self._live, data)
+        await self._nc.publish(self._capture, data)
 
     async def final(self, **fields: Any) -> None:
         self.closed = True
         self.outcome = str(fields.get("finish_reason", "stop"))
         usage = fields.pop("usage", Usage())
-        frame = Final(seq=self.seq + 1, usage=usage, attempt=self._attempt, **fields)
-        await self._publish(encode(frame))
+        await self._terminal(
+            encode(Final(seq=self.seq + 1, usage=usage, attempt=self._attempt, **fields))
+        )
 
     async def error(self, code: str, message: str, *, status: int, retryable: bool) -> None:
         self.closed = True
         self.outcome = code
-        frame = ErrorFrame(self.seq + 1, code, message, retryable, status, self._attempt)
-        await self._publish(encode(frame))
+        await self._terminal(
+            encode(ErrorFrame(self.seq + 1, code, message, retryable, status, self._attempt))
+        )
 
     async def heartbeats(self) -> None:
-        """Run until cancelled: a heartbeat whenever nothing went out for a beat."""
+        """Run until cancelled: a heartbeat whenever nothing went out for a beat,
+        and the capture's batch once it is old (the engine went quiet: a batch
+        waits at most ``heartbeat_s / 2`` more)."""
         while not self.closed:
             await asyncio.sleep(self._heartbeat_s / 2)
-            if not self.closed and time.monotonic() - self._last_sent >= self._heartbeat_s:
-                await self._publish(encode(Heartbeat(self.seq, time.time(), self._attempt)))
+            if self.closed:
+                return
+            now = time.monotonic()
+            if self._batch and now - self._batch_at >= self._every:
+                await self._flush()
+            if now - self._last_sent >= self._heartbeat_s:
+                self._last_sent = now
+                await self._nc.publish(
+                    self._live, encode(Heartbeat(self.seq, time.time(), self._attempt))
+                )

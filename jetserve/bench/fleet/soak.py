@@ -9,8 +9,14 @@ answers two questions:
 - **does anything fail?** Every accepted request must complete, apart from the
   ones its client abandoned on purpose: ``failed`` and ``lost`` must be 0, and so
   must the requests past ``max_deliver`` and the dead-letter queue.
-- **does memory stay flat?** The RSS of the gateway and of each worker, sampled
-  every few seconds: the median of the first minute against that of the last.
+- **does memory stay flat?** The RSS of the gateway, of each worker and of
+  nats-server, sampled every few seconds: the median of the first minute
+  against that of the last.
+
+It also reports the frames capture (``JETSERVE_FRAMES``, workers/inference/
+relay.py): its bytes and messages per request at the end of the run, and the
+resume window they give at the run's rate and at 10x and 100x it (the capture
+keeps 10 minutes within 512 MB: the window is the shorter of the two).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from jetserve.bench.arrivals import gap
 from jetserve.bench.fleet.client import Shot, chat, summarize, system_prompt
 from jetserve.bench.openloop import open_loop
 from jetserve.fleet import Fleet, FleetSpec
+from streams.definitions import DEFAULT_TOPOLOGY
 
 STREAM_SHARE = 0.6
 CANCEL_SHARE = 0.05
@@ -142,6 +149,8 @@ class SoakClient:
 def _sampler(fleet: Fleet, t0: float, samples: list[dict[str, Any]]) -> asyncio.Task[None]:
     procs = {f"gateway{i}": g.proc.pid for i, g in enumerate(fleet.gateways)}
     procs |= {f"worker{i}": w.proc.pid for i, w in enumerate(fleet.workers)}
+    if fleet.nats is not None:
+        procs["nats-server"] = fleet.nats.proc.pid
 
     async def sample() -> None:
         while True:
@@ -171,6 +180,29 @@ def _flatness(samples: list[dict[str, Any]], duration: float) -> dict[str, Any]:
     return out
 
 
+def resume_window(
+    captured_bytes: int, captured_messages: int, requests: int, rate: float
+) -> dict[str, Any]:
+    """The frames capture per request, and the window it gives at a rate: the
+    capture keeps ``max_age`` unless ``max_bytes`` fills first (oldest out)."""
+    limits = DEFAULT_TOPOLOGY.frames
+    per = captured_bytes / max(requests, 1)
+
+    def window(rps: float) -> float:
+        return round(min(limits.max_age_s, limits.max_bytes / max(per * rps, 1e-9)), 1)
+
+    return {
+        "requests": requests,
+        "bytes_per_request": round(per),
+        "messages_per_request": round(captured_messages / max(requests, 1), 2),
+        "max_bytes": limits.max_bytes,
+        "max_age_s": limits.max_age_s,
+        "window_s": {f"{m * rate:g} req/s": window(m * rate) for m in (1, 10, 100)},
+        # The rate at which the bytes bound, not the age, starts to decide.
+        "full_age_up_to_rps": round(limits.max_bytes / max(per * limits.max_age_s, 1e-9), 1),
+    }
+
+
 def _metric(text: str, name: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
@@ -188,6 +220,7 @@ async def _bus_counts(fleet: Fleet) -> dict[str, Any]:
     try:
         info = await nc.jetstream().stream_info("JETSERVE_DLQ")
         dead = info.state.messages
+        frames = await nc.jetstream().stream_info(DEFAULT_TOPOLOGY.frames_stream)
     finally:
         await nc.close()
     lane: Counter[str] = Counter()
@@ -200,6 +233,8 @@ async def _bus_counts(fleet: Fleet) -> dict[str, Any]:
     return {
         "max_deliveries_exceeded": int(rejected.get('{reason="max_deliveries_exceeded"}', 0)),
         "dead_letters": dead,
+        "capture_bytes": frames.state.bytes,
+        "capture_messages": frames.state.messages,
         "acks_unconfirmed": int(unconfirmed),
         "lane_events": dict(lane),
     }
@@ -233,6 +268,9 @@ async def soak(rate: float, duration: float, seed: int) -> dict[str, Any]:
         if s.outcome == "error":  # no answer at all: a failure too
             s.outcome = "failed"
     done = [s for s in shots if s.outcome != "cancelled"]
+    capture = resume_window(
+        counts.pop("capture_bytes"), counts.pop("capture_messages"), len(shots), rate
+    )
     row = summarize("soak", done, duration, cancelled=len(shots) - len(done), **counts)
     return {
         "scenario": "soak",
@@ -248,6 +286,7 @@ async def soak(rate: float, duration: float, seed: int) -> dict[str, Any]:
             "faults": "none",
         },
         "rss": _flatness(samples, duration),
+        "capture": capture,
         "rss_samples": samples,
         "rows": [asdict(row)],
     }
