@@ -206,7 +206,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             queue_watch=queue_watch,
             fair_gate=fair_gate,
             fleet_coalescing=FleetCoalescing(rds),
-            pools=await _started(stack, PoolView(js, cfg.topology)),
+            pools=await _started(stack, PoolView(js, cfg.topology, route_table)),
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
         await _started(stack, NatsIngress(nc, gw))

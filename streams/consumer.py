@@ -23,11 +23,14 @@ Idle cost: an empty queue costs one pull per expiry. While the owner is quiet
 to ``idle_poll_s``; the first message, or any work in flight, brings it back
 to ``poll_s``. Most of an idle fleet's CPU was these pulls (issue 14).
 
-A polling pull holds a slot. Under load (the owner not quiet) a puller with
-``peek`` whose last pull was empty asks the consumer's pending count (one API
-call, no slot) every ``poll_s`` instead, and takes a slot only once something
-waits: a lower class's empty queue then keeps no slot from interactive work
-under saturation, and its floor goes to the class that has work (issue 15).
+A polling pull holds a slot. Under load (the owner not quiet), or while its
+slot would be the owner's last free one, a puller with ``peek`` whose last pull
+was empty asks the consumer's pending count (one API call, no slot) every
+``poll_s`` instead, and takes a slot only once something waits: a lower
+class's empty queue then keeps no slot from interactive work under
+saturation, and its floor goes to the class that has work (issue 15); nor does
+its idle poll (up to a quarter of ``idle_poll_s``) hold a one-slot worker's
+only slot while interactive requests pass it by.
 
 A source is anything with ``run()`` (pull and start messages until cancelled,
 or until its slots close) and ``hand_back()``: :class:`PullLoop` fetches from
@@ -158,10 +161,12 @@ class PullLoop:
         quiet: Callable[[], bool] = lambda: True,
         rest_s: float | None = None,
         peek: bool = False,
+        scarce: Callable[[], bool] = lambda: False,
     ) -> None:
         self._sub = sub
         self._rest = rest_s
         self._peek = peek
+        self._scarce = scarce  # whether a slot taken now would be the last free one
         self._start = start
         self._slots = slots
         self._batch = batch
@@ -206,7 +211,8 @@ class PullLoop:
         idle = self._empty > 0
         if wait:
             if idle and self._peek:
-                while not self._quiet():  # quiet: a polling slot keeps no one out
+                # Quiet, with slots to spare: a polling slot keeps no one out.
+                while not self._quiet() or self._scarce():
                     if await self._pending():
                         idle = False  # work in sight: a waiter like any other
                         break

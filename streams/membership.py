@@ -1,7 +1,8 @@
 """Who is serving: the live workers and the deployment pool each serves.
 
 A KV bucket (``jetserve_workers``) holds one key per worker, its value the
-deployment the worker serves (empty: none declared). Each worker puts its key
+deployment the worker serves (empty: none declared) and its load (requests
+started per second, smoothed). Each worker puts its key
 every ``every_s`` and follows the bucket with one watch; lane ownership is
 computed from what it sees (streams/rendezvous.py): the shared lanes among all
 members, a pool's lanes among the pool's members. Gateways follow the same
@@ -21,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
@@ -35,6 +37,31 @@ log = logging.getLogger(__name__)
 MEMBERS_BUCKET = "jetserve_workers"
 MAX_PRIORITY = 9  # the server's lowest priority level
 SHARED = ""  # the shared class subjects' pool: every member
+# Bounded load at run time: an owner starting more than this times its pool's
+# mean (plus a little, so an idle fleet's noise does not count) lets its lanes'
+# backups go first until it is back under (workers/inference/affinity.py).
+HOT_FACTOR = 1.25
+HOT_SLACK = 0.5  # requests per second
+
+
+class MemberInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A member's value in the bucket: ``["deployment", load]``."""
+
+    deployment: str = ""
+    load: float = 0.0
+
+
+_info_decoder = msgspec.json.Decoder(MemberInfo)
+
+
+def member_info(value: bytes | None) -> MemberInfo:
+    """A bucket value; a plain deployment name (older workers) too."""
+    if not value:
+        return MemberInfo()
+    if value[:1] == b"[":
+        with contextlib.suppress(msgspec.DecodeError):
+            return _info_decoder.decode(value)
+    return MemberInfo(value.decode(errors="replace"))
 
 
 class Membership:
@@ -51,13 +78,16 @@ class Membership:
         depth: int = DEFAULT_DEPTH,
         load_factor: float = DEFAULT_LOAD_FACTOR,
         deployment: str = "",
+        load: Callable[[], float] = lambda: 0.0,
     ):
         self._js = js
         self.worker_id = worker_id
         self.deployment = deployment
+        self._load = load  # this worker's requests started per second, smoothed
+        self.loads: dict[str, float] = {}  # member -> its load as last heard
         self._replicas = replicas
         self._every = every_s
-        self._depth = depth
+        self.depth = depth  # the workers that pull each lane: owner and backups
         self._load_factor = load_factor
         # (pool, lane count) -> the order, for the current members.
         self._orders: dict[tuple[str, int], LaneOrder] = {}
@@ -83,7 +113,7 @@ class Membership:
             # A bucket just created on a cluster has no leader for a moment: retry.
             for attempt in range(50):
                 try:
-                    await self._kv.put(self.worker_id, self.deployment.encode())
+                    await self._kv.put(self.worker_id, self._value())
                     break
                 except (nats.errors.Error, TimeoutError):
                     if attempt == 49:
@@ -96,16 +126,23 @@ class Membership:
             self._note(entry)
         self._recompute()
 
+    def _value(self) -> bytes:
+        return msgspec.json.encode(MemberInfo(self.deployment, round(self._load(), 3)))
+
     def _note(self, entry: KeyValue.Entry) -> None:
         if entry.operation in (KV_DEL, KV_PURGE):
             self._seen.pop(entry.key, None)
+            self.loads.pop(entry.key, None)
         else:
-            self._seen[entry.key] = (time.monotonic(), (entry.value or b"").decode())
+            info = member_info(entry.value)
+            self._seen[entry.key] = (time.monotonic(), info.deployment)
+            self.loads[entry.key] = info.load
 
     def _recompute(self) -> None:
         horizon = time.monotonic() - self._every * 4
         for gone in [k for k, (at, _) in self._seen.items() if at < horizon]:
             del self._seen[gone]
+            self.loads.pop(gone, None)
         seen = {k: dep for k, (_, dep) in self._seen.items()}
         if self.worker_id:
             seen[self.worker_id] = self.deployment
@@ -132,7 +169,7 @@ class Membership:
                 await asyncio.sleep(self._every)
                 if self.worker_id:
                     with contextlib.suppress(nats.errors.Error, TimeoutError):
-                        await self._kv.put(self.worker_id, self.deployment.encode())
+                        await self._kv.put(self.worker_id, self._value())
                 self._recompute()
         finally:
             with contextlib.suppress(nats.errors.Error):
@@ -156,6 +193,18 @@ class Membership:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._kv.delete(self.worker_id)
 
+    def hot(self, pool: str = SHARED) -> bool:
+        """Whether this worker starts well above its pool's mean: its lanes'
+        backups then go before it (bounded load while the load lasts, not only
+        in how many lanes it owns)."""
+        members = self.members if pool == SHARED else self.pools.get(pool, ())
+        if len(members) < 2 or self.worker_id is None:
+            return False
+        mine = self._load()
+        mean = sum(self.loads.get(m, 0.0) for m in members if m != self.worker_id) + mine
+        mean /= len(members)
+        return mine > HOT_FACTOR * mean + HOT_SLACK
+
     def live(self, deployment: str) -> bool:
         """Whether ``deployment``'s pool has a live worker."""
         return bool(self.pools.get(deployment))
@@ -167,7 +216,7 @@ class Membership:
         if order is None:
             members = self.members if pool == SHARED else self.pools.get(pool, ())
             order = self._orders[(pool, lanes)] = assign(
-                members, lanes, self._depth, self._load_factor
+                members, lanes, self.depth, self._load_factor
             )
         return order
 

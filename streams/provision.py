@@ -129,7 +129,12 @@ async def ensure_pool(js: JetStreamContext, topo: Topology, deployment: str) -> 
     token = pool_token(deployment)
     wants = pool_consumer_configs(topo, token)
     have = {i.name: i for i in await consumer_infos(js, topo.stream)}
-    await _create_missing(js, topo.stream, wants, have)
+    # Lanes first, the plain consumers after: a worker takes the plain ones'
+    # presence as the pool's (workers/inference/pool_source.py).
+    lanes = [w for w in wants if "priority_groups" in w]
+    await _create_missing(js, topo.stream, lanes, have)
+    for plain in (w for w in wants if w not in lanes):  # in order: the last one says "ready"
+        await _create_missing(js, topo.stream, [plain], have)
     return token
 
 

@@ -1,11 +1,15 @@
-"""Which deployment pool a routed request goes to (streams/pools.py).
+"""Which deployment pool a routed request goes to (streams/pools.py), and the
+pools themselves.
 
 A request whose route names candidate deployments goes to the pool of the
 first candidate that has a live worker, as the workers' membership bucket says
 (followed read-only), else to the first candidate's (it waits there for a
-worker: a pool scaled to zero comes back on its queue depth). The pool's
-consumers are made on first use, once per process, so a route applied at any
-time is served without a restart."""
+worker: a pool scaled to zero comes back on its queue depth). Every gateway
+makes the pool of every candidate of every route as the route table shows them
+(checked every ``every_s``), and on first use, so a route applied at any time
+is served without a restart, and a worker's fallback to the next candidate
+lands in a pool that exists. Workers only pull pools (workers/inference/
+pool_source.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from gateway.errors import Unavailable
+from gateway.inference.route_table import RouteTable
 from streams.definitions import Topology
 from streams.errors import ProvisioningError
 from streams.membership import Membership, follow_members
@@ -26,23 +31,47 @@ from streams.tasks import stop_task
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # before the bucket exists (no worker yet): look again this often
+PROVISION_EVERY_S = 1.0  # how often the route table is checked for new candidates
 
 
 class PoolView:
-    def __init__(self, js: JetStreamContext, topology: Topology) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        topology: Topology,
+        routes: RouteTable | None = None,
+        every_s: float = PROVISION_EVERY_S,
+    ) -> None:
         self._js = js
         self._topo = topology
+        self._routes = routes
+        self._every = every_s
         self._members: Membership | None = None
         self._made: dict[str, str] = {}  # deployment -> its pool token, consumers made
         self._making: dict[str, asyncio.Lock] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._follow(), name="pool-view")
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="pool-view"),
+            asyncio.create_task(self._provision(), name="pool-provision"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await stop_task(self._task)
+        for task in self._tasks:
+            await stop_task(task)
+
+    async def _provision(self) -> None:
+        """The pools of every route's candidates (cheap when nothing is new)."""
+        while True:
+            if self._routes is not None:
+                for name in self._routes.names():
+                    record = self._routes.get(name)
+                    for dep in record.contract.candidates if record is not None else ():
+                        if dep.name not in self._made:
+                            with contextlib.suppress(Unavailable):  # tried again next round
+                                await self.token(dep.name)
+            await asyncio.sleep(self._every)
 
     async def _follow(self) -> None:
         while True:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import pytest
 from nats.aio.client import Client
@@ -16,7 +17,7 @@ from streams.auth import Role
 from streams.connect import connect
 from streams.definitions import Topology
 from streams.depth import read_depths
-from streams.membership import Membership
+from streams.membership import MEMBERS_BUCKET, Membership
 from streams.provision import await_topology, ensure_topology
 from streams.subjects import RequestClass, excess_subject, lane_subject, request_subject
 from streams.tasks import stop_task
@@ -53,23 +54,25 @@ async def test_members_forget_the_killed_and_the_departed(nats_server: Service) 
     a, b, c = [await Member(nc, f"w{i}").start() for i, nc in enumerate(conns[:3])]
     try:
         everyone = ("w0", "w1", "w2")
-        await until(lambda: _sees(a, everyone) and _sees(b, everyone), "all three joined")
+        await until(_sees(everyone, a, b), "all three joined")
         lanes_before = a.m.order(256)
 
         await c.die()
         # The killed member's entry expires without a delete marker: the
         # heartbeat loop forgets it within ~4 heartbeats.
-        await until(lambda: _sees(a, ("w0", "w1")) and _sees(b, ("w0", "w1")), "w2 forgotten")
+        await until(_sees(("w0", "w1"), a, b), "w2 forgotten")
         # Its lanes (about a third) moved; the rest stayed with their owners.
         moved = lanes_before.moved(a.m.order(256))
         assert 0.2 <= moved <= 0.45, moved
         assert b.m.order(256) == a.m.order(256)  # both compute the same owners
 
         d = await Member(conns[3], "w3").start()
-        await until(lambda: _sees(a, ("w0", "w1", "w3")), "w3 joined")
+        await until(_sees(("w0", "w1", "w3"), a), "w3 joined")
         # A member that leaves cleanly deletes its entry: the watch shows it at once.
         await d.leave()
-        await until(lambda: _sees(a, ("w0", "w1")), "w3 gone", bound_s=EVERY_S * 4)
+        await until(_sees(("w0", "w1"), a), "w3 gone")
+        kv = await conns[0].jetstream().key_value(MEMBERS_BUCKET)
+        assert "w3" not in await kv.keys()  # deleted, not left to expire
     finally:
         for member in (a, b, c):
             with contextlib.suppress(Exception):
@@ -78,10 +81,13 @@ async def test_members_forget_the_killed_and_the_departed(nats_server: Service) 
             await nc.close()
 
 
-def _sees(member: Member, ids: tuple[str, ...]) -> asyncio.Future[bool]:
-    fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    fut.set_result(member.m.members == ids)
-    return fut
+def _sees(ids: tuple[str, ...], *members: Member) -> Callable[[], Awaitable[bool]]:
+    """A check for :func:`until`: every one of ``members`` sees exactly ``ids``."""
+
+    async def check() -> bool:
+        return all(m.m.members == ids for m in members)
+
+    return check
 
 
 async def test_one_consumer_list_reads_every_lane(nats_server: Service) -> None:

@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import nats.errors
@@ -55,6 +56,27 @@ from workers.inference.admission import Admission
 log = logging.getLogger(__name__)
 
 OWNER_BATCH = 4  # messages one pull may bring the lane's owner
+RATE_TAU_S = 10.0  # the smoothing of a worker's start rate (its load in the members)
+
+
+class StartRate:
+    """Requests started per second, an exponentially decaying average: what a
+    worker tells the members as its load (streams/membership.py, ``hot``)."""
+
+    def __init__(self, tau_s: float = RATE_TAU_S) -> None:
+        self._tau = tau_s
+        self._rate = 0.0
+        self._at = time.monotonic()
+
+    def _decayed(self, now: float) -> float:
+        return self._rate * math.exp(-(now - self._at) / self._tau)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self._rate, self._at = self._decayed(now) + 1.0 / self._tau, now
+
+    def value(self) -> float:
+        return self._decayed(time.monotonic())
 
 
 class LanePuller:
@@ -81,6 +103,7 @@ class LanePuller:
         self._cls = cls
         # SHARED: the class's own lanes; a deployment: that pool's lanes.
         self._pool = pool
+        self._depth = membership.depth
         self._token = pool_token(pool) if pool else ""
         self._rank = rank
         self._admission = admission
@@ -197,6 +220,11 @@ class LanePuller:
         if priority is None:  # not among this lane's owner and backups
             self._live_until[lane] = math.inf
             return
+        if priority == 0 and self._members.hot(self._pool):
+            # Starting well above the pool's mean: the backups go first while
+            # that lasts (a hot prefix warms a second replica instead of
+            # queueing on one); with no backup waiting, it still takes its lane.
+            priority = self._depth
         # The owner takes a burst on its lane (requests sharing a prefix often
         # come together), as many as it has slots for; the others take one.
         batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if priority == 0 else 1

@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from streams.connect import OPEN, BusAuth, connect
-from streams.consumer import PullConsumer, PullLoop
+from streams.consumer import PullConsumer, PullLoop, Source
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.headers import Header
@@ -39,7 +39,7 @@ from streams.logs import log_event
 from streams.marks import CancelMarks, FailureCounts
 from streams.membership import SHARED, Membership
 from streams.pools import pool_consumer_name, pool_token
-from streams.provision import await_topology, ensure_pool
+from streams.provision import await_topology
 from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR
 from streams.routes import Deployment
 from streams.subjects import RequestClass, class_of, excess_subject, pool_of, pool_subject
@@ -49,11 +49,12 @@ from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.inference.admission import Admission, AdmissionConfig
-from workers.inference.affinity import LanePuller
+from workers.inference.affinity import LanePuller, StartRate
 from workers.inference.batching import EmbedBatcher
 from workers.inference.cancels import CancelWatch
 from workers.inference.delivery import confirm_ack, delivery_limit
 from workers.inference.metrics import WorkerMetrics
+from workers.inference.pool_source import PoolSource
 from workers.inference.relay import FrameSender
 from workers.probe import ProbeServer, probe_server
 
@@ -130,6 +131,8 @@ class Worker:
         self._health_due = 0.0  # loop time of the next /health probe
         self._deployment = cfg.deployment.name if cfg.deployment else ""
         self.lanes: list[LanePuller] = []
+        self._members: Membership | None = None
+        self.starts = StartRate()  # its load, as the members hear it
         self._cancels: CancelWatch | None = None
         self._failures: FailureCounts | None = None
         self._acks: set[asyncio.Task[bool]] = set()  # confirmations still running
@@ -152,74 +155,27 @@ class Worker:
             await self._cancels.start()
             await self._observe_engine()
             dep = cfg.deployment.name if cfg.deployment else ""
-            # The pool's consumers exist once a route names the deployment (the
-            # gateway makes them) or a worker of it starts (this one).
-            token = await ensure_pool(js, topo, dep) if dep else ""
             for rank, cls in enumerate(cfg.classes):
-                # One message per pull, and only with a slot in hand. A polling
-                # fetch holds its slot, so lower classes poll briefly: an idle
-                # batch queue does not keep slots from interactive work, and a
-                # class's excess (a flood's, held back by the gateways) polls as
-                # briefly: its slots go first to the class's in-turn requests.
-                # Embeddings waiting behind one may share its batch
-                # (workers/inference/batching.py).
-                more = cfg.embed_batch_max - 1 if cls is RequestClass.EMBED else 0
-                pullers = [(topo.consumer_name(cls), False)]
+                self.consumer.add(await self._class_puller(rank, cls, topo.consumer_name(cls)))
                 if cls in topo.excess_classes:
-                    pullers.append((topo.excess_consumer_name(cls), True))
-                if token:  # its deployment's pool: routed requests only it may serve
-                    pullers.append((pool_consumer_name(token, cls), False))
-                for durable, excess in pullers:
-                    brief = rank > 0 or excess
-                    poll = cfg.poll_s / 4 if brief else cfg.poll_s
-                    sub = await js.pull_subscribe_bind(durable, topo.stream)
-                    self.consumer.add(
-                        PullLoop(
-                            sub,
-                            self.consumer.start,
-                            slots=self.admission.slots(rank, excess),
-                            # An excess is empty but for floods: short pulls,
-                            # resting between them without a slot, so a burst
-                            # of in-turn work finds its slots free.
-                            poll_s=EXCESS_POLL_S if excess else poll,
-                            more=more,
-                            idle_poll_s=cfg.idle_poll_s / 4 if brief else cfg.idle_poll_s,
-                            quiet=self._quiet,
-                            rest_s=poll if excess else None,
-                            # A lower class's empty queue takes no slot under load.
-                            peek=rank > 0 and not excess,
-                        )
-                    )
-            members = Membership(
+                    durable = topo.excess_consumer_name(cls)
+                    self.consumer.add(await self._class_puller(rank, cls, durable, excess=True))
+            members = self._members = Membership(
                 js,
                 cfg.worker_id,
                 topo.replicas,
                 depth=cfg.lane_depth,
                 load_factor=cfg.lane_load_factor,
                 deployment=dep,
+                load=self.starts.value,
             )
             await members.start()
-            self.lanes = [
-                LanePuller(
-                    nc,
-                    topo,
-                    cls,
-                    rank,
-                    self.admission,
-                    members,
-                    self.consumer.start,
-                    cfg.poll_s,
-                    lambda event: self.metrics.lane_events.labels(event).inc(),
-                    idle_poll_s=cfg.idle_poll_s,
-                    quiet=self._quiet,
-                    pool=pool,
-                )
-                for rank, cls in enumerate(cfg.classes)
-                if cls in topo.lane_classes
-                for pool in ((SHARED, dep) if dep else (SHARED,))
-            ]
+            self.lanes = self._lane_pullers(SHARED)
             for lane in self.lanes:
                 self.consumer.add(lane)
+            if dep:
+                # Its deployment's pool: routed requests only its workers may serve.
+                self.consumer.add(PoolSource(js, topo, dep, self._pool_sources))
             self.metrics.lane_members.set_function(lambda: len(members.members))
             self.metrics.lane_stale_pullers.set_function(
                 lambda: sum(lane.stale for lane in self.lanes)
@@ -264,6 +220,72 @@ class Worker:
         polled less often (a polling pull holds a slot: with few slots, a long
         one would keep a waiting class out)."""
         return self.consumer.inflight == 0 and self.admission.waiters == 0
+
+    async def _class_puller(
+        self, rank: int, cls: RequestClass, durable: str, *, excess: bool = False
+    ) -> PullLoop:
+        """A puller of one of the class's plain consumers (its own, its excess,
+        its pool's). One message per pull, and only with a slot in hand. A
+        polling fetch holds its slot, so lower classes poll briefly: an idle
+        batch queue does not keep slots from interactive work, and a class's
+        excess (a flood's, held back by the gateways) polls as briefly: its slots
+        go first to the class's in-turn requests. Embeddings waiting behind one
+        may share its batch (workers/inference/batching.py)."""
+        cfg, js = self.cfg, self._js
+        assert js is not None
+        more = cfg.embed_batch_max - 1 if cls is RequestClass.EMBED else 0
+        brief = rank > 0 or excess
+        poll = cfg.poll_s / 4 if brief else cfg.poll_s
+        sub = await js.pull_subscribe_bind(durable, cfg.topology.stream)
+        return PullLoop(
+            sub,
+            self.consumer.start,
+            slots=self.admission.slots(rank, excess),
+            # An excess is empty but for floods: short pulls, resting between
+            # them without a slot, so a burst of in-turn work finds its slots free.
+            poll_s=EXCESS_POLL_S if excess else poll,
+            more=more,
+            idle_poll_s=cfg.idle_poll_s / 4 if brief else cfg.idle_poll_s,
+            quiet=self._quiet,
+            rest_s=poll if excess else None,
+            # A lower class's empty queue takes no slot under load, nor the last free one.
+            peek=rank > 0 and not excess,
+            scarce=lambda: self.admission.free_slots() <= 1,
+        )
+
+    def _lane_pullers(self, pool: str) -> list[LanePuller]:
+        """One puller of the lanes of each lane class, shared or of ``pool``."""
+        cfg, nc, members = self.cfg, self._nc, self._members
+        assert nc is not None
+        assert members is not None
+        return [
+            LanePuller(
+                nc,
+                cfg.topology,
+                cls,
+                rank,
+                self.admission,
+                members,
+                self.consumer.start,
+                cfg.poll_s,
+                lambda event: self.metrics.lane_events.labels(event).inc(),
+                idle_poll_s=cfg.idle_poll_s,
+                quiet=self._quiet,
+                pool=pool,
+            )
+            for rank, cls in enumerate(cfg.classes)
+            if cls in cfg.topology.lane_classes
+        ]
+
+    async def _pool_sources(self, token: str, deployment: str) -> list[Source]:
+        """The pullers of this worker's deployment pool (it exists now)."""
+        sources: list[Source] = [
+            await self._class_puller(rank, cls, pool_consumer_name(token, cls))
+            for rank, cls in enumerate(self.cfg.classes)
+        ]
+        lanes = self._lane_pullers(deployment)
+        self.lanes += lanes  # counted in the lane metrics
+        return [*sources, *lanes]
 
     def probe(self, host: str, port: int) -> ProbeServer:
         """/metrics, /healthz and /readyz (NATS connected, engine healthy)."""
@@ -311,6 +333,7 @@ class Worker:
                 self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
                 return
             blocks = await self._reserve(msg, req)
+            self.starts.tick()
             self.metrics.inflight.inc()
             try:
                 await self._serve(msg, req)
