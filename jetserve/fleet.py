@@ -31,6 +31,7 @@ from jetserve.services import (
     Service,
     ServiceError,
     free_port,
+    free_ports,
     start_nats,
     start_nats_cluster,
     start_redis,
@@ -61,6 +62,13 @@ class FleetSpec:
     # Each worker with its own simulator: a replica (engine + worker), as a GPU
     # fleet has, so prefix caches are per replica.
     engine_per_worker: bool = False
+    # A fleet of many replicas on one machine (issue 16): ``sim_replicas``
+    # engines served by simulator processes of ``replicas_per_sim`` each
+    # (``jetserve sim --replicas``), driven by worker processes of
+    # ``engines_per_worker`` engines each (``jetserve worker --engine ... --engine``).
+    sim_replicas: int = 0
+    replicas_per_sim: int = 32
+    engines_per_worker: int = 1
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     agents: int = 0  # agent run executors (`jetserve agent --demo-tools`)
@@ -132,6 +140,8 @@ class Fleet:
         self.sim: Proc | None = None
         self.worker_sims: list[Proc | None] = []  # engine_per_worker: each worker's own
         self.extra_sims: list[Proc] = []  # engines started apart (start_engine)
+        self.replica_urls: list[str] = []  # sim_replicas: every engine's base URL
+        self._engine_ports: list[int] = []  # start_engine's
         self.worker_sim_ports: list[int] = []
         self.gateways: list[Proc] = []
         self.gateway_ports: list[int] = []
@@ -307,7 +317,9 @@ class Fleet:
             )
             # One at a time: a port picked for the next process must not be one a
             # process still starting has not bound yet.
-            if self.spec.engine_url is None and not self.spec.engine_per_worker:
+            if self.spec.sim_replicas:
+                self.start_replica_sims()
+            elif self.spec.engine_url is None and not self.spec.engine_per_worker:
                 self.start_sim()
             for _ in range(self.spec.gateways):
                 self.start_gateway()
@@ -315,9 +327,17 @@ class Fleet:
                 admin.create_tenant(self.spec.tenant)
                 created = admin.create_key(self.spec.tenant, "fleet", api_key=self.spec.api_key)
             self.api_key, self.key_id = created["api_key"], created["key"]["key_id"]
-            for _ in range(self.spec.workers):
-                self.start_worker(wait=False)
-            self.wait_workers(self.spec.workers)
+            if self.spec.sim_replicas:
+                per = self.spec.engines_per_worker
+                urls = self.replica_urls
+                for n in range(0, len(urls), per):
+                    more = [arg for url in urls[n + 1 : n + per] for arg in ("--engine", url)]
+                    self.start_worker(*more, wait=False, engine=urls[n])
+                self.wait_workers(len(urls))
+            else:
+                for _ in range(self.spec.workers):
+                    self.start_worker(wait=False)
+                self.wait_workers(self.spec.workers)
             for _ in range(self.spec.agents):
                 self.start_agent(wait=False)
             if self.spec.agents:
@@ -326,6 +346,20 @@ class Fleet:
             self.stop()
             raise
         return self
+
+    def start_replica_sims(self) -> None:
+        """``sim_replicas`` engines, ``replicas_per_sim`` to a process, each
+        replica with its own fault seed and the fleet's text seed."""
+        left, n = self.spec.sim_replicas, 0
+        while left:
+            k = min(left, self.spec.replicas_per_sim)
+            base = free_ports(k)
+            args = ["--replicas", str(k), "--fault-seed", str(1 + len(self.replica_urls))]
+            self.extra_sims.append(self._spawn_sim(f"sims{n}", base, args, wait=False))
+            for port in range(base, base + k):
+                wait_port(port, 60.0, self.extra_sims[-1].proc)
+                self.replica_urls.append(f"http://127.0.0.1:{port}")
+            left, n = left - k, n + 1
 
     def start_sim(self, wait: bool = True) -> None:
         self.sim_port = self.sim_port or free_port()
@@ -355,7 +389,12 @@ class Fleet:
         port = free_port()
         n = len(self.extra_sims)
         self.extra_sims.append(self._spawn_sim(f"engine{n}", port, sim_args))
+        self._engine_ports.append(port)
         return f"http://127.0.0.1:{port}"
+
+    def extra_ports(self) -> list[int]:
+        """The ports of the engines started with :meth:`start_engine`."""
+        return list(self._engine_ports)
 
     def start_gateway(self, wait: bool = True) -> Proc:
         n = len(self.gateways)
@@ -428,13 +467,19 @@ class Fleet:
             time.sleep(0.05)
         raise ServiceError(f"gateway not ready after {timeout}s; see {self.workdir}")
 
-    def start_worker(self, *extra: str, wait: bool = True, sim_args: Sequence[str] = ()) -> Proc:
+    def start_worker(
+        self,
+        *extra: str,
+        wait: bool = True,
+        sim_args: Sequence[str] = (),
+        engine: str | None = None,
+    ) -> Proc:
         """A worker (and with ``engine_per_worker`` its own simulator, given
-        ``sim_args`` on top of the fleet's)."""
+        ``sim_args`` on top of the fleet's); ``engine``: its (first) engine."""
         n = len(self.workers)
         metrics_port = free_port()
         self.worker_metrics_ports.append(metrics_port)
-        engine = self.spec.engine_url or self.sim_url
+        engine = engine or self.spec.engine_url or self.sim_url
         sim: Proc | None = None
         if self.spec.engine_per_worker:
             port = free_port()

@@ -71,6 +71,29 @@ def free_port() -> int:
         return port
 
 
+def free_ports(n: int, tries: int = 200) -> int:
+    """The first of ``n`` consecutive free ports (a simulator with ``--replicas
+    n`` binds PORT..PORT+n-1)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ServiceError(f"no {n} consecutive free ports found")
+
+
 def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -29,8 +29,11 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
         left.set_ylabel("ms")
         left.legend(fontsize=7)
         left.set_title(f"{name}: first-token latency", fontsize=9)
-        if name == "soak":
-            _rss(right, result.get("rss_samples", []))
+        if name in ("soak", "scale"):
+            if name == "soak":
+                _rss(right, result.get("rss_samples", []))
+            else:
+                _hits(right, result)
             fig.tight_layout()
             fig.savefig(out / f"{name}.png")
             written.append(f"{name}.png")
@@ -69,6 +72,20 @@ def _rss(ax: Any, samples: list[dict[str, Any]]) -> None:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     ax.set_title("soak: memory over the run", fontsize=9)
+
+
+def _hits(ax: Any, result: dict[str, Any]) -> None:
+    """The hit share of what was sent, window by window, with the scale changes."""
+    for mode, series in result.get("hit_series", {}).items():
+        ax.plot([t for t, _ in series], [100 * h for _, h in series], label=mode.replace("_", " "))
+    for change in result.get("changes", []):
+        ax.axvline(change["at_s"], color="grey", linestyle=":", linewidth=1)
+        ax.annotate(change["change"], (change["at_s"], 2), fontsize=6, rotation=90)
+    ax.set_xlabel("s (send time)")
+    ax.set_ylabel("prefix-cache hit share (%)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=7)
+    ax.set_title("scale: cache hits over the run", fontsize=9)
 
 
 def _labels(names: list[str]) -> list[str]:

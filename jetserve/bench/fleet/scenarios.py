@@ -19,6 +19,9 @@ its own baseline in the same run.
 - ``fairness``: one tenant floods a class at 5x capacity while another sends a
   tenth of it (``fleet/fairness.py``): the second tenant's TTFT against its own
   alone. Not in the default set.
+- ``scale``: 64 replicas on one machine (``fleet/scale.py``): hit share against
+  the oracle's, how evenly replicas serve, TTFT against round-robin, and replicas
+  joining and leaving mid-run. Not in the default set.
 
 Every latency figure is published beside the admission rate it was measured at.
 """
@@ -46,11 +49,12 @@ from jetserve.bench.fleet.client import (
     system_prompt,
 )
 from jetserve.bench.fleet.fairness import fairness
+from jetserve.bench.fleet.scale import scale
 from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
 from workers.inference.admission import AdmissionConfig
 
-SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness")
+SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness", "scale")
 BATCH_DEADLINE_S = 20.0  # saturation: batch waits for its share; interactive has 4 s
 
 
@@ -304,6 +308,12 @@ async def fairness_run(opts: Options) -> dict[str, Any]:
     return await fairness(opts.seed, opts.duration)
 
 
+async def scale_run(opts: Options) -> dict[str, Any]:
+    # 256 groups of 300-word prompts: a replica's 1024 KV blocks hold a few of
+    # them, the fleet's 64 x 1024 all of them.
+    return await scale(opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks)
+
+
 RUNNERS = {
     "affinity": affinity,
     "saturation": saturation,
@@ -311,6 +321,7 @@ RUNNERS = {
     "hedging": hedging,
     "soak": soak_run,
     "fairness": fairness_run,
+    "scale": scale_run,
 }
 
 
@@ -348,6 +359,9 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"\n{r['name']} errors: `{json.dumps(r['errors'])}`")
     if "ledger" in result:
         lines.append(f"\nledger reconciliation: `{json.dumps(result['ledger'])}`")
+    for key in ("balance", "hit_share_of_oracle", "changes", "capture"):
+        if key in result:
+            lines.append(f"\n{key}: `{json.dumps(result[key])}`")
     if "rss" in result:
         lines.append(f"\nRSS, first vs last window (MB): `{json.dumps(result['rss'])}`")
     return "\n".join(lines)
