@@ -105,10 +105,20 @@ def _recovery(series: list[tuple[float, float]], at: float) -> dict[str, Any]:
 
 
 async def _members(fleet: Fleet) -> list[str]:
+    """The live members, as the bucket holds them (a watch to its current end)."""
     nc = await fleet.connect()
     try:
         kv = await nc.jetstream().key_value(MEMBERS_BUCKET)
-        return sorted(await kv.keys())
+        watcher = await kv.watchall(meta_only=True)
+        keys = set()
+        async with asyncio.timeout(30):
+            async for entry in watcher:
+                if entry is None:
+                    break
+                if entry.operation is None:  # a put: deletes and purges carry theirs
+                    keys.add(entry.key)
+        await watcher.stop()  # type: ignore[no-untyped-call]
+        return sorted(keys)
     finally:
         await nc.close()
 
