@@ -69,6 +69,10 @@ class FleetSpec:
     sim_replicas: int = 0
     replicas_per_sim: int = 32
     engines_per_worker: int = 1
+    # Prefix-affinity lanes per lane class. A production gateway's default is
+    # 256 (docs/routing.md); a fleet on one machine needs far fewer, and each
+    # file-backed lane consumer costs nats-server ~10 ms to stop (512: 5 s).
+    lanes: int = 32
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     agents: int = 0  # agent run executors (`jetserve agent --demo-tools`)
@@ -426,6 +430,8 @@ class Fleet:
             "--forward-header-prefix",
             self.spec.forward_header_prefix,
             *self._context_args(),
+            "--lanes",
+            str(self.spec.lanes),
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,

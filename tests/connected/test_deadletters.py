@@ -95,6 +95,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
         dlq_stream="MD_DLQ",
         classes=(RequestClass.INTERACTIVE,),
         limits=Limits(ack_wait_s=0.3, max_deliver=2),
+        lanes=16,
     )
     nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
@@ -133,7 +134,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
 async def test_malformed_frame_is_dead_lettered_and_the_stream_continues(
     nats_server: Service,
 ) -> None:
-    topo = Topology(stream="MF", frames_stream="MF_FRAMES", dlq_stream="MF_DLQ")
+    topo = Topology(stream="MF", frames_stream="MF_FRAMES", dlq_stream="MF_DLQ", lanes=16)
     nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()

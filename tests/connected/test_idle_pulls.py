@@ -14,6 +14,7 @@ from jetserve.services import Service
 from streams.auth import Role
 from streams.connect import connect
 from streams.consumer import PullLoop, idle_expiry
+from streams.definitions import Topology
 from streams.provision import ensure_topology
 from tests.waits import until
 
@@ -50,7 +51,7 @@ async def test_empty_pulls_grow_and_a_message_brings_the_short_pull_back(
     gw = await connect(url, "gw", nats_server.bus_auth(Role.GATEWAY))
     wk = await connect(url, "wk", nats_server.bus_auth(Role.WORKER))
     try:
-        await ensure_topology(gw.jetstream())
+        await ensure_topology(gw.jetstream(), Topology(lanes=16))
         sub = await wk.jetstream().pull_subscribe_bind(CONSUMER, STREAM)
         seen: list[float] = []  # the expiry in force when each message came
 
@@ -79,7 +80,7 @@ async def test_hand_back_withdraws_a_long_pull_without_waiting_for_its_expiry(
     gw = await connect(url, "gw", nats_server.bus_auth(Role.GATEWAY))
     wk = await connect(url, "wk", nats_server.bus_auth(Role.WORKER))
     try:
-        await ensure_topology(gw.jetstream())
+        await ensure_topology(gw.jetstream(), Topology(lanes=16))
         sub = await wk.jetstream().pull_subscribe_bind(CONSUMER, STREAM)
         loop = PullLoop(sub, lambda msg: None, poll_s=60.0)
         task = asyncio.create_task(loop.run())

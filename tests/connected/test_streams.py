@@ -71,7 +71,7 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
 
 
 async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> None:
-    topo = Topology(stream="SMALL", limits=Limits(max_msgs=3))
+    topo = Topology(stream="SMALL", limits=Limits(max_msgs=3), lanes=16)
     nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()
@@ -101,9 +101,9 @@ async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
     nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
     try:
         js = nc.jetstream()
-        await ensure_topology(js)
+        await ensure_topology(js, Topology(lanes=16))
         # Not started: no live subscription, so only the capture sees what we publish.
-        d = Dispatcher(nc, js, "gw", Topology(), gap_recovery_s=0.5)
+        d = Dispatcher(nc, js, "gw", Topology(lanes=16), gap_recovery_s=0.5)
 
         def make(rid: str) -> InferenceRequest:
             return InferenceRequest(

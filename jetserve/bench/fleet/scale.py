@@ -60,6 +60,7 @@ def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
         engines_per_worker=PER_WORKER,
         sim_args=["--num-gpu-blocks", str(blocks)],
         gateway_args=["--routing", mode],
+        lanes=DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),  # the product's 256
     )
 
 
