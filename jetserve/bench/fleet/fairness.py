@@ -51,7 +51,12 @@ SPARE = 1
 
 def _make(key: str, tokens: int) -> MakeRequest:
     def make(rng: random.Random, i: int) -> tuple[str, dict[str, Any], dict[str, str]]:
-        body = chat(None, f"Request {i}: summarise the ticket queue.", tokens)
+        # Exactly ``tokens`` out (the simulator's text otherwise ends after
+        # 16..64): the capacity and the flood are what the setup says.
+        body = {
+            **chat(None, f"Request {i}: summarise the ticket queue.", tokens),
+            "ignore_eos": True,
+        }
         return (
             "interactive",
             body,
