@@ -187,6 +187,34 @@ async def test_with_16_slots_the_excess_leaves_a_spare_for_the_next_in_turn() ->
     assert Admission(AdmissionConfig(max_inflight=4)).cfg.spare() == 0
 
 
+async def test_the_cushion_grows_with_the_requests_in_turn_running() -> None:
+    adm = Admission(AdmissionConfig(max_inflight=16, reserve=1, starve_after=60))
+    assert adm.try_acquire(0)  # the in-turn puller's slot
+    while adm.try_acquire(0, excess=True):
+        pass
+    # A request in turn starts in the puller's slot; the puller takes the spare.
+    assert adm.try_acquire(0)
+    assert adm.free_slots() == 0
+    # As the flood's requests end, the excess leaves two free now, not one: the
+    # tenant with a request running finds two slots for its next ones.
+    for _ in range(2):
+        await adm.release(rank=0, excess=True)
+        assert not adm.try_acquire(0, excess=True)
+    await adm.release(rank=0, excess=True)
+    assert adm.try_acquire(0, excess=True)
+    assert adm.free_slots() == 2
+    # It grows to twice the spare at most: 8 in turn running leave 1 + 1 + 2.
+    for _ in range(2):
+        assert adm.try_acquire(0)
+    while adm.held_excess:
+        await adm.release(rank=0, excess=True)
+    for _ in range(6):
+        assert adm.try_acquire(0)
+    while adm.try_acquire(0, excess=True):
+        pass
+    assert adm.free_slots() == 3
+
+
 async def test_batch_uses_idle_slots_but_not_past_an_interactive_waiter() -> None:
     adm = Admission(AdmissionConfig(max_inflight=4, reserve=1, starve_after=60))
     for _ in range(3):

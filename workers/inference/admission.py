@@ -49,7 +49,9 @@ slots free beyond that one (``in_turn_spare``): a second request in turn that
 comes while the first has just taken the polling puller's slot finds the next
 one ready, instead of waiting for a running request to end. The flood pays
 1/16 of the slots for it; with fewer than 16 slots that would be a quarter or
-more, so there is none.
+more, so there is none. While requests in turn run, the cushion grows by one
+per running request, up to twice the spare (and never past half the slots):
+the tenants in turn that are busy now are the likeliest to send again.
 """
 
 from __future__ import annotations
@@ -185,9 +187,20 @@ class Admission:
         if self.cfg.max_inflight == 1:
             return not self._closed and self.held_excess == 0 and self.held <= 1
         free = self.free_slots()
-        if free < 1 + self.cfg.spare() or (idle and free < 1 + self.cfg.reserve):
+        if free < self._in_turn_cushion() or (idle and free < 1 + self.cfg.reserve):
             return False
         return self._room(rank, starved)
+
+    def _in_turn_cushion(self) -> int:
+        """Free slots the excess leaves: the in-turn puller's, the spare, and one
+        more per in-turn request running (up to twice the spare), never more
+        than half the slots. A tenant in turn that has requests running is the
+        likeliest to send the next: with a fixed cushion its third request in a
+        burst waited for one of the flood's to end (issue 15's p99)."""
+        spare = self.cfg.spare()
+        running = max(0, self.held - self.held_excess - 1)  # less the polling puller
+        need = 1 + spare + min(running, 2 * spare)
+        return min(need, max(1 + spare, self.cfg.max_inflight // 2))
 
     def _yields(self, rank: int, idle: bool) -> bool:
         """Whether a puller whose last pull found nothing (``idle``) lets a slot go

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
@@ -83,7 +83,7 @@ class Summary:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
+def pct_ms(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile in ms (a value some request saw), None when empty."""
     if not values:
         return None
@@ -108,8 +108,8 @@ def summarize(name: str, shots: list[Shot], duration: float, **extra: Any) -> Su
         failed=sum(1 for s in shots if s.outcome == "failed"),
         lost=sum(1 for s in shots if s.outcome == "lost"),
         errors=dict(Counter(s.error for s in shots if s.error)),
-        ttft_ms={f"p{q}": _pct(ttfts, q) for q in (50, 90, 95, 99)},
-        e2e_ms={f"p{q}": _pct(e2es, q) for q in (50, 90, 99)},
+        ttft_ms={f"p{q}": pct_ms(ttfts, q) for q in (50, 90, 95, 99)},
+        e2e_ms={f"p{q}": pct_ms(e2es, q) for q in (50, 90, 99)},
         prefix_hit_rate=round(sum(s.cached_tokens for s in done) / prompt, 3) if prompt else None,
         extra=extra,
     )
@@ -118,10 +118,27 @@ def summarize(name: str, shots: list[Shot], duration: float, **extra: Any) -> Su
 # -- the client --------------------------------------------------------------------
 
 
+class Gateways(Protocol):
+    """Where a driver sends: a :class:`Fleet`, or :class:`GatewayUrls` in a
+    process of its own."""
+
+    @property
+    def base_urls(self) -> list[str]: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class GatewayUrls:
+    base_urls: list[str]
+    api_key: str | None
+
+
 class Driver:
     """Open-loop Poisson arrivals; one streaming request per arrival."""
 
-    def __init__(self, fleet: Fleet, seed: int, patience_s: float) -> None:
+    def __init__(self, fleet: Gateways, seed: int, patience_s: float) -> None:
         self.fleet = fleet
         self.rng = random.Random(seed)
         self.patience = patience_s

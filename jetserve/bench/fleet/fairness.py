@@ -14,23 +14,37 @@ then two runs of the same length:
   B's first requests wait behind them).
 
 B's TTFT percentiles side by side, with A's outcome; the goal is B's p99 within
-1.5x of B alone. Both tenants send the same class (interactive) and the same
-request shape; the deadline is the same for both.
+1.5x of B alone. The flood is driven from a process of its own: in the same
+event loop as B's client, the flood's thousands of streams delayed B's reading
+of its own first token, and B's tail measured the bench's client. Both tenants
+send the same class (interactive) and the same request shape; the deadline is
+the same for both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import random
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 import msgspec
 
-from jetserve.bench.fleet.client import Driver, MakeRequest, Shot, chat, summarize
+from jetserve.bench.fleet.client import (
+    Driver,
+    Gateways,
+    GatewayUrls,
+    MakeRequest,
+    Shot,
+    chat,
+    pct_ms,
+    summarize,
+)
 from jetserve.fleet import Fleet, FleetSpec
 
 DEADLINE_S = 10.0
@@ -88,13 +102,32 @@ def _start(gateways: int, replicas: int, seqs: int) -> tuple[Fleet, str]:
 
 
 async def _drive(
-    fleet: Fleet, seed: int, rate: float, duration: float, key: str, tokens: int
+    fleet: Gateways, seed: int, rate: float, duration: float, key: str, tokens: int
 ) -> list[Shot]:
     driver = Driver(fleet, seed, DEADLINE_S + 10)
     try:
         return await driver.run(rate, duration, _make(key, tokens))
     finally:
         await driver.aclose()
+
+
+def _drive_here(
+    urls: GatewayUrls, seed: int, rate: float, duration: float, key: str, tokens: int
+) -> list[Shot]:
+    """:func:`_drive` in the process it is called in (the flood's own)."""
+    return asyncio.run(_drive(urls, seed, rate, duration, key, tokens))
+
+
+async def _drive_apart(
+    fleet: Fleet, seed: int, rate: float, duration: float, key: str, tokens: int
+) -> list[Shot]:
+    """:func:`_drive` from a process of its own, so that its load does not
+    delay the other tenant's client."""
+    urls = GatewayUrls(list(fleet.base_urls), fleet.api_key)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, _drive_here, urls, seed, rate, duration, key, tokens
+        )
 
 
 async def _setup(
@@ -111,19 +144,33 @@ async def _setup(
         alone = await _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or "", tokens)
         await asyncio.sleep(2.0)
         flood = asyncio.create_task(
-            _drive(fleet, seed + 2, a_rate, duration + FLOOD_LEAD_S, flood_key, tokens)
+            _drive_apart(fleet, seed + 2, a_rate, duration + FLOOD_LEAD_S, flood_key, tokens)
         )
         await asyncio.sleep(FLOOD_LEAD_S)
         b_shots = await _drive(fleet, seed + 1, b_rate, duration, fleet.api_key or "", tokens)
         a_shots = await flood
         books = await asyncio.to_thread(_books, fleet, "flood", a_shots)
+        b_ledger = await asyncio.to_thread(_first_tokens, fleet, fleet.spec.tenant)
     finally:
         await asyncio.to_thread(fleet.stop)
     where = f"{gateways} gateway{'s' if gateways > 1 else ''}, {replicas} replica"
     where += "s" if replicas > 1 else ""
     rows = [
-        summarize(f"tenant B alone ({where})", alone, duration),
-        summarize(f"tenant B, tenant A flooding ({where})", b_shots, duration),
+        summarize(
+            f"tenant B alone ({where})",
+            alone,
+            duration,
+            slowest_ttft_ms=_slowest(alone),
+            gateway_first_token_ms=_gateway_pcts(alone, b_ledger),
+        ),
+        summarize(
+            f"tenant B, tenant A flooding ({where})",
+            b_shots,
+            duration,
+            slowest_ttft_ms=_slowest(b_shots),
+            their_gateway_first_token_ms=_at_gateway(b_shots, b_ledger),
+            gateway_first_token_ms=_gateway_pcts(b_shots, b_ledger),
+        ),
         summarize(f"  tenant A (the flood, {where})", a_shots, duration + FLOOD_LEAD_S),
     ]
     setup = {
@@ -138,6 +185,40 @@ async def _setup(
         "flood_ledger": books,
     }
     return {"setup": setup, "rows": [asdict(r) for r in rows]}
+
+
+def _slowest(shots: list[Shot], n: int = 5) -> list[float]:
+    """The slowest first tokens (ms): with a few dozen requests, p99 is the
+    slowest one, and these say whether it is one request or a tail."""
+    ttfts = sorted((s.ttft for s in shots if s.ttft is not None), reverse=True)
+    return [round(t * 1000, 1) for t in ttfts[:n]]
+
+
+def _first_tokens(fleet: Fleet, tenant: str) -> dict[str, float | None]:
+    """Request id -> the ledger's first-token delay (the gateway's own clock,
+    from acceptance), to tell a delay in the fleet from one in the client."""
+    with fleet.admin() as admin:
+        rows = [msgspec.json.decode(x) for x in admin.ledger(tenant).splitlines() if x]
+    return {str(r["request_id"]): r.get("first_token_ms") for r in rows}
+
+
+def _at_gateway(shots: list[Shot], ledger: dict[str, float | None], n: int = 5) -> list[Any]:
+    """The ledger's first-token delays of the ``n`` slowest as the client saw them."""
+    slow = sorted((s for s in shots if s.ttft is not None), key=lambda s: -(s.ttft or 0))[:n]
+    return [_ms(ledger.get(s.request_id or "")) for s in slow]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _gateway_pcts(shots: list[Shot], ledger: dict[str, float | None]) -> dict[str, Any]:
+    """B's first-token percentiles on the gateway's clock (acceptance to first
+    token): the fleet's share of the client's TTFT, without the HTTP hop and
+    the client's own process, which share the machine's two cores."""
+    values = [ledger.get(s.request_id or "") for s in shots if s.outcome == "ok"]
+    ms = [v / 1000 for v in values if v is not None]
+    return {f"p{q}": pct_ms(ms, q) for q in (50, 90, 99)}
 
 
 def _books(fleet: Fleet, tenant: str, shots: list[Shot]) -> dict[str, Any]:
