@@ -111,8 +111,14 @@ class LanePuller:
         self._start = start
         self._poll = poll_s
         self._count = count  # lane events: "pull", "held", "handed_back", "withdrawn"
-        self._inbox = f"{nc.new_inbox()}.{cls.value}"
+        # Each lane's pulls answer on a reply inbox of its own, so that the pulls
+        # of one lane can be withdrawn (interest dropped) and the rest left standing.
+        self._root = f"{nc.new_inbox()}.{cls.value}"
         lanes = self._lanes = topology.pool_lanes if pool else topology.lanes_of(cls)
+        self._subs: dict[int, Subscription] = {}  # lane -> its reply inbox's subscription
+        self._gen = [0] * lanes  # each lane's inbox generation (a new one per withdrawal)
+        # The priority each lane's standing pulls were made at (None: no pull stands).
+        self._pulled_at: list[int | None] = [None] * lanes
         # When each lane needs its next pull (inf: a lane this worker does not rank).
         self._live_until = [0.0] * lanes
         self._current = [0] * lanes  # the newest pull per lane (reply token)
@@ -124,10 +130,8 @@ class LanePuller:
         self._empty = [0] * lanes  # pulls in a row that brought nothing
         self._brought = [True] * lanes  # the newest pull delivered something
         self._wake = asyncio.Event()
-        self._sub: Subscription | None = None
-        # Membership changes seen, and the one whose old pulls were last withdrawn.
-        self._changes = 0
-        self._withdrawn = 0
+        # Lanes whose standing pulls carry a priority of before a membership change.
+        self._to_withdraw: set[int] = set()
         membership.changed.append(self._reprioritize)
         self._held: set[asyncio.Task[None]] = set()  # over-fetched, waiting for a slot
         self._unheld = asyncio.Event()
@@ -138,7 +142,6 @@ class LanePuller:
         """Pull until admission closes (or cancelled): a source of
         ``streams.consumer.PullConsumer``."""
         loop = asyncio.get_running_loop()
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
         while await self._admission.wait_room(self._rank):
             if self.stale:
                 await self._withdraw_pulls()
@@ -159,54 +162,91 @@ class LanePuller:
     async def hand_back(self) -> None:
         """Pulls still waiting at the server may deliver until they expire: keep
         listening that long (admission is closed: what arrives goes back), then leave."""
-        if self._sub is None:
+        if not self._subs:
             return
         if self._held:  # admission is closed: each hands its message back
             await asyncio.wait(set(self._held))
-        if await stop_interest(self._nc, self._sub):
-            # What the server sent before it saw the UNSUB is queued here: the
-            # callback takes each (and, admission closed, hands it back).
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
-                    await self._sub._pending_queue.join()
-        else:
+        subs = list(self._subs.values())
+        self._subs.clear()
+        dropped = [await self._drop(sub) for sub in subs]
+        if not all(dropped):  # some pulls stand: wait out their expiry
             loop = asyncio.get_running_loop()
             last = max((t for t in self._live_until if t != math.inf), default=0.0)
             await asyncio.sleep(max(0.0, last - loop.time()) + 0.1)
         if self._held:
             await asyncio.wait(set(self._held))
-        with contextlib.suppress(nats.errors.Error):
-            await self._sub.unsubscribe()
+        for sub in subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def _drop(self, sub: Subscription) -> bool:
+        """Withdraw the pulls waiting on ``sub``'s inbox; what the server sent
+        before it saw the UNSUB is queued here, and the callback takes each (a
+        closed admission hands it back). False: the withdrawal failed."""
+        if not await stop_interest(self._nc, sub):
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):
+                await sub._pending_queue.join()  # nats-py has no public drain for this
+        return True
 
     @property
     def stale(self) -> bool:
         """Whether standing pulls may still carry the ranks of before a change."""
-        return self._withdrawn != self._changes
+        return bool(self._to_withdraw)
+
+    def _priority(self, lane: int) -> int | None:
+        """This worker's priority for ``lane`` now: None when it is not among the
+        lane's owner and backups; a hot owner's backups go first."""
+        priority = self._members.priority(self._lanes, lane, self._pool)
+        if priority == 0 and self._members.hot(self._pool):
+            # Starting well above the pool's mean: the backups go first while
+            # that lasts (a hot prefix warms a second replica instead of
+            # queueing on one); with no backup waiting, it still takes its lane.
+            return self._depth
+        return priority
 
     def _reprioritize(self) -> None:
-        """Ranks moved: withdraw the pulls made at the old priorities (an idle
-        worker's last far longer than ``poll_s``: until they expired, a lane this
-        worker no longer owns still came here first), then pull every lane again."""
-        self._changes += 1
-        self._live_until = [0.0] * len(self._live_until)
-        self._empty = [0] * len(self._empty)
+        """Ranks moved: the lanes whose standing pulls were made at another
+        priority than this worker has now are withdrawn and pulled again (an
+        idle worker's pulls last far longer than ``poll_s``: until they expired,
+        a lane this worker no longer owns still came here first). Only those:
+        one member joining or leaving moves ~1/n of the lanes, and withdrawing
+        every lane's pulls on every worker at once left lanes with no pull
+        waiting for up to a second on a busy machine."""
+        moved = {
+            lane
+            for lane, was in enumerate(self._pulled_at)
+            if was is not None and self._priority(lane) != was
+        }
+        for lane, until in enumerate(self._live_until):
+            if (
+                until == math.inf
+                and self._members.priority(self._lanes, lane, self._pool) is not None
+            ):
+                self._live_until[lane] = 0.0  # newly ranked: pull it
+                self._empty[lane] = 0
+        if moved:
+            self._to_withdraw |= moved
+            for lane in moved:
+                self._empty[lane] = 0
         self._wake.set()
 
     async def _withdraw_pulls(self) -> None:
-        """Move to a new reply inbox and drop interest in the old one: the server
-        drops the pulls waiting on it. What it sent before is still handled."""
-        change = self._changes
-        old = self._sub
-        self._inbox = f"{self._nc.new_inbox()}.{self._cls.value}"
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*.*", cb=self._on_msg)
-        if old is not None:
-            if await stop_interest(self._nc, old):
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(5.0):
-                        await old._pending_queue.join()  # nats-py has no public drain for this
-            with contextlib.suppress(nats.errors.Error):
-                await old.unsubscribe()
-        self._withdrawn = change
+        """Move each moved lane to a new reply inbox and drop interest in its old
+        one: the server drops the pulls waiting on it. What it sent before is
+        still handled. The lane is pulled again at its new priority (or not at
+        all, no longer ranked)."""
+        lanes, self._to_withdraw = self._to_withdraw, set()
+        for lane in lanes:
+            old = self._subs.pop(lane, None)
+            self._gen[lane] += 1
+            self._pulled_at[lane] = None
+            self._live_until[lane] = 0.0
+            if old is not None:
+                await self._drop(old)
+                with contextlib.suppress(nats.errors.Error):
+                    await old.unsubscribe()
         self._count("withdrawn")
 
     def _pull_done(self, lane: int) -> None:
@@ -216,15 +256,11 @@ class LanePuller:
         self._wake.set()
 
     async def _pull(self, lane: int, now: float) -> None:
-        priority = self._members.priority(self._lanes, lane, self._pool)
+        priority = self._priority(lane)
         if priority is None:  # not among this lane's owner and backups
             self._live_until[lane] = math.inf
             return
-        if priority == 0 and self._members.hot(self._pool):
-            # Starting well above the pool's mean: the backups go first while
-            # that lasts (a hot prefix warms a second replica instead of
-            # queueing on one); with no backup waiting, it still takes its lane.
-            priority = self._depth
+        inbox = await self._lane_inbox(lane)
         # The owner takes a burst on its lane (requests sharing a prefix often
         # come together), as many as it has slots for; the others take one.
         batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if priority == 0 else 1
@@ -244,7 +280,8 @@ class LanePuller:
             consumer = self._topo.lane_consumer_name(self._cls, lane)
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{self._topo.stream}.{consumer}"
         self._current[lane] += 1
-        reply = f"{self._inbox}.{lane}.{self._current[lane]}"
+        self._pulled_at[lane] = priority
+        reply = f"{inbox}.{self._current[lane]}"
         # Marked live before the publish: its answer can arrive (and mark the
         # lane done) before the publish returns. A little before the server's
         # own expiry, so a new pull overlaps the old.
@@ -256,19 +293,27 @@ class LanePuller:
             log.warning("lane pull failed: %s", exc)
             self._live_until[lane] = now + 0.2  # retry shortly, not in a hot loop
 
+    async def _lane_inbox(self, lane: int) -> str:
+        """The reply inbox of ``lane``'s pulls (``<root>.<lane>.<generation>``),
+        subscribed on its first pull."""
+        inbox = f"{self._root}.{lane}.{self._gen[lane]}"
+        if lane not in self._subs:
+            self._subs[lane] = await self._nc.subscribe(f"{inbox}.*", cb=self._on_msg)
+        return inbox
+
     async def _on_msg(self, msg: Msg) -> None:
         if msg.headers and msg.headers.get("Status"):
             # The server's note on a pull (expired, consumer gone), sent to the
             # pull's own reply subject: only the newest pull's note matters.
-            if msg.subject.startswith(self._inbox):
-                lane_s, pull_s = msg.subject.rsplit(".", 2)[-2:]
+            if msg.subject.startswith(self._root):
+                lane_s, _gen, pull_s = msg.subject.rsplit(".", 3)[-3:]
                 if int(pull_s) == self._current[int(lane_s)]:
                     self._pull_done(int(lane_s))
             return
         # A message arrives under its own subject (jetserve.req.<class>.lNN,
         # or a pool's jetserve.pool.<token>.<class>.lNN).
-        if msg.subject.startswith(self._inbox):
-            lane = int(msg.subject.rsplit(".", 2)[-2])
+        if msg.subject.startswith(self._root):
+            lane = int(msg.subject.rsplit(".", 3)[-3])
         else:
             lane = int(msg.subject.rsplit(".", 1)[-1].lstrip("l"))
         self._left[lane] -= 1
