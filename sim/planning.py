@@ -89,9 +89,11 @@ def _natural(
     return [Text(p) for p in pieces]
 
 
-def _pad(sim: Simulator, events: list[Event], prompt_ids: list[int], k: Knobs) -> list[Event]:
-    """min_tokens: a shorter (scripted) reply goes on with natural text."""
-    missing = k.min_tokens - len(events)
+def _pad(
+    sim: Simulator, events: list[Event], prompt_ids: list[int], at_least: int, k: Knobs
+) -> list[Event]:
+    """A (scripted) reply shorter than ``at_least`` goes on with natural text."""
+    missing = at_least - len(events)
     if missing <= 0:
         return events
     more = natural_pieces(sim.cfg.seed, prompt_ids, None, missing, distinct=k.distinct)
@@ -136,7 +138,8 @@ def _reply(
 ) -> tuple[list[Event], str, list[list[Event]]]:
     """The first choice's events, its natural finish, and the other choices."""
     k = knobs(req, max_tokens, sim.tokenizer)
-    forced = max_tokens if req.ignore_eos else None
+    # ignore_eos: the reply runs past max_tokens, so it ends "length" as in vLLM.
+    forced = max_tokens + 1 if req.ignore_eos and max_tokens is not None else None
     generated = constraints.generated_reply(req, prompt_ids)
     if script is not None:
         sim.stats.scripted += 1
@@ -148,7 +151,9 @@ def _reply(
         else:
             script = ScriptedResponse(content=script.content)
         events, finish = _scripted_events(sim, script)
-        events = _pad(sim, events, prompt_ids, k)
+        # min_tokens, and ignore_eos (no end of sequence before max_tokens), go on
+        # past a shorter scripted reply.
+        events = _pad(sim, events, prompt_ids, forced or k.min_tokens, k)
     else:
         events, finish = _natural(sim, prompt_ids, req.seed, forced, k), "stop"
     scripted = events if script is not None else None
