@@ -62,7 +62,8 @@ class Case:
     # Whether a tool is called is the model's choice (a script makes it on the
     # simulator): a real engine's plain-text answer is no drop.
     model_decides: bool = False
-    expect: dict[str, Any] = field(default_factory=dict)  # check parameters
+    # Check parameters; an ERROR case's status and message (a regex) are checked too.
+    expect: dict[str, Any] = field(default_factory=dict)
 
     @property
     def needs_sim(self) -> bool:
@@ -115,6 +116,9 @@ _CITY_SCHEMA = {
     "properties": {"city": {"type": "string"}, "temp_c": {"type": "number"}},
     "required": ["city", "temp_c"],
 }
+# What a context-length refusal says (vLLM: "maximum context length", TGI:
+# "`inputs` tokens + `max_new_tokens` must be <= N").
+_CONTEXT_WORDS = "(?i)context length|max_new_tokens|maximum"
 _COUNT = "one two three four five six seven eight"
 _LONG = " ".join(f"w{i}" for i in range(8300))  # past the simulator's 8192 tokens
 # A system prompt long enough to fill prefix-cache blocks (16 tokens each), unique per run.
@@ -517,7 +521,7 @@ _ERRORS: tuple[Case, ...] = (
         Check.ERROR,
         _chat("Hi.", max_tokens=10_000_000),
         error="EngineRejected",
-        expect={"status": 400},
+        expect={"status": 400, "message": _CONTEXT_WORDS},
     ),
     Case(
         "prompt_too_long",
@@ -525,7 +529,7 @@ _ERRORS: tuple[Case, ...] = (
         Check.ERROR,
         _chat(_LONG, max_tokens=8),
         error="EngineRejected",
-        expect={"status": 400},
+        expect={"status": 400, "message": _CONTEXT_WORDS},
     ),
     Case(
         "unknown_model",
@@ -533,7 +537,16 @@ _ERRORS: tuple[Case, ...] = (
         Check.ERROR,
         _chat("Hi.", model="no-such-model-{nonce}", max_tokens=8),
         error="EngineRejected",
-        expect={"status": 404},
+        expect={"status": 404, "message": "no-such-model"},
+    ),
+    Case(
+        "invalid_parameter",
+        t.ERR_INVALID,
+        Check.ERROR,
+        _chat("Hi.", presence_penalty=5.0, max_tokens=8),
+        error="EngineRejected",
+        # The engine's refusal in its words (or the adapter's, which cannot carry it).
+        expect={"status": 400, "message": "presence_penalty"},
     ),
     Case(
         "rate_limited",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -61,10 +62,12 @@ async def run_corpus(
     faults_supported: bool = True,
     cases: Sequence[Case] = CASES,
     timeout_s: float = 15.0,
+    model: str | None = None,
 ) -> Report:
+    """``model``: named in every body that names none (a gateway requires it)."""
     report = Report(adapter=type(adapter).__name__, dialect=dialect, engine_url=engine_url)
     async with httpx.AsyncClient(base_url=engine_url.rstrip("/"), timeout=5.0) as probe:
-        run = _Run(adapter, probe, faults_supported, uuid.uuid4().hex[:8], timeout_s)
+        run = _Run(adapter, probe, faults_supported, uuid.uuid4().hex[:8], timeout_s, model)
         for case in cases:
             report.rows.append(await run.case(case))
     return report
@@ -78,6 +81,7 @@ class _Run:
         sim: bool,
         nonce: str,
         timeout_s: float,
+        model: str | None = None,
     ) -> None:
         self.adapter = adapter
         self.probe = probe  # talks to the simulator's /sim routes (and /tokenize)
@@ -85,6 +89,7 @@ class _Run:
         self.nonce = nonce
         self.timeout_s = timeout_s
         self.token = ""  # the current case's token_word id
+        self.model = model
 
     def fill(self, value: Any) -> Any:
         if isinstance(value, str):
@@ -104,6 +109,8 @@ class _Run:
         if case.token_word is not None:
             self.token = await self._token_id(case.token_word)
         body: dict[str, Any] = self.fill(case.body)
+        if self.model is not None:
+            body.setdefault("model", self.model)
         headers = await self._sim_setup(case)
         request_id = f"conf-{self.nonce}-{case.name}"
         try:
@@ -146,8 +153,11 @@ class _Run:
                 return self._row(case, Status.FAILED, f"expected {case.error}, got {name}")
             if status is not None and exc.status != status:
                 return self._row(case, Status.FAILED, f"expected status {status}, got {exc.status}")
+            if not _readable(exc.message, case.expect.get("message")):
+                return self._row(case, Status.FAILED, f"message {exc.message[:120]!r}")
             note = claimed_note or f"{name} ({exc.status}): {exc.message[:80]}"
-            return self._row(case, _CARRIED.get(claimed, Status.PASSED), note)
+            carried = Status.REJECTED if claimed is FieldStatus.REJECTED else _CARRIED[claimed]
+            return self._row(case, carried, note)
         if isinstance(exc, errors.EngineRejected):
             # A clear refusal (by the adapter or the engine) is never a silent drop.
             if claimed is FieldStatus.REJECTED:
@@ -166,7 +176,9 @@ class _Run:
     async def _sim_setup(self, case: Case) -> dict[str, str]:
         if not self.sim:
             return {}
-        headers = {"X-Sim-Fault": "none"}  # opt out of the simulator's random faults
+        # Opt out of the simulator's random faults; name its record of the request
+        # (set per request by _collect).
+        headers = {"X-Sim-Fault": "none"}
         if case.fault is not None:
             headers["X-Sim-Fault"] = case.fault
         elif case.sim_slow_ms is not None:
@@ -183,6 +195,9 @@ class _Run:
     async def _collect(
         self, case: Case, body: dict[str, Any], request_id: str, headers: dict[str, str]
     ) -> Outcome:
+        if self.sim:
+            headers = {**headers, "X-Sim-Request-Id": request_id}
+
         async def collect() -> Outcome:
             out = Outcome()
             async for ev in self.adapter.generate(case.op, body, request_id, headers):
@@ -231,6 +246,8 @@ class _Run:
         note: str,
     ) -> Row:
         first = asyncio.Event()
+        if self.sim:
+            headers = {**headers, "X-Sim-Request-Id": request_id}
 
         async def consume() -> None:
             async for ev in self.adapter.generate(case.op, body, request_id, headers):
@@ -283,3 +300,11 @@ class _Run:
                 return self._row(case, status, note or "engine idle after cancel")
             await asyncio.sleep(0.05)
         return self._row(case, Status.DROPPED, "engine still running after cancel")
+
+
+def _readable(message: str, pattern: str | None) -> bool:
+    """The engine's error passed on as text (never a bytes literal such as
+    ``b'{"detail": ...}'``), saying what the case expects."""
+    if message.startswith(("b'", 'b"')):
+        return False
+    return pattern is None or re.search(pattern, message) is not None

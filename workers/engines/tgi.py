@@ -83,6 +83,7 @@ TGI_TRANSLATIONS: Mapping[str, Translated] = {
         "TGI serves one model and its API names none; the gateway answers 404 for a "
         "model it does not route",
     ),
+    t.ERR_INVALID: Translated(R, "presence_penalty is not mapped: 400 unsupported_parameter"),
     t.ERR_429: Translated(T, "429 overloaded -> EngineRateLimited"),
     t.ERR_5XX: Translated(P, "5xx -> EngineUnavailable"),
     t.ERR_MALFORMED: Translated(P, "undecodable SSE event -> EngineStreamBroken"),

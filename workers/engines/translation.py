@@ -63,6 +63,7 @@ CACHED_TOKENS = "usage.prompt_tokens_details.cached_tokens"
 CANCELLATION = "cancellation"
 ERR_CONTEXT = "error.context_length"
 ERR_MODEL = "error.404_model"
+ERR_INVALID = "error.invalid_parameter"
 ERR_429 = "error.429"
 ERR_5XX = "error.5xx"
 ERR_MALFORMED = "error.malformed_chunk"
@@ -97,6 +98,7 @@ ROWS = (
     CANCELLATION,
     ERR_CONTEXT,
     ERR_MODEL,
+    ERR_INVALID,
     ERR_429,
     ERR_5XX,
     ERR_MALFORMED,

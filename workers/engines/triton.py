@@ -79,6 +79,7 @@ TRITON_TRANSLATIONS: Mapping[str, Translated] = {
         "the URL names the deployment's model, the body's is not sent; the gateway "
         "answers 404 for a model it does not route",
     ),
+    t.ERR_INVALID: Translated(R, "presence_penalty is not mapped: 400 unsupported_parameter"),
     t.ERR_429: Translated(
         T, "Triton has no 429: a 503 'Exceeds maximum queue size' -> EngineRateLimited"
     ),
