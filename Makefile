@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test setup test-setup lint test-vllm
+.PHONY: up test setup test-setup lint test-vllm conformance-report
 
 # Debian packages, checked every time (cheap) and installed only when missing.
 # The fleet needs redis-server; the tests also need chromium (the /playground
@@ -44,6 +44,10 @@ up: setup
 # the 15 slowest tests are listed at the end.
 test: test-setup lint
 	$(BIN)/pytest -q --durations=15
+
+# The adapters' translation-loss reports (docs/conformance.md), against the simulator.
+conformance-report: setup
+	$(BIN)/python -m jetserve.conformance.publish docs/conformance.md
 
 # The opt-in real-vLLM tier (docs/vllm.md); builds the vLLM CPU peer first if missing.
 test-vllm: setup

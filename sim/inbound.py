@@ -64,6 +64,19 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float | None = None
     seed: int | None = None
     ignore_eos: bool = False  # vLLM extension, used by benchmarks to force max_tokens
+    # Applied to the natural text as sim/sampling.py says; checked as vLLM checks them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension
+    top_k: int | None = None  # vLLM extension
+    min_p: float = 0.0  # vLLM extension
+    min_tokens: int = 0  # vLLM extension
+    logit_bias: dict[str, float] | None = None
+    # Structured output (sim/structured.py): OpenAI's, and vLLM's older and newer options.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_choice: Any = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True):
@@ -73,6 +86,7 @@ class ChatRequest(_Sampling, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # False: at most one call
     add_generation_prompt: bool = True
 
 

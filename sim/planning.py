@@ -11,6 +11,7 @@ import uuid
 import msgspec
 from starlette.datastructures import Headers
 
+from sim import constraints
 from sim.inbound import (
     MAX_CHOICES,
     BadRequest,
@@ -22,6 +23,7 @@ from sim.inbound import (
     prompt_input,
     stop_list,
 )
+from sim.sampling import Knobs, knobs
 from sim.scripts import Conversation, parse_response
 from sim.simulator import Simulator
 from sim.textgen import natural_pieces
@@ -72,9 +74,30 @@ def _script_for(sim: Simulator, headers: Headers, conv: Conversation) -> Scripte
 
 
 def _natural(
-    sim: Simulator, prompt_ids: list[int], seed: int | None, length: int | None
+    sim: Simulator, prompt_ids: list[int], seed: int | None, length: int | None, k: Knobs
 ) -> list[Event]:
-    return [Text(p) for p in natural_pieces(sim.cfg.seed, prompt_ids, seed, length)]
+    pieces = natural_pieces(
+        sim.cfg.seed,
+        prompt_ids,
+        None if k.greedy else seed,  # one candidate per step: the seed changes nothing
+        length,
+        min_length=k.min_tokens,
+        distinct=k.distinct,
+        forced=k.forced,
+        banned=k.banned,
+    )
+    return [Text(p) for p in pieces]
+
+
+def _pad(
+    sim: Simulator, events: list[Event], prompt_ids: list[int], at_least: int, k: Knobs
+) -> list[Event]:
+    """A (scripted) reply shorter than ``at_least`` goes on with natural text."""
+    missing = at_least - len(events)
+    if missing <= 0:
+        return events
+    more = natural_pieces(sim.cfg.seed, prompt_ids, None, missing, distinct=k.distinct)
+    return [*events, *(Text(p) for p in more)]
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,13 +119,45 @@ def _more_choices(
     prompt_ids: list[int],
     scripted: list[Event] | None,
     forced: int | None,
+    k: Knobs,
 ) -> list[list[Event]]:
     """Choices 1..n-1: a scripted reply repeats; natural ones differ, each drawn
     with its own seed derived from the request's (deterministic, as ``seed`` is)."""
     if scripted is not None:
         return [list(scripted) for _ in range(req.n - 1)]
     base = req.seed if req.seed is not None else 0
-    return [_natural(sim, prompt_ids, base * 7919 + j, forced) for j in range(1, req.n)]
+    return [_natural(sim, prompt_ids, base * 7919 + j, forced, k) for j in range(1, req.n)]
+
+
+def _reply(
+    sim: Simulator,
+    req: ChatRequest | CompletionRequest,
+    script: ScriptedResponse | None,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+) -> tuple[list[Event], str, list[list[Event]]]:
+    """The first choice's events, its natural finish, and the other choices."""
+    k = knobs(req, max_tokens, sim.tokenizer)
+    # ignore_eos: the reply runs past max_tokens, so it ends "length" as in vLLM.
+    forced = max_tokens + 1 if req.ignore_eos and max_tokens is not None else None
+    generated = constraints.generated_reply(req, prompt_ids)
+    if script is not None:
+        sim.stats.scripted += 1
+    elif generated is not None:
+        script = generated
+    if script is not None:
+        if isinstance(req, ChatRequest):
+            script = constraints.obey_tool_choice(script, req)
+        else:
+            script = ScriptedResponse(content=script.content)
+        events, finish = _scripted_events(sim, script)
+        # min_tokens, and ignore_eos (no end of sequence before max_tokens), go on
+        # past a shorter scripted reply.
+        events = _pad(sim, events, prompt_ids, forced or k.min_tokens, k)
+    else:
+        events, finish = _natural(sim, prompt_ids, req.seed, forced, k), "stop"
+    scripted = events if script is not None else None
+    return events, finish, _more_choices(sim, req, prompt_ids, scripted, forced, k)
 
 
 def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
@@ -119,13 +174,7 @@ def plan_chat(sim: Simulator, req: ChatRequest, headers: Headers) -> Plan:
     last_user = last.text if last.role == "user" else None
     conv = Conversation(last_user=last_user, last_role=last.role, prompt=prompt)
     script = _script_for(sim, headers, conv)
-    forced = max_tokens if req.ignore_eos else None
-    if script is not None:
-        sim.stats.scripted += 1
-        events, finish = _scripted_events(sim, script)
-    else:
-        events, finish = _natural(sim, prompt_ids, req.seed, forced), "stop"
-    more = _more_choices(sim, req, prompt_ids, events if script is not None else None, forced)
+    events, finish, more = _reply(sim, req, script, prompt_ids, max_tokens)
     return _plan(req, prompt_ids, events, finish, max_tokens, more)
 
 
@@ -143,13 +192,7 @@ def plan_completion(sim: Simulator, req: CompletionRequest, headers: Headers) ->
         prompt_ids, text = prompt, ""
     conv = Conversation(last_user=text, last_role="user", prompt=text)
     script = _script_for(sim, headers, conv)
-    forced = req.max_tokens if req.ignore_eos else None
-    if script is not None:
-        sim.stats.scripted += 1
-        events, _ = _scripted_events(sim, ScriptedResponse(content=script.content))
-    else:
-        events = _natural(sim, prompt_ids, req.seed, forced)
-    more = _more_choices(sim, req, prompt_ids, events if script is not None else None, forced)
+    events, _, more = _reply(sim, req, script, prompt_ids, req.max_tokens)
     plan = _plan(req, prompt_ids, events, "stop", req.max_tokens, more)
     if req.echo:
         # Token-id prompts have no text here (the tokenizer does not decode).

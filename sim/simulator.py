@@ -75,8 +75,10 @@ class Simulator:
 
     @staticmethod
     def request_id(headers: Any) -> str:
-        # vLLM honours X-Request-Id too and builds "chatcmpl-<id>" from it.
-        rid = headers.get("x-request-id")
+        # vLLM honours X-Request-Id too and builds "chatcmpl-<id>" from it. A test
+        # hook names the record itself, through a gateway that sets its own id
+        # (X-Sim-Request-Id, forwarded like every x-sim- header).
+        rid = headers.get("x-sim-request-id") or headers.get("x-request-id")
         return str(rid) if rid else uuid.uuid4().hex
 
     def pick_fault(self, header: str | None) -> Fault | None:

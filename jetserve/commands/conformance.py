@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jetserve.conformance.report import Report
-from jetserve.conformance.runner import run_corpus
-from workers.engines.factory import DIALECTS, make_adapter
+from jetserve.conformance.publish import document, run_dialects
+from jetserve.conformance.report import Report, matrix_markdown
+from workers.engines.factory import DIALECTS
 
 if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
@@ -25,7 +25,13 @@ def register(sub: Subparsers) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", required=True, help="engine base URL")
-    p.add_argument("--dialect", choices=DIALECTS, default="openai")
+    p.add_argument(
+        "--dialect",
+        choices=[*DIALECTS, "all"],
+        default="openai",
+        help="the adapter; all: each adapter in turn against an engine that speaks every "
+        "dialect (the simulator)",
+    )
     p.add_argument("--model", default="sim-8b", help="model name (Triton's URL needs it)")
     p.add_argument("--engine-api-key", default=None)
     p.add_argument(
@@ -35,23 +41,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a real engine: skip the cases that need the simulator's X-Sim-Fault",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
+    p.add_argument(
+        "--markdown",
+        default=None,
+        metavar="PATH",
+        help="also write the reports as one document (docs/conformance.md's shape)",
+    )
 
 
-async def _run(args: argparse.Namespace) -> Report:
-    async with make_adapter(args.dialect, args.engine, args.engine_api_key, args.model) as adapter:
-        return await run_corpus(
-            adapter, engine_url=args.engine, dialect=args.dialect, faults_supported=args.faults
-        )
+async def _run(args: argparse.Namespace) -> list[Report]:
+    dialects = list(DIALECTS) if args.dialect == "all" else [args.dialect]
+    return await run_dialects(
+        args.engine,
+        dialects,
+        model=args.model,
+        api_key=args.engine_api_key,
+        faults_supported=args.faults,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when nothing was silently dropped and nothing failed, else 1."""
-    report = asyncio.run(_run(args))
-    print(report.to_markdown())
-    if report.silent_drops:
-        print(f"SILENT DROPS: {', '.join(r.field for r in report.silent_drops)}")
-    if report.failures:
-        print(f"FAILURES: {', '.join(r.field for r in report.failures)}")
+    reports = asyncio.run(_run(args))
+    for report in reports:
+        print(report.to_markdown())
+        if report.silent_drops:
+            print(f"SILENT DROPS: {', '.join(r.case for r in report.silent_drops)}")
+        if report.failures:
+            print(f"FAILURES: {', '.join(r.case for r in report.failures)}")
+    if len(reports) > 1:
+        print(matrix_markdown(reports))
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    return 0 if report.ok else 1
+        body = reports[0].to_json() if len(reports) == 1 else [r.to_json() for r in reports]
+        Path(args.json).write_text(json.dumps(body, indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(document(reports, args.engine))
+    return 0 if all(r.ok for r in reports) else 1

@@ -1,4 +1,5 @@
-"""The translation-loss report: one row per (field, adapter), as markdown and JSON."""
+"""The translation-loss report: one row per (case, adapter), with the case's field, as
+markdown and JSON."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
-
-from workers.engines.translation import ROWS
 
 
 class Status(StrEnum):
@@ -48,10 +47,14 @@ class Report:
         return not self.silent_drops and not self.failures
 
     def status(self, row: str) -> Status:
+        """The status of `row`'s first case (a field or a case name)."""
         for r in self.rows:
-            if r.field == row:
+            if row in (r.field, r.case):
                 return r.status
         raise KeyError(row)
+
+    def counts(self) -> dict[Status, int]:
+        return {s: n for s in Status if (n := sum(r.status is s for r in self.rows))}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,37 +69,50 @@ class Report:
         lines = [
             f"Adapter `{self.dialect}` against {self.engine_url}",
             "",
-            "| field | status | note |",
-            "|---|---|---|",
+            "| case | field | status | note |",
+            "|---|---|---|---|",
         ]
         for r in self.rows:
-            lines.append(f"| `{r.field}` | {_cell(r.status)} | {_escape(r.note)} |")
+            lines.append(f"| {r.case} | `{r.field}` | {_cell(r.status)} | {_escape(r.note)} |")
         return "\n".join(lines) + "\n"
 
 
 def matrix_markdown(reports: Sequence[Report]) -> str:
-    """Field x adapter -> status, for several adapters side by side."""
-    head = "| field | " + " | ".join(r.dialect for r in reports) + " |"
-    lines = [head, "|---|" + "---|" * len(reports)]
-    fields = [f for f in ROWS if any(_has(r, f) for r in reports)]
-    for f in fields:
-        cells = [_cell(r.status(f)) if _has(r, f) else "" for r in reports]
-        lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    """Case x adapter -> status, for several adapters side by side, in the corpus's
+    order (the reports must have run the same cases)."""
+    head = "| case | field | " + " | ".join(r.dialect for r in reports) + " |"
+    lines = [head, "|---|---|" + "---|" * len(reports)]
+    for i, row in enumerate(reports[0].rows if reports else []):
+        cells = [_cell(r.rows[i].status) for r in reports]
+        lines.append(f"| {row.case} | `{row.field}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(reports: Sequence[Report]) -> str:
+    """How many cases each adapter passed, transformed, emulated, rejected..."""
+    statuses = [s for s in Status if any(s in r.counts() for r in reports)]
+    lines = [
+        "| adapter | " + " | ".join(s.value for s in statuses) + " |",
+        "|---|" + "---|" * len(statuses),
+    ]
+    for r in reports:
+        counts = r.counts()
+        lines.append(
+            f"| {r.dialect} | " + " | ".join(str(counts.get(s, 0)) for s in statuses) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def notes_markdown(reports: Sequence[Report]) -> str:
-    """What each non-pass-through status means for each adapter."""
+    """What each non-pass-through status means for each adapter, once per field."""
     lines: list[str] = []
     for rep in reports:
+        seen: set[tuple[str, str]] = set()
         for r in rep.rows:
-            if r.status is not Status.PASSED and r.note:
-                lines.append(f"- **{rep.dialect}** `{r.field}` ({r.status}): {r.note}")
+            if r.status is not Status.PASSED and r.note and (r.field, r.note) not in seen:
+                seen.add((r.field, r.note))
+                lines.append(f"- **{rep.dialect}** `{r.field}` ({r.status}): {_escape(r.note)}")
     return "\n".join(lines) + ("\n" if lines else "")
-
-
-def _has(report: Report, row: str) -> bool:
-    return any(r.field == row for r in report.rows)
 
 
 def _cell(status: Status) -> str:

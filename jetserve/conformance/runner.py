@@ -17,6 +17,9 @@ runs the request through ``adapter.generate`` and checks the behaviour:
 - error cases: the adapter must raise the expected ``workers.errors`` class; a swallowed
   error is a silent drop, a different class is ``failed``.
 
+A claim of *not_applicable* (a response detail or error the dialect cannot express)
+is reported as such, with the adapter's note, without running the case.
+
 ``faults_supported=True`` means the engine is the jetserve simulator: the runner sends
 ``X-Sim-Fault`` / ``X-Sim-Script`` headers, installs ``/sim/scripts`` rules and reads
 ``/sim/stats`` and ``/sim/requests/{id}``. With ``faults_supported=False`` (a real vLLM,
@@ -29,18 +32,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from jetserve.conformance.checks import CHECKS, CaseBroken, CheckFailed, Ctx, CutShort
 from jetserve.conformance.corpus import CASES, Case, Check
-from jetserve.conformance.json_prefix import is_json_prefix
+from jetserve.conformance.outcome import Outcome
 from jetserve.conformance.report import Report, Row, Status
 from workers import errors
-from workers.engines.base import Delta, Done, EngineAdapter
+from workers.engines.base import Delta, EngineAdapter
 from workers.engines.translation import FieldStatus, declared
 
 _CARRIED = {
@@ -48,23 +52,6 @@ _CARRIED = {
     FieldStatus.TRANSFORMED: Status.TRANSFORMED,
     FieldStatus.EMULATED: Status.EMULATED,
 }
-
-
-class CheckFailed(Exception):
-    """The request succeeded but the field's effect is missing."""
-
-
-class CutShort(Exception):
-    """The field's effect is there but the reply was cut at max_tokens (a JSON
-    reply that is valid so far): carried, with a note."""
-
-
-@dataclass
-class Outcome:
-    text: str = ""
-    tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
-    done: Done | None = None
-    deltas: int = 0
 
 
 async def run_corpus(
@@ -75,10 +62,12 @@ async def run_corpus(
     faults_supported: bool = True,
     cases: Sequence[Case] = CASES,
     timeout_s: float = 15.0,
+    model: str | None = None,
 ) -> Report:
+    """``model``: named in every body that names none (a gateway requires it)."""
     report = Report(adapter=type(adapter).__name__, dialect=dialect, engine_url=engine_url)
     async with httpx.AsyncClient(base_url=engine_url.rstrip("/"), timeout=5.0) as probe:
-        run = _Run(adapter, probe, faults_supported, uuid.uuid4().hex[:8], timeout_s)
+        run = _Run(adapter, probe, faults_supported, uuid.uuid4().hex[:8], timeout_s, model)
         for case in cases:
             report.rows.append(await run.case(case))
     return report
@@ -92,55 +81,63 @@ class _Run:
         sim: bool,
         nonce: str,
         timeout_s: float,
+        model: str | None = None,
     ) -> None:
         self.adapter = adapter
-        self.probe = probe  # talks to the simulator's /sim routes
+        self.probe = probe  # talks to the simulator's /sim routes (and /tokenize)
         self.sim = sim
         self.nonce = nonce
         self.timeout_s = timeout_s
+        self.token = ""  # the current case's token_word id
+        self.model = model
 
     def fill(self, value: Any) -> Any:
         if isinstance(value, str):
-            return value.replace("{nonce}", self.nonce)
+            return value.replace("{nonce}", self.nonce).replace("{token}", self.token)
         if isinstance(value, list):
             return [self.fill(v) for v in value]
         if isinstance(value, dict):
-            return {k: self.fill(v) for k, v in value.items()}
+            return {self.fill(k): self.fill(v) for k, v in value.items()}
         return value
 
     async def case(self, case: Case) -> Row:
         claim = declared(self.adapter, case.row)
+        if claim.status is FieldStatus.NOT_APPLICABLE:
+            return self._row(case, Status.NOT_APPLICABLE, claim.note)
         if case.needs_sim and not self.sim:
-            return Row(case.row, case.name, Status.NOT_APPLICABLE, "needs the simulator's faults")
+            return self._row(case, Status.NOT_APPLICABLE, "needs the simulator's faults")
+        if case.token_word is not None:
+            self.token = await self._token_id(case.token_word)
         body: dict[str, Any] = self.fill(case.body)
+        if self.model is not None:
+            body.setdefault("model", self.model)
         headers = await self._sim_setup(case)
         request_id = f"conf-{self.nonce}-{case.name}"
         try:
             if case.check is Check.CANCEL:
                 return await self._cancel(case, body, request_id, headers, claim.note)
-            outcome = await asyncio.wait_for(
-                self._collect(body, request_id, headers), self.timeout_s
-            )
+            outcome = await self._collect(case, body, request_id, headers)
+            if claim.status is FieldStatus.REJECTED:
+                return self._row(case, Status.FAILED, "claimed rejected, but was accepted")
+            if case.check is Check.ERROR:
+                note = f"expected {case.error}, the request succeeded (error swallowed)"
+                return self._row(case, Status.DROPPED, note)
+            await self._verify(case, body, outcome, request_id, headers)
         except errors.EngineError as exc:
             return self._on_error(case, claim.status, claim.note, exc)
         except TimeoutError:
-            return Row(case.row, case.name, Status.FAILED, f"no answer in {self.timeout_s:g}s")
-        if claim.status is FieldStatus.REJECTED:
-            return Row(case.row, case.name, Status.FAILED, "claimed rejected, but was accepted")
-        if case.check is Check.ERROR:
-            return Row(
-                case.row,
-                case.name,
-                Status.DROPPED,
-                f"expected {case.error}, the request succeeded (error swallowed)",
-            )
-        try:
-            await self._verify(case, outcome, request_id)
+            return self._row(case, Status.FAILED, f"no answer in {self.timeout_s:g}s")
         except CutShort as exc:
-            return Row(case.row, case.name, _CARRIED[claim.status], str(exc))
+            return self._row(case, _CARRIED[claim.status], str(exc))
         except CheckFailed as exc:
-            return Row(case.row, case.name, Status.DROPPED, str(exc))
-        return Row(case.row, case.name, _CARRIED[claim.status], claim.note)
+            return self._row(case, Status.DROPPED, str(exc))
+        except CaseBroken as exc:
+            return self._row(case, Status.FAILED, f"the case proves nothing: {exc}")
+        return self._row(case, _CARRIED[claim.status], claim.note)
+
+    def _row(self, case: Case, status: Status, note: str = "") -> Row:
+        # The run's nonce would make every report differ from the last.
+        return Row(case.row, case.name, status, note.replace(self.nonce, "{nonce}"))
 
     def carried(self, case: Case) -> Status:
         return _CARRIED.get(declared(self.adapter, case.row).status, Status.PASSED)
@@ -150,21 +147,38 @@ class _Run:
     ) -> Row:
         name = type(exc).__name__
         if case.check is Check.ERROR:
-            if name == case.error:
-                status = _CARRIED.get(claimed, Status.PASSED)
-                note = claimed_note or f"{name} ({exc.status}): {exc.message[:80]}"
-                return Row(case.row, case.name, status, note)
-            return Row(case.row, case.name, Status.FAILED, f"expected {case.error}, got {name}")
+            expected = getattr(errors, case.error or "", None)
+            status = case.expect.get("status")
+            if not (isinstance(expected, type) and isinstance(exc, expected)):
+                return self._row(case, Status.FAILED, f"expected {case.error}, got {name}")
+            if status is not None and exc.status != status:
+                return self._row(case, Status.FAILED, f"expected status {status}, got {exc.status}")
+            if not _readable(exc.message, case.expect.get("message")):
+                return self._row(case, Status.FAILED, f"message {exc.message[:120]!r}")
+            note = claimed_note or f"{name} ({exc.status}): {exc.message[:80]}"
+            carried = Status.REJECTED if claimed is FieldStatus.REJECTED else _CARRIED[claimed]
+            return self._row(case, carried, note)
         if isinstance(exc, errors.EngineRejected):
             # A clear refusal (by the adapter or the engine) is never a silent drop.
-            note = exc.message if claimed is FieldStatus.REJECTED else f"undeclared: {exc.message}"
-            return Row(case.row, case.name, Status.REJECTED, note)
-        return Row(case.row, case.name, Status.FAILED, f"{name}: {exc.message}")
+            if claimed is FieldStatus.REJECTED:
+                note = claimed_note or exc.message
+            else:
+                note = f"undeclared: {exc.message}"
+            return self._row(case, Status.REJECTED, note)
+        return self._row(case, Status.FAILED, f"{name}: {exc.message}")
+
+    async def _token_id(self, word: str) -> str:
+        """The engine's id of `word` (the first, if its tokenizer splits it)."""
+        r = await self.probe.post("/tokenize", json={"prompt": word, "add_special_tokens": False})
+        r.raise_for_status()
+        return str(r.json()["tokens"][0])
 
     async def _sim_setup(self, case: Case) -> dict[str, str]:
         if not self.sim:
             return {}
-        headers = {"X-Sim-Fault": "none"}  # opt out of the simulator's random faults
+        # Opt out of the simulator's random faults; name its record of the request
+        # (set per request by _collect).
+        headers = {"X-Sim-Fault": "none"}
         if case.fault is not None:
             headers["X-Sim-Fault"] = case.fault
         elif case.sim_slow_ms is not None:
@@ -179,77 +193,44 @@ class _Run:
         return headers
 
     async def _collect(
-        self, body: dict[str, Any], request_id: str, headers: dict[str, str]
+        self, case: Case, body: dict[str, Any], request_id: str, headers: dict[str, str]
     ) -> Outcome:
-        out = Outcome()
-        async for ev in self.adapter.generate("chat", body, request_id, headers):
-            if isinstance(ev, Delta):
-                out.deltas += 1
-                out.text += ev.text
-                for call in ev.tool_calls or []:
-                    _merge_call(out.tool_calls, call)
-            else:
-                out.done = ev
-        return out
+        if self.sim:
+            headers = {**headers, "X-Sim-Request-Id": request_id}
 
-    async def _verify(self, case: Case, out: Outcome, request_id: str) -> None:
-        done = out.done
-        if done is None:
-            raise CheckFailed("no Done event")
-        exp = self.fill(case.expect)
-        if case.check is Check.TEXT:
-            if not out.text or done.finish_reason not in ("stop", "length"):
-                raise CheckFailed(f"no text or odd finish {done.finish_reason!r}")
-        elif case.check is Check.LENGTH:
-            limit = exp["max_tokens"]
-            if done.usage.completion_tokens > limit:
-                raise CheckFailed(f"{done.usage.completion_tokens} tokens > max_tokens {limit}")
-            if self.sim and done.finish_reason != "length":
-                raise CheckFailed(f"finish_reason {done.finish_reason!r}, expected 'length'")
-        elif case.check is Check.TOOL_CALL:
-            calls = list(out.tool_calls.values())
-            if not calls or calls[0].get("name") != exp["name"]:
-                raise CheckFailed(f"no structured call to {exp['name']}; text {out.text[:80]!r}")
-            try:
-                args = json.loads(calls[0].get("arguments") or "null")
-            except ValueError as exc:
-                raise CheckFailed(f"tool arguments are not JSON: {exc}") from exc
-            if self.sim and args != exp["arguments"]:
-                raise CheckFailed(f"tool arguments {args!r} != {exp['arguments']!r}")
-            # A forced (named) tool_choice may end "stop", as OpenAI's own API
-            # does for a forced function; the structured call is what counts.
-            forced = isinstance(case.body.get("tool_choice"), dict)
-            if done.finish_reason != "tool_calls" and not (forced and done.finish_reason == "stop"):
-                raise CheckFailed(f"finish_reason {done.finish_reason!r}, expected 'tool_calls'")
-        elif case.check is Check.JSON:
-            try:
-                value = json.loads(out.text)
-            except ValueError as exc:
-                if done.finish_reason == "length" and is_json_prefix(out.text):
-                    # The grammar held; the model did not close the object in time.
-                    raise CutShort(
-                        "cut at max_tokens as valid JSON so far: the engine applied the "
-                        "format, the model did not close it"
-                    ) from exc
-                raise CheckFailed(f"reply is not JSON: {out.text[:80]!r}") from exc
-            if not isinstance(value, dict) or any(k not in value for k in exp["keys"]):
-                raise CheckFailed(f"JSON lacks keys {exp['keys']}: {out.text[:80]!r}")
-        elif case.check is Check.STOP:
-            if exp["stop"] in out.text:
-                raise CheckFailed(f"stop string {exp['stop']!r} in the reply")
-            if self.sim and out.text != exp["sim_text"]:
-                raise CheckFailed(f"reply {out.text!r}, expected {exp['sim_text']!r}")
-            if self.sim and done.finish_reason != "stop":
-                raise CheckFailed(f"finish_reason {done.finish_reason!r}, expected 'stop'")
-        elif case.check is Check.USAGE:
-            u = done.usage
-            if u.prompt_tokens <= 0 or u.completion_tokens <= 0:
-                raise CheckFailed(f"usage missing: {u.prompt_tokens}/{u.completion_tokens}")
-            if self.sim:
-                rec = await self._record(request_id)
-                seen = (rec["prompt_tokens"], rec["generated_tokens"])
-                if (u.prompt_tokens, u.completion_tokens) != seen:
-                    raise CheckFailed(f"usage {u.prompt_tokens}/{u.completion_tokens} != {seen}")
+        async def collect() -> Outcome:
+            out = Outcome()
+            async for ev in self.adapter.generate(case.op, body, request_id, headers):
+                if isinstance(ev, Delta):
+                    out.add(ev)
+                else:
+                    out.done = ev
+            return out
+
+        return await asyncio.wait_for(collect(), self.timeout_s)
+
+    async def _verify(
+        self,
+        case: Case,
+        body: dict[str, Any],
+        out: Outcome,
+        request_id: str,
+        headers: dict[str, str],
+    ) -> None:
+        runs = 0
+
+        async def again(changes: dict[str, Any]) -> Outcome:
+            nonlocal runs
+            runs += 1
+            changed = {**body, **changes}
+            sent = {k: v for k, v in changed.items() if v is not None}
+            return await self._collect(case, sent, f"{request_id}-{runs}", headers)
+
+        async def record() -> dict[str, Any]:
+            return await self._record(request_id)
+
+        ctx = Ctx(case, self.fill(case.expect), self.sim, again, record)
+        await CHECKS[case.check](ctx, out)
 
     async def _record(self, request_id: str) -> dict[str, Any]:
         r = await self.probe.get(f"/sim/requests/{request_id}")
@@ -265,9 +246,11 @@ class _Run:
         note: str,
     ) -> Row:
         first = asyncio.Event()
+        if self.sim:
+            headers = {**headers, "X-Sim-Request-Id": request_id}
 
         async def consume() -> None:
-            async for ev in self.adapter.generate("chat", body, request_id, headers):
+            async for ev in self.adapter.generate(case.op, body, request_id, headers):
                 if isinstance(ev, Delta) and ev.text:
                     first.set()
 
@@ -280,9 +263,9 @@ class _Run:
             waiter.cancel()
             if task.done():
                 task.result()  # an EngineError propagates to case()
-                return Row(case.row, case.name, Status.FAILED, "finished before it was cancelled")
+                return self._row(case, Status.FAILED, "finished before it was cancelled")
             if not first.is_set():
-                return Row(case.row, case.name, Status.FAILED, "no first token to cancel after")
+                return self._row(case, Status.FAILED, "no first token to cancel after")
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -305,28 +288,23 @@ class _Run:
                     f"sim aborted={stats['aborted']}",
                 )
             await asyncio.sleep(0.01)
-        return Row(case.row, case.name, Status.DROPPED, f"engine kept the request: {rec['status']}")
+        return self._row(case, Status.DROPPED, f"engine kept the request: {rec['status']}")
 
     async def _idle_by_load(self, case: Case, note: str) -> Row:
         for _ in range(100):
             load = await self.adapter.load()
             if load.running is None:
-                return Row(case.row, case.name, Status.NOT_APPLICABLE, "engine reports no load")
+                return self._row(case, Status.NOT_APPLICABLE, "engine reports no load")
             if load.running == 0:
                 status = self.carried(case)
-                return Row(case.row, case.name, status, note or "engine idle after cancel")
+                return self._row(case, status, note or "engine idle after cancel")
             await asyncio.sleep(0.05)
-        return Row(case.row, case.name, Status.DROPPED, "engine still running after cancel")
+        return self._row(case, Status.DROPPED, "engine still running after cancel")
 
 
-def _merge_call(calls: dict[int, dict[str, str]], delta: dict[str, Any]) -> None:
-    """OpenAI streams a call in pieces: id and name first, then argument fragments."""
-    index = int(delta.get("index", len(calls)))
-    slot = calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
-    if delta.get("id"):
-        slot["id"] = str(delta["id"])
-    fn = delta.get("function") or {}
-    if fn.get("name"):
-        slot["name"] = str(fn["name"])
-    if fn.get("arguments"):
-        slot["arguments"] += str(fn["arguments"])
+def _readable(message: str, pattern: str | None) -> bool:
+    """The engine's error passed on as text (never a bytes literal such as
+    ``b'{"detail": ...}'``), saying what the case expects."""
+    if message.startswith(("b'", 'b"')):
+        return False
+    return pattern is None or re.search(pattern, message) is not None

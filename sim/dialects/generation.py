@@ -18,6 +18,7 @@ from sim.inbound import ApiError, ScriptedResponse
 from sim.responses import Dropped
 from sim.scripts import Conversation, parse_response
 from sim.simulator import Simulator
+from sim.structured import schema_value
 from sim.textgen import natural_pieces
 
 JSON = "application/json"
@@ -55,26 +56,6 @@ def _tool_text(resp: ScriptedResponse) -> str:
     return text
 
 
-def _schema_value(schema: Any) -> Any:
-    """A deterministic value that satisfies a (simple) JSON schema."""
-    if not isinstance(schema, dict):
-        return None
-    if "const" in schema:
-        return schema["const"]
-    if schema.get("enum"):
-        return schema["enum"][0]
-    for key in ("anyOf", "oneOf"):
-        if schema.get(key):
-            return _schema_value(schema[key][0])
-    kind = schema.get("type")
-    if kind == "object" or "properties" in schema:
-        props = schema.get("properties") or {}
-        return {name: _schema_value(sub) for name, sub in props.items()}
-    if kind == "array":
-        return [_schema_value(schema.get("items"))]
-    return {"string": "sim", "number": 1.5, "integer": 1, "boolean": True}.get(str(kind))
-
-
 class Reply(msgspec.Struct, kw_only=True):
     """What one dialect request will produce: the prompt and the output pieces."""
 
@@ -110,7 +91,7 @@ def plan(
         sim.stats.scripted += 1
         pieces = sim.tokenizer.pieces(_tool_text(script)) or [""]
     elif grammar is not None and grammar.type == "json":
-        pieces = sim.tokenizer.pieces(json.dumps(_schema_value(grammar.value)))
+        pieces = sim.tokenizer.pieces(json.dumps(schema_value(grammar.value)))
     else:
         pieces = natural_pieces(sim.cfg.seed, prompt_ids, seed)
     return Reply(prompt_ids=prompt_ids, pieces=pieces, max_tokens=limit, stops=stops, fault=fault)

@@ -85,7 +85,8 @@ async def _accept(
             sim.record_failure(record, f"http_{fault.status}")
             return _triton_error(*_TRITON_FAULTS[fault.status])
         stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-        reply = plan(sim, request, req.text_input, p.max_tokens, p.seed, stops, None, fault)
+        seed = None if p.temperature == 0 else p.seed  # greedy: the seed changes nothing
+        reply = plan(sim, request, req.text_input, p.max_tokens, seed, stops, None, fault)
     except DialectError as e:
         # vLLM's context-length ValueError reaches the client as a 400.
         return _triton_error(400 if e.status == 422 else e.status, e.message)

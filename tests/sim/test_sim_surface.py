@@ -119,6 +119,7 @@ async def test_ignore_eos_forces_max_tokens(fast: SimHandle) -> None:
         "/v1/chat/completions", json=chat_body(max_tokens=150, ignore_eos=True)
     )
     assert r.json()["usage"]["completion_tokens"] == 150
+    assert r.json()["choices"][0]["finish_reason"] == "length"  # as vLLM ends it
 
 
 async def test_stop_sequences(fast: SimHandle) -> None:

@@ -28,7 +28,6 @@ from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
 from tests.connected.test_choices import Choices, from_body, from_stream
 from tests.vllm.vllmkit import VllmServer
-from workers.engines import translation as tr
 from workers.engines.base import Delta, Done
 from workers.engines.openai import OpenAIAdapter
 from workers.errors import EngineRejected
@@ -92,8 +91,23 @@ def _pinned(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "properties": props}
 
 
+def _pin_schemas(body: dict[str, Any]) -> None:
+    """Every JSON schema of the body (response_format, vLLM's structured-output options,
+    tool parameters) pinned in place."""
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema":
+        fmt["json_schema"]["schema"] = _pinned(fmt["json_schema"]["schema"])
+    if isinstance(body.get("guided_json"), dict):
+        body["guided_json"] = _pinned(body["guided_json"])
+    outputs = body.get("structured_outputs") or {}
+    if isinstance(outputs.get("json"), dict):
+        outputs["json"] = _pinned(outputs["json"])
+    for tool in body.get("tools") or []:
+        tool["function"]["parameters"] = _pinned(tool["function"]["parameters"])
+
+
 def real_engine_cases() -> tuple[Case, ...]:
-    """The corpus, with the two grammar-bound cases' schemas pinned to enums. With
+    """The corpus, with the grammar-bound cases' schemas pinned to enums. With
     random weights, a free JSON string never closes within max_tokens, so the reply
     would be cut (finish `length`) and fail to parse even though vLLM enforced the
     grammar; pinned, only the grammar decides the reply, so it proves the field was
@@ -101,12 +115,7 @@ def real_engine_cases() -> tuple[Case, ...]:
     out = []
     for case in CASES:
         body = copy.deepcopy(case.body)
-        if case.row == tr.RESPONSE_FORMAT:
-            spec = body["response_format"]["json_schema"]
-            spec["schema"] = _pinned(spec["schema"])
-        elif case.row == tr.TOOLS:
-            for tool in body["tools"]:
-                tool["function"]["parameters"] = _pinned(tool["function"]["parameters"])
+        _pin_schemas(body)
         out.append(dataclasses.replace(case, body=body))
     return tuple(out)
 

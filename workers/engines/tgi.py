@@ -25,32 +25,65 @@ from workers.engines.http import engine_client, open_stream, probe, raise_for_st
 from workers.engines.translation import FieldStatus, Translated
 from workers.errors import EngineRejected, EngineStreamBroken
 
-T, E, R, P = (
+T, E, R, P, NA = (
     FieldStatus.TRANSFORMED,
     FieldStatus.EMULATED,
     FieldStatus.REJECTED,
     FieldStatus.PASSED,
+    FieldStatus.NOT_APPLICABLE,
 )
+_UNMAPPED = "not mapped to TGI's parameters: 400 unsupported_parameter"
 TGI_TRANSLATIONS: Mapping[str, Translated] = {
     t.MESSAGES: Translated(T, "rendered to one prompt with the ChatML template"),
+    t.CONTENT_PARTS: Translated(R, "one prompt string: only text parts (400 otherwise)"),
     t.MAX_TOKENS: Translated(T, "max_tokens -> parameters.max_new_tokens"),
+    t.MAX_COMPLETION_TOKENS: Translated(T, "-> parameters.max_new_tokens"),
+    t.FINISH_REASON: Translated(T, "eos_token / stop_sequence -> stop, length -> length"),
     t.TOOLS: Translated(
         E,
         "Hermes <tools> in the system turn, <tool_call> blocks parsed from the reply; "
-        "a named/required tool_choice is forced with a JSON grammar; replies of "
-        "tool-enabled requests arrive in one piece at the end",
+        "replies of tool-enabled requests arrive in one piece at the end",
     ),
+    t.TOOL_CHOICE: Translated(
+        E,
+        "none: the tools are left out of the prompt; required or a named function: "
+        "a JSON grammar forces the call; auto: the model decides",
+    ),
+    t.PARALLEL_TOOL_CALLS: Translated(E, "false: the first parsed call is kept"),
     t.RESPONSE_FORMAT: Translated(
         T, 'json_schema/json_object -> parameters.grammar {"type": "json"}'
     ),
     t.STOP: Translated(
         T, "-> parameters.stop; TGI keeps the stop string in its output, the adapter cuts it"
     ),
+    t.SEED: Translated(T, "-> parameters.seed"),
+    t.TEMPERATURE: Translated(T, "0 -> greedy (TGI's default): temperature and seed are left out"),
+    t.PENALTIES: Translated(R, _UNMAPPED),
+    t.LOGIT_BIAS: Translated(R, "TGI has no logit bias: 400 unsupported_parameter"),
+    t.LOGPROBS: Translated(R, _UNMAPPED),
+    t.N: Translated(R, "one sequence per TGI request: n > 1 is 400 unsupported_parameter"),
+    t.ECHO: Translated(R, _UNMAPPED),
+    t.BEST_OF: Translated(R, _UNMAPPED),
+    t.TOP_K: Translated(R, _UNMAPPED),
+    t.MIN_P: Translated(R, "TGI has no min_p: 400 unsupported_parameter"),
+    t.MIN_TOKENS: Translated(R, "TGI has no min_tokens: 400 unsupported_parameter"),
+    t.REPETITION_PENALTY: Translated(R, _UNMAPPED),
+    t.IGNORE_EOS: Translated(R, "TGI has no ignore_eos: 400 unsupported_parameter"),
+    t.STRUCTURED_OUTPUTS: Translated(
+        R, "vLLM's options: 400 unsupported_parameter (response_format is carried)"
+    ),
     t.USAGE: Translated(
         T, "details.input_length / details.generated_tokens (usage is always returned)"
     ),
+    t.CACHED_TOKENS: Translated(NA, "TGI reports no prefix-cache hits: cached_tokens is 0"),
     t.CANCELLATION: Translated(P, "closing the SSE connection stops TGI's generation"),
     t.ERR_CONTEXT: Translated(T, "422 validation error -> EngineRejected (400)"),
+    t.ERR_MODEL: Translated(
+        NA,
+        "TGI serves one model and its API names none; the gateway answers 404 for a "
+        "model it does not route",
+    ),
+    t.ERR_INVALID: Translated(R, "presence_penalty is not mapped: 400 unsupported_parameter"),
     t.ERR_429: Translated(T, "429 overloaded -> EngineRateLimited"),
     t.ERR_5XX: Translated(P, "5xx -> EngineUnavailable"),
     t.ERR_MALFORMED: Translated(P, "undecodable SSE event -> EngineStreamBroken"),
@@ -67,6 +100,7 @@ _CARRIED = (
     "stop",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "response_format",
 )
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
@@ -107,6 +141,7 @@ class _Request:
     def __init__(self, op: Op, body: Mapping[str, Any]) -> None:
         prompted.check_fields(body, _CARRIED, "TGI")
         self.tools = list(body.get("tools") or [])
+        self.one_call = body.get("parallel_tool_calls") is False
         choice = body.get("tool_choice")
         if choice == "none":
             self.tools = []
@@ -128,7 +163,9 @@ class _Request:
             if body.get(key) is not None:
                 params[key] = body[key]
         if params.get("temperature") == 0:
-            params.pop("temperature")  # TGI wants > 0; greedy is its default
+            # TGI wants > 0; greedy is its default, and a seed means nothing to it.
+            params.pop("temperature")
+            params.pop("seed", None)
         if self.stops:
             params["stop"] = self.stops
         grammar = _grammar(body.get("response_format"))
@@ -242,6 +279,8 @@ class TGIAdapter(EngineAdapter):
         finish = _FINISH.get(details.finish_reason, details.finish_reason or "stop")
         if buffered:
             content, calls = prompted.parse_tool_calls(text + tail, req.forced is not None)
+            if req.one_call:
+                calls = calls[:1]
             if calls:
                 if content:
                     yield Delta(content)

@@ -18,6 +18,10 @@ class FieldStatus(StrEnum):
     TRANSFORMED = "transformed"  # re-expressed in the dialect (same meaning)
     EMULATED = "emulated"  # the engine cannot do it; the adapter approximates it
     REJECTED = "rejected"  # the adapter refuses the request with a clear EngineRejected
+    # A response detail or error the dialect has no way to express (TGI's API names no
+    # model and reports no prefix-cache hits): nothing the client sent is dropped, the
+    # detail is absent; the report says so instead of running the case.
+    NOT_APPLICABLE = "not_applicable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,28 +32,73 @@ class Translated:
 
 Translations = Mapping[str, Translated]
 
-# Row names shared by adapters and the conformance corpus.
+# Row names shared by adapters and the conformance corpus: request fields (or groups
+# of them) and behaviours. One row may have several cases.
 MESSAGES = "messages"
+CONTENT_PARTS = "messages.content.image_url"
 MAX_TOKENS = "max_tokens"
+MAX_COMPLETION_TOKENS = "max_completion_tokens"
+FINISH_REASON = "finish_reason"
 TOOLS = "tools"
+TOOL_CHOICE = "tool_choice"
+PARALLEL_TOOL_CALLS = "parallel_tool_calls"
 RESPONSE_FORMAT = "response_format"
 STOP = "stop"
+SEED = "seed"
+TEMPERATURE = "temperature"
+PENALTIES = "presence_penalty/frequency_penalty"
+LOGIT_BIAS = "logit_bias"
+LOGPROBS = "logprobs"
+N = "n"
+ECHO = "echo"
+BEST_OF = "best_of"
+TOP_K = "top_k"
+MIN_P = "min_p"
+MIN_TOKENS = "min_tokens"
+REPETITION_PENALTY = "repetition_penalty"
+IGNORE_EOS = "ignore_eos"
+STRUCTURED_OUTPUTS = "guided_json/guided_choice/structured_outputs"
 USAGE = "stream_options.include_usage"
+CACHED_TOKENS = "usage.prompt_tokens_details.cached_tokens"
 CANCELLATION = "cancellation"
 ERR_CONTEXT = "error.context_length"
+ERR_MODEL = "error.404_model"
+ERR_INVALID = "error.invalid_parameter"
 ERR_429 = "error.429"
 ERR_5XX = "error.5xx"
 ERR_MALFORMED = "error.malformed_chunk"
 
 ROWS = (
     MESSAGES,
+    CONTENT_PARTS,
     MAX_TOKENS,
+    MAX_COMPLETION_TOKENS,
+    FINISH_REASON,
     TOOLS,
+    TOOL_CHOICE,
+    PARALLEL_TOOL_CALLS,
     RESPONSE_FORMAT,
     STOP,
+    SEED,
+    TEMPERATURE,
+    PENALTIES,
+    LOGIT_BIAS,
+    LOGPROBS,
+    N,
+    ECHO,
+    BEST_OF,
+    TOP_K,
+    MIN_P,
+    MIN_TOKENS,
+    REPETITION_PENALTY,
+    IGNORE_EOS,
+    STRUCTURED_OUTPUTS,
     USAGE,
+    CACHED_TOKENS,
     CANCELLATION,
     ERR_CONTEXT,
+    ERR_MODEL,
+    ERR_INVALID,
     ERR_429,
     ERR_5XX,
     ERR_MALFORMED,

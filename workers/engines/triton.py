@@ -33,20 +33,53 @@ from workers.errors import (
     EngineStreamBroken,
 )
 
-T, R, P = FieldStatus.TRANSFORMED, FieldStatus.REJECTED, FieldStatus.PASSED
+T, R, P, NA = (
+    FieldStatus.TRANSFORMED,
+    FieldStatus.REJECTED,
+    FieldStatus.PASSED,
+    FieldStatus.NOT_APPLICABLE,
+)
+_UNMAPPED = "not mapped to the generate extension's parameters: 400 unsupported_parameter"
+_NO_TOOLS = "no tool parser or grammar on the generate path: EngineRejected"
 TRITON_TRANSLATIONS: Mapping[str, Translated] = {
     t.MESSAGES: Translated(T, "rendered to text_input with the ChatML template"),
+    t.CONTENT_PARTS: Translated(R, "one text_input string: only text parts (400 otherwise)"),
     t.MAX_TOKENS: Translated(P, "-> parameters.max_tokens"),
-    t.TOOLS: Translated(R, "no tool parser or grammar on the generate path: EngineRejected"),
+    t.MAX_COMPLETION_TOKENS: Translated(T, "-> parameters.max_tokens"),
+    t.FINISH_REASON: Translated(P, "return_finish_reason: vLLM's own"),
+    t.TOOLS: Translated(R, _NO_TOOLS),
+    t.TOOL_CHOICE: Translated(R, _NO_TOOLS),
+    t.PARALLEL_TOOL_CALLS: Translated(R, _NO_TOOLS),
     t.RESPONSE_FORMAT: Translated(R, "no guided decoding on the generate path: EngineRejected"),
     t.STOP: Translated(P, "-> parameters.stop (the vLLM backend cuts it)"),
+    t.SEED: Translated(P, "-> parameters.seed"),
+    t.TEMPERATURE: Translated(P, "-> parameters.temperature"),
+    t.PENALTIES: Translated(R, _UNMAPPED),
+    t.LOGIT_BIAS: Translated(R, _UNMAPPED),
+    t.LOGPROBS: Translated(R, _UNMAPPED),
+    t.N: Translated(R, "one text_output stream per request: n > 1 is 400 unsupported_parameter"),
+    t.ECHO: Translated(R, _UNMAPPED),
+    t.BEST_OF: Translated(R, _UNMAPPED),
+    t.TOP_K: Translated(R, _UNMAPPED),
+    t.MIN_P: Translated(R, _UNMAPPED),
+    t.MIN_TOKENS: Translated(R, _UNMAPPED),
+    t.REPETITION_PENALTY: Translated(R, _UNMAPPED),
+    t.IGNORE_EOS: Translated(R, _UNMAPPED),
+    t.STRUCTURED_OUTPUTS: Translated(R, "no guided decoding on the generate path: EngineRejected"),
     t.USAGE: Translated(
         T, "return_num_input_tokens / return_num_output_tokens, summed over the stream"
     ),
+    t.CACHED_TOKENS: Translated(NA, "the generate extension reports no prefix-cache hits"),
     t.CANCELLATION: Translated(P, "closing the SSE connection cancels the request"),
     t.ERR_CONTEXT: Translated(
         T, "400 (or a 500 that names the context length) -> EngineRejected (400)"
     ),
+    t.ERR_MODEL: Translated(
+        NA,
+        "the URL names the deployment's model, the body's is not sent; the gateway "
+        "answers 404 for a model it does not route",
+    ),
+    t.ERR_INVALID: Translated(R, "presence_penalty is not mapped: 400 unsupported_parameter"),
     t.ERR_429: Translated(
         T, "Triton has no 429: a 503 'Exceeds maximum queue size' -> EngineRateLimited"
     ),
