@@ -255,13 +255,16 @@ def chat(system: str | None, question: str, max_tokens: int) -> dict[str, Any]:
 
 
 def gateway_metric(fleet: Fleet, name: str) -> dict[str, float]:
-    """Samples of one gateway metric, by their label string."""
-    text = httpx.get(fleet.gateway_metrics_urls[0], timeout=5).text
+    """Samples of one gateway metric, by their label string, summed over the
+    fleet's gateways."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
-        if m:
-            out[m.group(1) or ""] = float(m.group(2))
+    for url in fleet.gateway_metrics_urls:
+        text = httpx.get(url, timeout=5).text
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+            if m:
+                key = m.group(1) or ""
+                out[key] = out.get(key, 0.0) + float(m.group(2))
     return out
 
 

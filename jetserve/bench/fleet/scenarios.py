@@ -12,7 +12,9 @@ its own baseline in the same run.
 - ``failover``: a replica (worker and engine) SIGKILLed mid-run: every accepted
   request ends completed or visibly failed, reconciled against the ledger.
 - ``hedging``: an engine profile with a heavy first-token tail (5% of requests
-  stall 1.5 s): TTFT percentiles with and without hedging, and what it cost.
+  stall 1.5 s): TTFT percentiles with and without hedging, and what it cost;
+  then hedging across 3 gateways under a cap tighter than the tail wants
+  (2 %): the hedges sent fleet-wide against the cap's bound.
 - ``soak``: minutes of ordinary mixed load, no faults (``fleet/soak.py``): no
   accepted request may fail, and the gateway's and workers' RSS stays flat.
   Not in the default set; run it as ``--scenario soak --rate 40 --duration 240``.
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.inference.hedge_budget import BANK_CAP
 from jetserve.bench.fleet.client import (
     Driver,
     Fault,
@@ -55,6 +58,7 @@ from jetserve.fleet import Fleet, FleetSpec
 from workers.inference.admission import AdmissionConfig
 
 SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness", "scale")
+CAPPED_RATIO = 0.02  # hedging's 3-gateway arm: tighter than the 3 % tail wants
 BATCH_DEADLINE_S = 20.0  # saturation: batch waits for its share; interactive has 4 s
 
 
@@ -246,14 +250,18 @@ async def hedging(opts: Options) -> dict[str, Any]:
 
     rows = []
     extra: dict[str, Any] = {}
-    for hedge in (False, True):
+    # (hedge cap or None: no hedging, gateways): the third arm's cap binds.
+    arms = ((None, 1), (0.1, 1), (CAPPED_RATIO, 3))
+    for cap, gateways in arms:
+        hedge = cap is not None
         fleet = await asyncio.to_thread(
             _fleet,
             workers=4,
+            gateways=gateways,
             engine_per_worker=True,
             profile="h100-8b",
             sim_args=tail,
-            gateway_args=["--hedge", "p95", "--hedge-max-extra", "0.1"] if hedge else [],
+            gateway_args=["--hedge", "p95", "--hedge-max-extra", str(cap)] if hedge else [],
         )
         try:
             shots = await _run(fleet, opts.seed, 30.0, opts.rate, opts.duration, make)
@@ -267,11 +275,16 @@ async def hedging(opts: Options) -> dict[str, Any]:
                 by_outcome[m.group(1)] += int(value)
         sent = by_outcome.get("sent", 0)
         name = "hedging (p95)" if hedge else "no hedging"
+        if gateways > 1:
+            name = f"hedging (p95), {gateways} gateways, cap {cap:.0%}"
         extra = {
             "hedges": dict(by_outcome),
             "extra_attempts": sent,
             "extra_attempt_ratio": round(sent / max(len(shots), 1), 3),
         }
+        if hedge:
+            # hedge_budget.py's guarantee: earned credit plus one bank's worth.
+            extra["cap_bound"] = round(float(cap or 0) * len(shots) + BANK_CAP, 1)
         rows.append(summarize(name, shots, opts.duration, **extra))
     return {
         "scenario": "hedging",
@@ -279,7 +292,7 @@ async def hedging(opts: Options) -> dict[str, Any]:
             "replicas": 4,
             "profile": "h100-8b",
             "tail": "3% of requests: first token delayed 1.5 s (simulator stall:1500)",
-            "hedge_cap": "10% of requests",
+            "hedge_cap": f"10% of requests; {CAPPED_RATIO:.0%} on 3 gateways",
             "rate_rps": opts.rate,
             "duration_s": opts.duration,
         },
