@@ -337,7 +337,9 @@ class Fleet:
                 for n in range(0, len(urls), per):
                     more = [arg for url in urls[n + 1 : n + per] for arg in ("--engine", url)]
                     self.start_worker(*more, wait=False, engine=urls[n])
-                self.wait_workers(len(urls))
+                # Dozens of engines behind a few processes start slower on a
+                # busy machine: half a second more per replica.
+                self.wait_workers(len(urls), timeout=30.0 + len(urls) / 2)
             else:
                 for _ in range(self.spec.workers):
                     self.start_worker(wait=False)

@@ -28,6 +28,7 @@ class IdleResult(msgspec.Struct, kw_only=True):
     window_s: float
     workers: int
     agents: int
+    replicas: int = 0  # --replicas: engines behind multi-engine workers, not --workers
     # Per process group: share of one core, in percent, over the window.
     percent_of_a_core: dict[str, float]
     fleet_percent: float  # the fleet's own: every group but the engines
@@ -39,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle", type=float, default=10.0, help="seconds before the window")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--agents", type=int, default=1, help="agent executors (jetserve up has 1)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="a many-replica fleet instead: N simulated engines, 32 to a simulator "
+        "process, 8 to a worker process, 256 lanes (the scale bench's fleet)",
+    )
     p.add_argument("--out", default="bench/results/idle", help="directory for idle.json")
 
 
@@ -49,7 +57,7 @@ def groups(fleet: Fleet) -> dict[str, list[int]]:
         "agent": [a.proc.pid for a in fleet.agents],
         "nats": [n.proc.pid for n in fleet.nats_nodes],
         "redis": [fleet.redis.proc.pid] if fleet.redis else [],
-        "sim": [fleet.sim.proc.pid] if fleet.sim else [],
+        "sim": [s.proc.pid for s in (fleet.sim, *fleet.extra_sims) if s is not None],
     }
 
 
@@ -65,7 +73,18 @@ def measure(fleet: Fleet, window_s: float) -> tuple[dict[str, float], float | No
 
 
 def cmd_idle(args: argparse.Namespace, argv: list[str]) -> int:
-    spec = FleetSpec(workers=args.workers, agents=args.agents)
+    if args.replicas:
+        spec = FleetSpec(
+            workers=0,
+            agents=args.agents,
+            profile="h100-8b",
+            sim_replicas=args.replicas,
+            replicas_per_sim=32,
+            engines_per_worker=8,
+            lanes=256,
+        )
+    else:
+        spec = FleetSpec(workers=args.workers, agents=args.agents)
     with Fleet(spec) as fleet:
         time.sleep(args.settle)  # start-up work (provisioning, first scrapes) passes
         pct, other = measure(fleet, args.duration)
@@ -76,6 +95,7 @@ def cmd_idle(args: argparse.Namespace, argv: list[str]) -> int:
         window_s=args.duration,
         workers=args.workers,
         agents=args.agents,
+        replicas=args.replicas,
         percent_of_a_core=pct,
         fleet_percent=own,
         other_percent=other,
