@@ -71,14 +71,25 @@ def free_port() -> int:
         return port
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int, tries: int = 200) -> int:
     """The first of ``n`` consecutive free ports (a simulator with ``--replicas
-    n`` binds PORT..PORT+n-1)."""
+    n`` binds PORT..PORT+n-1), below the kernel's ephemeral range: a port there
+    may be given to any outgoing connection between this check and the
+    simulator's bind (seen with other fleets on the machine)."""
     import random
 
     rng = random.Random()
+    top = _ephemeral_low() - n
     for _ in range(tries):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(10000, max(top, 10001))
         socks = []
         try:
             for port in range(base, base + n):
