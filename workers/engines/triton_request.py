@@ -1,0 +1,141 @@
+"""One OpenAI/vLLM body as a request to Triton's vLLM backend (generate extension).
+
+The backend takes vLLM's ``SamplingParams`` as the ``sampling_parameters`` input, a JSON
+string (the request's ``parameters`` hold scalars only, so lists such as ``stop`` and
+objects cannot go there), and its other inputs as top-level keys (``stream``,
+``exclude_input_in_output``, ``return_*``). Every vLLM sampling field the corpus names is
+carried by its own name; ``structured_outputs`` is itself a JSON string (``{"json":
+schema}``, ``{"choice": [...]}``, ``{"regex": ...}``, ``{"json_object": true}``), built
+from ``response_format`` and vLLM's guided options.
+
+- ``n``: native (each output tensor holds one element per sequence);
+- ``best_of`` (gone from vLLM V1): ``n = best_of`` with ``return_cumulative_logprob``,
+  the ``n`` likeliest returned (emulated, the reply whole);
+- ``logprobs`` / ``top_logprobs`` -> ``return_logprobs`` and ``logprobs`` (top k);
+- ``echo``: the adapter sends the prompt ahead (the backend refuses
+  ``exclude_input_in_output`` = false when streaming).
+
+``logit_bias`` cannot reach vLLM this way: JSON keys are strings and the backend hands
+them to vLLM unconverted, which then fails comparing them with ints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from streams.wire import Op
+from workers.engines import prompted
+from workers.engines.constraints import Constraint, constraint
+from workers.engines.token_logprobs import wanted
+from workers.errors import EngineRejected, EngineUnsupported
+
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
+CARRIED = (
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "n",
+    "best_of",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "guided_json",
+    "guided_choice",
+    "guided_regex",
+    "structured_outputs",
+    "tool_choice",
+    *_SAMPLING,
+)
+TRITON_LACKS = {
+    "logit_bias": (
+        "the backend passes JSON's string token ids to vLLM unconverted, which vLLM "
+        "cannot compare with its vocabulary"
+    ),
+    "tools": "the generate extension has no tool parser",
+    "parallel_tool_calls": "the generate extension has no tool parser",
+    "suffix": "vLLM has no insertion",
+}
+
+
+def _structured(c: Constraint | None) -> str | None:
+    if c is None:
+        return None
+    return json.dumps({{"json": "json", "choice": "choice", "regex": "regex"}[c.kind]: c.value})
+
+
+class TritonRequest:
+    def __init__(self, op: Op, body: Mapping[str, Any]) -> None:
+        if body.get("tool_choice") not in (None, "none"):
+            raise EngineUnsupported(
+                "Triton cannot do tool_choice: the generate extension has no tool parser"
+            )
+        prompted.check_fields(body, CARRIED, "Triton", TRITON_LACKS)
+        if op == "chat":
+            self.prompt = prompted.render_chatml(list(body.get("messages") or []))
+        elif isinstance(body.get("prompt"), str):
+            self.prompt = str(body["prompt"])
+        else:
+            raise EngineRejected("the Triton adapter takes one prompt string")
+        self.op = op
+        self.top = wanted(op, body)
+        self.n = int(body.get("n") or 1)
+        self.echo = self.prompt if op == "completion" and body.get("echo") else ""
+        if self.echo and self.top is not None:
+            raise EngineUnsupported(
+                "Triton cannot do echo with logprobs: the backend returns no prompt logprobs"
+            )
+        best_of = body.get("best_of")
+        if best_of is not None and best_of < self.n:
+            raise EngineRejected("best_of must be greater than or equal to n")
+        self.best_of = int(best_of) if best_of is not None and best_of > self.n else None
+        self.stops = prompted.stop_list(body)
+        self.sampling = self._sampling(body)
+
+    def _sampling(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        params: dict[str, Any] = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+        limit = prompted.max_tokens(body)
+        if limit is not None:
+            params["max_tokens"] = limit
+        if self.stops:
+            params["stop"] = self.stops
+        n = self.best_of or self.n
+        if n > 1:
+            params["n"] = n
+        if self.top is not None:
+            params["logprobs"] = self.top
+        structured = _structured(constraint(body, "Triton"))
+        if structured is not None:
+            params["structured_outputs"] = structured
+        return params
+
+    def payload(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "text_input": self.prompt,
+            "stream": True,
+            "sampling_parameters": json.dumps(self.sampling),
+            "exclude_input_in_output": True,
+            "return_finish_reason": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+        }
+        if self.top is not None:
+            out["return_logprobs"] = True
+        if self.best_of is not None:
+            out["return_cumulative_logprob"] = True
+        return out
