@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -85,7 +85,7 @@ def _text(content: Any) -> str:
 
 
 def render_chatml(
-    messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None
+    messages: list[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
 ) -> str:
     out: list[str] = []
     rest = list(messages)

@@ -59,7 +59,11 @@ TGI_TRANSLATIONS: Mapping[str, Translated] = {
         T, "-> parameters.stop; TGI keeps the stop string in its output, the adapter cuts it"
     ),
     t.SEED: Translated(T, "-> parameters.seed"),
-    t.TEMPERATURE: Translated(T, "0 -> greedy (TGI's default): temperature and seed are left out"),
+    t.TEMPERATURE: Translated(
+        T,
+        "0 -> greedy (TGI's default): temperature and seed are left out; otherwise (and "
+        "when absent, OpenAI's default being 1) parameters.do_sample",
+    ),
     t.PRESENCE_PENALTY: Translated(
         R,
         "TGI has no presence penalty (frequency and repetition penalties only): 400 "
@@ -81,7 +85,7 @@ TGI_TRANSLATIONS: Mapping[str, Translated] = {
     t.BEST_OF: Translated(
         T,
         "-> parameters.best_of on /generate (TGI refuses it when streaming: the reply "
-        "arrives whole), with do_sample; n must be 1",
+        "arrives whole); n must be 1",
     ),
     t.TOP_K: Translated(P, "-> parameters.top_k"),
     t.MIN_P: Translated(R, "TGI has no min_p: 400 unsupported_parameter"),
@@ -196,15 +200,8 @@ class _Choice:
         if not self.buffered:
             last = self._out(tail, finish)
             return [last] if last is not None else []
-        text = self.text + tail
-        content, calls = prompted.parse_tool_calls(text, self.req.forced is not None)
-        if self.req.one_call:
-            calls = calls[:1]
-        if not calls:
-            return [Delta(content, None, finish, None, self.index)]
-        self.final = "tool_calls"
-        out = [Delta(content, None, None, None, self.index)] if content else []
-        return [*out, Delta("", calls, "tool_calls", None, self.index)]
+        deltas, self.final = self.req.tool_plan.reply(self.text + tail, self.index, finish)
+        return deltas
 
 
 class TGIAdapter(EngineAdapter):

@@ -4,12 +4,13 @@
 - ``max_tokens`` / ``max_completion_tokens`` -> ``max_new_tokens``; ``temperature``,
   ``top_p`` (1 means off: left out, TGI wants < 1), ``top_k`` (vLLM's -1/0 mean off),
   ``seed``, ``stop``, ``frequency_penalty``, ``repetition_penalty`` as they are;
-  temperature 0 is TGI's greedy default (temperature and seed left out);
+  temperature 0 is TGI's greedy default (temperature and seed left out), any other
+  (or none: OpenAI's default is 1) sets ``do_sample``;
 - ``logprobs`` / ``top_logprobs`` -> every token's ``logprob`` and ``top_n_tokens``;
 - structured output and forced tool calls -> ``grammar`` (``json`` or ``regex``; a
   choice becomes the regex of its escaped literals);
 - ``best_of`` -> ``best_of`` on ``/generate`` (TGI refuses it when streaming), with
-  ``do_sample`` and ``decoder_input_details`` (the prompt's token count);
+  ``decoder_input_details`` (the prompt's token count);
 - ``n`` > 1: one request per choice (TGI makes one sequence per request), seeds
   ``seed + i``; ``echo``: the adapter sends the prompt ahead of each choice.
 
@@ -26,6 +27,7 @@ from streams.wire import Op
 from workers.engines import prompted
 from workers.engines.constraints import Constraint, constraint
 from workers.engines.token_logprobs import wanted
+from workers.engines.tool_emulation import ToolPlan
 from workers.errors import EngineRejected, EngineUnsupported
 
 CARRIED = (
@@ -79,43 +81,14 @@ def _grammar(c: Constraint | None) -> dict[str, Any] | None:
     return {"type": "regex", "value": c.value}
 
 
-def _forced_schema(tools: list[dict[str, Any]], choice: Any) -> dict[str, Any]:
-    """A JSON schema that only a call of the chosen tool (or any tool) satisfies."""
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    options = []
-    for tool in tools:
-        fn = tool.get("function", {})
-        if name is not None and fn.get("name") != name:
-            continue
-        options.append(
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": fn.get("name")},
-                    "arguments": fn.get("parameters") or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-            }
-        )
-    if not options:
-        raise EngineRejected(f"tool_choice names an unknown tool {name!r}")
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
 class TgiRequest:
     """One OpenAI body as TGI requests: :meth:`payload` for choice ``i``."""
 
     def __init__(self, op: Op, body: Mapping[str, Any]) -> None:
         prompted.check_fields(body, CARRIED, "TGI", TGI_LACKS)
         self.op = op
-        self.tools = list(body.get("tools") or [])
-        self.one_call = body.get("parallel_tool_calls") is False
-        choice = body.get("tool_choice")
-        if choice == "none":
-            self.tools = []
-        self.forced: dict[str, Any] | None = None
-        if self.tools and (choice == "required" or isinstance(choice, dict)):
-            self.forced = _forced_schema(self.tools, choice)
+        self.tool_plan = ToolPlan.of(body)
+        self.tools, self.forced = self.tool_plan.tools, self.tool_plan.forced
         if op == "chat":
             self.prompt = prompted.render_chatml(list(body.get("messages") or []), self.tools)
         elif isinstance(body.get("prompt"), str):
@@ -163,6 +136,10 @@ class TgiRequest:
             # TGI wants > 0; greedy is its default, and a seed means nothing to it.
             params.pop("temperature")
             params.pop("seed", None)
+        else:
+            # OpenAI samples unless temperature is 0 (its default is 1); TGI decodes
+            # greedily unless told to sample.
+            params["do_sample"] = True
         if self.stops:
             params["stop"] = self.stops
         if self.top:
@@ -177,8 +154,6 @@ class TgiRequest:
         if self.best_of is not None:
             params["best_of"] = self.best_of
             params["decoder_input_details"] = True  # the prompt's tokens, for usage
-            if body.get("temperature") != 0:
-                params["do_sample"] = True
         return params
 
     def payload(self, i: int = 0) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
 from workers.engines.token_logprobs import TokenLogprob, Track
+from workers.engines.tool_emulation import ToolPlan
 from workers.engines.translation import FieldStatus, Translated
 from workers.engines.triton_request import TritonRequest
 from workers.engines.vllm_metrics import parse_vllm_metrics
@@ -46,16 +47,23 @@ T, E, R, P, NA = (
     FieldStatus.NOT_APPLICABLE,
 )
 _SAMPLED = "-> sampling_parameters.{} (vLLM's own)"
-_NO_TOOLS = "the generate extension has no tool parser: 400 unsupported_parameter"
 TRITON_TRANSLATIONS: Mapping[str, Translated] = {
     t.MESSAGES: Translated(T, "rendered to text_input with the ChatML template"),
     t.CONTENT_PARTS: Translated(R, "one text_input string: only text parts (400 otherwise)"),
     t.MAX_TOKENS: Translated(P, _SAMPLED.format("max_tokens")),
     t.MAX_COMPLETION_TOKENS: Translated(T, "-> sampling_parameters.max_tokens"),
     t.FINISH_REASON: Translated(P, "return_finish_reason: vLLM's own"),
-    t.TOOLS: Translated(R, _NO_TOOLS),
-    t.TOOL_CHOICE: Translated(R, _NO_TOOLS),
-    t.PARALLEL_TOOL_CALLS: Translated(R, _NO_TOOLS),
+    t.TOOLS: Translated(
+        E,
+        "the generate extension has no tool parser: Hermes <tools> in the system turn, "
+        "<tool_call> blocks parsed from the reply, which arrives in one piece at the end",
+    ),
+    t.TOOL_CHOICE: Translated(
+        E,
+        "none: the tools are left out of the prompt; required or a named function: "
+        "sampling_parameters.structured_outputs forces the call; auto: the model decides",
+    ),
+    t.PARALLEL_TOOL_CALLS: Translated(E, "false: the first parsed call is kept"),
     t.RESPONSE_FORMAT: Translated(
         T, "json_schema / json_object -> sampling_parameters.structured_outputs {json}"
     ),
@@ -185,6 +193,7 @@ class _Output:
 
     def __init__(self, req: TritonRequest, index: int) -> None:
         self.index = index
+        self.buffered = bool(req.tool_plan.tools)  # tool calls come from the whole reply
         self.top = req.top
         self.track = Track(req.op, len(req.echo)) if req.top is not None else None
         self.text = ""
@@ -202,6 +211,8 @@ class _Output:
             for entry in _entries(logprobs, self.top or 0):
                 self.track.push(entry)
             lps = self.track.take(len(self.text))
+        if self.buffered:
+            return None
         if text or lps or self.finish:
             return Delta(text, None, self.finish, lps, self.index)
         return None
@@ -209,6 +220,10 @@ class _Output:
     def whole(self, index: int, echo: str) -> Delta:
         lps = self.track.take(len(self.text)) if self.track is not None else None
         return Delta(echo + self.text, None, self.finish or "stop", lps, index)
+
+    def tool_reply(self, plan: ToolPlan) -> list[Delta]:
+        deltas, self.finish = plan.reply(self.text, self.index, self.finish or "stop")
+        return deltas
 
 
 class TritonAdapter(EngineAdapter):
@@ -285,6 +300,10 @@ class TritonAdapter(EngineAdapter):
         if not outs or any(o.finish is None for o in outs.values()):
             raise EngineStreamBroken("engine stream ended without a finish reason")
         ranked = sorted(outs.values(), key=lambda o: (-o.cumulative, o.index))
+        if req.tool_plan.tools and not whole:
+            for out in outs.values():
+                for delta in out.tool_reply(req.tool_plan):
+                    yield delta
         if whole:
             for i, out in enumerate(ranked[: req.n]):
                 yield out.whole(i, req.echo)

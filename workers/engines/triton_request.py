@@ -13,7 +13,9 @@ from ``response_format`` and vLLM's guided options.
   the ``n`` likeliest returned (emulated, the reply whole);
 - ``logprobs`` / ``top_logprobs`` -> ``return_logprobs`` and ``logprobs`` (top k);
 - ``echo``: the adapter sends the prompt ahead (the backend refuses
-  ``exclude_input_in_output`` = false when streaming).
+  ``exclude_input_in_output`` = false when streaming);
+- tools: emulated as for TGI (:mod:`workers.engines.tool_emulation`), a forced call
+  through ``structured_outputs``.
 
 ``logit_bias`` cannot reach vLLM this way: JSON keys are strings and the backend hands
 them to vLLM unconverted, which then fails comparing them with ints.
@@ -29,6 +31,7 @@ from streams.wire import Op
 from workers.engines import prompted
 from workers.engines.constraints import Constraint, constraint
 from workers.engines.token_logprobs import wanted
+from workers.engines.tool_emulation import ToolPlan
 from workers.errors import EngineRejected, EngineUnsupported
 
 _SAMPLING = (
@@ -59,7 +62,9 @@ CARRIED = (
     "guided_choice",
     "guided_regex",
     "structured_outputs",
+    "tools",
     "tool_choice",
+    "parallel_tool_calls",
     *_SAMPLING,
 )
 TRITON_LACKS = {
@@ -67,8 +72,6 @@ TRITON_LACKS = {
         "the backend passes JSON's string token ids to vLLM unconverted, which vLLM "
         "cannot compare with its vocabulary"
     ),
-    "tools": "the generate extension has no tool parser",
-    "parallel_tool_calls": "the generate extension has no tool parser",
     "suffix": "vLLM has no insertion",
 }
 
@@ -81,13 +84,11 @@ def _structured(c: Constraint | None) -> str | None:
 
 class TritonRequest:
     def __init__(self, op: Op, body: Mapping[str, Any]) -> None:
-        if body.get("tool_choice") not in (None, "none"):
-            raise EngineUnsupported(
-                "Triton cannot do tool_choice: the generate extension has no tool parser"
-            )
         prompted.check_fields(body, CARRIED, "Triton", TRITON_LACKS)
+        self.tool_plan = ToolPlan.of(body)
         if op == "chat":
-            self.prompt = prompted.render_chatml(list(body.get("messages") or []))
+            messages = list(body.get("messages") or [])
+            self.prompt = prompted.render_chatml(messages, self.tool_plan.tools)
         elif isinstance(body.get("prompt"), str):
             self.prompt = str(body["prompt"])
         else:
@@ -104,6 +105,8 @@ class TritonRequest:
         if best_of is not None and best_of < self.n:
             raise EngineRejected("best_of must be greater than or equal to n")
         self.best_of = int(best_of) if best_of is not None and best_of > self.n else None
+        if self.best_of is not None and self.tool_plan.tools:
+            raise EngineUnsupported("the Triton adapter's best_of takes no tools")
         self.stops = prompted.stop_list(body)
         self.sampling = self._sampling(body)
 
@@ -119,7 +122,12 @@ class TritonRequest:
             params["n"] = n
         if self.top is not None:
             params["logprobs"] = self.top
-        structured = _structured(constraint(body, "Triton"))
+        c = constraint(body, "Triton")
+        if self.tool_plan.forced is not None:
+            if c is not None:
+                raise EngineRejected("one constraint at a time: tool_choice or a structured output")
+            c = Constraint("json", self.tool_plan.forced)
+        structured = _structured(c)
         if structured is not None:
             params["structured_outputs"] = structured
         return params
