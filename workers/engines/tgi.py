@@ -200,7 +200,9 @@ class _Choice:
         if not self.buffered:
             last = self._out(tail, finish)
             return [last] if last is not None else []
-        deltas, self.final = self.req.tool_plan.reply(self.text + tail, self.index, finish)
+        text = self.text + tail
+        lps = self.track.take(len(text)) if self.track is not None else None
+        deltas, self.final = self.req.tool_plan.reply(text, self.index, finish, lps)
         return deltas
 
 

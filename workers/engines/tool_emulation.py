@@ -56,12 +56,15 @@ class ToolPlan:
             forced = _forced_schema(tools, choice)
         return cls(tools, forced, body.get("parallel_tool_calls") is False)
 
-    def reply(self, text: str, index: int, finish: str) -> tuple[list[Delta], str]:
-        """The whole reply of a tool-enabled request as Deltas, and its finish reason."""
+    def reply(
+        self, text: str, index: int, finish: str, logprobs: dict[str, Any] | None = None
+    ) -> tuple[list[Delta], str]:
+        """The whole reply of a tool-enabled request as Deltas (the first carrying the
+        reply's ``logprobs``), and its finish reason."""
         content, calls = prompted.parse_tool_calls(text, self.forced is not None)
         if self.one_call:
             calls = calls[:1]
         if not calls:
-            return [Delta(content, None, finish, None, index)], finish
-        out = [Delta(content, None, None, None, index)] if content else []
+            return [Delta(content, None, finish, logprobs, index)], finish
+        out = [Delta(content, None, None, logprobs, index)] if content or logprobs else []
         return [*out, Delta("", calls, "tool_calls", None, index)], "tool_calls"

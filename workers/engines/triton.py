@@ -193,7 +193,8 @@ class _Output:
 
     def __init__(self, req: TritonRequest, index: int) -> None:
         self.index = index
-        self.buffered = bool(req.tool_plan.tools)  # tool calls come from the whole reply
+        # Tool calls come from the whole reply; best_of's choices are known at the end.
+        self.buffered = bool(req.tool_plan.tools) or req.best_of is not None
         self.top = req.top
         self.track = Track(req.op, len(req.echo)) if req.top is not None else None
         self.text = ""
@@ -206,13 +207,12 @@ class _Output:
             self.finish = str(reason)
         if cumulative is not None:
             self.cumulative = float(cumulative)
-        lps = None
         if self.track is not None and isinstance(logprobs, str):
             for entry in _entries(logprobs, self.top or 0):
                 self.track.push(entry)
-            lps = self.track.take(len(self.text))
         if self.buffered:
             return None
+        lps = self.track.take(len(self.text)) if self.track is not None else None
         if text or lps or self.finish:
             return Delta(text, None, self.finish, lps, self.index)
         return None
@@ -222,7 +222,8 @@ class _Output:
         return Delta(echo + self.text, None, self.finish or "stop", lps, index)
 
     def tool_reply(self, plan: ToolPlan) -> list[Delta]:
-        deltas, self.finish = plan.reply(self.text, self.index, self.finish or "stop")
+        lps = self.track.take(len(self.text)) if self.track is not None else None
+        deltas, self.finish = plan.reply(self.text, self.index, self.finish or "stop", lps)
         return deltas
 
 
