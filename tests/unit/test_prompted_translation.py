@@ -13,7 +13,7 @@ from workers.engines.tgi_request import TgiRequest
 from workers.engines.token_logprobs import TokenLogprob, Track
 from workers.engines.triton import _entries
 from workers.engines.triton_request import TritonRequest
-from workers.errors import EngineUnsupported
+from workers.errors import EngineRejected, EngineUnsupported
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 TOOL = {
@@ -158,3 +158,22 @@ def test_triton_logprobs_sampled_first_then_top_by_rank() -> None:
     assert entry.token == " z"
     assert entry.logprob == -3.0
     assert entry.top == ((" a", -0.1), (" b", -0.9))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 5.0), ("top_p", 0.0), ("min_p", 2.0), ("repetition_penalty", 0)],
+)
+def test_triton_checks_vllm_ranges_before_sending(field: str, value: float) -> None:
+    # The backend would log vLLM's refusal and fail the request without its words.
+    with pytest.raises(EngineRejected, match=field) as info:
+        TritonRequest("chat", {**CHAT, field: value})
+    assert info.value.status == 400
+
+
+def test_tool_choice_without_tools_and_too_many_choices_are_refused() -> None:
+    for cls in (TgiRequest, TritonRequest):
+        with pytest.raises(EngineRejected, match="tools"):
+            cls("chat", {**CHAT, "tool_choice": "required"})
+    with pytest.raises(EngineRejected, match="n must be"):
+        TgiRequest("chat", {**CHAT, "n": 17})

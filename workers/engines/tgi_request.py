@@ -64,6 +64,7 @@ TGI_LACKS = {
     "logit_bias": "it has no logit bias",
     "suffix": "it has no insertion",
 }
+MAX_N = 16  # choices, each one TGI request (the gateway's cap too)
 _META = re.compile(r"([.^$*+?{}\[\]\\|()])")
 
 
@@ -98,6 +99,8 @@ class TgiRequest:
         self.stops = prompted.stop_list(body)
         self.top = wanted(op, body)
         self.n = int(body.get("n") or 1)
+        if not 1 <= self.n <= MAX_N:
+            raise EngineRejected(f"n must be between 1 and {MAX_N}")
         self.echo = self.prompt if op == "completion" and body.get("echo") else ""
         if self.echo and self.top is not None:
             raise EngineUnsupported(

@@ -49,6 +49,8 @@ class ToolPlan:
     def of(cls, body: Mapping[str, Any]) -> ToolPlan:
         tools = list(body.get("tools") or [])
         choice = body.get("tool_choice")
+        if not tools and choice not in (None, "none", "auto"):
+            raise EngineRejected("When using `tool_choice`, `tools` must be set.")
         if choice == "none":
             tools = []
         forced = None

@@ -116,7 +116,11 @@ TRITON_TRANSLATIONS: Mapping[str, Translated] = {
         "the URL names the deployment's model, the body's is not sent; the gateway "
         "answers 404 for a model it does not route",
     ),
-    t.ERR_INVALID: Translated(P, "vLLM's own refusal (400)"),
+    t.ERR_INVALID: Translated(
+        T,
+        "vLLM's range checks, made by the adapter in vLLM's words (the backend logs "
+        "vLLM's own refusal and fails the request without them): EngineRejected (400)",
+    ),
     t.ERR_429: Translated(
         T, "Triton has no 429: a 503 'Exceeds maximum queue size' -> EngineRateLimited"
     ),

@@ -34,6 +34,7 @@ from workers.engines.token_logprobs import wanted
 from workers.engines.tool_emulation import ToolPlan
 from workers.errors import EngineRejected, EngineUnsupported
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _SAMPLING = (
     "temperature",
     "top_p",
@@ -76,6 +77,27 @@ TRITON_LACKS = {
 }
 
 
+def _range(params: Mapping[str, Any], name: str, ok: Any, words: str) -> None:
+    value = params.get(name)
+    if value is not None and not ok(value):
+        raise EngineRejected(f"{name} {words}, got {value}.")
+
+
+def check_ranges(params: Mapping[str, Any], max_tokens: int | None) -> None:
+    """vLLM's own range checks (``SamplingParams._verify_args``), made before sending:
+    the backend logs vLLM's refusal and fails the request without its words."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        _range(params, name, lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
+    _range(params, "repetition_penalty", lambda v: v > 0, "must be greater than zero")
+    _range(params, "temperature", lambda v: v >= 0, "must be non-negative")
+    _range(params, "top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
+    _range(params, "top_k", lambda v: v >= -1, "must be -1 (disable), or at least 1")
+    _range(params, "min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+    _range(params, "min_tokens", lambda v: v >= 0, "must be greater than or equal to 0")
+    if max_tokens is not None and params.get("min_tokens", 0) > max_tokens:
+        raise EngineRejected("min_tokens must be less than or equal to max_tokens.")
+
+
 def _structured(c: Constraint | None) -> str | None:
     if c is None:
         return None
@@ -112,6 +134,7 @@ class TritonRequest:
 
     def _sampling(self, body: Mapping[str, Any]) -> dict[str, Any]:
         params: dict[str, Any] = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+        check_ranges(params, prompted.max_tokens(body))
         limit = prompted.max_tokens(body)
         if limit is not None:
             params["max_tokens"] = limit
@@ -121,6 +144,8 @@ class TritonRequest:
         if n > 1:
             params["n"] = n
         if self.top is not None:
+            if not 0 <= self.top <= MAX_LOGPROBS:
+                raise EngineRejected(f"logprobs must be between 0 and {MAX_LOGPROBS}")
             params["logprobs"] = self.top
         c = constraint(body, "Triton")
         if self.tool_plan.forced is not None:
