@@ -125,6 +125,12 @@ _LONG = " ".join(f"w{i}" for i in range(8300))  # past the simulator's 8192 toke
 _SHARED = "({nonce}) " + " ".join(["Answer briefly and stay on topic."] * 12)
 
 
+# The penalty cases' prompt: fixed (no nonce: no rule to isolate), so the simulator's
+# natural reply is fixed too, and long enough that its words repeat without a penalty.
+# No ignore_eos: a case checks its own field, on engines without ignore_eos (TGI) too.
+_PENALTY_BODY: dict[str, Any] = {"messages": _user("Tell me about queues."), "max_tokens": 64}
+
+
 def _chat(text: str, **kw: Any) -> dict[str, Any]:
     return {"messages": _user(f"{text} ({{nonce}})"), **kw}
 
@@ -394,23 +400,23 @@ _SAMPLING: tuple[Case, ...] = (
     ),
     Case(
         "presence_penalty",
-        t.PENALTIES,
+        t.PRESENCE_PENALTY,
         Check.DISTINCT,
-        _chat("Tell me about queues.", presence_penalty=1.5, max_tokens=40, ignore_eos=True),
+        _PENALTY_BODY | {"presence_penalty": 1.5},
         expect={"field": "presence_penalty"},
     ),
     Case(
         "frequency_penalty",
-        t.PENALTIES,
+        t.FREQUENCY_PENALTY,
         Check.DISTINCT,
-        _chat("Tell me about queues.", frequency_penalty=1.0, max_tokens=40, ignore_eos=True),
+        _PENALTY_BODY | {"frequency_penalty": 1.0},
         expect={"field": "frequency_penalty"},
     ),
     Case(
         "repetition_penalty",
         t.REPETITION_PENALTY,
         Check.DISTINCT,
-        _chat("Tell me about queues.", repetition_penalty=1.5, max_tokens=40, ignore_eos=True),
+        _PENALTY_BODY | {"repetition_penalty": 1.5},
         expect={"field": "repetition_penalty"},
     ),
     Case(

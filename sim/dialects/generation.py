@@ -6,20 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
 from starlette.types import Send
 
+from sim import structured
 from sim.completions import SSE_HEADERS, StopScanner
+from sim.dialects.choices import DialectError, Spec, natural, pad, sequence_seeds
 from sim.faults import Fault, FaultKind
 from sim.inbound import ApiError, ScriptedResponse
 from sim.responses import Dropped
 from sim.scripts import Conversation, parse_response
 from sim.simulator import Simulator
-from sim.structured import schema_value
-from sim.textgen import natural_pieces
 
 JSON = "application/json"
 OVERLOADED = "Model is overloaded"
@@ -28,17 +28,6 @@ UNAVAILABLE = "The engine is overloaded or restarting (simulated)."
 INTERNAL = "Internal server error (simulated)."
 
 T = TypeVar("T")
-
-
-class Grammar(msgspec.Struct, frozen=True):
-    type: str
-    value: Any = None
-
-
-class DialectError(Exception):
-    def __init__(self, status: int, message: str, error_type: str = "validation") -> None:
-        super().__init__(message)
-        self.status, self.message, self.error_type = status, message, error_type
 
 
 def sse(obj: object) -> bytes:
@@ -57,10 +46,10 @@ def _tool_text(resp: ScriptedResponse) -> str:
 
 
 class Reply(msgspec.Struct, kw_only=True):
-    """What one dialect request will produce: the prompt and the output pieces."""
+    """What one dialect request will produce: the prompt and each sequence's pieces."""
 
     prompt_ids: list[int]
-    pieces: list[str]
+    choices: list[list[str]]
     max_tokens: int
     stops: list[str]
     fault: Fault | None
@@ -71,9 +60,8 @@ def plan(
     request: Request,
     prompt: str,
     max_tokens: int | None,
-    seed: int | None,
     stops: list[str],
-    grammar: Grammar | None,
+    s: Spec,
     fault: Fault | None,
 ) -> Reply:
     prompt_ids = sim.tokenizer.encode(prompt)
@@ -87,21 +75,67 @@ def plan(
         script = parse_response(header) if header is not None else sim.scripts.pick(conv)
     except ApiError as e:
         raise DialectError(422, e.message) from None
+    # ignore_eos: no end of sequence before max_tokens, so the reply ends "length".
+    forced = max_tokens + 1 if s.ignore_eos and max_tokens is not None else None
+    fixed: list[str] | None = None
     if script is not None:
         sim.stats.scripted += 1
-        pieces = sim.tokenizer.pieces(_tool_text(script)) or [""]
-    elif grammar is not None and grammar.type == "json":
-        pieces = sim.tokenizer.pieces(json.dumps(schema_value(grammar.value)))
+        fixed = sim.tokenizer.pieces(_tool_text(script)) or [""]
+    elif s.target is not None:
+        fixed = sim.tokenizer.pieces(structured.render(s.target, sum(prompt_ids)))
+    if fixed is not None:
+        fixed = pad(sim, prompt_ids, fixed, forced or s.knobs.min_tokens, s)
+        choices = [list(fixed) for _ in range(s.n)]
     else:
-        pieces = natural_pieces(sim.cfg.seed, prompt_ids, seed)
-    return Reply(prompt_ids=prompt_ids, pieces=pieces, max_tokens=limit, stops=stops, fault=fault)
+        choices = [natural(sim, prompt_ids, s, seed, forced) for seed in sequence_seeds(s)]
+    return Reply(prompt_ids=prompt_ids, choices=choices, max_tokens=limit, stops=stops, fault=fault)
 
 
 def _arg(fault: Fault | None, kind: FaultKind) -> int | None:
     return fault.arg if fault is not None and fault.kind is kind else None
 
 
-Emit = Callable[[int, str, int, str | None], Awaitable[None]]
+class Step(msgspec.Struct, frozen=True, kw_only=True):
+    """Token ``i`` of sequence ``index``: the text it releases (``delta``), the token
+    itself (``piece``), the sequence's tokens so far, and its finish reason if last."""
+
+    index: int
+    i: int
+    delta: str
+    piece: str
+    tokens: int
+    reason: str | None
+
+
+Emit = Callable[[Step], Awaitable[None]]
+AfterStep = Callable[[int], Awaitable[None]]
+
+
+class _Sequence:
+    def __init__(self, index: int, pieces: list[str], reply: Reply, keep_stop: bool) -> None:
+        self.index, self.pieces, self.keep_stop = index, pieces, keep_stop
+        self.stops = reply.stops
+        self.num = min(len(pieces), reply.max_tokens)
+        self.finish = "length" if len(pieces) > reply.max_tokens else "stop"
+        self.scanner = StopScanner([] if keep_stop else reply.stops)
+        self.text = ""
+        self.done: str | None = None
+
+    def step(self, i: int) -> Step:
+        piece = self.pieces[i]
+        if self.keep_stop:
+            self.text += piece
+            hit = any(s in self.text for s in self.stops)
+            delta = piece
+        else:
+            delta = self.scanner.push(piece)
+            hit = self.scanner.matched is not None
+        last = hit or i == self.num - 1
+        if last:
+            self.done = "stop_sequence" if hit else self.finish
+            if not self.keep_stop:
+                delta += self.scanner.flush()
+        return Step(index=self.index, i=i, delta=delta, piece=piece, tokens=i + 1, reason=self.done)
 
 
 async def generate(
@@ -112,36 +146,29 @@ async def generate(
     emit: Emit,
     keep_stop: bool,
     send: Send,
+    after_step: AfterStep | None = None,
 ) -> None:
-    """Drive the engine token by token; `emit(i, delta, tokens, finish)` renders each."""
+    """Drive the engine token by token, the ``n`` sequences side by side (one token of
+    each live sequence per step, as vLLM decodes them); ``emit`` renders each token,
+    ``after_step(i)`` runs once all of step ``i``'s tokens are emitted."""
     rec = sim.new_record(rec_id, endpoint, reply.fault)
     seq = sim.engine.add(rec, reply.prompt_ids, reply.fault)
     drop_at = _arg(reply.fault, FaultKind.DROP)
-    scanner = StopScanner([] if keep_stop else reply.stops)
-    text = ""
-    hit = False
+    seqs = [_Sequence(j, pieces, reply, keep_stop) for j, pieces in enumerate(reply.choices)]
     try:
-        n = min(len(reply.pieces), reply.max_tokens)
-        finish = "length" if len(reply.pieces) > reply.max_tokens else "stop"
-        for i, piece in enumerate(reply.pieces[:n]):
+        for i in range(max(s.num for s in seqs)):
             if drop_at is not None and i == drop_at:
                 raise Dropped
-            await sim.engine.next_token(seq, sim.tokenizer.token_id(piece))
-            if keep_stop:
-                text += piece
-                hit = any(s in text for s in reply.stops)
-                delta = piece
-            else:
-                delta = scanner.push(piece)
-                hit = scanner.matched is not None
-            last = hit or i == n - 1
-            reason = ("stop_sequence" if hit else finish) if last else None
-            if last and not keep_stop:
-                delta += scanner.flush()
-            await emit(i, delta, seq.generated, reason)
-            if last:
+            live = [s for s in seqs if s.done is None and i < s.num]
+            if not live:
                 break
-        sim.engine.finish(seq, "length" if finish == "length" and not hit else "stop")
+            await sim.engine.next_tokens(seq, [sim.tokenizer.token_id(s.pieces[i]) for s in live])
+            for s in live:
+                await emit(s.step(i))
+            if after_step is not None:
+                await after_step(i)
+        first = seqs[0].done
+        sim.engine.finish(seq, "length" if first == "length" else "stop")
     except asyncio.CancelledError:
         sim.engine.abort(seq)  # the client went away: stop generating, free KV
         raise

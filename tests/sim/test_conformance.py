@@ -24,6 +24,7 @@ from workers.engines.base import Delta, Done
 from workers.engines.factory import make_adapter
 from workers.engines.openai import OpenAIAdapter
 from workers.engines.tgi import TGIAdapter
+from workers.engines.triton import TritonAdapter
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
 FAULT_CASES = {"rate_limited", "server_error", "server_error_500", "malformed_chunk"}
@@ -66,7 +67,14 @@ async def test_corpus_through_every_adapter(fast: SimHandle) -> None:
     openai, tgi, triton = reports
     assert {r.status for r in openai.rows} == {Status.PASSED}
     assert tgi.status("parallel_tool_calls_false") is Status.EMULATED
-    assert triton.status("tool_choice_none") is Status.REJECTED
+    assert triton.status("tool_choice_none") is Status.EMULATED
+    # What the engine lacks is refused, what it has is carried (issue 17).
+    assert tgi.status("presence_penalty") is Status.REJECTED
+    assert tgi.status("frequency_penalty") is Status.PASSED
+    assert triton.status("logit_bias") is Status.REJECTED
+    for case in ("top_k", "logprobs", "n_chat", "best_of", "echo", "guided_choice"):
+        assert tgi.status(case) is not Status.REJECTED, case
+        assert triton.status(case) is not Status.REJECTED, case
     # The committed report is what the corpus gives today (`make conformance-report`).
     assert matrix_markdown(reports) in DOC.read_text(), "run make conformance-report"
     committed = _committed()
@@ -196,7 +204,7 @@ async def test_matrix_lists_every_adapter(fast: SimHandle) -> None:
             )
     table = matrix_markdown(reports)
     assert table.splitlines()[0] == "| case | field | openai | tgi | triton |"
-    assert "| tool_calls | `tools` | passed | emulated | rejected |" in table
+    assert "| tool_calls | `tools` | passed | emulated | emulated |" in table
 
 
 @pytest.mark.parametrize(
@@ -224,3 +232,55 @@ async def test_a_json_reply_cut_at_max_tokens_is_no_silent_drop(
     assert row.status is status, row
     if status is Status.PASSED:
         assert "cut at max_tokens" in row.note
+
+
+class _TgiDropsOne(TGIAdapter):
+    """A buggy TGI adapter: leaves one field out of every request."""
+
+    fields: tuple[str, ...] = ()
+
+    def generate(
+        self, op: Op, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[Delta | Done]:
+        trimmed = {k: v for k, v in body.items() if k not in self.fields}
+        return super().generate(op, trimmed, request_id, headers)
+
+
+class _TritonDropsOne(TritonAdapter):
+    fields: tuple[str, ...] = ()
+
+    def generate(
+        self, op: Op, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[Delta | Done]:
+        trimmed = {k: v for k, v in body.items() if k not in self.fields}
+        return super().generate(op, trimmed, request_id, headers)
+
+
+_CARRIED = {Status.PASSED, Status.TRANSFORMED, Status.EMULATED}
+
+
+@pytest.mark.parametrize("dialect", ["tgi", "triton"])
+async def test_prompted_dialects_honour_what_they_carry(fast: SimHandle, dialect: str) -> None:
+    """Each field the TGI or Triton adapter carries reaches the engine's native API and
+    the simulator's dialect applies it: the same adapter with that field left out turns
+    the case into a silent drop."""
+    missed, carried = [], []
+    for name, field in DROPPABLE.items():
+        case = next(c for c in CASES if c.name == name)
+        adapter = (
+            _TgiDropsOne(fast.url)
+            if dialect == "tgi"
+            else _TritonDropsOne(fast.url, model="sim-8b")
+        )
+        async with adapter:
+            whole = await run_corpus(adapter, engine_url=fast.url, dialect=dialect, cases=[case])
+            if whole.rows[0].status not in _CARRIED:
+                continue
+            carried.append(name)
+            adapter.fields = (field,) if isinstance(field, str) else field
+            report = await run_corpus(adapter, engine_url=fast.url, dialect=dialect, cases=[case])
+        if report.rows[0].status is not Status.DROPPED:
+            missed.append((name, field, report.rows[0].status, report.rows[0].note))
+    await _idle(fast)
+    assert missed == []
+    assert len(carried) >= 25

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -28,19 +28,34 @@ METADATA_FIELDS = frozenset({"model", "stream", "stream_options", "user", "n"})
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def check_fields(body: Mapping[str, Any], carried: Iterable[str], dialect: str) -> None:
-    """Reject any field the adapter would otherwise have to drop silently."""
+def check_fields(
+    body: Mapping[str, Any],
+    carried: Iterable[str],
+    dialect: str,
+    engine_lacks: Mapping[str, str] | None = None,
+) -> None:
+    """Reject any field the adapter would otherwise have to drop silently: 400
+    ``unsupported_parameter``, saying why when the engine lacks it (``engine_lacks``:
+    field -> what the engine has instead, or nothing)."""
+    carried = tuple(carried)
     allowed = METADATA_FIELDS.union(carried)
     # None and False ask for nothing (``"logprobs": false`` is OpenAI's default).
     unknown = sorted(
         k for k, v in body.items() if k not in allowed and v is not None and v is not False
     )
+    lacks = engine_lacks or {}
+    known = [k for k in unknown if k in lacks]
+    if known:
+        raise EngineUnsupported(
+            "; ".join(f"{dialect} cannot do {k}: {lacks[k]}" for k in known)
+            + "; remove it or route to an engine that has it"
+        )
     if unknown:
         raise EngineUnsupported(
             f"the {dialect} adapter cannot carry {', '.join(unknown)}; remove "
             f"{'them' if len(unknown) > 1 else 'it'} or route to an OpenAI-compatible engine"
         )
-    if body.get("n", 1) not in (1, None):
+    if "n" not in carried and body.get("n", 1) not in (1, None):
         raise EngineUnsupported(f"the {dialect} adapter serves n=1 only")
 
 
@@ -70,7 +85,7 @@ def _text(content: Any) -> str:
 
 
 def render_chatml(
-    messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None
+    messages: list[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
 ) -> str:
     out: list[str] = []
     rest = list(messages)

@@ -20,8 +20,11 @@ import msgspec
 from streams.wire import Op, Usage
 from workers.engines import prompted
 from workers.engines import translation as t
-from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
+from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad, closing
+from workers.engines.fanout import merged
 from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.tgi_request import TgiRequest
+from workers.engines.token_logprobs import TokenLogprob, Track
 from workers.engines.translation import FieldStatus, Translated
 from workers.errors import EngineRejected, EngineStreamBroken
 
@@ -32,7 +35,6 @@ T, E, R, P, NA = (
     FieldStatus.PASSED,
     FieldStatus.NOT_APPLICABLE,
 )
-_UNMAPPED = "not mapped to TGI's parameters: 400 unsupported_parameter"
 TGI_TRANSLATIONS: Mapping[str, Translated] = {
     t.MESSAGES: Translated(T, "rendered to one prompt with the ChatML template"),
     t.CONTENT_PARTS: Translated(R, "one prompt string: only text parts (400 otherwise)"),
@@ -57,20 +59,43 @@ TGI_TRANSLATIONS: Mapping[str, Translated] = {
         T, "-> parameters.stop; TGI keeps the stop string in its output, the adapter cuts it"
     ),
     t.SEED: Translated(T, "-> parameters.seed"),
-    t.TEMPERATURE: Translated(T, "0 -> greedy (TGI's default): temperature and seed are left out"),
-    t.PENALTIES: Translated(R, _UNMAPPED),
+    t.TEMPERATURE: Translated(
+        T,
+        "0 -> greedy (TGI's default): temperature and seed are left out; otherwise (and "
+        "when absent, OpenAI's default being 1) parameters.do_sample",
+    ),
+    t.PRESENCE_PENALTY: Translated(
+        R,
+        "TGI has no presence penalty (frequency and repetition penalties only): 400 "
+        "unsupported_parameter",
+    ),
+    t.FREQUENCY_PENALTY: Translated(P, "-> parameters.frequency_penalty"),
     t.LOGIT_BIAS: Translated(R, "TGI has no logit bias: 400 unsupported_parameter"),
-    t.LOGPROBS: Translated(R, _UNMAPPED),
-    t.N: Translated(R, "one sequence per TGI request: n > 1 is 400 unsupported_parameter"),
-    t.ECHO: Translated(R, _UNMAPPED),
-    t.BEST_OF: Translated(R, _UNMAPPED),
-    t.TOP_K: Translated(R, _UNMAPPED),
+    t.LOGPROBS: Translated(
+        T,
+        "-> parameters.top_n_tokens; each token's logprob and top_tokens re-shaped into "
+        "OpenAI's logprobs (chat content entries, or the completions lists)",
+    ),
+    t.N: Translated(
+        E,
+        "TGI makes one sequence per request: n requests side by side (seeds seed + i), "
+        "merged as indexed choices",
+    ),
+    t.ECHO: Translated(E, "the adapter sends the prompt ahead of the text (not with logprobs)"),
+    t.BEST_OF: Translated(
+        T,
+        "-> parameters.best_of on /generate (TGI refuses it when streaming: the reply "
+        "arrives whole); n must be 1",
+    ),
+    t.TOP_K: Translated(P, "-> parameters.top_k"),
     t.MIN_P: Translated(R, "TGI has no min_p: 400 unsupported_parameter"),
     t.MIN_TOKENS: Translated(R, "TGI has no min_tokens: 400 unsupported_parameter"),
-    t.REPETITION_PENALTY: Translated(R, _UNMAPPED),
+    t.REPETITION_PENALTY: Translated(P, "-> parameters.repetition_penalty"),
     t.IGNORE_EOS: Translated(R, "TGI has no ignore_eos: 400 unsupported_parameter"),
     t.STRUCTURED_OUTPUTS: Translated(
-        R, "vLLM's options: 400 unsupported_parameter (response_format is carried)"
+        T,
+        'guided_json / structured_outputs.json -> parameters.grammar {"type": "json"}; '
+        'guided_choice / guided_regex -> {"type": "regex"}',
     ),
     t.USAGE: Translated(
         T, "details.input_length / details.generated_tokens (usage is always returned)"
@@ -83,49 +108,46 @@ TGI_TRANSLATIONS: Mapping[str, Translated] = {
         "TGI serves one model and its API names none; the gateway answers 404 for a "
         "model it does not route",
     ),
-    t.ERR_INVALID: Translated(R, "presence_penalty is not mapped: 400 unsupported_parameter"),
+    t.ERR_INVALID: Translated(R, "presence_penalty: TGI has none, 400 unsupported_parameter"),
     t.ERR_429: Translated(T, "429 overloaded -> EngineRateLimited"),
     t.ERR_5XX: Translated(P, "5xx -> EngineUnavailable"),
     t.ERR_MALFORMED: Translated(P, "undecodable SSE event -> EngineStreamBroken"),
 }
 
-_CARRIED = (
-    "messages",
-    "prompt",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "stop",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-)
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 _METRIC = re.compile(r"^(tgi_[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
-class _Token(msgspec.Struct):
+class _Token(msgspec.Struct, frozen=True):
     text: str = ""
+    logprob: float | None = None
     special: bool = False
 
 
-class _Details(msgspec.Struct):
+class _Details(msgspec.Struct, frozen=True):
     finish_reason: str = ""
     generated_tokens: int = 0
     input_length: int | None = None
+    prefill: list[_Token] = []
+    tokens: list[_Token] = []
+    top_tokens: list[list[_Token]] = []
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, frozen=True):
     token: _Token | None = None
+    top_tokens: list[_Token] | None = None
     details: _Details | None = None
     error: str | None = None
     error_type: str | None = None
 
 
+class _Whole(msgspec.Struct, frozen=True):
+    generated_text: str = ""
+    details: _Details | None = None
+
+
 _event_decoder = msgspec.json.Decoder(_Event)
+_whole_decoder = msgspec.json.Decoder(_Whole)
 _encoder = msgspec.json.Encoder()
 
 
@@ -135,86 +157,53 @@ def _raise(status: int, body: bytes) -> None:
     raise_for_status(status, body)
 
 
-class _Request:
-    """One OpenAI body translated to TGI's parameters."""
-
-    def __init__(self, op: Op, body: Mapping[str, Any]) -> None:
-        prompted.check_fields(body, _CARRIED, "TGI")
-        self.tools = list(body.get("tools") or [])
-        self.one_call = body.get("parallel_tool_calls") is False
-        choice = body.get("tool_choice")
-        if choice == "none":
-            self.tools = []
-        self.forced: dict[str, Any] | None = None
-        if self.tools and (choice == "required" or isinstance(choice, dict)):
-            self.forced = _forced_schema(self.tools, choice)
-        if op == "chat":
-            self.prompt = prompted.render_chatml(list(body.get("messages") or []), self.tools)
-        elif isinstance(body.get("prompt"), str):
-            self.prompt = str(body["prompt"])
-        else:
-            raise EngineRejected("the TGI adapter takes one prompt string")
-        self.stops = prompted.stop_list(body)
-        params: dict[str, Any] = {"details": True}
-        limit = prompted.max_tokens(body)
-        if limit is not None:
-            params["max_new_tokens"] = limit
-        for key in ("temperature", "top_p", "seed"):
-            if body.get(key) is not None:
-                params[key] = body[key]
-        if params.get("temperature") == 0:
-            # TGI wants > 0; greedy is its default, and a seed means nothing to it.
-            params.pop("temperature")
-            params.pop("seed", None)
-        if self.stops:
-            params["stop"] = self.stops
-        grammar = _grammar(body.get("response_format"))
-        if self.forced is not None:
-            if grammar is not None:
-                raise EngineRejected("TGI takes one grammar: tool_choice or response_format")
-            grammar = {"type": "json", "value": self.forced}
-        if grammar is not None:
-            params["grammar"] = grammar
-        self.payload = {"inputs": self.prompt, "parameters": params}
+def _entry(token: _Token, tops: list[_Token] | None) -> TokenLogprob:
+    return TokenLogprob(
+        token.text,
+        token.logprob if token.logprob is not None else 0.0,
+        tuple((x.text, x.logprob if x.logprob is not None else 0.0) for x in tops or []),
+    )
 
 
-def _grammar(fmt: Any) -> dict[str, Any] | None:
-    if fmt is None:
+class _Choice:
+    """One choice's text as it streams: stop strings cut, logprobs released with the
+    text they spell, tool calls parsed from the whole reply."""
+
+    def __init__(self, req: TgiRequest, index: int) -> None:
+        self.req, self.index = req, index
+        self.trimmer = prompted.StopTrimmer(req.stops)
+        self.track = Track(req.op, len(req.echo)) if req.top is not None else None
+        self.buffered = bool(req.tools)
+        self.text = ""  # what is cut and released so far (or buffered)
+        self.final = "stop"  # the choice's finish reason, once finished
+
+    def push(self, token: _Token, tops: list[_Token] | None) -> Delta | None:
+        if self.track is not None:
+            self.track.push(_entry(token, tops))
+        return self._out(self.trimmer.push(token.text))
+
+    def push_text(self, text: str) -> Delta | None:
+        return self._out(self.trimmer.push(text))
+
+    def _out(self, piece: str, finish: str | None = None) -> Delta | None:
+        self.text += piece
+        if self.buffered:
+            return None
+        lps = self.track.take(len(self.text)) if self.track is not None else None
+        if piece or lps or finish:
+            return Delta(piece, None, finish, lps, self.index)
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json", "value": {"type": "object"}}
-    if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise EngineRejected("response_format.json_schema.schema must be an object")
-        return {"type": "json", "value": schema}
-    raise EngineRejected(f"response_format type {kind!r} is not supported by TGI")
 
-
-def _forced_schema(tools: list[dict[str, Any]], choice: Any) -> dict[str, Any]:
-    """A JSON schema that only a call of the chosen tool (or any tool) satisfies."""
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    options = []
-    for tool in tools:
-        fn = tool.get("function", {})
-        if name is not None and fn.get("name") != name:
-            continue
-        options.append(
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": fn.get("name")},
-                    "arguments": fn.get("parameters") or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-            }
-        )
-    if not options:
-        raise EngineRejected(f"tool_choice names an unknown tool {name!r}")
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    def finish(self, reason: str) -> list[Delta]:
+        tail = self.trimmer.flush()
+        finish = self.final = _FINISH.get(reason, reason or "stop")
+        if not self.buffered:
+            last = self._out(tail, finish)
+            return [last] if last is not None else []
+        text = self.text + tail
+        lps = self.track.take(len(text)) if self.track is not None else None
+        deltas, self.final = self.req.tool_plan.reply(text, self.index, finish, lps)
+        return deltas
 
 
 class TGIAdapter(EngineAdapter):
@@ -243,58 +232,88 @@ class TGIAdapter(EngineAdapter):
     ) -> AsyncIterator[Delta | Done]:
         if op not in ("chat", "completion"):
             raise EngineRejected(f"operation {op!r} does not stream")
-        req = _Request(op, body)
-        hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
-        request = self._client.build_request(
-            "POST", "/generate_stream", content=_encoder.encode(req.payload), headers=hdrs
-        )
-        async with open_stream(self._client, request, _raise) as response:
-            async for event in self._events(response, req):
+        req = TgiRequest(op, body)
+        if req.best_of is not None:
+            events = self._whole(req, request_id, headers)
+        elif req.n > 1:
+            events = merged(lambda i: self._stream(req, i, request_id, headers), req.n)
+        else:
+            events = self._stream(req, 0, request_id, headers)
+        async with closing(events) as stream:
+            async for event in stream:
                 yield event
 
-    async def _events(self, response: httpx.Response, req: _Request) -> AsyncIterator[Delta | Done]:
-        trimmer = prompted.StopTrimmer(req.stops)
-        buffered = bool(req.tools)  # tool calls are parsed from the whole reply
-        text = ""
-        details: _Details | None = None
-        async for data in prompted.sse_data(response):
+    def _request(
+        self, path: str, req: TgiRequest, i: int, request_id: str, headers: Mapping[str, str]
+    ) -> httpx.Request:
+        hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
+        payload = _encoder.encode(req.payload(i))
+        return self._client.build_request("POST", path, content=payload, headers=hdrs)
+
+    async def _stream(
+        self, req: TgiRequest, i: int, request_id: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[Delta | Done]:
+        request = self._request("/generate_stream", req, i, request_id, headers)
+        async with open_stream(self._client, request, _raise) as response:
+            choice = _Choice(req, i)
+            if req.echo:
+                yield Delta(req.echo, None, None, None, i)
+            details: _Details | None = None
+            async for data in prompted.sse_data(response):
+                try:
+                    event = _event_decoder.decode(data)
+                except msgspec.DecodeError as exc:
+                    raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
+                if event.error is not None:
+                    raise EngineStreamBroken(f"engine failed mid-stream: {event.error}")
+                if event.token is not None and not event.token.special:
+                    delta = choice.push(event.token, event.top_tokens)
+                    if delta is not None:
+                        yield delta
+                if event.details is not None:
+                    details = event.details
+                    break
+            if details is None:
+                raise EngineStreamBroken("engine stream ended without a finish reason")
+            for delta in choice.finish(details.finish_reason):
+                yield delta
+            yield self._done(choice, details, details.input_length or 0)
+
+    async def _whole(
+        self, req: TgiRequest, request_id: str, headers: Mapping[str, str]
+    ) -> AsyncIterator[Delta | Done]:
+        """best_of: TGI's /generate, whose reply is the best sequence (whole)."""
+        request = self._request("/generate", req, 0, request_id, headers)
+        async with open_stream(self._client, request, _raise) as response:
             try:
-                event = _event_decoder.decode(data)
-            except msgspec.DecodeError as exc:
-                raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
-            if event.error is not None:
-                raise EngineStreamBroken(f"engine failed mid-stream: {event.error}")
-            if event.token is not None and not event.token.special:
-                piece = trimmer.push(event.token.text)
-                if buffered:
-                    text += piece
-                elif piece:
-                    yield Delta(piece)
-            if event.details is not None:
-                details = event.details
-                break
+                reply = _whole_decoder.decode(await response.aread())
+            except (msgspec.DecodeError, httpx.TransportError) as exc:
+                raise EngineStreamBroken(f"malformed reply from engine: {exc!r}") from exc
+        details = reply.details
         if details is None:
-            raise EngineStreamBroken("engine stream ended without a finish reason")
-        tail = trimmer.flush()
-        finish = _FINISH.get(details.finish_reason, details.finish_reason or "stop")
-        if buffered:
-            content, calls = prompted.parse_tool_calls(text + tail, req.forced is not None)
-            if req.one_call:
-                calls = calls[:1]
-            if calls:
-                if content:
-                    yield Delta(content)
-                yield Delta("", calls, "tool_calls")
-                finish = "tool_calls"
-            else:
-                yield Delta(content, None, finish)
-        else:
-            yield Delta(tail, None, finish)
-        usage = Usage(
-            prompt_tokens=details.input_length or 0,
-            completion_tokens=details.generated_tokens,
-        )
-        yield Done(finish, usage, self.model)
+            raise EngineStreamBroken("engine reply without details")
+        choice = _Choice(req, 0)
+        if req.echo:
+            yield Delta(req.echo)
+        tokens = [x for x in details.tokens if not x.special]
+        if tokens:
+            tops = details.top_tokens or [[] for _ in tokens]
+            for token, top in zip(tokens, tops, strict=False):
+                delta = choice.push(token, top)
+                if delta is not None:
+                    yield delta
+        else:  # no per-token details: the text alone
+            delta = choice.push_text(reply.generated_text)
+            if delta is not None:
+                yield delta
+        for delta in choice.finish(details.finish_reason):
+            yield delta
+        yield self._done(choice, details, len(details.prefill))
+
+    def _done(self, choice: _Choice, details: _Details, prompt_tokens: int) -> Done:
+        finish = choice.final
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=details.generated_tokens)
+        return Done(finish, usage, self.model)
 
     async def embed(
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]

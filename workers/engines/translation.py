@@ -46,7 +46,8 @@ RESPONSE_FORMAT = "response_format"
 STOP = "stop"
 SEED = "seed"
 TEMPERATURE = "temperature"
-PENALTIES = "presence_penalty/frequency_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
 LOGIT_BIAS = "logit_bias"
 LOGPROBS = "logprobs"
 N = "n"
@@ -81,7 +82,8 @@ ROWS = (
     STOP,
     SEED,
     TEMPERATURE,
-    PENALTIES,
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
     LOGIT_BIAS,
     LOGPROBS,
     N,
