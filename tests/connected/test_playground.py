@@ -548,9 +548,13 @@ async def test_agent_run_approved_from_the_page(
 async def test_agent_run_cancelled_from_the_page(
     fleet: Fleet, page: Page, approver_key: str
 ) -> None:
-    task = f"{up_demo.TASK} (to be cancelled)"
-    await page.open(playground_url(fleet, task=task, approver=approver_key))
-    assert await page.js("document.getElementById('approver-key').value") == approver_key
+    # The link `jetserve up` prints: both keys and the model filled in, the demo task.
+    await page.open(up_demo.playground_link(fleet, approver_key))
+    fields = await page.js(
+        "['key', 'model', 'approver-key', 'run-prompt']"
+        ".map(id => document.getElementById(id).value)"
+    )
+    assert fields == [fleet.api_key, MODEL, approver_key, up_demo.TASK]
     await page.click("run-start")
     await page.wait(
         "document.getElementById('agent').dataset.status === 'awaiting_approval'", limit_s=30
