@@ -569,3 +569,54 @@ async def test_agent_run_cancelled_from_the_page(
     assert (state["error"], state["approvalShown"]) == ("", False), state
     assert (state["startDisabled"], state["cancelDisabled"]) == (False, True), state
     assert state["csp"] == [], state
+
+
+async def test_agent_run_two_gated_calls_approve_and_reject(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # One model turn asks for two gated payouts: the run parks twice at the same step,
+    # and the page shows each approval in turn. The first is approved, the second rejected.
+    task = "Pay dave 40 and erin 50."
+    calls = [
+        {"id": cid, "type": "function", "function": {"name": "payout", "arguments": json.dumps(a)}}
+        for cid, a in [
+            ("call_1", {"to": "dave", "amount": 40}),
+            ("call_2", {"to": "erin", "amount": 50}),
+        ]
+    ]
+    rules = [
+        {"match": {"last_role": "user", "contains": task}, "response": {"tool_calls": calls}},
+        {
+            "match": {"last_role": "tool", "contains": task},
+            "response": {"content": "Paid dave 40."},
+        },
+    ]
+    async with httpx.AsyncClient(timeout=5) as c:
+        (await c.post(f"{fleet.sim_url}/sim/scripts?append=1", json=rules)).raise_for_status()
+    await page.open(playground_url(fleet, task=task, approver=approver_key))
+    await page.click("run-start")
+    for call_id, button in [("call_1", "run-approve"), ("call_2", "run-reject")]:
+        await page.wait(
+            "!document.getElementById('run-approval').hidden"
+            f" && document.getElementById('run-pending').textContent.endsWith('· {call_id}')",
+            limit_s=30,
+        )
+        await page.click(button)
+    await page.wait("document.getElementById('agent').dataset.status === 'completed'", limit_s=30)
+    state = await page.run_state()
+    run = await api_run(fleet, state["runId"])
+    assert run["status"] == "completed", run
+    assert [(a["call_id"], a["approve"]) for a in run["approvals"]] == [
+        ("call_1", True),
+        ("call_2", False),
+    ], run
+    labels = [label for label, _ in server_events(state)]
+    assert labels.count("approval pending") == 2, state
+    results = [text for label, text in server_events(state) if label == "tool result"]
+    tool_messages = [m for m in run["messages"] if m["role"] == "tool"]
+    assert results == [f"{m['tool_call_id']}: {m['content']}" for m in tool_messages], state
+    assert results[1].startswith("call_2: "), results
+    assert "denied" in results[1], results
+    notes = [(e["label"], e["text"].split(":")[0]) for e in state["events"] if e["seq"] is None]
+    assert notes == [("approved", "call_1"), ("rejected", "call_2")], state
+    assert (state["error"], state["csp"]) == ("", []), state
