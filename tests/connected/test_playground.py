@@ -4,7 +4,8 @@ the Chrome DevTools Protocol with `websockets`, against a real fleet.
 It checks the streamed text over SSE and over the WebSocket bridge against the
 simulator's own answer, a clean Stop on both (the engine call is aborted), an
 agent run started from the page (the demo task of `jetserve up`: its payout call
-approved from the page with a second key, to the tool's result; and a cancel),
+approved from the page with a second key, to the tool's result; two gated calls in
+one turn; its event stream resumed across a gateway restart; and a cancel),
 and the page's Content-Security-Policy. Set JETSERVE_PLAYGROUND_PNG=docs/playground.png
 to refresh the screenshot in the docs (the agent run test takes it).
 """
@@ -94,8 +95,15 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     # Every engine call streams at 10 ms a token unless its request says otherwise:
     # a browser cannot put X-Sim-Fault on a WebSocket upgrade, and Stop needs a
     # stream that is still running. One agent executor with the demo tools, as
-    # `jetserve up` runs.
-    spec = FleetSpec(workers=1, agents=1, profile="fast", sim_args=["--fault-rate", "slow:10=1.0"])
+    # `jetserve up` runs. Its gateway listens with SO_REUSEPORT, so that a test can
+    # replace it on its port.
+    spec = FleetSpec(
+        workers=1,
+        agents=1,
+        profile="fast",
+        sim_args=["--fault-rate", "slow:10=1.0"],
+        gateways_share_port=True,
+    )
     with checked_fleet(request, spec) as f:
         yield f
 
@@ -174,17 +182,22 @@ class CdpError(Exception):
 
 
 class Page:
-    """One browser tab over CDP: commands by id, events ignored (state is polled)."""
+    """One browser tab over CDP: commands by id; the events of enabled domains are
+    kept in `events` (page state itself is polled)."""
 
     def __init__(self, ws: websockets.ClientConnection) -> None:
         self.ws = ws
         self.ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.events: list[dict[str, Any]] = []
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         async for raw in self.ws:
             msg = json.loads(raw)
+            if "method" in msg:
+                self.events.append(msg)
+                continue
             fut = self.pending.pop(msg.get("id", -1), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -619,4 +632,68 @@ async def test_agent_run_two_gated_calls_approve_and_reject(
     assert "denied" in results[1], results
     notes = [(e["label"], e["text"].split(":")[0]) for e in state["events"] if e["seq"] is None]
     assert notes == [("approved", "call_1"), ("rejected", "call_2")], state
+    assert (state["error"], state["csp"]) == ("", []), state
+
+
+def events_requests(page: Page, run_id: str) -> list[dict[str, Any]]:
+    """The page's requests for the run's event stream (CDP's Network domain)."""
+    return [
+        e["params"]["request"]
+        for e in page.events
+        if e["method"] == "Network.requestWillBeSent"
+        and e["params"]["request"]["url"].endswith(f"/v1/runs/{run_id}/events")
+    ]
+
+
+async def test_agent_run_events_resume_after_a_gateway_restart(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # Last in the file: it replaces the fleet's gateway. While the run waits for its
+    # approval the gateway holding the page's event stream is killed and a new one
+    # takes its port; the page reconnects with Last-Event-ID and carries on.
+    await page.open(up_demo.playground_link(fleet, approver_key))
+    await page.call("Network.enable")
+    await page.click("run-start")
+    await page.wait(
+        "document.getElementById('agent').dataset.status === 'awaiting_approval'", limit_s=30
+    )
+    before = await page.run_state()
+    run_id = before["runId"]
+    last_seq = max(e["seq"] for e in before["events"] if e["seq"] is not None)
+    assert len(events_requests(page, run_id)) == 1
+
+    old = fleet.gateways[0]
+    await asyncio.to_thread(old.kill)
+    await asyncio.to_thread(fleet.start_gateway)  # the same port (SO_REUSEPORT), ready
+    end = time.monotonic() + 30
+    while len(events_requests(page, run_id)) < 2:  # the page's first retry waits 0.5 s
+        assert time.monotonic() < end, "the page did not reconnect"
+        await asyncio.sleep(0.05)
+
+    await page.click("run-approve")
+    await page.wait("document.getElementById('agent').dataset.status === 'completed'", limit_s=30)
+    state = await page.run_state()
+    assert (await api_run(fleet, run_id))["status"] == "completed"
+    resumed = events_requests(page, run_id)[1:]
+    # Every reconnection resumes after the last event the page had.
+    assert {r["headers"].get("Last-Event-ID") for r in resumed} == {str(last_seq)}, resumed
+    # Every event once, in order, none lost: the run's whole stream, read afresh.
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.get(
+            f"{fleet.base_url}/v1/runs/{run_id}/events",
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+    ids = [int(line[4:]) for line in r.text.splitlines() if line.startswith("id: ")]
+    assert [e["seq"] for e in state["events"] if e["seq"] is not None] == ids, state
+    assert [label for label, _ in server_events(state)] == [
+        "status",
+        "task",
+        "status",
+        "tool call",
+        "approval pending",
+        "tool result",
+        "status",
+        "model answer",
+        "run completed",
+    ], state
     assert (state["error"], state["csp"]) == ("", []), state
