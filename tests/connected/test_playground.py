@@ -635,6 +635,41 @@ async def test_agent_run_two_gated_calls_approve_and_reject(
     assert (state["error"], state["csp"]) == ("", []), state
 
 
+async def test_agent_run_lost_stream_then_cancel(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # The browser gets a 404 for the run's events (CDP's Fetch domain answers in the
+    # gateway's place): the page says so and stops watching, Cancel stays on; Cancel
+    # then cancels the run, and the page watches again to show it end.
+    await page.open(up_demo.playground_link(fleet, approver_key))
+    await page.call("Fetch.enable", patterns=[{"urlPattern": "*/events"}])
+    await page.click("run-start")
+    end = time.monotonic() + 10
+    while not (paused := [e for e in page.events if e["method"] == "Fetch.requestPaused"]):
+        assert time.monotonic() < end, "the page asked for no events"
+        await asyncio.sleep(0.02)
+    body = {"error": {"message": "gone", "type": "invalid_request_error", "code": "run_not_found"}}
+    await page.call(
+        "Fetch.fulfillRequest",
+        requestId=paused[0]["params"]["requestId"],
+        responseCode=404,
+        responseHeaders=[{"name": "Content-Type", "value": "application/json"}],
+        body=base64.b64encode(json.dumps(body).encode()).decode(),
+    )
+    await page.call("Fetch.disable")
+    await page.wait("document.getElementById('agent').dataset.status === 'error'")
+    state = await page.run_state()
+    assert state["error"] == "404 run_not_found: gone", state
+    assert (state["startDisabled"], state["cancelDisabled"]) == (False, False), state
+
+    await page.click("run-cancel")
+    await page.wait("document.getElementById('agent').dataset.status === 'cancelled'", limit_s=30)
+    state = await page.run_state()
+    assert (await api_run(fleet, state["runId"]))["status"] == "cancelled"
+    assert server_events(state)[-1][0] == "run cancelled", state
+    assert (state["error"], state["csp"]) == ("", []), state
+
+
 def events_requests(page: Page, run_id: str) -> list[dict[str, Any]]:
     """The page's requests for the run's event stream (CDP's Network domain)."""
     return [
