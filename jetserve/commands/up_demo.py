@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -75,6 +76,13 @@ def agent_check(fleet: Fleet, approver_key: str, timeout_s: float = 60.0) -> str
     raise TimeoutError(f"agent run {run_id} did not end in {timeout_s}s: {' -> '.join(seen)}")
 
 
+def playground_link(fleet: Fleet, approver_key: str) -> str:
+    """The playground with both keys and the model filled in, from the URL fragment
+    (which browsers never send; the page drops it from the address bar)."""
+    fields = {"key": fleet.api_key, "model": fleet.spec.model, "approver": approver_key}
+    return f"{fleet.base_url}/playground#{urlencode(fields)}"
+
+
 def examples(fleet: Fleet, approver_key: str) -> str:
     """Ready-to-paste commands: an agent run with its approval, and the WebSocket."""
     base, key, model = fleet.base_url, fleet.api_key, fleet.spec.model
@@ -83,6 +91,8 @@ def examples(fleet: Fleet, approver_key: str) -> str:
     chat = {"model": model, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
     request = json.dumps({"type": "request", "id": "c1", "op": "chat", "body": chat})
     return (
+        "in a browser (a chat; and the agent run: Start run, then Approve):\n\n"
+        f"  {playground_link(fleet, approver_key)}\n\n"
         "an agent run (its payout waits for an approval by another key):\n\n"
         f"  export KEY={key} APPROVER={approver_key}\n"
         f"  curl -s {base}/v1/runs -H \"Authorization: Bearer $KEY\" -d '{body}'\n"

@@ -2,9 +2,12 @@
 the Chrome DevTools Protocol with `websockets`, against a real fleet.
 
 It checks the streamed text over SSE and over the WebSocket bridge against the
-simulator's own answer, a clean Stop on both (the engine call is aborted), and
-the page's Content-Security-Policy. Set JETSERVE_PLAYGROUND_PNG=docs/playground.png
-to refresh the screenshot in the docs.
+simulator's own answer, a clean Stop on both (the engine call is aborted), an
+agent run started from the page (the demo task of `jetserve up`: its payout call
+approved from the page with a second key, to the tool's result; two gated calls in
+one turn; its event stream resumed across a gateway restart; and a cancel),
+and the page's Content-Security-Policy. Set JETSERVE_PLAYGROUND_PNG=docs/playground.png
+to refresh the screenshot in the docs (the agent run test takes it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import httpx
 import pytest
 import websockets
 
+from jetserve.commands import up_demo
 from jetserve.fleet import Fleet, FleetSpec
 from tests.refusals import checked_fleet
 
@@ -67,16 +71,49 @@ PAGE_STATE = """({
   requestId: document.getElementById('request-id').textContent,
   csp: window.__csp,
 })"""
+RUN_STATE = """({
+  status: document.getElementById('agent').dataset.status,
+  runId: document.getElementById('run-id').textContent,
+  events: [...document.querySelectorAll('#run-events li')].map(li => ({
+    label: li.dataset.label,
+    seq: li.dataset.seq ? Number(li.dataset.seq) : null,
+    text: [...li.childNodes].slice(1).map(n => n.textContent).join(''),
+  })),
+  approvalShown: !document.getElementById('run-approval').hidden,
+  pending: document.getElementById('run-pending').textContent,
+  decision: document.getElementById('run-decision').textContent,
+  usage: document.getElementById('run-usage').textContent,
+  error: document.getElementById('run-error').textContent,
+  startDisabled: document.getElementById('run-start').disabled,
+  cancelDisabled: document.getElementById('run-cancel').disabled,
+  csp: window.__csp,
+})"""
 
 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     # Every engine call streams at 10 ms a token unless its request says otherwise:
     # a browser cannot put X-Sim-Fault on a WebSocket upgrade, and Stop needs a
-    # stream that is still running.
-    spec = FleetSpec(workers=1, profile="fast", sim_args=["--fault-rate", "slow:10=1.0"])
+    # stream that is still running. One agent executor with the demo tools, as
+    # `jetserve up` runs. Its gateway listens with SO_REUSEPORT, so that a test can
+    # replace it on its port.
+    spec = FleetSpec(
+        workers=1,
+        agents=1,
+        profile="fast",
+        sim_args=["--fault-rate", "slow:10=1.0"],
+        gateways_share_port=True,
+    )
     with checked_fleet(request, spec) as f:
         yield f
+
+
+@pytest.fixture(scope="module")
+def approver_key(fleet: Fleet) -> str:
+    """What `jetserve up` does for its demo run: the simulator scripted for the task
+    (a payout call, gated by an approval, then an answer) and a second key of the
+    tenant with the approve scope. That key."""
+    return up_demo.prepare(fleet)
 
 
 class Chromium:
@@ -145,17 +182,22 @@ class CdpError(Exception):
 
 
 class Page:
-    """One browser tab over CDP: commands by id, events ignored (state is polled)."""
+    """One browser tab over CDP: commands by id; the events of enabled domains are
+    kept in `events` (page state itself is polled)."""
 
     def __init__(self, ws: websockets.ClientConnection) -> None:
         self.ws = ws
         self.ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.events: list[dict[str, Any]] = []
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         async for raw in self.ws:
             msg = json.loads(raw)
+            if "method" in msg:
+                self.events.append(msg)
+                continue
             fut = self.pending.pop(msg.get("id", -1), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -192,10 +234,15 @@ class Page:
                 return last
             await asyncio.sleep(0.02)
         state = await self.js(PAGE_STATE)
-        raise AssertionError(f"not true within {limit_s}s: {expression}; page: {state}")
+        run = await self.js(RUN_STATE)
+        raise AssertionError(f"not true within {limit_s}s: {expression}; page: {state}; run: {run}")
 
     async def state(self) -> dict[str, Any]:
         value: dict[str, Any] = await self.js(PAGE_STATE)
+        return value
+
+    async def run_state(self) -> dict[str, Any]:
+        value: dict[str, Any] = await self.js(RUN_STATE)
         return value
 
     async def open(self, url: str) -> None:
@@ -296,6 +343,18 @@ def png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
+async def api_run(fleet: Fleet, run_id: str) -> dict[str, Any]:
+    """The run as the API shows it to its creator."""
+    async with httpx.AsyncClient(timeout=5) as c:
+        r = await c.get(
+            f"{fleet.base_url}/v1/runs/{run_id}",
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+    r.raise_for_status()
+    run: dict[str, Any] = r.json()
+    return run
+
+
 def save_screenshot(png: bytes, path: Path) -> bytes:
     """Writes it (and to $JETSERVE_PLAYGROUND_PNG, for the docs); what the file holds."""
     path.write_bytes(png)
@@ -336,8 +395,9 @@ async def test_sse_streams_the_engine_text(fleet: Fleet, page: Page, tmp_path: P
     assert state["csp"] == [], state
 
     shot = await page.call("Page.captureScreenshot", format="png")
-    saved = save_screenshot(base64.b64decode(shot["data"]), tmp_path / "playground.png")
-    assert png_size(saved) == (WIDTH, HEIGHT)
+    saved = tmp_path / "playground.png"
+    saved.write_bytes(base64.b64decode(shot["data"]))
+    assert png_size(saved.read_bytes()) == (WIDTH, HEIGHT)
 
 
 async def test_websocket_streams_the_engine_text(fleet: Fleet, page: Page) -> None:
@@ -394,3 +454,281 @@ async def test_csp_blocks_injected_script(fleet: Fleet, page: Page) -> None:
     violations = await page.wait("window.__csp.length && window.__csp")
     assert violations[0].startswith("script-src"), violations
     assert await page.js("window.__pwned === undefined") is True
+
+
+def server_events(state: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's events as the page lists them (label, text), without the page's own
+    notes (a decision it sent has no sequence)."""
+    return [(e["label"], e["text"]) for e in state["events"] if e["seq"] is not None]
+
+
+async def test_agent_run_approved_from_the_page(
+    fleet: Fleet, page: Page, approver_key: str, tmp_path: Path
+) -> None:
+    task = up_demo.TASK  # the demo task of `jetserve up`
+    await page.open(
+        playground_url(fleet, prompt="Hello before the agent run", max_tokens=16, task=task)
+    )
+    # The tools default to the ones the demo run uses, served by `jetserve up`'s executor.
+    tools = await page.js("document.getElementById('run-tools').value")
+    assert [t.strip() for t in tools.split(",")] == up_demo.TOOLS
+    await page.click("send-sse")  # a chat too, for the screenshot of the whole page
+    await page.wait("document.body.dataset.state === 'done'")
+
+    await page.click("run-start")
+    await page.wait(
+        "document.getElementById('agent').dataset.status === 'awaiting_approval'"
+        " && !document.getElementById('run-approval').hidden",
+        limit_s=30,
+    )
+    state = await page.run_state()
+    run_id = state["runId"]
+    assert run_id.startswith("run_"), state
+    assert server_events(state) == [
+        ("status", "queued, step 0"),
+        ("task", task),
+        ("status", "running, step 0"),
+        ("tool call", 'payout({"to": "carol", "amount": 30}) · call_1'),
+        (
+            "approval pending",
+            'payout({"to":"carol","amount":30}) · call_1: waits for the approver key',
+        ),
+    ], state
+    assert state["pending"] == 'payout({"to":"carol","amount":30}) · call_1', state
+    assert (state["startDisabled"], state["cancelDisabled"]) == (True, False), state
+    run = await api_run(fleet, run_id)
+    assert run["status"] == "awaiting_approval", run
+    assert run["pending_approval"]["call_id"] == "call_1", run
+
+    # The creator's own key may not decide (it lacks the approve scope, and a run's
+    # creator may not approve its own calls anyway): the page says why.
+    await page.js(f"document.getElementById('approver-key').value = {json.dumps(fleet.api_key)}")
+    await page.click("run-approve")
+    await page.wait("document.getElementById('run-error').textContent.includes('403')")
+    assert "approve_scope_required" in (await page.run_state())["error"]
+    assert (await api_run(fleet, run_id))["status"] == "awaiting_approval"
+
+    # The approver's key (approve scope) lets the payout run; the run finishes.
+    await page.js(f"document.getElementById('approver-key').value = {json.dumps(approver_key)}")
+    await page.click("run-approve")
+    await page.wait("document.getElementById('agent').dataset.status === 'completed'", limit_s=30)
+    state = await page.run_state()
+    run = await api_run(fleet, run_id)
+    assert run["status"] == "completed", run
+    assert run["result"] == "Paid carol 30.", run
+    [decision] = run["approvals"]
+    assert (decision["approve"], decision["call_id"]) == (True, "call_1"), decision
+    assert decision["key_id"] != fleet.key_id, decision  # the approver's, not the creator's
+    [receipt] = [m for m in run["messages"] if m["role"] == "tool"]
+
+    events = server_events(state)
+    assert events[5:] == [
+        ("tool result", f"call_1: {receipt['content']}"),
+        ("status", "running, step 1"),
+        ("model answer", "Paid carol 30."),
+        ("run completed", "Paid carol 30."),
+    ], state
+    assert "carol" in receipt["content"], receipt
+    seqs = [e["seq"] for e in state["events"] if e["seq"] is not None]
+    assert seqs == sorted(seqs), state  # in stream order
+    assert ("approved", f"call_1: approved by {decision['key_id']}") in [
+        (e["label"], e["text"]) for e in state["events"]
+    ], state
+    assert (state["error"], state["approvalShown"]) == ("", False), state
+    assert state["usage"].startswith("2 model calls, "), state
+    assert (state["startDisabled"], state["cancelDisabled"]) == (False, True), state
+    assert state["csp"] == [], state
+
+    # No prompt text in the fleet's logs (the engine's own log aside).
+    logs = {log.stem: log for log in fleet.workdir.glob("*.log") if not log.stem.startswith("sim")}
+    assert any(n.startswith("gateway") for n in logs), sorted(logs)
+    assert "agent0" in logs, sorted(logs)
+    for name, log in logs.items():
+        assert "Pay carol" not in log.read_text(errors="replace"), name
+
+    # The whole page, for the docs: the chat above, the finished run below.
+    height = await page.js("document.documentElement.scrollHeight")
+    shot = await page.call(
+        "Page.captureScreenshot",
+        format="png",
+        captureBeyondViewport=True,
+        clip={"x": 0, "y": 0, "width": WIDTH, "height": height, "scale": 1},
+    )
+    saved = save_screenshot(base64.b64decode(shot["data"]), tmp_path / "playground-agent.png")
+    assert png_size(saved) == (WIDTH, height)
+
+
+async def test_agent_run_cancelled_from_the_page(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # The link `jetserve up` prints: both keys and the model filled in, the demo task.
+    await page.open(up_demo.playground_link(fleet, approver_key))
+    fields = await page.js(
+        "['key', 'model', 'approver-key', 'run-prompt']"
+        ".map(id => document.getElementById(id).value)"
+    )
+    assert fields == [fleet.api_key, MODEL, approver_key, up_demo.TASK]
+    await page.click("run-start")
+    await page.wait(
+        "document.getElementById('agent').dataset.status === 'awaiting_approval'", limit_s=30
+    )
+    await page.click("run-cancel")
+    await page.wait("document.getElementById('agent').dataset.status === 'cancelled'", limit_s=30)
+    state = await page.run_state()
+    run = await api_run(fleet, state["runId"])
+    assert run["status"] == "cancelled", run
+    assert run["approvals"] == [], run
+    assert server_events(state)[-1][0] == "run cancelled", state
+    assert (state["error"], state["approvalShown"]) == ("", False), state
+    assert (state["startDisabled"], state["cancelDisabled"]) == (False, True), state
+    assert state["csp"] == [], state
+
+
+async def test_agent_run_two_gated_calls_approve_and_reject(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # One model turn asks for two gated payouts: the run parks twice at the same step,
+    # and the page shows each approval in turn. The first is approved, the second rejected.
+    task = "Pay dave 40 and erin 50."
+    calls = [
+        {"id": cid, "type": "function", "function": {"name": "payout", "arguments": json.dumps(a)}}
+        for cid, a in [
+            ("call_1", {"to": "dave", "amount": 40}),
+            ("call_2", {"to": "erin", "amount": 50}),
+        ]
+    ]
+    rules = [
+        {"match": {"last_role": "user", "contains": task}, "response": {"tool_calls": calls}},
+        {
+            "match": {"last_role": "tool", "contains": task},
+            "response": {"content": "Paid dave 40."},
+        },
+    ]
+    async with httpx.AsyncClient(timeout=5) as c:
+        (await c.post(f"{fleet.sim_url}/sim/scripts?append=1", json=rules)).raise_for_status()
+    await page.open(playground_url(fleet, task=task, approver=approver_key))
+    await page.click("run-start")
+    for call_id, button in [("call_1", "run-approve"), ("call_2", "run-reject")]:
+        await page.wait(
+            "!document.getElementById('run-approval').hidden"
+            f" && document.getElementById('run-pending').textContent.endsWith('· {call_id}')",
+            limit_s=30,
+        )
+        await page.click(button)
+    await page.wait("document.getElementById('agent').dataset.status === 'completed'", limit_s=30)
+    state = await page.run_state()
+    run = await api_run(fleet, state["runId"])
+    assert run["status"] == "completed", run
+    assert [(a["call_id"], a["approve"]) for a in run["approvals"]] == [
+        ("call_1", True),
+        ("call_2", False),
+    ], run
+    labels = [label for label, _ in server_events(state)]
+    assert labels.count("approval pending") == 2, state
+    results = [text for label, text in server_events(state) if label == "tool result"]
+    tool_messages = [m for m in run["messages"] if m["role"] == "tool"]
+    assert results == [f"{m['tool_call_id']}: {m['content']}" for m in tool_messages], state
+    assert results[1].startswith("call_2: "), results
+    assert "denied" in results[1], results
+    notes = [(e["label"], e["text"].split(":")[0]) for e in state["events"] if e["seq"] is None]
+    assert notes == [("approved", "call_1"), ("rejected", "call_2")], state
+    assert (state["error"], state["csp"]) == ("", []), state
+
+
+async def test_agent_run_lost_stream_then_cancel(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # The browser gets a 404 for the run's events (CDP's Fetch domain answers in the
+    # gateway's place): the page says so and stops watching, Cancel stays on; Cancel
+    # then cancels the run, and the page watches again to show it end.
+    await page.open(up_demo.playground_link(fleet, approver_key))
+    await page.call("Fetch.enable", patterns=[{"urlPattern": "*/events"}])
+    await page.click("run-start")
+    end = time.monotonic() + 10
+    while not (paused := [e for e in page.events if e["method"] == "Fetch.requestPaused"]):
+        assert time.monotonic() < end, "the page asked for no events"
+        await asyncio.sleep(0.02)
+    body = {"error": {"message": "gone", "type": "invalid_request_error", "code": "run_not_found"}}
+    await page.call(
+        "Fetch.fulfillRequest",
+        requestId=paused[0]["params"]["requestId"],
+        responseCode=404,
+        responseHeaders=[{"name": "Content-Type", "value": "application/json"}],
+        body=base64.b64encode(json.dumps(body).encode()).decode(),
+    )
+    await page.call("Fetch.disable")
+    await page.wait("document.getElementById('agent').dataset.status === 'error'")
+    state = await page.run_state()
+    assert state["error"] == "404 run_not_found: gone", state
+    assert (state["startDisabled"], state["cancelDisabled"]) == (False, False), state
+
+    await page.click("run-cancel")
+    await page.wait("document.getElementById('agent').dataset.status === 'cancelled'", limit_s=30)
+    state = await page.run_state()
+    assert (await api_run(fleet, state["runId"]))["status"] == "cancelled"
+    assert server_events(state)[-1][0] == "run cancelled", state
+    assert (state["error"], state["csp"]) == ("", []), state
+
+
+def events_requests(page: Page, run_id: str) -> list[dict[str, Any]]:
+    """The page's requests for the run's event stream (CDP's Network domain)."""
+    return [
+        e["params"]["request"]
+        for e in page.events
+        if e["method"] == "Network.requestWillBeSent"
+        and e["params"]["request"]["url"].endswith(f"/v1/runs/{run_id}/events")
+    ]
+
+
+async def test_agent_run_events_resume_after_a_gateway_restart(
+    fleet: Fleet, page: Page, approver_key: str
+) -> None:
+    # Last in the file: it replaces the fleet's gateway. While the run waits for its
+    # approval the gateway holding the page's event stream is killed and a new one
+    # takes its port; the page reconnects with Last-Event-ID and carries on.
+    await page.open(up_demo.playground_link(fleet, approver_key))
+    await page.call("Network.enable")
+    await page.click("run-start")
+    await page.wait(
+        "document.getElementById('agent').dataset.status === 'awaiting_approval'", limit_s=30
+    )
+    before = await page.run_state()
+    run_id = before["runId"]
+    last_seq = max(e["seq"] for e in before["events"] if e["seq"] is not None)
+    assert len(events_requests(page, run_id)) == 1
+
+    old = fleet.gateways[0]
+    await asyncio.to_thread(old.kill)
+    await asyncio.to_thread(fleet.start_gateway)  # the same port (SO_REUSEPORT), ready
+    end = time.monotonic() + 30
+    while len(events_requests(page, run_id)) < 2:  # the page's first retry waits 0.5 s
+        assert time.monotonic() < end, "the page did not reconnect"
+        await asyncio.sleep(0.05)
+
+    await page.click("run-approve")
+    await page.wait("document.getElementById('agent').dataset.status === 'completed'", limit_s=30)
+    state = await page.run_state()
+    assert (await api_run(fleet, run_id))["status"] == "completed"
+    resumed = events_requests(page, run_id)[1:]
+    # Every reconnection resumes after the last event the page had.
+    assert {r["headers"].get("Last-Event-ID") for r in resumed} == {str(last_seq)}, resumed
+    # Every event once, in order, none lost: the run's whole stream, read afresh.
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.get(
+            f"{fleet.base_url}/v1/runs/{run_id}/events",
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+    ids = [int(line[4:]) for line in r.text.splitlines() if line.startswith("id: ")]
+    assert [e["seq"] for e in state["events"] if e["seq"] is not None] == ids, state
+    assert [label for label, _ in server_events(state)] == [
+        "status",
+        "task",
+        "status",
+        "tool call",
+        "approval pending",
+        "tool result",
+        "status",
+        "model answer",
+        "run completed",
+    ], state
+    assert (state["error"], state["csp"]) == ("", []), state

@@ -28,3 +28,4 @@ def test_up_runs_a_chat_and_an_approved_agent_run() -> None:
     # The printed examples name the run's approval route and the WebSocket.
     assert "/approvals/call_1" in out.stdout
     assert "/v1/ws" in out.stdout
+    assert "/playground#key=" in out.stdout  # the page, both keys filled in
