@@ -122,14 +122,16 @@ def idle_expiry(
     return max(poll_s, min(idle_poll_s, poll_s * float(2 ** min(empty, 16))))
 
 
-async def stop_interest(nc: Client, sub: Subscription) -> bool:
-    """Tell the server to stop delivering to ``sub`` (UNSUB), and wait until what
-    it sent before has arrived (a PING round trip), keeping the subscription
-    open here so those messages can still be read. False when that failed."""
+async def stop_interest(nc: Client, sub: Subscription, *more: Subscription) -> bool:
+    """Tell the server to stop delivering to ``sub`` (and ``more``: UNSUB each),
+    and wait until what it sent before has arrived (one PING round trip for
+    all), keeping the subscriptions open here so those messages can still be
+    read. False when that failed."""
     try:
         # nats-py's own drain() does this, then waits for a callback to consume
         # the queue, which a pull inbox read with next_msg does not have.
-        await nc._send_unsubscribe(sub._id)
+        for one in (sub, *more):
+            await nc._send_unsubscribe(one._id)
         await nc.flush(timeout=5)
     except (nats.errors.Error, TimeoutError) as exc:
         log.warning("could not withdraw a pull's interest (%r): waiting out its expiry", exc)

@@ -56,6 +56,12 @@ from workers.inference.admission import Admission
 log = logging.getLogger(__name__)
 
 OWNER_BATCH = 4  # messages one pull may bring the lane's owner
+# Lane pulls answer on this many reply inboxes per puller (lane % groups), each
+# withdrawn alone: a membership change withdraws the pulls of the groups whose
+# lanes moved, not every standing pull. An inbox per lane meant thousands of
+# subscriptions per process while a starting fleet's members were few (every
+# lane ranked), and their churn as members joined stalled the connections.
+INBOX_GROUPS = 16
 RATE_TAU_S = 10.0  # the smoothing of a worker's start rate (its load in the members)
 
 
@@ -111,12 +117,12 @@ class LanePuller:
         self._start = start
         self._poll = poll_s
         self._count = count  # lane events: "pull", "held", "handed_back", "withdrawn"
-        # Each lane's pulls answer on a reply inbox of its own, so that the pulls
-        # of one lane can be withdrawn (interest dropped) and the rest left standing.
+        # Pulls answer on a reply inbox per group of lanes, so that the pulls of
+        # a moved lane's group can be withdrawn (interest dropped), the rest standing.
         self._root = f"{nc.new_inbox()}.{cls.value}"
         lanes = self._lanes = topology.pool_lanes if pool else topology.lanes_of(cls)
-        self._subs: dict[int, Subscription] = {}  # lane -> its reply inbox's subscription
-        self._gen = [0] * lanes  # each lane's inbox generation (a new one per withdrawal)
+        self._subs: dict[int, Subscription] = {}  # group -> its reply inbox's subscription
+        self._gen = [0] * INBOX_GROUPS  # each group's inbox generation (one per withdrawal)
         # The priority each lane's standing pulls were made at (None: no pull stands).
         self._pulled_at: list[int | None] = [None] * lanes
         # When each lane needs its next pull (inf: a lane this worker does not rank).
@@ -132,6 +138,7 @@ class LanePuller:
         self._wake = asyncio.Event()
         # Lanes whose standing pulls carry a priority of before a membership change.
         self._to_withdraw: set[int] = set()
+        self._changed = False  # a membership change not looked at yet
         membership.changed.append(self._reprioritize)
         self._held: set[asyncio.Task[None]] = set()  # over-fetched, waiting for a slot
         self._unheld = asyncio.Event()
@@ -143,6 +150,8 @@ class LanePuller:
         ``streams.consumer.PullConsumer``."""
         loop = asyncio.get_running_loop()
         while await self._admission.wait_room(self._rank):
+            if self._changed:
+                self._find_moved()
             if self.stale:
                 await self._withdraw_pulls()
             if self._held:
@@ -168,8 +177,7 @@ class LanePuller:
             await asyncio.wait(set(self._held))
         subs = list(self._subs.values())
         self._subs.clear()
-        dropped = [await self._drop(sub) for sub in subs]
-        if not all(dropped):  # some pulls stand: wait out their expiry
+        if not await self._drop(subs):  # some pulls stand: wait out their expiry
             loop = asyncio.get_running_loop()
             last = max((t for t in self._live_until if t != math.inf), default=0.0)
             await asyncio.sleep(max(0.0, last - loop.time()) + 0.1)
@@ -179,21 +187,27 @@ class LanePuller:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def _drop(self, sub: Subscription) -> bool:
-        """Withdraw the pulls waiting on ``sub``'s inbox; what the server sent
-        before it saw the UNSUB is queued here, and the callback takes each (a
-        closed admission hands it back). False: the withdrawal failed."""
-        if not await stop_interest(self._nc, sub):
+    async def _drop(self, subs: list[Subscription]) -> bool:
+        """Withdraw the pulls waiting on these inboxes, all in one round trip (a
+        membership change at start-up moves most lanes: a round trip each kept
+        the loop from pulling for seconds, and heartbeats late made members
+        expire, which moved more lanes). What the server sent before it saw the
+        UNSUBs is queued here, and the callback takes each (a closed admission
+        hands it back). False: the withdrawal failed."""
+        if not subs:
+            return True
+        if not await stop_interest(self._nc, *subs):
             return False
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5.0):
-                await sub._pending_queue.join()  # nats-py has no public drain for this
+                for sub in subs:
+                    await sub._pending_queue.join()  # nats-py has no public drain for this
         return True
 
     @property
     def stale(self) -> bool:
         """Whether standing pulls may still carry the ranks of before a change."""
-        return bool(self._to_withdraw)
+        return self._changed or bool(self._to_withdraw)
 
     def _priority(self, lane: int) -> int | None:
         """This worker's priority for ``lane`` now: None when it is not among the
@@ -207,13 +221,21 @@ class LanePuller:
         return priority
 
     def _reprioritize(self) -> None:
-        """Ranks moved: the lanes whose standing pulls were made at another
-        priority than this worker has now are withdrawn and pulled again (an
-        idle worker's pulls last far longer than ``poll_s``: until they expired,
-        a lane this worker no longer owns still came here first). Only those:
-        one member joining or leaving moves ~1/n of the lanes, and withdrawing
-        every lane's pulls on every worker at once left lanes with no pull
-        waiting for up to a second on a busy machine."""
+        """Ranks moved: marked here, looked at by the pull loop's next pass, so
+        that a burst of changes (a fleet starting) costs one new lane order, not
+        one per change (each is a rendezvous over every lane and member)."""
+        self._changed = True
+        self._wake.set()
+
+    def _find_moved(self) -> None:
+        """The lanes whose standing pulls were made at another priority than
+        this worker has now are withdrawn and pulled again (an idle worker's
+        pulls last far longer than ``poll_s``: until they expired, a lane this
+        worker no longer owns still came here first). Only those: one member
+        joining or leaving moves ~1/n of the lanes, and withdrawing every lane's
+        pulls on every worker at once left lanes with no pull waiting for up to
+        a second on a busy machine."""
+        self._changed = False
         moved = {
             lane
             for lane, was in enumerate(self._pulled_at)
@@ -226,27 +248,29 @@ class LanePuller:
             ):
                 self._live_until[lane] = 0.0  # newly ranked: pull it
                 self._empty[lane] = 0
-        if moved:
-            self._to_withdraw |= moved
-            for lane in moved:
-                self._empty[lane] = 0
-        self._wake.set()
+        self._to_withdraw |= {lane % INBOX_GROUPS for lane in moved}
 
     async def _withdraw_pulls(self) -> None:
-        """Move each moved lane to a new reply inbox and drop interest in its old
-        one: the server drops the pulls waiting on it. What it sent before is
-        still handled. The lane is pulled again at its new priority (or not at
-        all, no longer ranked)."""
-        lanes, self._to_withdraw = self._to_withdraw, set()
-        for lane in lanes:
-            old = self._subs.pop(lane, None)
-            self._gen[lane] += 1
-            self._pulled_at[lane] = None
-            self._live_until[lane] = 0.0
-            if old is not None:
-                await self._drop(old)
-                with contextlib.suppress(nats.errors.Error):
-                    await old.unsubscribe()
+        """Move each group with a moved lane to a new reply inbox and drop
+        interest in its old one: the server drops the pulls waiting on it. What
+        it sent before is still handled. Its lanes are pulled again at their
+        priorities now (a lane no longer ranked, not at all)."""
+        groups, self._to_withdraw = self._to_withdraw, set()
+        old: list[Subscription] = []
+        for group in groups:
+            sub = self._subs.pop(group, None)
+            if sub is not None:
+                old.append(sub)
+            self._gen[group] += 1
+            for lane in range(group, self._lanes, INBOX_GROUPS):
+                if self._pulled_at[lane] is not None:
+                    self._pulled_at[lane] = None
+                    self._live_until[lane] = 0.0
+                    self._empty[lane] = 0
+        await self._drop(old)
+        for sub in old:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
         self._count("withdrawn")
 
     def _pull_done(self, lane: int) -> None:
@@ -294,26 +318,27 @@ class LanePuller:
             self._live_until[lane] = now + 0.2  # retry shortly, not in a hot loop
 
     async def _lane_inbox(self, lane: int) -> str:
-        """The reply inbox of ``lane``'s pulls (``<root>.<lane>.<generation>``),
-        subscribed on its first pull."""
-        inbox = f"{self._root}.{lane}.{self._gen[lane]}"
-        if lane not in self._subs:
-            self._subs[lane] = await self._nc.subscribe(f"{inbox}.*", cb=self._on_msg)
-        return inbox
+        """The reply inbox of ``lane``'s pulls (``<root>.<group>.<generation>.<lane>``),
+        its group's subscribed on the group's first pull."""
+        group = lane % INBOX_GROUPS
+        inbox = f"{self._root}.{group}.{self._gen[group]}"
+        if group not in self._subs:
+            self._subs[group] = await self._nc.subscribe(f"{inbox}.*.*", cb=self._on_msg)
+        return f"{inbox}.{lane}"
 
     async def _on_msg(self, msg: Msg) -> None:
         if msg.headers and msg.headers.get("Status"):
             # The server's note on a pull (expired, consumer gone), sent to the
             # pull's own reply subject: only the newest pull's note matters.
             if msg.subject.startswith(self._root):
-                lane_s, _gen, pull_s = msg.subject.rsplit(".", 3)[-3:]
+                lane_s, pull_s = msg.subject.rsplit(".", 2)[-2:]
                 if int(pull_s) == self._current[int(lane_s)]:
                     self._pull_done(int(lane_s))
             return
         # A message arrives under its own subject (jetserve.req.<class>.lNN,
         # or a pool's jetserve.pool.<token>.<class>.lNN).
         if msg.subject.startswith(self._root):
-            lane = int(msg.subject.rsplit(".", 3)[-3])
+            lane = int(msg.subject.rsplit(".", 2)[-2])
         else:
             lane = int(msg.subject.rsplit(".", 1)[-1].lstrip("l"))
         self._left[lane] -= 1
