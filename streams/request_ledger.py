@@ -71,6 +71,9 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     coalesced_with: str = ""  # followed this request's execution (gateway/inference/coalesce.py)
     # Agent runs: the keys that approved the tree's gated tool calls, in order.
     approved_by: tuple[str, ...] = ()
+    # The route's rollout arm that served it: "stable" or "canary" inside a
+    # canary's scope (class and tenant), "" outside it (docs/rollout.md).
+    rollout_arm: str = ""
 
 
 _encoder = msgspec.json.Encoder()
