@@ -113,6 +113,27 @@ class GatewayMetrics:
             ["deployment"],
             registry=r,
         )
+        # Rollouts (docs/rollout.md): per route and arm, this gateway's share.
+        self.rollout_requests = Counter(
+            "jetserve_rollout_requests",
+            "Requests inside a canary's scope by route, arm (stable|canary) and result "
+            "(ok, error: a 5xx, other: refused or cancelled by the client)",
+            ["route", "arm", "result"],
+            registry=r,
+        )
+        self.rollout_ttft = Histogram(
+            "jetserve_rollout_ttft_seconds",
+            "Time to first token inside a canary's scope, by route and arm",
+            ["route", "arm"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rollout_rollbacks = Counter(
+            "jetserve_rollout_rollbacks",
+            "Route rollbacks by route and trigger (manual: the admin API; guard: automatic)",
+            ["route", "trigger"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

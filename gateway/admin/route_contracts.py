@@ -24,6 +24,7 @@ two contracts.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -55,6 +56,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 ACTOR_HEADER = "x-jetserve-actor"  # who applies (the CLI sends user@host); kept in the record
 LOCAL_PICKUP_S = 2.0  # how long an apply waits for this gateway's table to show it
 _WRONG_LAST_SEQUENCE = 10071  # JetStream: expected last subject sequence mismatch
+_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
 
 
 class _Entry(msgspec.Struct, frozen=True):
@@ -339,7 +341,11 @@ def _parse_apply(raw: bytes) -> tuple[RouteContract, int | None]:
 def _path_of(exc: msgspec.ValidationError) -> str | None:
     text = str(exc)
     at = text.rfind(" - at `$")
-    return text[at + 8 : -1].lstrip(".") or None if at >= 0 else None
+    if at >= 0:
+        return text[at + 8 : -1].lstrip(".") or None
+    # A cross-field rule (``__post_init__``) names its field first: "rollout.canary.candidate: ..."
+    named = _NAMED_FIELD.match(text)
+    return named.group(1) if named else None
 
 
 def _revision_param(request: Request, name: str) -> int | None:
