@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from gateway import web
 from gateway.admin.route_contracts import ROUTE_CONTRACT_ROUTES, Handler
+from gateway.admin.route_rollback import ROLLBACK_ROUTES
 from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
 from gateway.runtime import Runtime
 from gateway.tenancy.accounting import Accountant, LimitSpec
@@ -234,6 +235,7 @@ ADMIN_ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/admin/limits/{level}/{ident}", "PUT", put_limits),
     ("/admin/limits/{level}/{ident}", "GET", get_limits),
     ("/admin/ledger", "GET", ledger),
+    *ROLLBACK_ROUTES,  # before the contract routes, whose {name:path} takes any suffix
     *ROUTE_CONTRACT_ROUTES,
 )
 

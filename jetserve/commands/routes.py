@@ -1,4 +1,4 @@
-"""``jetserve routes apply|list|show|diff|history|delete``: route contracts
+"""``jetserve routes apply|list|show|diff|history|rollback|delete``: route contracts
 through the gateway's admin API (the only writer of the routes bucket)."""
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ def register(sub: Subparsers) -> None:
     d.add_argument("--from", dest="from_rev", type=int, default=None, help="default: previous")
     d.add_argument("--to", dest="to_rev", type=int, default=None, help="default: current")
     admin_command(actions, "history", _history).add_argument("name")
+    rb = admin_command(actions, "rollback", _rollback, "restore an earlier revision")
+    rb.add_argument("name")
+    rb.add_argument(
+        "--to", type=int, default=None, help="default: the newest earlier, different contract"
+    )
+    rb.add_argument("--reason", default="", help="kept in the route history")
     rm = admin_command(actions, "delete", _delete)
     rm.add_argument("name")
     rm.add_argument("--expected-revision", type=int, default=None)
@@ -96,11 +102,29 @@ def _history(admin: AdminClient, args: argparse.Namespace) -> None:
             print(f"--   {_when(h['updated_at'])}  deleted")
             continue
         fps = " ".join(f"{k}={v}" for k, v in sorted(h["fingerprints"].items()))
-        print(f"r{h['revision']:<3} {_when(h['updated_at'])}  {h['updated_by']}  {fps}")
+        line = f"r{h['revision']:<3} {_when(h['updated_at'])}  {h['updated_by']}  {fps}"
+        back = h.get("rollback")
+        if back:
+            how = "automatic rollback" if back["automatic"] else "rollback"
+            line += f"  ({how} to r{back['to_revision']} from r{back['from_revision']}"
+            line += f": {back['reason']})" if back["reason"] else ")"
+        print(line)
 
 
 def _diff(admin: AdminClient, args: argparse.Namespace) -> None:
     print(format_diff(admin.route_diff(args.name, args.from_rev, args.to_rev)), end="")
+
+
+def _rollback(admin: AdminClient, args: argparse.Namespace) -> None:
+    actor = f"{getpass.getuser()}@{socket.gethostname()}"
+    out = admin.rollback_route(args.name, args.to, args.reason, actor)
+    if not out["changed"]:
+        print(f"unchanged at revision {out['revision']} (already that contract)")
+        return
+    back = out["rollback"]
+    print(f"revision {out['revision']}: revision {back['to_revision']} restored")
+    for dep, fp in sorted(out["fingerprints"].items()):
+        print(f"  {dep}  {fp}")
 
 
 def _delete(admin: AdminClient, args: argparse.Namespace) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,3 +171,98 @@ async def test_a_canary_outside_the_candidates_is_a_400(fleet: Fleet) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "rollout.canary.share"
         assert (await c.get("/admin/routes/r-bad")).status_code == 404
+
+
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "JETSERVE_ADMIN_URL": fleet.admin_url,
+        "JETSERVE_ADMIN_TOKEN": fleet.admin_token,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "jetserve", "routes", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+async def test_a_rollback_restores_an_earlier_revision_with_its_fingerprints(
+    fleet: Fleet,
+) -> None:
+    canary = {"canary": {"candidate": "dep-canary", "share": 1.0}}
+    r1 = await apply(fleet, contract("r-back", "dep-stable", "dep-canary"))
+    r2 = await apply(fleet, contract("r-back", "dep-stable", "dep-canary", rollout=canary))
+    r3 = await apply(
+        fleet, contract("r-back", "dep-stable", "dep-canary", rollout=canary, deadline_s=30)
+    )
+    assert [r["revision"] for r in (r1, r2, r3)] == [1, 2, 3]
+    assert len({json.dumps(r["fingerprints"], sort_keys=True) for r in (r1, r2, r3)}) == 3
+    async with admin_http(fleet) as c:
+        # Refusals first: nothing is written.
+        assert (await c.post("/admin/routes/r-back/rollback", json={"to": 9})).status_code == 400
+        missing = await c.post("/admin/routes/nope/rollback", json={})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "route_not_found"
+        stale = await c.post("/admin/routes/r-back/rollback", json={"expected_revision": 2})
+        assert stale.status_code == 409
+        assert stale.json()["current_revision"] == 3
+        odd = await c.post("/admin/routes/r-back/rollback", json={"to": "1"})
+        assert odd.status_code == 400
+
+        back = await c.post(
+            "/admin/routes/r-back/rollback",
+            json={"to": 1, "reason": "canary too slow"},
+            headers={"X-Jetserve-Actor": "ops@test"},
+        )
+        assert back.status_code == 200, back.text
+        r4 = back.json()
+        assert r4["changed"] is True
+        assert r4["revision"] == 4
+        assert r4["fingerprints"] == r1["fingerprints"]
+        assert r4["contract"] == r1["contract"]
+        assert r4["rollback"] == {
+            "to_revision": 1,
+            "from_revision": 3,
+            "reason": "canary too slow",
+            "automatic": False,
+        }
+        shown = (await c.get("/admin/routes/r-back")).json()
+        assert shown["revision"] == 4
+        assert shown["fingerprints"] == r1["fingerprints"]
+        history = (await c.get("/admin/routes/r-back/history")).json()["data"]
+        assert [h["revision"] for h in history] == [1, 2, 3, 4]
+        assert history[3]["rollback"]["reason"] == "canary too slow"
+        assert history[3]["updated_by"] == "ops@test"
+        assert "rollback" not in history[2]
+        # Rolling back to the contract in force writes nothing.
+        same = await c.post("/admin/routes/r-back/rollback", json={"to": 1})
+        assert same.json()["changed"] is False
+        assert same.json()["revision"] == 4
+
+    # The data plane serves revision 4 as revision 1 was served: no canary.
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(chat(c, fleet, "r-back") for _ in range(6)))
+    served = {
+        r["request_id"]: r for r in await records_of(fleet, fleet.spec.tenant, "r-back", len(ids))
+    }
+    for request_id in ids:
+        r = served[request_id]
+        assert r["route_revision"] == 4
+        assert r["deployment"] == "dep-stable"
+        assert r["rollout_arm"] == ""
+        assert r["fingerprint"] == r1["fingerprints"]["dep-stable"]
+
+    # The CLI: by default, the newest earlier revision with another contract (3).
+    out = await asyncio.to_thread(cli, fleet, "rollback", "r-back", "--reason", "retry it")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "revision 5: revision 3 restored"
+    assert f"dep-canary  {r3['fingerprints']['dep-canary']}" in out.stdout
+    history_out = await asyncio.to_thread(cli, fleet, "history", "r-back")
+    lines = history_out.stdout.splitlines()
+    assert lines[3].endswith("(rollback to r1 from r3: canary too slow)")
+    assert lines[4].endswith("(rollback to r3 from r4: retry it)")
+    refused = await asyncio.to_thread(cli, fleet, "rollback", "r-back", "--to", "7")
+    assert refused.returncode == 1
+    assert "400" in refused.stderr
