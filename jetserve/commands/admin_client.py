@@ -126,6 +126,9 @@ class AdminClient:
         path = f"/admin/routes/{quote(name, safe='/')}/rollback"
         return dict(self._call("POST", path, json=body, headers=headers))
 
+    def route_status(self, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/admin/routes/{quote(name, safe='/')}/status"))
+
     def delete_route(self, name: str, expected_revision: int | None = None) -> dict[str, Any]:
         params = {} if expected_revision is None else {"expected_revision": expected_revision}
         return dict(self._call("DELETE", f"/admin/routes/{quote(name, safe='/')}", params=params))

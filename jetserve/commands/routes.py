@@ -1,4 +1,4 @@
-"""``jetserve routes apply|list|show|diff|history|rollback|delete``: route contracts
+"""``jetserve routes apply|list|show|diff|history|rollback|status|delete``: route contracts
 through the gateway's admin API (the only writer of the routes bucket)."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def register(sub: Subparsers) -> None:
         "--to", type=int, default=None, help="default: the newest earlier, different contract"
     )
     rb.add_argument("--reason", default="", help="kept in the route history")
+    st = admin_command(actions, "status", _status, "a rollout's arms, guard and decision")
+    st.add_argument("name")
+    st.add_argument("--json", action="store_true", help="the admin API's answer as it is")
     rm = admin_command(actions, "delete", _delete)
     rm.add_argument("name")
     rm.add_argument("--expected-revision", type=int, default=None)
@@ -125,6 +128,60 @@ def _rollback(admin: AdminClient, args: argparse.Namespace) -> None:
     print(f"revision {out['revision']}: revision {back['to_revision']} restored")
     for dep, fp in sorted(out["fingerprints"].items()):
         print(f"  {dep}  {fp}")
+
+
+def _status(admin: AdminClient, args: argparse.Namespace) -> None:
+    out = admin.route_status(args.name)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return
+    print(format_status(out), end="")
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """The status as an operator reads it: arms, guard against thresholds, decision."""
+    lines = [f"{st['route']} revision {st['revision']} since {_when(st['since'])}"]
+    canary = (st.get("rollout") or {}).get("canary")
+    if canary:
+        scope = ",".join(canary["classes"]) or "all classes"
+        tenants = ",".join(canary["tenants"]) or "all tenants"
+        lines.append(
+            f"canary: {canary['candidate']} at {canary['share']:.1%} of {scope}, {tenants}"
+        )
+    for arm in ("stable", "canary"):
+        a = st["arms"][arm]
+        lines.append(
+            f"  {arm:<7} {a['requests']:>7} requests  {st['shares'][arm]:6.1%}"
+            f"  errors {a['errors']}"
+        )
+    guard = st.get("guard")
+    if guard:
+        lines.append(f"guard (last {guard['window_s']:g}s, from {guard['min_samples']} per arm):")
+        for arm in ("stable", "canary"):
+            g = guard[arm]
+            p95 = "-" if g["ttft_p95_ms"] is None else f"{g['ttft_p95_ms']:.0f} ms"
+            lines.append(
+                f"  {arm:<7} {g['requests']:>7} requests  error rate {g['error_rate']:.1%}"
+                f"  first-token p95 {p95}"
+            )
+        lines.append(
+            f"  error ratio {_ratio(guard['error_ratio'])} (max {guard['max_error_ratio']:g})"
+            f"  first-token p95 ratio {_ratio(guard['ttft_p95_ratio'])}"
+            f" (max {guard['max_ttft_p95_ratio']:g})"
+        )
+    lines.append(f"decision: {st['decision']}: {st['reason']}")
+    back = st.get("rollback")
+    if back:
+        how = "automatic rollback" if back["automatic"] else "rollback"
+        lines.append(
+            f"this revision is a {how} to r{back['to_revision']} from r{back['from_revision']}"
+            + (f": {back['reason']}" if back["reason"] else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _delete(admin: AdminClient, args: argparse.Namespace) -> None:

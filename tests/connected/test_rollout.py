@@ -24,7 +24,7 @@ from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
-ROUTES = ("r-split", "r-back", "r-bad")
+ROUTES = ("r-split", "r-back", "r-bad", "r-status")
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
 
 
@@ -266,3 +266,38 @@ async def test_a_rollback_restores_an_earlier_revision_with_its_fingerprints(
     refused = await asyncio.to_thread(cli, fleet, "rollback", "r-back", "--to", "7")
     assert refused.returncode == 1
     assert "400" in refused.stderr
+
+
+async def test_the_status_counts_the_arms_from_the_ledger(fleet: Fleet) -> None:
+    guard = {"min_samples": 3, "window_s": 300, "max_ttft_p95_ratio": 1000}
+    body = contract(
+        "r-status",
+        "dep-stable",
+        "dep-canary",
+        rollout={"canary": {"candidate": "dep-canary", "share": 0.5}, "guard": guard},
+    )
+    applied = await apply(fleet, body)
+    async with admin_http(fleet) as c:
+        before = (await c.get("/admin/routes/r-status/status")).json()
+        assert before["arms"]["canary"]["requests"] == 0
+        assert before["decision"] == "collecting"
+        assert (await c.get("/admin/routes/nope/status")).status_code == 404
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(chat(c, fleet, "r-status") for _ in range(24)))
+    served = await records_of(fleet, fleet.spec.tenant, "r-status", len(ids))
+    arms = [r["rollout_arm"] for r in served]
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-status/status")).json()
+    assert st["revision"] == applied["revision"]
+    assert st["arms"]["stable"]["requests"] == arms.count("stable")
+    assert st["arms"]["canary"]["requests"] == arms.count("canary")
+    assert st["shares"]["canary"] == arms.count("canary") / len(arms)
+    assert st["guard"]["canary"]["requests"] == arms.count("canary")
+    assert st["guard"]["canary"]["ttft_p95_ms"] > 0
+    if min(arms.count("stable"), arms.count("canary")) >= 3:  # P(not) ~ 1e-5
+        assert st["decision"] == "healthy", st["reason"]
+        assert st["guard"]["error_ratio"] == 1.0
+    out = await asyncio.to_thread(cli, fleet, "status", "r-status")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(f"r-status revision {applied['revision']}")
+    assert f"decision: {st['decision']}" in out.stdout
