@@ -134,6 +134,18 @@ class GatewayMetrics:
             ["route", "trigger"],
             registry=r,
         )
+        self.rollout_guard_leader = Gauge(
+            "jetserve_rollout_guard_leader",
+            "1 while this gateway holds the rollout guard's lease (one gateway of the fleet)",
+            registry=r,
+        )
+        self.rollout_guard_ratio = Gauge(
+            "jetserve_rollout_guard_ratio",
+            "The rollout guard's last figures per route: canary over stable "
+            "(figure: error, ttft_p95), set by the lease holder once both arms have min_samples",
+            ["route", "figure"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

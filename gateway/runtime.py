@@ -18,6 +18,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from redis.exceptions import RedisError
 
+from gateway.admin.rollout_guard import LEASE_KEY, RolloutGuard
 from gateway.config import GatewayConfig
 from gateway.inference.coalesce_fleet import FleetCoalescing
 from gateway.inference.deadletters import MaxDeliveriesWatch
@@ -41,6 +42,7 @@ from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
+from streams.leases import KvLease, ensure_leases
 from streams.outbox import DEFAULT_OUTBOX, Outbox, ensure_outbox
 from streams.provision import ensure_routes, ensure_topology
 from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
@@ -209,6 +211,18 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             pools=await _started(stack, PoolView(js, cfg.topology, route_table)),
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
+        if cfg.rollout_guard_every_s > 0:
+            every = cfg.rollout_guard_every_s
+            lease = KvLease(
+                await ensure_leases(js, cfg.topology.replicas),
+                LEASE_KEY,
+                cfg.gateway_id,
+                ttl_s=max(5.0, 3 * every),
+            )
+            guard = RolloutGuard(
+                nc, lease, route_table, LedgerReader(js, ledger_topo), metrics, every
+            )
+            await _started(stack, guard)
         await _started(stack, NatsIngress(nc, gw))
         await _started(stack, MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics))
         run_store = await RunStore.open(nc, AgentTopology(replicas=cfg.topology.replicas))

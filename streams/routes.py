@@ -224,6 +224,20 @@ class Rollback(msgspec.Struct, frozen=True, kw_only=True):
     automatic: bool = False  # the rollout guard, not an operator
 
 
+class RolloutEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Published on ``streams.subjects.ROLLOUT_EVENTS`` when the guard rolls a
+    route back (the route history keeps the same facts durably)."""
+
+    kind: str = "rolled_back"
+    route: str
+    revision: int  # the revision the rollback wrote
+    from_revision: int
+    to_revision: int
+    reason: str
+    automatic: bool = True
+    at: float
+
+
 class RouteRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What the KV holds under the route's key. ``revision`` is the route's own
     revision (1, 2, ... per route), not the KV revision: the admin API numbers it

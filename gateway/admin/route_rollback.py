@@ -73,10 +73,14 @@ async def roll_back(
     actor: str,
     automatic: bool = False,
     expected: int | None = None,
+    without_canary: str | None = None,
 ) -> tuple[RouteRecord, bool]:
     """Write a revision restoring ``to``'s contract and fingerprints; the record
     now in force and whether it was written (False: the route already serves
-    that contract). Raises NotFound, BadRequest or :class:`RouteConflict`."""
+    that contract). ``without_canary`` (with no ``to``): the target is the
+    newest earlier revision that does not canary that deployment (the guard's
+    choice, so a failed canary is never rolled back onto a smaller share of
+    itself). Raises NotFound, BadRequest or :class:`RouteConflict`."""
     head = await store.head(name)
     cur = live(head)
     if cur is None:
@@ -92,7 +96,7 @@ async def roll_back(
             param="to",
         )
     records = [e.record for e in await store.history(name) if e.record is not None]
-    target = _target(records, current, to)
+    target = _target(records, current, to, without_canary)
     if target is None:
         if to is not None:
             raise revision_not_found(name, to)
@@ -127,13 +131,24 @@ async def roll_back(
     return record, True
 
 
-def _target(records: list[RouteRecord], current: RouteRecord, to: int | None) -> RouteRecord | None:
+def _target(
+    records: list[RouteRecord], current: RouteRecord, to: int | None, without_canary: str | None
+) -> RouteRecord | None:
     if to is not None:
         return next((r for r in records if r.revision == to), None)
     earlier = [
-        r for r in records if r.revision < current.revision and r.contract != current.contract
+        r
+        for r in records
+        if r.revision < current.revision
+        and r.contract != current.contract
+        and (without_canary is None or _canary_of(r) != without_canary)
     ]
     return earlier[-1] if earlier else None
+
+
+def _canary_of(record: RouteRecord) -> str | None:
+    rollout = record.contract.rollout
+    return rollout.canary.candidate if rollout is not None and rollout.canary else None
 
 
 async def rollback(request: Request) -> Response:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,24 +18,37 @@ import pytest
 
 from gateway.inference import rollout
 from jetserve.fleet import Fleet, FleetSpec
+from streams.auth import Role
 from streams.routes import contract_from_builtins
+from streams.subjects import ROLLOUT_EVENTS
 from tests.refusals import checked_fleet
-from tests.scrape import metric_sum
+from tests.scrape import fleet_sum, metric_sum
 from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
-ROUTES = ("r-split", "r-back", "r-bad", "r-status")
+ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard")
+HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
 
 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     aliases = [arg for name in ROUTES for arg in ("--alias", name)]
-    spec = FleetSpec(workers=0, profile="fast", engine_per_worker=True, sim_args=aliases)
+    # Two gateways: one of them (the lease holder) runs the rollout guard.
+    spec = FleetSpec(
+        workers=0,
+        gateways=2,
+        profile="fast",
+        engine_per_worker=True,
+        sim_args=aliases,
+        gateway_args=["--rollout-guard-every", "0.5"],
+    )
     with checked_fleet(request, spec) as f:
         f.start_worker("--deployment-name", "dep-stable")
         f.start_worker("--deployment-name", "dep-canary")
+        # Every answer of this engine is a 503: a canary that must be rolled back.
+        f.start_worker("--deployment-name", "dep-faulty", sim_args=["--fault-rate", "503=1.0"])
         yield f
 
 
@@ -301,3 +315,106 @@ async def test_the_status_counts_the_arms_from_the_ledger(fleet: Fleet) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(f"r-status revision {applied['revision']}")
     assert f"decision: {st['decision']}" in out.stdout
+
+
+async def test_the_guard_rolls_a_failing_canary_back_within_its_window(fleet: Fleet) -> None:
+    base = contract("r-guard", "dep-stable", "dep-faulty", retry={"max_attempts": 1})
+    r1 = await apply(fleet, base)
+    window_s = 120.0
+    canary = {"candidate": "dep-faulty", "share": 0.4}
+    guarded = {
+        **base,
+        "rollout": {"canary": canary, "guard": {"min_samples": 5, "window_s": window_s}},
+    }
+    r2 = await apply(fleet, guarded)
+    split = contract_from_builtins(guarded).rollout
+    assert split is not None
+    assert split.canary is not None
+    events: list[dict[str, Any]] = []
+    nc = await fleet.connect(Role.ADMIN, name="rollout-events")
+
+    async def on_event(msg: Any) -> None:
+        events.append(json.loads(msg.data))
+
+    await nc.subscribe(ROLLOUT_EVENTS, cb=on_event)
+    sent: dict[str, int] = {}  # request id -> the status its client saw
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=60) as c, admin_http(fleet) as admin:
+
+        async def one() -> None:
+            r = await c.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json={
+                    "model": "r-guard",
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                headers={"Authorization": f"Bearer {fleet.api_key}"},
+            )
+            sent[r.headers["x-request-id"]] = r.status_code
+
+        async def rolled_back() -> bool:
+            """Traffic, a batch at a time, until the guard has written a revision."""
+            await asyncio.gather(*(one() for _ in range(8)))
+            shown = (await admin.get("/admin/routes/r-guard")).json()
+            return bool(shown["revision"] > r2["revision"])
+
+        await until(rolled_back, "the guard's rollback", bound_s=window_s, every_s=0)
+        elapsed = time.monotonic() - t0
+        r3 = (await admin.get("/admin/routes/r-guard")).json()
+        status = (await admin.get("/admin/routes/r-guard/status")).json()
+    assert elapsed < window_s
+    assert r3["revision"] == r2["revision"] + 1
+    assert r3["contract"] == r1["contract"]
+    assert r3["fingerprints"] == r1["fingerprints"]
+    assert r3["updated_by"] == "rollout-guard"
+    back = r3["rollback"]
+    assert (back["to_revision"], back["from_revision"], back["automatic"]) == (1, 2, True)
+    assert back["reason"].startswith("rollout guard: canary error rate 100.0%"), back
+    assert status["decision"] == "no_canary"
+    assert status["rollback"] == back
+
+    # One gateway judged and rolled back; the event went out.
+    urls = fleet.gateway_metrics_urls
+    rollbacks = await fleet_sum(urls, "jetserve_rollout_rollbacks_total", route="r-guard")
+    assert rollbacks == 1
+    assert await fleet_sum(urls, "jetserve_rollout_guard_leader") == 1
+    await until(lambda: _true(bool(events)), "the rollout event")
+    await nc.close()
+    assert events[0]["route"] == "r-guard"
+    assert (events[0]["revision"], events[0]["to_revision"]) == (r3["revision"], 1)
+
+    # Nothing lost: every request has its record, on the arm the split chose,
+    # the canary's failed, the stable arm's served.
+    records = await records_of(fleet, fleet.spec.tenant, "r-guard", len(sent))
+    by_id = {r["request_id"]: r for r in records}
+    assert set(sent) <= set(by_id)
+    for request_id, code in sent.items():
+        r = by_id[request_id]
+        assert r["status"] == code
+        assert r["route_revision"] in (r2["revision"], r3["revision"])
+        if r["route_revision"] == r3["revision"]:
+            assert r["rollout_arm"] == ""
+            assert code == 200
+            continue
+        arm = rollout.arm(split.canary, "r-guard", request_id, "interactive", fleet.spec.tenant)
+        assert r["rollout_arm"] == arm
+        if arm == "canary":
+            assert code >= 500, r
+            assert r["deployment"] in ("", "dep-faulty"), r
+        else:
+            assert code == 200, r
+            assert r["deployment"] == "dep-stable", r
+    # After the rollback: the faulty deployment serves nothing.
+    async with httpx.AsyncClient(timeout=60) as c:
+        after = await asyncio.gather(*(chat(c, fleet, "r-guard") for _ in range(8)))
+    more = await records_of(fleet, fleet.spec.tenant, "r-guard", len(sent) + len(after))
+    for r in more:
+        if r["request_id"] in after:
+            assert (r["route_revision"], r["deployment"]) == (r3["revision"], "dep-stable")
+    history = await asyncio.to_thread(cli, fleet, "history", "r-guard")
+    assert "(automatic rollback to r1 from r2: rollout guard: canary error rate" in history.stdout
+
+
+async def _true(value: bool) -> bool:
+    return value

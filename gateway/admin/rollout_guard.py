@@ -1,0 +1,163 @@
+"""The rollout guard: one gateway of the fleet compares each canary's arms and
+rolls a failing canary back (docs/rollout.md).
+
+Every gateway runs one; the one holding the ``rollout-guard`` lease (NATS KV,
+streams/leases.py) works, the others only keep trying for the lease, so a
+guard that dies is replaced within the lease's ttl. Every ``every_s`` the
+holder reads, for each route whose current revision has a canary, that
+revision's ledger records over the guard's window (fleet-wide:
+gateway/admin/rollout_analysis.py). When the analysis fails the canary, it
+rolls back through :func:`gateway.admin.route_rollback.roll_back`, the code of
+the manual rollback, to the newest earlier revision that does not canary that
+deployment, conditional on the route still being at the revision it judged.
+The new revision's record says why (``rollback``: automatic, the reason); the
+guard counts it (``jetserve_rollout_rollbacks_total{trigger="guard"}``), logs a
+``rollout_rolled_back`` event and publishes a :class:`streams.routes.RolloutEvent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+
+from gateway.admin.rollout_analysis import Analysis, analyse, read_records
+from gateway.admin.route_contracts import RouteStore
+from gateway.admin.route_rollback import RouteConflict, roll_back
+from gateway.errors import GatewayError
+from gateway.inference.route_table import RouteTable
+from gateway.metrics import GatewayMetrics
+from gateway.tenancy.request_ledger import LedgerReader
+from streams.leases import KvLease
+from streams.logs import log_event
+from streams.routes import RolloutEvent, RouteRecord
+from streams.subjects import ROLLOUT_EVENTS
+from streams.tasks import stop_task
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "rollout-guard"
+ACTOR = "rollout-guard"
+
+
+class RolloutGuard:
+    def __init__(
+        self,
+        nc: Client,
+        lease: KvLease,
+        table: RouteTable,
+        reader: LedgerReader,
+        metrics: GatewayMetrics,
+        every_s: float,
+    ) -> None:
+        self._nc = nc
+        self.lease = lease
+        self.table = table
+        self.store = RouteStore(table.kv, table)
+        self.reader = reader
+        self.metrics = metrics
+        self.every_s = every_s
+        self._stuck: set[tuple[str, int]] = set()  # failing, nothing to roll back to: said once
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="rollout-guard")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await stop_task(self._task)
+            self._task = None
+        await self.lease.release()
+        self.metrics.rollout_guard_leader.set(0)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("rollout guard: the bus failed (%r); trying again", exc)
+            await asyncio.sleep(self.every_s)
+
+    async def tick(self) -> list[str]:
+        """One round: hold the lease, then judge every canary; the routes rolled back."""
+        leader = await self.lease.hold()
+        self.metrics.rollout_guard_leader.set(1 if leader else 0)
+        if not leader:
+            return []
+        rolled = []
+        for name in self.table.names():
+            record = self.table.get(name)
+            rollout = record.contract.rollout if record is not None else None
+            if record is None or rollout is None or rollout.canary is None:
+                continue
+            now = time.time()
+            records = await read_records(self.reader, record, since=now - rollout.guard.window_s)
+            analysis = analyse(record, records, now)
+            self._observe(analysis)
+            if analysis.decision == "failing" and await self._roll_back(record, analysis):
+                rolled.append(name)
+        return rolled
+
+    def _observe(self, analysis: Analysis) -> None:
+        g = analysis.guard
+        if g is None or g.error_ratio is None:
+            return
+        self.metrics.rollout_guard_ratio.labels(analysis.route, "error").set(g.error_ratio)
+        if g.ttft_p95_ratio is not None:
+            self.metrics.rollout_guard_ratio.labels(analysis.route, "ttft_p95").set(
+                g.ttft_p95_ratio
+            )
+
+    async def _roll_back(self, record: RouteRecord, analysis: Analysis) -> bool:
+        name, canary = analysis.route, record.contract.rollout
+        assert canary is not None
+        assert canary.canary is not None
+        reason = f"rollout guard: {analysis.reason}"
+        try:
+            written, changed = await roll_back(
+                self.store,
+                name,
+                to=None,
+                reason=reason,
+                actor=ACTOR,
+                automatic=True,
+                expected=record.revision,  # only the revision judged
+                without_canary=canary.canary.candidate,
+            )
+        except RouteConflict as exc:
+            log.info("rollout guard: %s moved on before its rollback (%s)", name, exc.message)
+            return False
+        except GatewayError as exc:  # no earlier revision without this canary
+            if (name, record.revision) not in self._stuck:
+                self._stuck.add((name, record.revision))
+                log_event(
+                    log, "rollout_guard_stuck", logging.ERROR, route=name,
+                    revision=record.revision, reason=analysis.reason, error=exc.message,
+                )  # fmt: skip
+            return False
+        if not changed:
+            return False
+        assert written.rollback is not None
+        self.metrics.rollout_rollbacks.labels(name, "guard").inc()
+        log_event(
+            log, "rollout_rolled_back", logging.WARNING, route=name, revision=written.revision,
+            from_revision=record.revision, to_revision=written.rollback.to_revision,
+            reason=analysis.reason,
+        )  # fmt: skip
+        event = RolloutEvent(
+            route=name,
+            revision=written.revision,
+            from_revision=record.revision,
+            to_revision=written.rollback.to_revision,
+            reason=reason,
+            at=written.updated_at,
+        )
+        try:
+            await self._nc.publish(ROLLOUT_EVENTS, msgspec.json.encode(event))
+        except nats.errors.Error as exc:  # the route history has it regardless
+            log.warning("rollout guard: event for %s not published: %r", name, exc)
+        return True
