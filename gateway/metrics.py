@@ -134,6 +134,12 @@ class GatewayMetrics:
             ["route", "trigger"],
             registry=r,
         )
+        self.rollout_shadows = Counter(
+            "jetserve_rollout_shadows",
+            "Shadow copies by route and result (ok, error, skipped: too many in flight)",
+            ["route", "result"],
+            registry=r,
+        )
         self.rollout_guard_leader = Gauge(
             "jetserve_rollout_guard_leader",
             "1 while this gateway holds the rollout guard's lease (one gateway of the fleet)",

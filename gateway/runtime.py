@@ -213,16 +213,14 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
         if cfg.rollout_guard_every_s > 0:
             every = cfg.rollout_guard_every_s
-            lease = KvLease(
-                await ensure_leases(js, cfg.topology.replicas),
-                LEASE_KEY,
-                cfg.gateway_id,
-                ttl_s=max(5.0, 3 * every),
-            )
-            guard = RolloutGuard(
-                nc, lease, route_table, LedgerReader(js, ledger_topo), metrics, every
-            )
-            await _started(stack, guard)
+
+            async def lease() -> KvLease:
+                # Bound when a route first has a canary: no bucket, no traffic before.
+                kv = await ensure_leases(js, cfg.topology.replicas)
+                return KvLease(kv, LEASE_KEY, cfg.gateway_id, ttl_s=max(5.0, 3 * every))
+
+            reader = LedgerReader(js, ledger_topo)
+            await _started(stack, RolloutGuard(nc, lease, route_table, reader, metrics, every))
         await _started(stack, NatsIngress(nc, gw))
         await _started(stack, MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics))
         run_store = await RunStore.open(nc, AgentTopology(replicas=cfg.topology.replicas))

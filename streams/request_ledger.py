@@ -74,6 +74,10 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     # The route's rollout arm that served it: "stable" or "canary" inside a
     # canary's scope (class and tenant), "" outside it (docs/rollout.md).
     rollout_arm: str = ""
+    # A shadow copy (gateway/inference/shadow.py): recorded as the operator tenant,
+    # never returned nor charged; ``shadow_of`` is the request it copied.
+    shadow: bool = False
+    shadow_of: str = ""
 
 
 _encoder = msgspec.json.Encoder()

@@ -52,6 +52,20 @@ class Guard(msgspec.Struct, frozen=True, kw_only=True):
     max_ttft_p95_ratio: float
 
 
+class ShadowSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """Shadow copies against the requests they copied (gateway/inference/shadow.py).
+    Ratios are shadow over served, medians of the pairs; None: no pair to compare.
+    Exact match and JSON validity are not compared yet (the ledger holds no text)."""
+
+    copies: int = 0
+    paired: int = 0  # copies whose served request's record is in too
+    errors: int = 0  # copies that ended in a 5xx
+    error_class_mismatches: int = 0  # served ok and shadow not, or the other way, or codes differ
+    ttft_ratio_p50: float | None = None
+    e2e_ratio_p50: float | None = None
+    output_tokens_ratio_p50: float | None = None
+
+
 class Analysis(msgspec.Struct, frozen=True, kw_only=True):
     route: str
     revision: int
@@ -62,6 +76,7 @@ class Analysis(msgspec.Struct, frozen=True, kw_only=True):
     # "no_canary" | "collecting" (fewer than min_samples in an arm) | "healthy" | "failing"
     decision: str
     reason: str
+    shadow: ShadowSummary | None = None  # None: the revision has no shadow
 
 
 def p95(values: list[float]) -> float | None:
@@ -85,6 +100,48 @@ def figures(records: Iterable[LedgerRecord]) -> ArmFigures:
     )
 
 
+def p50(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _error_class(r: LedgerRecord) -> str:
+    return "ok" if r.status < 400 else r.outcome
+
+
+def shadow_summary(records: Iterable[LedgerRecord], route: str, revision: int) -> ShadowSummary:
+    mine = [r for r in records if r.route == route and r.route_revision == revision]
+    served = {r.request_id: r for r in mine if not r.shadow}
+    copies = [r for r in mine if r.shadow]
+    ttft: list[float] = []
+    e2e: list[float] = []
+    length: list[float] = []
+    paired = mismatches = 0
+    for copy in copies:
+        real = served.get(copy.shadow_of)
+        if real is None:
+            continue
+        paired += 1
+        mismatches += _error_class(real) != _error_class(copy)
+        if real.first_token_ms and copy.first_token_ms is not None:
+            ttft.append(copy.first_token_ms / real.first_token_ms)
+        if real.duration_ms > 0:
+            e2e.append(copy.duration_ms / real.duration_ms)
+        if real.usage.completion_tokens > 0:
+            length.append(copy.usage.completion_tokens / real.usage.completion_tokens)
+    return ShadowSummary(
+        copies=len(copies),
+        paired=paired,
+        errors=sum(c.status >= 500 for c in copies),
+        error_class_mismatches=mismatches,
+        ttft_ratio_p50=p50(ttft),
+        e2e_ratio_p50=p50(e2e),
+        output_tokens_ratio_p50=p50(length),
+    )
+
+
 def in_arms(records: Iterable[LedgerRecord], route: str, revision: int) -> list[LedgerRecord]:
     """The records that count: the route's, at ``revision``, served on an arm."""
     return [
@@ -93,6 +150,7 @@ def in_arms(records: Iterable[LedgerRecord], route: str, revision: int) -> list[
         if r.route == route
         and r.route_revision == revision
         and r.rollout_arm in ARMS
+        and not r.shadow
         and not r.policy.startswith("rejected")
     ]
 
@@ -105,6 +163,9 @@ def analyse(record: RouteRecord, records: list[LedgerRecord], now: float) -> Ana
     total = sum(a.requests for a in arms.values())
     shares = {arm: (arms[arm].requests / total if total else 0.0) for arm in ARMS}
     rollout = record.contract.rollout
+    shadow = None
+    if rollout is not None and rollout.shadow is not None:
+        shadow = shadow_summary(records, name, revision)
     if rollout is None or rollout.canary is None:
         return Analysis(
             route=name,
@@ -115,6 +176,7 @@ def analyse(record: RouteRecord, records: list[LedgerRecord], now: float) -> Ana
             guard=None,
             decision="no_canary",
             reason=f"revision {revision} of '{name}' has no canary",
+            shadow=shadow,
         )
     g = rollout.guard
     recent = [r for r in mine if r.created >= now - g.window_s]
@@ -148,6 +210,7 @@ def analyse(record: RouteRecord, records: list[LedgerRecord], now: float) -> Ana
         guard=guard,
         decision=decision,
         reason=reason,
+        shadow=shadow,
     )
 
 

@@ -3,7 +3,9 @@ rolls a failing canary back (docs/rollout.md).
 
 Every gateway runs one; the one holding the ``rollout-guard`` lease (NATS KV,
 streams/leases.py) works, the others only keep trying for the lease, so a
-guard that dies is replaced within the lease's ttl. Every ``every_s`` the
+guard that dies is replaced within the lease's ttl. While no route has a
+canary, nobody contends for the lease (nor makes its bucket): a fleet without
+rollouts pays nothing for the guard. Every ``every_s`` the
 holder reads, for each route whose current revision has a canary, that
 revision's ledger records over the guard's window (fleet-wide:
 gateway/admin/rollout_analysis.py). When the analysis fails the canary, it
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -32,6 +35,7 @@ from gateway.errors import GatewayError
 from gateway.inference.route_table import RouteTable
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.request_ledger import LedgerReader
+from streams.errors import ProvisioningError
 from streams.leases import KvLease
 from streams.logs import log_event
 from streams.routes import RolloutEvent, RouteRecord
@@ -48,14 +52,15 @@ class RolloutGuard:
     def __init__(
         self,
         nc: Client,
-        lease: KvLease,
+        lease: Callable[[], Awaitable[KvLease]],
         table: RouteTable,
         reader: LedgerReader,
         metrics: GatewayMetrics,
         every_s: float,
     ) -> None:
         self._nc = nc
-        self.lease = lease
+        self._make_lease = lease  # bound on first need
+        self.lease: KvLease | None = None
         self.table = table
         self.store = RouteStore(table.kv, table)
         self.reader = reader
@@ -71,29 +76,38 @@ class RolloutGuard:
         if self._task is not None:
             await stop_task(self._task)
             self._task = None
-        await self.lease.release()
+        if self.lease is not None:
+            await self.lease.release()
         self.metrics.rollout_guard_leader.set(0)
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.tick()
-            except (nats.errors.Error, TimeoutError) as exc:
+            except (nats.errors.Error, TimeoutError, ProvisioningError) as exc:
                 log.warning("rollout guard: the bus failed (%r); trying again", exc)
             await asyncio.sleep(self.every_s)
 
     async def tick(self) -> list[str]:
         """One round: hold the lease, then judge every canary; the routes rolled back."""
+        canaries = [r for r in map(self.table.get, self.table.names()) if _has_canary(r)]
+        if not canaries:
+            if self.lease is not None and self.lease.held:
+                await self.lease.release()  # another gateway takes over at once when needed
+            self.metrics.rollout_guard_leader.set(0)
+            return []
+        if self.lease is None:
+            self.lease = await self._make_lease()
         leader = await self.lease.hold()
         self.metrics.rollout_guard_leader.set(1 if leader else 0)
         if not leader:
             return []
         rolled = []
-        for name in self.table.names():
-            record = self.table.get(name)
-            rollout = record.contract.rollout if record is not None else None
-            if record is None or rollout is None or rollout.canary is None:
-                continue
+        for record in canaries:
+            assert record is not None
+            rollout = record.contract.rollout
+            assert rollout is not None
+            name = record.contract.name
             now = time.time()
             records = await read_records(self.reader, record, since=now - rollout.guard.window_s)
             analysis = analyse(record, records, now)
@@ -161,3 +175,11 @@ class RolloutGuard:
         except nats.errors.Error as exc:  # the route history has it regardless
             log.warning("rollout guard: event for %s not published: %r", name, exc)
         return True
+
+
+def _has_canary(record: RouteRecord | None) -> bool:
+    return (
+        record is not None
+        and record.contract.rollout is not None
+        and (record.contract.rollout.canary is not None)
+    )

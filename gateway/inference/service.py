@@ -39,6 +39,7 @@ from gateway.inference.results import Result, read_result, render
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Replayed, Resumed, Session
 from gateway.inference.settlements import Settlements
+from gateway.inference.shadow import Shadows
 from gateway.inference.shedding import QueueWatch
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.accounting import Accountant, Reservation, Scope
@@ -87,6 +88,7 @@ class InferenceService:
         self.pools = pools  # deployment pools of routed requests (None: shared subjects)
         self.settlements = settlements
         self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
+        self.shadows = Shadows(cfg, dispatcher, pools, routes, settlements.settle, metrics)
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
@@ -242,6 +244,7 @@ class InferenceService:
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
             await self.books.append(refusal, release=True)
             raise
+        self._shadow(req, stream)
         self.metrics.inflight.inc()
         return Admitted(op, parsed, key, stream, reservation, raw, claim, span)
 
@@ -262,6 +265,17 @@ class InferenceService:
         return msgspec.structs.replace(
             req, candidates=rollout.candidates(record.contract, which), rollout_arm=which
         )
+
+    def _shadow(self, req: InferenceRequest, stream: FrameStream) -> None:
+        """A copy for the rollout's shadow candidate (gateway/inference/shadow.py),
+        of a request queued for real: not a duplicate, not a coalesced follower."""
+        if self.routes is None or not req.route:
+            return
+        if type(stream) is not FrameStream or stream.duplicate:
+            return
+        record = self.routes.at(req.route, req.route_revision)
+        if record is not None and record.contract.rollout is not None:
+            self.shadows.maybe(req, record.contract)
 
     def _log_refusal(self, req: InferenceRequest, exc: GatewayError) -> None:
         log_event(
@@ -487,6 +501,7 @@ class InferenceService:
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
         await self.coalescer.aclose()
+        await self.shadows.aclose()
         await self.settlements.aclose()
         self.tracer.shutdown()  # flush exported spans
 

@@ -169,6 +169,15 @@ def format_status(st: dict[str, Any]) -> str:
             f"  first-token p95 ratio {_ratio(guard['ttft_p95_ratio'])}"
             f" (max {guard['max_ttft_p95_ratio']:g})"
         )
+    shadow = st.get("shadow")
+    if shadow:
+        lines.append(
+            f"shadow: {shadow['copies']} copies ({shadow['paired']} paired), "
+            f"{shadow['errors']} errors, {shadow['error_class_mismatches']} error-class "
+            f"mismatches; shadow/served p50: first token {_ratio(shadow['ttft_ratio_p50'])}, "
+            f"e2e {_ratio(shadow['e2e_ratio_p50'])}, "
+            f"output tokens {_ratio(shadow['output_tokens_ratio_p50'])}"
+        )
     lines.append(f"decision: {st['decision']}: {st['reason']}")
     back = st.get("rollback")
     if back:

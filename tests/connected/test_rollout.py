@@ -16,18 +16,19 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.inference import rollout
+from gateway.inference import rollout, shadow
 from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role
 from streams.routes import contract_from_builtins
 from streams.subjects import ROLLOUT_EVENTS
+from streams.wire import InferenceRequest
 from tests.refusals import checked_fleet
 from tests.scrape import fleet_sum, metric_sum
 from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
-ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard")
+ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow")
 HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
 
@@ -423,3 +424,74 @@ async def test_the_guard_rolls_a_failing_canary_back_within_its_window(fleet: Fl
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(fleet: Fleet) -> None:
+    client = "shadow-client"
+    with fleet.admin() as admin:
+        admin.create_tenant(client)
+        key = str(admin.create_key(client)["api_key"])
+    body = contract(
+        "r-shadow",
+        "dep-stable",
+        "dep-canary",
+        rollout={"shadow": {"candidate": "dep-canary", "share": 0.5}},
+    )
+    applied = await apply(fleet, body)
+    contract_ = contract_from_builtins(body)
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(chat(c, fleet, "r-shadow", key) for _ in range(16)))
+        # Streamed too: the copy is the same, the client reads only its own answer.
+        streamed = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={"model": "r-shadow", "max_tokens": 4, "stream": True, "messages": [HI]},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert streamed.status_code == 200
+        ids.append(streamed.headers["x-request-id"])
+
+    def copied(request_id: str) -> bool:
+        probe = InferenceRequest(
+            id=request_id, op="chat", cls="interactive", model="r-shadow", body={}, reply="",
+            deadline=0.0, route="r-shadow",
+        )  # fmt: skip
+        return shadow.chosen(contract_, probe) == "dep-canary"
+
+    want = [i for i in ids if copied(i)]
+    assert want, "no id of 17 drew a copy at 50%"
+    served = await records_of(fleet, client, "r-shadow", len(ids))
+    # The client's own records: served by the stable deployment, none a shadow.
+    assert {r["deployment"] for r in served} == {"dep-stable"}
+    assert not any(r["shadow"] for r in served)
+    copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow", len(want))
+    assert sorted(r["shadow_of"] for r in copies) == sorted(want)
+    for r in copies:
+        assert r["shadow"] is True
+        assert r["request_id"] == r["shadow_of"] + shadow.SHADOW_SUFFIX
+        assert (r["deployment"], r["cls"], r["status"]) == ("dep-canary", "batch", 200)
+        assert r["fingerprint"] == applied["fingerprints"]["dep-canary"]
+        assert r["charge_micros"] == 0
+        assert r["usage"]["completion_tokens"] > 0
+    # The tenant paid for its own requests, and for nothing else.
+    with fleet.admin() as admin:
+        shown = admin.show_tenant(client)
+    assert shown["spent_micros"] == sum(r["charge_micros"] for r in served)
+    assert shown["reserved_micros"] == 0
+    # A client cannot read a shadow's answer: it is another tenant's stream.
+    async with httpx.AsyncClient(timeout=30) as c:
+        resume = await c.get(
+            f"{fleet.base_url}/v1/requests/{want[0]}{shadow.SHADOW_SUFFIX}/stream",
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert resume.status_code == 404
+        text = (await c.get(fleet.gateway_metrics_urls[0])).text
+    ok = metric_sum(text, "jetserve_rollout_shadows_total", route="r-shadow", result="ok")
+    assert ok == len(want)
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-shadow/status")).json()
+    assert st["decision"] == "no_canary"
+    summary = st["shadow"]
+    assert (summary["copies"], summary["paired"], summary["errors"]) == (len(want), len(want), 0)
+    assert summary["error_class_mismatches"] == 0
+    assert summary["ttft_ratio_p50"] > 0
+    assert summary["output_tokens_ratio_p50"] > 0

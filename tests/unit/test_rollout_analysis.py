@@ -10,10 +10,11 @@ import msgspec
 import pytest
 
 from gateway.admin.rollout_analysis import ERROR_RATE_FLOOR, analyse, p95
+from gateway.inference import shadow
 from jetserve.commands.routes import format_status
 from streams.request_ledger import LedgerRecord
-from streams.routes import RouteRecord, contract_from_builtins, fingerprints
-from streams.wire import Usage
+from streams.routes import RouteRecord, ShadowPolicy, contract_from_builtins, fingerprints
+from streams.wire import InferenceRequest, Op, Usage
 
 NOW = 10_000.0
 
@@ -153,3 +154,69 @@ def test_the_status_text() -> None:
     assert "  canary       10 requests    9.1%  errors 2" in text
     assert "error ratio 20.00 (max 2)" in text
     assert text.splitlines()[-1].startswith("decision: failing: canary error rate 20.0%")
+
+
+def test_shadow_copies_pair_with_the_requests_they_copied() -> None:
+    r = route()
+    assert r.contract.rollout is not None
+    with_shadow = msgspec.structs.replace(
+        r.contract,
+        rollout=msgspec.structs.replace(
+            r.contract.rollout, shadow=ShadowPolicy(candidate="new", share=1.0)
+        ),
+    )
+    r = msgspec.structs.replace(r, contract=with_shadow)
+    usage = Usage(prompt_tokens=5, completion_tokens=10)
+    served = [
+        rec("", request_id=f"q{n}", ttft=100.0, duration_ms=200.0, usage=usage) for n in range(3)
+    ]
+    copies = [
+        rec(
+            "",
+            request_id=f"q{n}-shadow",
+            shadow=True,
+            shadow_of=f"q{n}",
+            tenant="jetserve-shadow",
+            ttft=300.0,
+            duration_ms=400.0,
+            usage=Usage(prompt_tokens=5, completion_tokens=5),
+        )
+        for n in range(2)
+    ]
+    failed = rec("", request_id="q2-shadow", shadow=True, shadow_of="q2", status=503,
+                 outcome="engine_unavailable", ttft=None)  # fmt: skip
+    orphan = rec("", request_id="zz-shadow", shadow=True, shadow_of="zz")
+    a = analyse(r, [*served, *copies, failed, orphan], NOW)
+    assert a.shadow is not None
+    assert (a.shadow.copies, a.shadow.paired, a.shadow.errors) == (4, 3, 1)
+    assert a.shadow.error_class_mismatches == 1
+    assert a.shadow.ttft_ratio_p50 == 3.0
+    assert a.shadow.e2e_ratio_p50 == 2.0
+    assert a.shadow.output_tokens_ratio_p50 == 0.5
+    # Shadow records never count in an arm.
+    assert a.arms["stable"].requests == a.arms["canary"].requests == 0
+
+
+def test_what_is_shadowed() -> None:
+    c = contract_from_builtins(
+        {
+            "name": "r",
+            "candidates": [
+                {"name": "old", "adapter": "openai", "engine": "e", "model": "m"},
+                {"name": "new", "adapter": "openai", "engine": "e", "model": "m"},
+            ],
+            "rollout": {"shadow": {"candidate": "new", "share": 0.25}},
+        }
+    )
+
+    def req(n: int, op: Op = "chat", cls: str = "interactive") -> InferenceRequest:
+        return InferenceRequest(
+            id=f"{n:032x}", op=op, cls=cls, model="r", body={}, reply="", deadline=0.0, route="r"
+        )
+
+    picked = [shadow.chosen(c, req(n)) for n in range(2000)]
+    assert set(picked) == {"new", None}
+    assert 0.22 <= picked.count("new") / 2000 <= 0.28
+    assert picked == [shadow.chosen(c, req(n)) for n in range(2000)]
+    assert {shadow.chosen(c, req(n, op="embedding")) for n in range(200)} == {None}
+    assert {shadow.chosen(c, req(n, cls="agent")) for n in range(200)} == {None}
