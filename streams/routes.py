@@ -330,7 +330,16 @@ _record_decoder = msgspec.json.Decoder(RouteRecord)
 
 
 def encode(value: RouteContract | RouteRecord) -> bytes:
-    return _encoder.encode(value)
+    """JSON, without the fields added later while they are unset (``rollout``,
+    ``rollback``): a gateway that predates them still reads every record that
+    does not use them (``RouteContract`` refuses unknown fields)."""
+    raw = msgspec.to_builtins(value)
+    contract = raw["contract"] if isinstance(value, RouteRecord) else raw
+    if contract.get("rollout", ...) is None:
+        del contract["rollout"]
+    if isinstance(value, RouteRecord) and raw.get("rollback", ...) is None:
+        del raw["rollback"]
+    return _encoder.encode(raw)
 
 
 def decode_contract(data: bytes | str) -> RouteContract:

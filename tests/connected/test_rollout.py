@@ -225,6 +225,9 @@ async def test_a_rollback_restores_an_earlier_revision_with_its_fingerprints(
         assert stale.json()["current_revision"] == 3
         odd = await c.post("/admin/routes/r-back/rollback", json={"to": "1"})
         assert odd.status_code == 400
+        async with httpx.AsyncClient(base_url=fleet.admin_url) as anon:
+            assert (await anon.post("/admin/routes/r-back/rollback", json={})).status_code == 401
+            assert (await anon.get("/admin/routes/r-back/status")).status_code == 401
 
         back = await c.post(
             "/admin/routes/r-back/rollback",

@@ -199,3 +199,15 @@ def test_arms_name_their_candidates() -> None:
     assert rollout.candidates(no_fallback, "canary") == ["old"]
     plain = contract_from_builtins(raw())
     assert rollout.candidates(plain, "") == ["old", "new"]
+
+
+def test_records_without_a_rollout_stay_readable_by_older_gateways() -> None:
+    """An older gateway's RouteContract refuses unknown fields: unset new ones are left out."""
+    c = contract_from_builtins(raw())
+    rec = RouteRecord(contract=c, revision=1, updated_at=1.0, updated_by="t", fingerprints={})
+    stored = msgspec.json.decode(encode(rec))
+    assert "rollout" not in stored["contract"]
+    assert "rollback" not in stored
+    assert decode_record(encode(rec)) == rec
+    with_rollout = contract_from_builtins(raw(rollout=ROLLOUT))
+    assert msgspec.json.decode(encode(with_rollout))["rollout"]["canary"]["candidate"] == "new"
