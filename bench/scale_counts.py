@@ -142,6 +142,7 @@ STREAMS = {  # stream name -> the family word used for it
     "KV_jetserve_failures": "failure-counts",
     "KV_jetserve_routes": "routes",
     "KV_jetserve_leases": "leases",
+    "KV_jetserve_evidence": "evidence",
 }
 
 # Families whose rate follows the processes and the clock more than the requests:

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 import redis.asyncio as redis
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 from redis.exceptions import RedisError
 
 from gateway.admin.rollout_guard import LEASE_KEY, RolloutGuard
@@ -42,6 +43,7 @@ from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
+from streams.evidence import ensure_evidence
 from streams.leases import KvLease, ensure_leases
 from streams.outbox import DEFAULT_OUTBOX, Outbox, ensure_outbox
 from streams.provision import ensure_routes, ensure_topology
@@ -219,8 +221,14 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
                 kv = await ensure_leases(js, cfg.topology.replicas)
                 return KvLease(kv, LEASE_KEY, cfg.gateway_id, ttl_s=max(5.0, 3 * every))
 
+            async def evidence() -> KeyValue:
+                return await ensure_evidence(js, cfg.topology.replicas)
+
             reader = LedgerReader(js, ledger_topo)
-            await _started(stack, RolloutGuard(nc, lease, route_table, reader, metrics, every))
+            guard = RolloutGuard(
+                nc, lease, route_table, reader, metrics, every, evidence, cfg.prices.version
+            )
+            await _started(stack, guard)
         await _started(stack, NatsIngress(nc, gw))
         await _started(stack, MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics))
         run_store = await RunStore.open(nc, AgentTopology(replicas=cfg.topology.replicas))

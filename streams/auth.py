@@ -23,6 +23,7 @@ from enum import StrEnum
 
 from streams.agent_topology import DEFAULT_AGENT, AgentTopology
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.evidence import EVIDENCE_BUCKET
 from streams.ids import is_safe_id
 from streams.leases import LEASES_BUCKET
 from streams.marks import CANCELS_BUCKET, FAILURES_BUCKET
@@ -217,6 +218,7 @@ def permissions(
     publish += [s for name in owned for s in _consumers(name, manage=True)]
     publish += [*_kv(ROUTES_BUCKET, own=True), *_kv(agent.bucket, own=True)]
     publish += _kv(LEASES_BUCKET, own=True)  # the rollout guard's election
+    publish += _kv(EVIDENCE_BUCKET, own=True)  # evidence per route revision
     publish += [*_kv(EFFECTS_BUCKET, own=False)]  # the admin API resolves ambiguous effects
     publish += _kv(MEMBERS_BUCKET, own=False)  # which deployment pools have live workers
     publish += _marks(CANCELS_BUCKET, write=True)  # a cancel's durable mark

@@ -27,9 +27,11 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import nats.errors
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from gateway.admin.rollout_analysis import Analysis, analyse, read_records
 from gateway.admin.route_contracts import RouteStore
+from gateway.admin.route_evidence import EvidenceUpdate, merge
 from gateway.admin.route_rollback import RouteConflict, roll_back
 from gateway.errors import GatewayError
 from gateway.inference.route_table import RouteTable
@@ -57,8 +59,12 @@ class RolloutGuard:
         reader: LedgerReader,
         metrics: GatewayMetrics,
         every_s: float,
+        evidence: Callable[[], Awaitable[KeyValue]] | None = None,
+        price_version: str = "",
     ) -> None:
         self._nc = nc
+        self._evidence = evidence  # the evidence bucket: the judged revision gets the figures
+        self._price_version = price_version
         self._make_lease = lease  # bound on first need
         self.lease: KvLease | None = None
         self.table = table
@@ -157,6 +163,7 @@ class RolloutGuard:
             return False
         assert written.rollback is not None
         self.metrics.rollout_rollbacks.labels(name, "guard").inc()
+        await self._record_evidence(record, analysis)
         log_event(
             log, "rollout_rolled_back", logging.WARNING, route=name, revision=written.revision,
             from_revision=record.revision, to_revision=written.rollback.to_revision,
@@ -175,6 +182,23 @@ class RolloutGuard:
         except nats.errors.Error as exc:  # the route history has it regardless
             log.warning("rollout guard: event for %s not published: %r", name, exc)
         return True
+
+    async def _record_evidence(self, record: RouteRecord, analysis: Analysis) -> None:
+        """The guard's final figures, in the judged revision's evidence."""
+        if self._evidence is None:
+            return
+        figures = {
+            "decision": analysis.decision,
+            "reason": analysis.reason,
+            "at": time.time(),
+            "figures": msgspec.to_builtins(analysis.guard),
+        }
+        try:
+            kv = await self._evidence()
+            await merge(kv, record, self._price_version, EvidenceUpdate(guard=figures))
+        except (nats.errors.Error, TimeoutError, ProvisioningError, GatewayError) as exc:
+            # The route history keeps the reason regardless.
+            log.warning("rollout guard: evidence of %s not recorded: %r", record.contract.name, exc)
 
 
 def _has_canary(record: RouteRecord | None) -> bool:

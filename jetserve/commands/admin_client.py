@@ -129,6 +129,15 @@ class AdminClient:
     def route_status(self, name: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/admin/routes/{quote(name, safe='/')}/status"))
 
+    def route_evidence(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        params = {} if revision is None else {"revision": revision}
+        path = f"/admin/routes/{quote(name, safe='/')}/evidence"
+        return dict(self._call("GET", path, params=params))
+
+    def attach_evidence(self, name: str, evidence: dict[str, Any]) -> dict[str, Any]:
+        path = f"/admin/routes/{quote(name, safe='/')}/evidence"
+        return dict(self._call("PUT", path, json=evidence))
+
     def delete_route(self, name: str, expected_revision: int | None = None) -> dict[str, Any]:
         params = {} if expected_revision is None else {"expected_revision": expected_revision}
         return dict(self._call("DELETE", f"/admin/routes/{quote(name, safe='/')}", params=params))

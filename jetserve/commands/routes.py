@@ -1,4 +1,4 @@
-"""``jetserve routes apply|list|show|diff|history|rollback|status|delete``: route contracts
+"""``jetserve routes apply|list|show|diff|history|rollback|status|evidence|delete``: route contracts
 through the gateway's admin API (the only writer of the routes bucket)."""
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ def register(sub: Subparsers) -> None:
     st = admin_command(actions, "status", _status, "a rollout's arms, guard and decision")
     st.add_argument("name")
     st.add_argument("--json", action="store_true", help="the admin API's answer as it is")
+    ev = admin_command(actions, "evidence", _evidence, "a revision's evidence and its triggers")
+    ev.add_argument("name")
+    ev.add_argument("--revision", type=int, default=None, help="default: the current one")
+    ev.add_argument("--attach", default=None, help="a JSON file of evidence to merge in")
+    ev.add_argument("--approve", action="store_true", help="record your approval (user@host)")
     rm = admin_command(actions, "delete", _delete)
     rm.add_argument("name")
     rm.add_argument("--expected-revision", type=int, default=None)
@@ -191,6 +196,45 @@ def format_status(st: dict[str, Any]) -> str:
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _evidence(admin: AdminClient, args: argparse.Namespace) -> None:
+    update: dict[str, Any] = {}
+    if args.attach:
+        try:
+            update = json.loads(Path(args.attach).read_text())
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{args.attach}: not JSON: {exc}") from None
+        if not isinstance(update, dict):
+            raise SystemExit(f"{args.attach}: evidence must be a JSON object")
+    if args.approve:
+        update["approved_by"] = f"{getpass.getuser()}@{socket.gethostname()}"
+    if update:
+        if args.revision is not None:
+            update["revision"] = args.revision
+        admin.attach_evidence(args.name, update)
+    out = admin.route_evidence(args.name, args.revision)
+    print(format_evidence(out), end="")
+
+
+def format_evidence(out: dict[str, Any]) -> str:
+    ev = out["evidence"]
+    if ev is None:
+        return f"{out['name']}: {out['reason']} (current revision {out['current_revision']})\n"
+    lines = [
+        f"{out['name']} evidence of revision {ev['revision']} (current {out['current_revision']}),"
+        f" recorded {_when(ev['recorded_at'])}, due after {ev['max_age_days']:g} days",
+        "  approved by: " + (", ".join(ev["approved_by"]) or "nobody"),
+        "  fingerprints: " + " ".join(f"{k}={v}" for k, v in sorted(ev["fingerprints"].items())),
+    ]
+    for part in ("conformance", "bench", "fault_suite", "guard"):
+        lines.append(f"  {part}: {json.dumps(ev[part], sort_keys=True) if ev[part] else '-'}")
+    if out["triggers"]:
+        lines.append("re-evaluate:")
+        lines += [f"  {t['kind']}: {t['detail']}" for t in out["triggers"]]
+    else:
+        lines.append("no trigger has fired")
+    return "\n".join(lines) + "\n"
 
 
 def _delete(admin: AdminClient, args: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
-ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow")
+ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-evid")
 HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
 
@@ -423,6 +423,22 @@ async def test_the_guard_rolls_a_failing_canary_back_within_its_window(fleet: Fl
             assert (r["route_revision"], r["deployment"]) == (r3["revision"], "dep-stable")
     history = await asyncio.to_thread(cli, fleet, "history", "r-guard")
     assert "(automatic rollback to r1 from r2: rollout guard: canary error rate" in history.stdout
+    # The judged revision's evidence keeps the guard's final figures (written
+    # just after the rollback).
+    shown: dict[str, Any] = {}
+    async with admin_http(fleet) as admin:
+
+        async def evidenced() -> bool:
+            nonlocal shown
+            r = await admin.get("/admin/routes/r-guard/evidence", params={"revision": 2})
+            shown = r.json()
+            return bool(shown["evidence"] and shown["evidence"]["guard"])
+
+        await until(evidenced, "the guard's figures in revision 2's evidence")
+    assert shown["evidence"]["revision"] == 2
+    assert shown["evidence"]["guard"]["decision"] == "failing"
+    assert shown["evidence"]["guard"]["figures"]["canary"]["errors"] >= 5
+    assert shown["evidence"]["fingerprints"] == r2["fingerprints"]
 
 
 async def _true(value: bool) -> bool:
@@ -498,3 +514,61 @@ async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(flee
     assert summary["error_class_mismatches"] == 0
     assert summary["ttft_ratio_p50"] > 0
     assert summary["output_tokens_ratio_p50"] > 0
+
+
+async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet) -> None:
+    r1 = await apply(fleet, contract("r-evid", "dep-stable", "dep-canary"))
+    async with admin_http(fleet) as c:
+        none = (await c.get("/admin/routes/r-evid/evidence")).json()
+        assert none["evidence"] is None
+        assert none["due"] is True
+        bench = {"ttft_p95_ms": 120.0, "run": "bench/results/fleet/rollout.json"}
+        put = await c.put(
+            "/admin/routes/r-evid/evidence",
+            json={"approved_by": "ops@test", "bench": bench, "conformance": {"dep-canary": {}}},
+        )
+        assert put.status_code == 200, put.text
+        again = await c.put("/admin/routes/r-evid/evidence", json={"approved_by": "lead@test"})
+        evidence = again.json()
+        assert evidence["approved_by"] == ["ops@test", "lead@test"]
+        assert evidence["bench"] == bench
+        assert evidence["fingerprints"] == r1["fingerprints"]
+        fresh = (await c.get("/admin/routes/r-evid/evidence")).json()
+        assert (fresh["due"], fresh["triggers"]) == (False, [])
+        bad = await c.put("/admin/routes/r-evid/evidence", json={"revision": 9})
+        assert bad.status_code == 404
+        odd = await c.put("/admin/routes/r-evid/evidence", json={"approve": "x"})
+        assert odd.status_code == 400
+
+    # A new revision changes one deployment: its fingerprint trigger fires,
+    # measured against revision 1's evidence (revision 2 has none yet).
+    changed = contract("r-evid", "dep-stable", "dep-canary")
+    changed["candidates"][1].update(precision="fp8", engine="jetserve-sim-2")
+    r2 = await apply(fleet, changed)
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-evid/evidence")).json()
+    assert (st["current_revision"], st["evidence"]["revision"], st["due"]) == (2, 1, True)
+    fired = {(t["kind"], t["detail"]) for t in st["triggers"]}
+    before, after = r1["fingerprints"]["dep-canary"], r2["fingerprints"]["dep-canary"]
+    assert fired == {
+        ("fingerprint_changed", f"dep-canary: {before} -> {after}"),
+        ("engine_changed", "dep-canary: jetserve-sim -> jetserve-sim-2"),
+    }
+    out = await asyncio.to_thread(cli, fleet, "evidence", "r-evid")
+    assert out.returncode == 0, out.stderr
+    assert f"fingerprint_changed: dep-canary: {before} -> {after}" in out.stdout
+
+    # Expiry: evidence older than its max age is due again.
+    # Approving revision 2 evidences it: nothing has fired against its own record.
+    out = await asyncio.to_thread(cli, fleet, "evidence", "r-evid", "--approve")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("r-evid evidence of revision 2 (current 2)")
+    assert out.stdout.rstrip().endswith("no trigger has fired")
+    async with admin_http(fleet) as c:
+        await c.put("/admin/routes/r-evid/evidence", json={"max_age_days": 1e-5})
+
+        async def expired() -> bool:
+            st = (await c.get("/admin/routes/r-evid/evidence")).json()
+            return any(t["kind"] == "expired" for t in st["triggers"])
+
+        await until(expired, "the evidence to expire")
