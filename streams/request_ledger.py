@@ -78,6 +78,11 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     # never returned nor charged; ``shadow_of`` is the request it copied.
     shadow: bool = False
     shadow_of: str = ""
+    # A shadow's comparison with the served answer (the texts themselves are never
+    # kept): equal output at temperature 0, and valid JSON where the request asked
+    # for it; None: not compared.
+    shadow_exact_match: bool | None = None
+    shadow_json_valid: bool | None = None
 
 
 _encoder = msgspec.json.Encoder()

@@ -55,7 +55,7 @@ class Guard(msgspec.Struct, frozen=True, kw_only=True):
 class ShadowSummary(msgspec.Struct, frozen=True, kw_only=True):
     """Shadow copies against the requests they copied (gateway/inference/shadow.py).
     Ratios are shadow over served, medians of the pairs; None: no pair to compare.
-    Exact match and JSON validity are not compared yet (the ledger holds no text)."""
+    Exact match and JSON validity are the gateway's verdicts (gateway/inference/shadow.py)."""
 
     copies: int = 0
     paired: int = 0  # copies whose served request's record is in too
@@ -64,6 +64,10 @@ class ShadowSummary(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ratio_p50: float | None = None
     e2e_ratio_p50: float | None = None
     output_tokens_ratio_p50: float | None = None
+    exact_compared: int = 0  # copies compared at temperature 0 (both answered)
+    exact_matches: int = 0
+    json_checked: int = 0  # copies of requests that asked for JSON
+    json_valid: int = 0
 
 
 class Analysis(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,7 +135,13 @@ def shadow_summary(records: Iterable[LedgerRecord], route: str, revision: int) -
             e2e.append(copy.duration_ms / real.duration_ms)
         if real.usage.completion_tokens > 0:
             length.append(copy.usage.completion_tokens / real.usage.completion_tokens)
+    exact = [c.shadow_exact_match for c in copies if c.shadow_exact_match is not None]
+    json_ok = [c.shadow_json_valid for c in copies if c.shadow_json_valid is not None]
     return ShadowSummary(
+        exact_compared=len(exact),
+        exact_matches=sum(exact),
+        json_checked=len(json_ok),
+        json_valid=sum(json_ok),
         copies=len(copies),
         paired=paired,
         errors=sum(c.status >= 500 for c in copies),

@@ -274,8 +274,10 @@ class InferenceService:
         if type(stream) is not FrameStream or stream.duplicate:
             return
         record = self.routes.at(req.route, req.route_revision)
-        if record is not None and record.contract.rollout is not None:
-            self.shadows.maybe(req, record.contract)
+        if record is None or record.contract.rollout is None:
+            return
+        if self.shadows.maybe(req, record.contract):
+            stream.kept = []  # the served text, for the copy's comparison
 
     def _log_refusal(self, req: InferenceRequest, exc: GatewayError) -> None:
         log_event(
@@ -382,6 +384,9 @@ class InferenceService:
                 gateway=self.cfg.gateway_id,
             )  # fmt: skip
         first_ms = self._observe(adm, "ok" if final else outcome, final, e2e, status)
+        kept = adm.stream.kept
+        if kept is not None and isinstance(adm, Admitted):
+            self.shadows.served(adm.request_id, "".join(kept) if final is not None else None)
         await self.books.settle(adm, outcome, status, final, e2e, first_ms)
         if isinstance(adm, Admitted) and adm.wants_stream and final is not None:
             await self.books.stream_done(adm)

@@ -22,7 +22,12 @@ coalesced follower). The copy:
 Its ledger record is the operator tenant's, ``shadow: true`` and ``shadow_of``
 the request it copies, with its usage, timings and outcome, and no charge.
 The comparison (gateway/admin/rollout_analysis.py) pairs it with the copied
-request's record.
+request's record. The texts are compared here, in memory, and only the verdicts
+are recorded: ``shadow_exact_match`` (both answered, one choice, the request
+asked for temperature 0) and ``shadow_json_valid`` (the request asked for a
+JSON ``response_format``). The served request's reader keeps its text for it
+(``FrameReader.kept``), and :meth:`Shadows.served` hands it over when the
+request ends.
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ SHADOW_TENANT = "jetserve-shadow"  # the operator tenant shadows run (and are re
 SHADOW_SUFFIX = "-shadow"
 MAX_INFLIGHT = 64  # shadows one gateway reads at once; past it, skipped
 SettleFn = Callable[[Settlement], Awaitable[None]]  # the books' outbox (settlements.py)
+SERVED_GRACE_S = 5.0  # past the deadline: the served request's books are done by then
+JSON_FORMATS = ("json_object", "json_schema")
+
+
+def _is_json(text: str) -> bool:
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def chosen(contract: RouteContract, req: InferenceRequest) -> str | None:
@@ -84,21 +99,36 @@ class Shadows:
         self._settle = settle
         self.metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()  # owned: cancelled and awaited in aclose()
+        # The served answers the running copies wait for: request id -> its text
+        # (None: it did not complete).
+        self._served: dict[str, asyncio.Future[str | None]] = {}
 
-    def maybe(self, req: InferenceRequest, contract: RouteContract) -> None:
-        """Copy ``req`` to the shadow candidate if the rollout says so (returns at once)."""
+    def maybe(self, req: InferenceRequest, contract: RouteContract) -> bool:
+        """Copy ``req`` to the shadow candidate if the rollout says so (returns at
+        once); whether a copy runs (then :meth:`served` must follow)."""
         candidate = chosen(contract, req)
         if candidate is None or self.pools is None:
-            return
+            return False
         if len(self._tasks) >= MAX_INFLIGHT:
             self.metrics.rollout_shadows.labels(req.route, "skipped").inc()
-            return
+            return False
+        self._served[req.id] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._run(req, candidate), name=f"shadow-{req.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
+
+    def served(self, request_id: str, text: str | None) -> None:
+        """The copied request ended: its text (None: it did not complete)."""
+        fut = self._served.get(request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(text)
 
     async def aclose(self) -> None:
         """Shadows still running at shutdown are abandoned (no record)."""
+        for fut in self._served.values():
+            if not fut.done():
+                fut.set_result(None)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -127,6 +157,7 @@ class Shadows:
         try:
             subject = pool_subject(await self.pools.token(candidate), copy.cls)
             stream = await self.dispatcher.submit(copy, self._meta(copy), subject)
+            stream.kept = []
             async for event in stream.events(self.cfg.heartbeat_timeout_s):
                 if isinstance(event, Token):
                     tokens += 1 + len(stream.drain_tokens())
@@ -140,17 +171,49 @@ class Shadows:
         finally:
             if stream is not None:
                 stream.close()
+        text = "".join(stream.kept or []) if stream is not None and final is not None else None
+        exact, json_valid = await self._compare(req, text)
         first_ms = None
         if stream is not None and stream.first_token_at is not None:
             first_ms = (stream.first_token_at - started) * 1000
         e2e_ms = (time.monotonic() - started) * 1000
         self.metrics.rollout_shadows.labels(req.route, "ok" if final else "error").inc()
-        await self._settle(
-            Settlement(
-                record=self._record(req, copy, final, outcome, status, tokens, first_ms, e2e_ms),
-                writer=self.cfg.gateway_id,
-            )
+        record = self._record(req, copy, final, outcome, status, tokens, first_ms, e2e_ms)
+        record = msgspec.structs.replace(
+            record, shadow_exact_match=exact, shadow_json_valid=json_valid
         )
+        await self._settle(Settlement(record=record, writer=self.cfg.gateway_id))
+
+    async def _compare(
+        self, req: InferenceRequest, text: str | None
+    ) -> tuple[bool | None, bool | None]:
+        """(exact match, JSON valid), each None where it does not apply. Waits for
+        the served request to end, at most until its deadline and a grace."""
+        fut = self._served.get(req.id)
+        served = None
+        if fut is not None:
+            wait = max(0.0, req.deadline - time.time()) + SERVED_GRACE_S
+            try:
+                served = await asyncio.wait_for(fut, wait)
+            except TimeoutError:
+                served = None  # its session ended elsewhere (resumed on another replica)
+            finally:
+                self._served.pop(req.id, None)
+        body = req.body
+        exact: bool | None = None
+        if (
+            text is not None
+            and served is not None
+            and body.get("temperature") == 0
+            and body.get("n", 1) == 1
+            and body.get("best_of", 1) == 1
+        ):
+            exact = text == served
+        json_valid: bool | None = None
+        fmt = body.get("response_format")
+        if text is not None and isinstance(fmt, dict) and fmt.get("type") in JSON_FORMATS:
+            json_valid = _is_json(text)
+        return exact, json_valid
 
     def _meta(self, copy: InferenceRequest) -> Meta:
         return Meta(

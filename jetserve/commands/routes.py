@@ -181,7 +181,9 @@ def format_status(st: dict[str, Any]) -> str:
             f"{shadow['errors']} errors, {shadow['error_class_mismatches']} error-class "
             f"mismatches; shadow/served p50: first token {_ratio(shadow['ttft_ratio_p50'])}, "
             f"e2e {_ratio(shadow['e2e_ratio_p50'])}, "
-            f"output tokens {_ratio(shadow['output_tokens_ratio_p50'])}"
+            f"output tokens {_ratio(shadow['output_tokens_ratio_p50'])}; "
+            f"exact at T=0 {shadow['exact_matches']}/{shadow['exact_compared']}, "
+            f"valid JSON {shadow['json_valid']}/{shadow['json_checked']}"
         )
     lines.append(f"decision: {st['decision']}: {st['reason']}")
     back = st.get("rollback")

@@ -14,11 +14,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import nats.js.errors
 import pytest
 
 from gateway.inference import rollout, shadow
 from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.pools import pool_consumer_name, pool_token
 from streams.routes import contract_from_builtins
 from streams.subjects import ROLLOUT_EVENTS
 from streams.wire import InferenceRequest
@@ -50,7 +53,44 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         f.start_worker("--deployment-name", "dep-canary")
         # Every answer of this engine is a 503: a canary that must be rolled back.
         f.start_worker("--deployment-name", "dep-faulty", sim_args=["--fault-rate", "503=1.0"])
+        asyncio.run(pools_attached(f, DEPLOYMENTS))
         yield f
+
+
+DEPLOYMENTS = ("dep-stable", "dep-canary", "dep-faulty")
+
+
+async def pools_attached(fleet: Fleet, deps: tuple[str, ...]) -> None:
+    """Until each deployment's worker pulls its pool's interactive and batch
+    subjects. A request queued in a pool before its worker attaches shows the
+    gateway's queue watch a queue that does not drain, and its shedding then
+    refuses the next burst (deadline_unmeetable) until the queue empties."""
+    async with httpx.AsyncClient(
+        base_url=fleet.admin_url, headers={"Authorization": f"Bearer {fleet.admin_token}"}
+    ) as c:
+        # A route naming them all: the gateways make their pools.
+        r = await c.put("/admin/routes/r-warm", json=contract("r-warm", *deps))
+        assert r.status_code in (200, 201), r.text
+    nc = await fleet.connect(Role.ADMIN, name="rollout-pools")
+    js = nc.jetstream()
+    names = [
+        pool_consumer_name(pool_token(d), cls) for d in deps for cls in ("interactive", "batch")
+    ]
+
+    async def pulled() -> bool:
+        for name in names:
+            try:
+                info = await js.consumer_info(DEFAULT_TOPOLOGY.stream, name)
+            except nats.js.errors.NotFoundError:
+                return False
+            if not info.num_waiting:
+                return False
+        return True
+
+    try:
+        await until(pulled, f"workers pulling the pools of {deps}")
+    finally:
+        await nc.close()
 
 
 @pytest.fixture(scope="module")
@@ -458,16 +498,21 @@ async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(flee
     )
     applied = await apply(fleet, body)
     contract_ = contract_from_builtins(body)
-    async with httpx.AsyncClient(timeout=60) as c:
-        ids = await asyncio.gather(*(chat(c, fleet, "r-shadow", key) for _ in range(16)))
-        # Streamed too: the copy is the same, the client reads only its own answer.
-        streamed = await c.post(
+
+    async def ask(c: httpx.AsyncClient, **extra: Any) -> str:
+        body = {"model": "r-shadow", "max_tokens": 8, "temperature": 0, "messages": [HI]}
+        r = await c.post(
             f"{fleet.base_url}/v1/chat/completions",
-            json={"model": "r-shadow", "max_tokens": 4, "stream": True, "messages": [HI]},
+            json={**body, **extra},
             headers={"Authorization": f"Bearer {key}"},
         )
-        assert streamed.status_code == 200
-        ids.append(streamed.headers["x-request-id"])
+        assert r.status_code == 200, r.text
+        return str(r.headers["x-request-id"])
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(ask(c) for _ in range(16)))
+        # Streamed too: the copy is the same, the client reads only its own answer.
+        ids.append(await ask(c, stream=True))
 
     def copied(request_id: str) -> bool:
         probe = InferenceRequest(
@@ -514,6 +559,24 @@ async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(flee
     assert summary["error_class_mismatches"] == 0
     assert summary["ttft_ratio_p50"] > 0
     assert summary["output_tokens_ratio_p50"] > 0
+    # Both simulators answer a prompt with the same text at temperature 0.
+    assert (summary["exact_compared"], summary["exact_matches"]) == (len(want), len(want))
+    assert {r["shadow_exact_match"] for r in copies} == {True}
+    assert summary["json_checked"] == 0
+
+    # Every request copied, two asking for JSON: the copy's JSON is checked.
+    await apply(fleet, {**body, "rollout": {"shadow": {"candidate": "dep-canary", "share": 1.0}}})
+    async with httpx.AsyncClient(timeout=60) as c:
+        asked = await asyncio.gather(
+            *(ask(c, response_format={"type": "json_object"}) for _ in range(2))
+        )
+    copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow", len(want) + 2)
+    checked = {r["shadow_of"]: r["shadow_json_valid"] for r in copies if r["shadow_of"] in asked}
+    assert set(checked) == set(asked)
+    assert all(isinstance(v, bool) for v in checked.values()), checked
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-shadow/status")).json()
+    assert st["shadow"]["json_checked"] == 2
 
 
 async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet) -> None:

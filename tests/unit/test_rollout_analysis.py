@@ -180,6 +180,8 @@ def test_shadow_copies_pair_with_the_requests_they_copied() -> None:
             ttft=300.0,
             duration_ms=400.0,
             usage=Usage(prompt_tokens=5, completion_tokens=5),
+            shadow_exact_match=n == 0,
+            shadow_json_valid=True,
         )
         for n in range(2)
     ]
@@ -193,6 +195,8 @@ def test_shadow_copies_pair_with_the_requests_they_copied() -> None:
     assert a.shadow.ttft_ratio_p50 == 3.0
     assert a.shadow.e2e_ratio_p50 == 2.0
     assert a.shadow.output_tokens_ratio_p50 == 0.5
+    assert (a.shadow.exact_compared, a.shadow.exact_matches) == (2, 1)
+    assert (a.shadow.json_checked, a.shadow.json_valid) == (2, 2)
     # Shadow records never count in an arm.
     assert a.arms["stable"].requests == a.arms["canary"].requests == 0
 
