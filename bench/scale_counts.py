@@ -141,6 +141,8 @@ STREAMS = {  # stream name -> the family word used for it
     "KV_jetserve_cancels": "cancel-marks",
     "KV_jetserve_failures": "failure-counts",
     "KV_jetserve_routes": "routes",
+    "KV_jetserve_leases": "leases",
+    "KV_jetserve_evidence": "evidence",
 }
 
 # Families whose rate follows the processes and the clock more than the requests:
@@ -151,6 +153,8 @@ PERIODIC_PREFIXES = (
     "kv-put membership",
     "deliver membership",
     "puback membership",
+    "kv-put leases",  # the rollout guard's lease, renewed every tick
+    "puback leases",
     "api CONSUMER.LIST",
     "api-reply consumer_list_response",
     "api STREAM.INFO",

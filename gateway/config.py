@@ -45,6 +45,9 @@ class GatewayConfig:
     outbox_grace_s: float = 10.0
     outbox_scan_s: float = 5.0
     sweep_s: float = 30.0
+    # The rollout guard (gateway/admin/rollout_guard.py): how often the gateway
+    # holding its lease compares each canary's arms; 0: this gateway never does.
+    rollout_guard_every_s: float = 2.0
     # Idempotency-Key: how long a key's answer is kept (and a retry attaches to
     # the first attempt's stream). The frames capture and the work queue's
     # de-duplication window must cover it (checked at start-up).

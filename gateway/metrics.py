@@ -113,6 +113,45 @@ class GatewayMetrics:
             ["deployment"],
             registry=r,
         )
+        # Rollouts (docs/rollout.md): per route and arm, this gateway's share.
+        self.rollout_requests = Counter(
+            "jetserve_rollout_requests",
+            "Requests inside a canary's scope by route, arm (stable|canary) and result "
+            "(ok, error: a 5xx, other: refused or cancelled by the client)",
+            ["route", "arm", "result"],
+            registry=r,
+        )
+        self.rollout_ttft = Histogram(
+            "jetserve_rollout_ttft_seconds",
+            "Time to first token inside a canary's scope, by route and arm",
+            ["route", "arm"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rollout_rollbacks = Counter(
+            "jetserve_rollout_rollbacks",
+            "Route rollbacks by route and trigger (manual: the admin API; guard: automatic)",
+            ["route", "trigger"],
+            registry=r,
+        )
+        self.rollout_shadows = Counter(
+            "jetserve_rollout_shadows",
+            "Shadow copies by route and result (ok, error, skipped: too many in flight)",
+            ["route", "result"],
+            registry=r,
+        )
+        self.rollout_guard_leader = Gauge(
+            "jetserve_rollout_guard_leader",
+            "1 while this gateway holds the rollout guard's lease (one gateway of the fleet)",
+            registry=r,
+        )
+        self.rollout_guard_ratio = Gauge(
+            "jetserve_rollout_guard_ratio",
+            "The rollout guard's last figures per route: canary over stable "
+            "(figure: error, ttft_p95), set by the lease holder once both arms have min_samples",
+            ["route", "figure"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

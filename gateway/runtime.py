@@ -16,8 +16,10 @@ from typing import Protocol, TypeVar
 import redis.asyncio as redis
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 from redis.exceptions import RedisError
 
+from gateway.admin.rollout_guard import LEASE_KEY, RolloutGuard
 from gateway.config import GatewayConfig
 from gateway.inference.coalesce_fleet import FleetCoalescing
 from gateway.inference.deadletters import MaxDeliveriesWatch
@@ -41,6 +43,8 @@ from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
+from streams.evidence import ensure_evidence
+from streams.leases import KvLease, ensure_leases
 from streams.outbox import DEFAULT_OUTBOX, Outbox, ensure_outbox
 from streams.provision import ensure_routes, ensure_topology
 from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
@@ -209,6 +213,22 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             pools=await _started(stack, PoolView(js, cfg.topology, route_table)),
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
+        if cfg.rollout_guard_every_s > 0:
+            every = cfg.rollout_guard_every_s
+
+            async def lease() -> KvLease:
+                # Bound when a route first has a canary: no bucket, no traffic before.
+                kv = await ensure_leases(js, cfg.topology.replicas)
+                return KvLease(kv, LEASE_KEY, cfg.gateway_id, ttl_s=max(5.0, 3 * every))
+
+            async def evidence() -> KeyValue:
+                return await ensure_evidence(js, cfg.topology.replicas)
+
+            reader = LedgerReader(js, ledger_topo)
+            guard = RolloutGuard(
+                nc, lease, route_table, reader, metrics, every, evidence, cfg.prices.version
+            )
+            await _started(stack, guard)
         await _started(stack, NatsIngress(nc, gw))
         await _started(stack, MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics))
         run_store = await RunStore.open(nc, AgentTopology(replicas=cfg.topology.replicas))

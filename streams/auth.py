@@ -23,12 +23,21 @@ from enum import StrEnum
 
 from streams.agent_topology import DEFAULT_AGENT, AgentTopology
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.evidence import EVIDENCE_BUCKET
 from streams.ids import is_safe_id
+from streams.leases import LEASES_BUCKET
 from streams.marks import CANCELS_BUCKET, FAILURES_BUCKET
 from streams.outbox import DEFAULT_OUTBOX, OutboxTopology
 from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology
 from streams.routes import ROUTES_BUCKET
-from streams.subjects import LIVE, POOL_SPACE, PREFIX, RequestClass, request_subject
+from streams.subjects import (
+    LIVE,
+    POOL_SPACE,
+    PREFIX,
+    ROLLOUT_EVENTS,
+    RequestClass,
+    request_subject,
+)
 
 # Buckets other packages own (their names are theirs; the bus only needs them here).
 MEMBERS_BUCKET = "jetserve_workers"  # workers/inference/affinity.py
@@ -208,6 +217,8 @@ def permissions(
     publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
     publish += [s for name in owned for s in _consumers(name, manage=True)]
     publish += [*_kv(ROUTES_BUCKET, own=True), *_kv(agent.bucket, own=True)]
+    publish += _kv(LEASES_BUCKET, own=True)  # the rollout guard's election
+    publish += _kv(EVIDENCE_BUCKET, own=True)  # evidence per route revision
     publish += [*_kv(EFFECTS_BUCKET, own=False)]  # the admin API resolves ambiguous effects
     publish += _kv(MEMBERS_BUCKET, own=False)  # which deployment pools have live workers
     publish += _marks(CANCELS_BUCKET, write=True)  # a cancel's durable mark
@@ -225,6 +236,7 @@ def permissions(
         f"{PREFIX}.run.>",
         f"{PREFIX}.agentctl.>",
         f"{PREFIX}.dlq.>",
+        ROLLOUT_EVENTS,
         reply,  # a dead-lettered request's error frame
         live,
         f"{SERVICE_INBOX}.>",  # answers to services (checked: the caller's own inbox)

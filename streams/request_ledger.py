@@ -71,6 +71,18 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     coalesced_with: str = ""  # followed this request's execution (gateway/inference/coalesce.py)
     # Agent runs: the keys that approved the tree's gated tool calls, in order.
     approved_by: tuple[str, ...] = ()
+    # The route's rollout arm that served it: "stable" or "canary" inside a
+    # canary's scope (class and tenant), "" outside it (docs/rollout.md).
+    rollout_arm: str = ""
+    # A shadow copy (gateway/inference/shadow.py): recorded as the operator tenant,
+    # never returned nor charged; ``shadow_of`` is the request it copied.
+    shadow: bool = False
+    shadow_of: str = ""
+    # A shadow's comparison with the served answer (the texts themselves are never
+    # kept): equal output at temperature 0, and valid JSON where the request asked
+    # for it; None: not compared.
+    shadow_exact_match: bool | None = None
+    shadow_json_valid: bool | None = None
 
 
 _encoder = msgspec.json.Encoder()

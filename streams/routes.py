@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from streams.subjects import RequestClass
+
 ROUTES_BUCKET = "jetserve_routes"
 ROUTES_HISTORY = 64  # KV history depth per route: how many revisions `history` can show
 
@@ -108,6 +110,61 @@ class TelemetryPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     sample_rate: Ratio = 1.0
 
 
+# The request classes a canary may be scoped to (streams.subjects.RequestClass).
+ROLLOUT_CLASSES = tuple(c.value for c in RequestClass)
+Tenant = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class CanaryPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``share`` of the matching requests (by a hash of the request id, so a
+    retry stays on its arm) is served only by ``candidate``; the rest never
+    touch it. Empty ``classes`` or ``tenants``: all."""
+
+    candidate: Name
+    share: Ratio
+    classes: tuple[Term, ...] = ()
+    tenants: tuple[Tenant, ...] = ()
+
+    def __post_init__(self) -> None:
+        wrong = [c for c in self.classes if c not in ROLLOUT_CLASSES]
+        if wrong:
+            raise ValueError(
+                f"canary.classes: unknown class {', '.join(wrong)} "
+                f"(known: {', '.join(ROLLOUT_CLASSES)})"
+            )
+
+    def matches(self, cls: str, tenant: str) -> bool:
+        return (not self.classes or cls in self.classes) and (
+            not self.tenants or tenant in self.tenants
+        )
+
+
+class ShadowPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A copy of ``share`` of the requests for ``candidate``, never answered to
+    the client (stored and validated; not executed yet: docs/rollout.md)."""
+
+    candidate: Name
+    share: Ratio
+
+
+class GuardPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """When the canary arm fails: over the last ``window_s``, once each arm has
+    ``min_samples`` requests, the canary's error rate over the stable arm's
+    above ``max_error_ratio``, or its first-token p95 over the stable arm's
+    above ``max_ttft_p95_ratio``."""
+
+    min_samples: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 50
+    window_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)] = 60.0
+    max_error_ratio: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    max_ttft_p95_ratio: Annotated[float, msgspec.Meta(gt=0.0)] = 1.5
+
+
+class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    canary: CanaryPolicy | None = None
+    shadow: ShadowPolicy | None = None
+    guard: GuardPolicy = GuardPolicy()
+
+
 class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What an operator applies. ``name`` is the model name clients ask for."""
 
@@ -121,6 +178,8 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     coalesce: CoalescePolicy = CoalescePolicy()
     telemetry: TelemetryPolicy = TelemetryPolicy()
     description: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # A canary and/or shadow of one candidate (docs/rollout.md); None: none.
+    rollout: RolloutPolicy | None = None
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -128,12 +187,55 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if dep.name in seen:
                 raise ValueError(f"candidates: deployment name {dep.name!r} appears twice")
             seen.add(dep.name)
+        if self.rollout is None:
+            return
+        canary = self.rollout.canary
+        if canary is not None:
+            if canary.candidate not in seen:
+                raise ValueError(
+                    f"rollout.canary.candidate: {canary.candidate!r} is not one of the "
+                    f"route's candidates ({', '.join(sorted(seen))})"
+                )
+            if len(seen) < 2:
+                raise ValueError(
+                    "rollout.canary: the route needs another candidate to serve the stable arm"
+                )
+        shadow = self.rollout.shadow
+        if shadow is not None and shadow.candidate not in seen:
+            raise ValueError(
+                f"rollout.shadow.candidate: {shadow.candidate!r} is not one of the "
+                f"route's candidates ({', '.join(sorted(seen))})"
+            )
 
     def deployment(self, name: str) -> Deployment | None:
         for dep in self.candidates:
             if dep.name == name:
                 return dep
         return None
+
+
+class Rollback(msgspec.Struct, frozen=True, kw_only=True):
+    """Why a revision exists: it restores ``to_revision``'s contract (and its
+    fingerprints) over ``from_revision``."""
+
+    to_revision: int
+    from_revision: int
+    reason: str = ""
+    automatic: bool = False  # the rollout guard, not an operator
+
+
+class RolloutEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Published on ``streams.subjects.ROLLOUT_EVENTS`` when the guard rolls a
+    route back (the route history keeps the same facts durably)."""
+
+    kind: str = "rolled_back"
+    route: str
+    revision: int  # the revision the rollback wrote
+    from_revision: int
+    to_revision: int
+    reason: str
+    automatic: bool = True
+    at: float
 
 
 class RouteRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +249,9 @@ class RouteRecord(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float
     updated_by: str
     fingerprints: dict[str, str]  # deployment name -> fingerprint
+    # Set on a revision written by a rollback (by hand or by the rollout guard):
+    # what it restored, and why. Older records decode with None.
+    rollback: Rollback | None = None
 
 
 # The route-level terms every deployment fingerprint covers. Telemetry and the
@@ -162,10 +267,11 @@ def fingerprint(dep: Deployment, contract: RouteContract) -> str:
     if deployment.get("context_length") is None:
         # Added later: a contract without it keeps the fingerprint it had.
         deployment.pop("context_length", None)
-    terms: dict[str, Any] = {
-        "deployment": deployment,
-        "policy": {k: msgspec.to_builtins(getattr(contract, k)) for k in _POLICY_TERMS},
-    }
+    policy = {k: msgspec.to_builtins(getattr(contract, k)) for k in _POLICY_TERMS}
+    if contract.rollout is not None:
+        # Added later: a contract without a rollout keeps the fingerprint it had.
+        policy["rollout"] = msgspec.to_builtins(contract.rollout)
+    terms: dict[str, Any] = {"deployment": deployment, "policy": policy}
     canonical = msgspec.json.encode(terms, order="sorted")
     return hashlib.sha256(canonical).hexdigest()[:16]
 
@@ -224,7 +330,16 @@ _record_decoder = msgspec.json.Decoder(RouteRecord)
 
 
 def encode(value: RouteContract | RouteRecord) -> bytes:
-    return _encoder.encode(value)
+    """JSON, without the fields added later while they are unset (``rollout``,
+    ``rollback``): a gateway that predates them still reads every record that
+    does not use them (``RouteContract`` refuses unknown fields)."""
+    raw = msgspec.to_builtins(value)
+    contract = raw["contract"] if isinstance(value, RouteRecord) else raw
+    if contract.get("rollout", ...) is None:
+        del contract["rollout"]
+    if isinstance(value, RouteRecord) and raw.get("rollback", ...) is None:
+        del raw["rollback"]
+    return _encoder.encode(raw)
 
 
 def decode_contract(data: bytes | str) -> RouteContract:

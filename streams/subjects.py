@@ -95,6 +95,9 @@ def excess_subject(cls: RequestClass | str) -> str:
 # deployments goes to ``jetserve.pool.<token>.<class>`` (or one of its lanes,
 # ``...<class>.lNN``), pulled only by workers that serve that deployment.
 POOL_SPACE = f"{PREFIX}.pool"
+# Rollout events (core NATS, not stored: the route history is the record),
+# e.g. the guard's automatic rollback (gateway/admin/rollout_guard.py).
+ROLLOUT_EVENTS = f"{PREFIX}.rollout.events"
 
 
 def pool_subject(token: str, cls: RequestClass | str) -> str:

@@ -70,6 +70,10 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     candidates: list[str] = []
     retry_max: int = 0  # attempts, the first included; 0: the topology's max_attempts
     retry_on: list[str] = []  # worker error codes that may be retried; empty: the worker's own
+    # The route's rollout arm ("stable" | "canary"; "": outside any canary's
+    # scope), decided by the gateway (gateway/inference/rollout.py) and kept
+    # for the ledger; workers read only ``candidates``.
+    rollout_arm: str = ""
 
 
 HEDGE_ATTEMPT_BASE = 100

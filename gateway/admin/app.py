@@ -23,7 +23,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import web
+from gateway.admin.rollout_status import ROLLOUT_STATUS_ROUTES
 from gateway.admin.route_contracts import ROUTE_CONTRACT_ROUTES, Handler
+from gateway.admin.route_evidence import EVIDENCE_ROUTES
+from gateway.admin.route_rollback import ROLLBACK_ROUTES
 from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
 from gateway.runtime import Runtime
 from gateway.tenancy.accounting import Accountant, LimitSpec
@@ -234,6 +237,10 @@ ADMIN_ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/admin/limits/{level}/{ident}", "PUT", put_limits),
     ("/admin/limits/{level}/{ident}", "GET", get_limits),
     ("/admin/ledger", "GET", ledger),
+    # Before the contract routes, whose {name:path} takes any suffix.
+    *ROLLBACK_ROUTES,
+    *ROLLOUT_STATUS_ROUTES,
+    *EVIDENCE_ROUTES,
     *ROUTE_CONTRACT_ROUTES,
 )
 

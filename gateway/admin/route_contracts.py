@@ -24,6 +24,7 @@ two contracts.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -55,6 +56,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 ACTOR_HEADER = "x-jetserve-actor"  # who applies (the CLI sends user@host); kept in the record
 LOCAL_PICKUP_S = 2.0  # how long an apply waits for this gateway's table to show it
 _WRONG_LAST_SEQUENCE = 10071  # JetStream: expected last subject sequence mismatch
+_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
 
 
 class _Entry(msgspec.Struct, frozen=True):
@@ -65,8 +67,8 @@ class _Entry(msgspec.Struct, frozen=True):
     at: float
 
 
-def _view(record: RouteRecord) -> dict[str, Any]:
-    return {
+def view(record: RouteRecord) -> dict[str, Any]:
+    out = {
         "name": record.contract.name,
         "revision": record.revision,
         "updated_at": record.updated_at,
@@ -74,9 +76,12 @@ def _view(record: RouteRecord) -> dict[str, Any]:
         "fingerprints": record.fingerprints,
         "contract": msgspec.to_builtins(record.contract),
     }
+    if record.rollback is not None:
+        out["rollback"] = msgspec.to_builtins(record.rollback)
+    return out
 
 
-def _conflict(name: str, current: int, message: str) -> Response:
+def conflict(name: str, current: int, message: str) -> Response:
     err = BadRequest(message, code="route_conflict", param="expected_revision", status=409)
     return web.json_response({**err.body(), "current_revision": current}, 409)
 
@@ -100,7 +105,7 @@ class RouteStore:
 
     async def current(self, name: str) -> tuple[RouteRecord, int] | None:
         """The live record and its KV revision; None if absent or deleted."""
-        return _live(await self.head(name))
+        return live(await self.head(name))
 
     async def history(self, name: str) -> list[_Entry]:
         out = []
@@ -112,6 +117,22 @@ class RouteStore:
     async def names(self) -> list[str]:
         """Every route with a message in the bucket (deleted ones included)."""
         return await self.log.keys()
+
+    async def write(self, name: str, head: KvMessage | None, record: RouteRecord) -> int:
+        """Store ``record`` only if ``head`` is still the route's newest message
+        (None: the route has none), then wait (bounded) until this gateway's
+        table shows it; the KV revision. Raises ``KeyWrongLastSequenceError``
+        when another write came first."""
+        kv_rev = await self.kv.update(name, encode(record), last=head.seq if head else 0)
+        if self.table is not None and not await self.table.wait_for(kv_rev, LOCAL_PICKUP_S):
+            log.warning(
+                "route %s revision %d (kv %d) stored, but not in this gateway's table after %gs",
+                name,
+                record.revision,
+                kv_rev,
+                LOCAL_PICKUP_S,
+            )
+        return kv_rev
 
     async def delete(self, name: str, record: RouteRecord, kv_revision: int) -> None:
         """A delete marker, if ``kv_revision`` is still the newest message (else
@@ -127,20 +148,20 @@ class RouteStore:
         )
 
 
-def _live(head: KvMessage | None) -> tuple[RouteRecord, int] | None:
+def live(head: KvMessage | None) -> tuple[RouteRecord, int] | None:
     if head is None or head.deleted:
         return None
     return decode_record(head.value), head.seq
 
 
-def _store(request: Request) -> RouteStore:
+def store_of(request: Request) -> RouteStore:
     table: RouteTable | None = request.app.state.rt.gateway.routes
     if table is None:
         raise Unavailable("This gateway has no route table.")
     return RouteStore(table.kv, table)
 
 
-def _nats_guarded(handler: Handler) -> Handler:
+def nats_guarded(handler: Handler) -> Handler:
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
@@ -150,7 +171,7 @@ def _nats_guarded(handler: Handler) -> Handler:
     return wrapped
 
 
-async def _next_revision(s: RouteStore, name: str, head: KvMessage | None) -> int:
+async def next_revision(s: RouteStore, name: str, head: KvMessage | None) -> int:
     """The revision after the route's newest message. A number is never reused:
     it comes from that one message (read on the stream leader), and the write
     is conditional on that message still being the newest."""
@@ -174,18 +195,18 @@ async def apply(request: Request) -> Response:
         raise BadRequest(
             f"The contract names route '{contract.name}', the path '{name}'.", param="name"
         )
-    s = _store(request)
+    s = store_of(request)
     head = await s.head(name)
-    cur = _live(head)
+    cur = live(head)
     cur_rev = cur[0].revision if cur else 0
     if expected is not None and expected != cur_rev:
-        return _conflict(name, cur_rev, f"Route '{name}' is at revision {cur_rev}, not {expected}.")
+        return conflict(name, cur_rev, f"Route '{name}' is at revision {cur_rev}, not {expected}.")
     if cur is not None and cur[0].contract == contract:
-        return web.json_response({**_view(cur[0]), "changed": False})
+        return web.json_response({**view(cur[0]), "changed": False})
     actor = request.headers.get(ACTOR_HEADER, "admin")[:128] or "admin"
     record = RouteRecord(
         contract=contract,
-        revision=await _next_revision(s, name, head),
+        revision=await next_revision(s, name, head),
         updated_at=time.time(),
         updated_by=actor,
         fingerprints=fingerprints(contract),
@@ -193,49 +214,41 @@ async def apply(request: Request) -> Response:
     try:
         # Only if the message the revision was numbered from is still the newest
         # (0: the route has no message at all).
-        kv_rev = await s.kv.update(name, encode(record), last=head.seq if head else 0)
+        await s.write(name, head, record)
     except KeyWrongLastSequenceError:
         now = await s.current(name)
         now_rev = now[0].revision if now else 0
-        return _conflict(
+        return conflict(
             name, now_rev, f"Route '{name}' changed concurrently (now revision {now_rev})."
         )
-    if s.table is not None and not await s.table.wait_for(kv_rev, LOCAL_PICKUP_S):
-        log.warning(
-            "route %s revision %d (kv %d) stored, but not in this gateway's table after %gs",
-            name,
-            record.revision,
-            kv_rev,
-            LOCAL_PICKUP_S,
-        )
-    return web.json_response({**_view(record), "changed": True}, 201 if cur is None else 200)
+    return web.json_response({**view(record), "changed": True}, 201 if cur is None else 200)
 
 
 async def list_routes(request: Request) -> Response:
-    s = _store(request)
+    s = store_of(request)
     data = []
     for name in await s.names():
         cur = await s.current(name)
         if cur is not None:
-            data.append(_view(cur[0]))
+            data.append(view(cur[0]))
     return web.json_response({"data": data})
 
 
 async def show(request: Request) -> Response:
     name = request.path_params["name"]
-    cur = await _store(request).current(name)
+    cur = await store_of(request).current(name)
     if cur is None:
-        raise _not_found(name)
-    return web.json_response(_view(cur[0]))
+        raise not_found(name)
+    return web.json_response(view(cur[0]))
 
 
 async def history(request: Request) -> Response:
     name = request.path_params["name"]
-    entries = await _store(request).history(name)
+    entries = await store_of(request).history(name)
     if not entries:
-        raise _not_found(name)
+        raise not_found(name)
     data = [
-        _view(e.record)
+        view(e.record)
         if e.record is not None
         else {"name": name, "deleted": True, "updated_at": e.at}
         for e in entries
@@ -245,15 +258,15 @@ async def history(request: Request) -> Response:
 
 async def diff(request: Request) -> Response:
     name = request.path_params["name"]
-    records = [e.record for e in await _store(request).history(name) if e.record is not None]
+    records = [e.record for e in await store_of(request).history(name) if e.record is not None]
     if not records:
-        raise _not_found(name)
+        raise not_found(name)
     by_rev = {r.revision: r for r in records}
-    to_rev = _revision_param(request, "to")
-    from_rev = _revision_param(request, "from")
+    to_rev = revision_param(request, "to")
+    from_rev = revision_param(request, "from")
     after = records[-1] if to_rev is None else by_rev.get(to_rev)
     if after is None:
-        raise _revision_not_found(name, to_rev)
+        raise revision_not_found(name, to_rev)
     before: RouteRecord | None
     if from_rev is None:
         older = [r for r in records if r.revision < after.revision]
@@ -261,7 +274,7 @@ async def diff(request: Request) -> Response:
     else:
         before = by_rev.get(from_rev)
         if before is None:
-            raise _revision_not_found(name, from_rev)
+            raise revision_not_found(name, from_rev)
     changes = diff_contracts(before.contract if before else None, after.contract)
     return web.json_response(
         {
@@ -279,13 +292,13 @@ async def diff(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     name = request.path_params["name"]
-    expected = _revision_param(request, "expected_revision")
-    s = _store(request)
+    expected = revision_param(request, "expected_revision")
+    s = store_of(request)
     cur = await s.current(name)
     if cur is None:
-        raise _not_found(name)
+        raise not_found(name)
     if expected is not None and expected != cur[0].revision:
-        return _conflict(
+        return conflict(
             name,
             cur[0].revision,
             f"Route '{name}' is at revision {cur[0].revision}, not {expected}.",
@@ -297,7 +310,7 @@ async def delete(request: Request) -> Response:
             raise
         now = await s.current(name)
         now_rev = now[0].revision if now else 0
-        return _conflict(name, now_rev, f"Route '{name}' changed concurrently.")
+        return conflict(name, now_rev, f"Route '{name}' changed concurrently.")
     return web.json_response({"name": name, "deleted": True, "revision": cur[0].revision})
 
 
@@ -305,7 +318,7 @@ async def delete(request: Request) -> Response:
 # them behind its credential. Route names may hold '/' (``org/model``): ``path``
 # parameters, and the suffixed paths first so they win the match.
 ROUTE_CONTRACT_ROUTES: tuple[tuple[str, str, Handler], ...] = tuple(
-    (path, method, _nats_guarded(handler))
+    (path, method, nats_guarded(handler))
     for path, method, handler in (
         ("/admin/routes", "GET", list_routes),
         ("/admin/routes/{name:path}/history", "GET", history),
@@ -339,10 +352,14 @@ def _parse_apply(raw: bytes) -> tuple[RouteContract, int | None]:
 def _path_of(exc: msgspec.ValidationError) -> str | None:
     text = str(exc)
     at = text.rfind(" - at `$")
-    return text[at + 8 : -1].lstrip(".") or None if at >= 0 else None
+    if at >= 0:
+        return text[at + 8 : -1].lstrip(".") or None
+    # A cross-field rule (``__post_init__``) names its field first: "rollout.canary.candidate: ..."
+    named = _NAMED_FIELD.match(text)
+    return named.group(1) if named else None
 
 
-def _revision_param(request: Request, name: str) -> int | None:
+def revision_param(request: Request, name: str) -> int | None:
     value = request.query_params.get(name)
     if value is None or value == "":
         return None
@@ -355,11 +372,11 @@ def _revision_param(request: Request, name: str) -> int | None:
     return rev
 
 
-def _not_found(name: str) -> GatewayError:
+def not_found(name: str) -> GatewayError:
     return NotFound(f"No route '{name}'.", code="route_not_found", param="name")
 
 
-def _revision_not_found(name: str, rev: int | None) -> GatewayError:
+def revision_not_found(name: str, rev: int | None) -> GatewayError:
     return NotFound(
         f"Route '{name}' has no revision {rev} in its history.",
         code="revision_not_found",

@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, NotFound
+from gateway.inference import rollout
 from gateway.inference.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -181,12 +182,13 @@ def _route_fields(route: RouteRecord | None) -> dict[str, Any]:
     if route is None:
         return {}
     c = route.contract
-    names = [d.name for d in c.candidates]
     return {
         "route": c.name,
         "route_revision": route.revision,
-        # Without fallback only the preferred deployment may serve it.
-        "candidates": names if c.fallback.enabled else names[:1],
+        # Without fallback only the preferred deployment may serve it; never a
+        # canary deployment until the split (InferenceService.admit) puts the
+        # request on the canary arm.
+        "candidates": rollout.candidates(c, ""),
         "retry_max": c.retry.max_attempts,
         "retry_on": list(c.retry.on),
     }

@@ -24,6 +24,7 @@ import msgspec
 
 from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, BudgetExceeded, GatewayError, NotFound, RateLimited
+from gateway.inference import rollout
 from gateway.inference.books import Books
 from gateway.inference.coalesce import Coalescer
 from gateway.inference.coalesce_fleet import FleetCoalescing
@@ -38,6 +39,7 @@ from gateway.inference.results import Result, read_result, render
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Replayed, Resumed, Session
 from gateway.inference.settlements import Settlements
+from gateway.inference.shadow import Shadows
 from gateway.inference.shedding import QueueWatch
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.accounting import Accountant, Reservation, Scope
@@ -86,6 +88,7 @@ class InferenceService:
         self.pools = pools  # deployment pools of routed requests (None: shared subjects)
         self.settlements = settlements
         self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
+        self.shadows = Shadows(cfg, dispatcher, pools, routes, settlements.settle, metrics)
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
@@ -149,6 +152,7 @@ class InferenceService:
                     # Nothing queued by the first run (its gateway died first): run it
                     # here, under the same request id.
             span.set("jetserve.request_id", req.id)
+            req = self._split(req)
             return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
@@ -240,8 +244,40 @@ class InferenceService:
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
             await self.books.append(refusal, release=True)
             raise
+        self._shadow(req, stream)
         self.metrics.inflight.inc()
         return Admitted(op, parsed, key, stream, reservation, raw, claim, span)
+
+    def _split(self, req: InferenceRequest) -> InferenceRequest:
+        """The request's rollout arm, by its final id (an idempotency key's id
+        included), under the revision it was built with (gateway/inference/rollout.py)."""
+        record = (
+            self.routes.at(req.route, req.route_revision)
+            if self.routes is not None and req.route
+            else None
+        )
+        policy = record.contract.rollout if record is not None else None
+        if record is None or policy is None or policy.canary is None:
+            return req
+        which = rollout.arm(policy.canary, req.route, req.id, req.cls, req.tenant)
+        if not which:
+            return req  # outside the canary's scope: the candidates already omit it
+        return msgspec.structs.replace(
+            req, candidates=rollout.candidates(record.contract, which), rollout_arm=which
+        )
+
+    def _shadow(self, req: InferenceRequest, stream: FrameStream) -> None:
+        """A copy for the rollout's shadow candidate (gateway/inference/shadow.py),
+        of a request queued for real: not a duplicate, not a coalesced follower."""
+        if self.routes is None or not req.route:
+            return
+        if type(stream) is not FrameStream or stream.duplicate:
+            return
+        record = self.routes.at(req.route, req.route_revision)
+        if record is None or record.contract.rollout is None:
+            return
+        if self.shadows.maybe(req, record.contract):
+            stream.kept = []  # the served text, for the copy's comparison
 
     def _log_refusal(self, req: InferenceRequest, exc: GatewayError) -> None:
         log_event(
@@ -297,7 +333,10 @@ class InferenceService:
                 req, meta, subject, hedge if hedge.enabled and not excess else None
             )
 
-        return await self.coalescer.submit(req, None if idempotent else coalesce, publish)
+        # A canary-arm request never shares an execution: a follower would be
+        # served by another arm's deployment, a leader would lend it the canary's.
+        solo = idempotent or req.rollout_arm == "canary"
+        return await self.coalescer.submit(req, None if solo else coalesce, publish)
 
     def _service_s(self, req: InferenceRequest) -> float:
         """What an answer of this class takes once it started: its median first-token
@@ -344,12 +383,17 @@ class InferenceService:
                 outcome=outcome, status=status, ms=round(e2e * 1000),
                 gateway=self.cfg.gateway_id,
             )  # fmt: skip
-        first_ms = self._observe(adm, "ok" if final else outcome, final, e2e)
+        first_ms = self._observe(adm, "ok" if final else outcome, final, e2e, status)
+        kept = adm.stream.kept
+        if kept is not None and isinstance(adm, Admitted):
+            self.shadows.served(adm.request_id, "".join(kept) if final is not None else None)
         await self.books.settle(adm, outcome, status, final, e2e, first_ms)
         if isinstance(adm, Admitted) and adm.wants_stream and final is not None:
             await self.books.stream_done(adm)
 
-    def _observe(self, adm: Session, label: str, final: Final | None, e2e: float) -> float | None:
+    def _observe(
+        self, adm: Session, label: str, final: Final | None, e2e: float, status: int
+    ) -> float | None:
         """Count the outcome; the first-token delay in ms, when it had one."""
         m = self.metrics
         req = adm.stream.req
@@ -370,6 +414,11 @@ class InferenceService:
                     self.queue_watch.answered(req.cls, e2e - ttft)
         else:
             m.requests.labels(adm.op, req.cls, f"resumed_{label}").inc()
+        if req.rollout_arm and isinstance(adm, Admitted):
+            result = "ok" if final is not None else "error" if status >= 500 else "other"
+            m.rollout_requests.labels(req.route, req.rollout_arm, result).inc()
+            if first_ms is not None:
+                m.rollout_ttft.labels(req.route, req.rollout_arm).observe(first_ms / 1000)
         if final is not None:
             m.tokens.labels(req.cls, "input").inc(final.usage.prompt_tokens)
             m.tokens.labels(req.cls, "output").inc(final.usage.completion_tokens)
@@ -457,6 +506,7 @@ class InferenceService:
         if self._background:
             await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
         await self.coalescer.aclose()
+        await self.shadows.aclose()
         await self.settlements.aclose()
         self.tracer.shutdown()  # flush exported spans
 

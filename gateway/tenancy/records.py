@@ -46,6 +46,7 @@ class RecordHead:
     gateway: str
     route: str = ""
     route_revision: int = 0
+    rollout_arm: str = ""
 
     @classmethod
     def of_request(
@@ -62,6 +63,7 @@ class RecordHead:
             gateway=gateway,
             route=req.route,
             route_revision=req.route_revision,
+            rollout_arm=req.rollout_arm,
         )
 
     def refused(self, policy: str, exc: GatewayError) -> LedgerRecord:
@@ -118,4 +120,5 @@ class RecordHead:
             worker=serving.worker,
             hedged=serving.hedged,
             coalesced_with=serving.coalesced_with,
+            rollout_arm=self.rollout_arm,
         )

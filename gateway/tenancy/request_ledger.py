@@ -148,10 +148,18 @@ class LedgerReader:
         subject = self.topo.subject(tenant)
         return self._query(subject, tenant, since, until, limit)
 
+    def query_all(
+        self, since: float | None = None, until: float | None = None
+    ) -> AsyncGenerator[LedgerRecord, None]:
+        """Every tenant's records with ``since <= created <= until`` (an operator's
+        read, e.g. a rollout's arms: gateway/admin/rollout_analysis.py). It
+        scans every record appended since ``since``: keep the range short."""
+        return self._query(f"{self.topo.subject_prefix}.*", None, since, until, None)
+
     async def _query(
         self,
         subject: str,
-        tenant: str,
+        tenant: str | None,
         since: float | None,
         until: float | None,
         limit: int | None,
@@ -228,7 +236,7 @@ class LedgerReader:
                 if info.num_pending == 0 and (delivered or 0) <= received:
                     return None
 
-    def _decode(self, msg: Msg, tenant: str) -> LedgerRecord | None:
+    def _decode(self, msg: Msg, tenant: str | None) -> LedgerRecord | None:
         # Skip, don't fail: a bad record would otherwise block the tenant's
         # exports for as long as the stream retains it (deny_delete).
         try:
@@ -236,6 +244,8 @@ class LedgerReader:
         except msgspec.DecodeError as exc:  # ValidationError included
             log.error("ledger seq %s: undecodable record: %s", msg.metadata.sequence.stream, exc)
             return None
+        if tenant is None:  # every tenant's: the subject names the record's
+            tenant = msg.subject.rsplit(".", 1)[-1]
         if record.tenant != tenant:  # published to the wrong subject by hand
             log.error("ledger seq %s: record of another tenant", msg.metadata.sequence.stream)
             return None

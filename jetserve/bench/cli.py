@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser(
         "fleet",
         allow_abbrev=False,
-        help="fleet scenarios on real fleets: affinity, saturation, failover, hedging, soak",
+        help="fleet scenarios on real fleets: affinity, saturation, failover, hedging, soak, "
+        "fairness, scale, rollout",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     f.add_argument("--scenario", default="affinity,saturation,failover,hedging")

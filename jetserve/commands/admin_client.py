@@ -115,6 +115,29 @@ class AdminClient:
         params = {k: v for k, v in (("from", from_rev), ("to", to_rev)) if v is not None}
         return dict(self._call("GET", f"/admin/routes/{quote(name, safe='/')}/diff", params=params))
 
+    def rollback_route(
+        self, name: str, to: int | None = None, reason: str = "", actor: str = ""
+    ) -> dict[str, Any]:
+        """A new revision restoring ``to`` (default: the previous contract)."""
+        body: dict[str, Any] = {"reason": reason}
+        if to is not None:
+            body["to"] = to
+        headers = {"X-Jetserve-Actor": actor} if actor else {}
+        path = f"/admin/routes/{quote(name, safe='/')}/rollback"
+        return dict(self._call("POST", path, json=body, headers=headers))
+
+    def route_status(self, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/admin/routes/{quote(name, safe='/')}/status"))
+
+    def route_evidence(self, name: str, revision: int | None = None) -> dict[str, Any]:
+        params = {} if revision is None else {"revision": revision}
+        path = f"/admin/routes/{quote(name, safe='/')}/evidence"
+        return dict(self._call("GET", path, params=params))
+
+    def attach_evidence(self, name: str, evidence: dict[str, Any]) -> dict[str, Any]:
+        path = f"/admin/routes/{quote(name, safe='/')}/evidence"
+        return dict(self._call("PUT", path, json=evidence))
+
     def delete_route(self, name: str, expected_revision: int | None = None) -> dict[str, Any]:
         params = {} if expected_revision is None else {"expected_revision": expected_revision}
         return dict(self._call("DELETE", f"/admin/routes/{quote(name, safe='/')}", params=params))

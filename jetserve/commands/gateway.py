@@ -250,6 +250,13 @@ def _routing(g: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--outbox-scan", type=float, default=5.0, help="outbox scan interval (s)")
     b.add_argument(
+        "--rollout-guard-every",
+        type=float,
+        default=2.0,
+        help="how often the gateway holding the rollout guard's lease compares each "
+        "canary's arms and rolls a failing one back (s); 0: never on this gateway",
+    )
+    b.add_argument(
         "--idempotency-window",
         type=float,
         default=600.0,
@@ -338,6 +345,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         sweep_s=args.sweep_every,
         outbox_grace_s=args.outbox_grace,
         outbox_scan_s=args.outbox_scan,
+        rollout_guard_every_s=args.rollout_guard_every,
         idempotency_window_s=args.idempotency_window,
         coalesce=CoalescePolicy(enabled=args.coalesce),
         max_body_bytes=args.max_body_bytes,

@@ -127,6 +127,9 @@ class FrameReader:
         self.copies = 1  # copies that may still answer before the first token (hedging)
         self.done = False
         self.first_token_at: float | None = None
+        # The relayed text, when a caller keeps it (a request with a shadow copy to
+        # compare with: gateway/inference/shadow.py); None: not kept.
+        self.kept: list[str] | None = None
         # Frames to handle before the queue's: recovered tokens, then the frame
         # that revealed the gap; or frames drain_tokens left for next_event.
         self._ahead: deque[Item] = deque()
@@ -200,6 +203,8 @@ class FrameReader:
             if self.attempt is None:
                 await self.on_first_token(frame.attempt)
             self.last_seq = frame.seq
+            if self.kept is not None:
+                self.kept.append(frame.text)
             return frame
         if isinstance(frame, ErrorFrame) and self.attempt is None and self.copies > 1:
             self.copies -= 1  # one copy of a hedged request failed: the other may not
@@ -240,6 +245,8 @@ class FrameReader:
                 if frame.seq == self.last_seq + 1:
                     self.last_seq = frame.seq
                     out.append(frame)
+                    if self.kept is not None:
+                        self.kept.append(frame.text)
                     continue
             # Anything else (a gap, a terminal frame, the overflow mark, a
             # heartbeat) is next_event's to judge, in order.

@@ -13,7 +13,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from gateway.admin.route_contracts import RouteStore, _next_revision
+from gateway.admin.route_contracts import RouteStore, next_revision
 from gateway.inference.route_table import RouteTable
 from jetserve.services import Service
 from streams.auth import Role
@@ -201,13 +201,13 @@ async def test_route_table_loads_every_route_when_the_marker_comes_first(
             await table.stop()
 
 
-async def test_next_revision_comes_from_the_newest_message(nats_server: Service) -> None:
+async def testnext_revision_comes_from_the_newest_message(nats_server: Service) -> None:
     async with bus(nats_server) as (_, kv):
         store = RouteStore(kv)
-        assert await _next_revision(store, "r", await store.head("r")) == 1
+        assert await next_revision(store, "r", await store.head("r")) == 1
         await kv.put("r", record("r", 1))
         last = await kv.put("r", record("r", 2))
-        assert await _next_revision(store, "r", await store.head("r")) == 3
+        assert await next_revision(store, "r", await store.head("r")) == 3
         # The admin API's delete marker carries the revision it deleted...
         current = await store.current("r")
         assert current is not None
@@ -216,8 +216,8 @@ async def test_next_revision_comes_from_the_newest_message(nats_server: Service)
         assert head is not None
         assert head.deleted
         assert head.headers[Header.ROUTE_REVISION] == "2"
-        assert await _next_revision(store, "r", head) == 3
+        assert await next_revision(store, "r", head) == 3
         # ...and a bare marker (an older gateway's) numbers on from the history.
         again = await kv.put("o", record("o", 7))
         await kv.delete("o", last=again)
-        assert await _next_revision(store, "o", await store.head("o")) == 8
+        assert await next_revision(store, "o", await store.head("o")) == 8

@@ -44,3 +44,10 @@ def test_render_and_plot_labels() -> None:
         "half batch\nshedding\nbatch",
         "round robin",
     ]
+
+
+def test_render_shows_the_rollout_figures() -> None:
+    rows = [asdict(summarize("bad canary at 20%", shots(), 2.0))]
+    found = {"rolled_back_after_s": 11.7, "canary_arm_failed": 24}
+    text = render({"scenario": "rollout", "setup": {}, "rollout": found, "rows": rows})
+    assert 'rollout: `{"rolled_back_after_s": 11.7, "canary_arm_failed": 24}`' in text

@@ -24,6 +24,9 @@ its own baseline in the same run.
 - ``scale``: 64 replicas on one machine (``fleet/scale.py``): hit share against
   the oracle's, how evenly replicas serve, TTFT against round-robin, and replicas
   joining and leaving mid-run. Not in the default set.
+- ``rollout``: a canary on a deployment that fails every request, applied under
+  load (``fleet/rollout.py``): the time from its revision to the guard's
+  rollback, and the requests it harmed. Not in the default set.
 
 Every latency figure is published beside the admission rate it was measured at.
 """
@@ -52,12 +55,22 @@ from jetserve.bench.fleet.client import (
     system_prompt,
 )
 from jetserve.bench.fleet.fairness import fairness
+from jetserve.bench.fleet.rollout import rollout
 from jetserve.bench.fleet.scale import scale
 from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
 from workers.inference.admission import AdmissionConfig
 
-SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness", "scale")
+SCENARIOS = (
+    "affinity",
+    "saturation",
+    "failover",
+    "hedging",
+    "soak",
+    "fairness",
+    "scale",
+    "rollout",
+)
 CAPPED_RATIO = 0.02  # hedging's 3-gateway arm: tighter than the 3 % tail wants
 BATCH_DEADLINE_S = 20.0  # saturation: batch waits for its share; interactive has 4 s
 
@@ -327,6 +340,10 @@ async def scale_run(opts: Options) -> dict[str, Any]:
     return await scale(opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks)
 
 
+async def rollout_run(opts: Options) -> dict[str, Any]:
+    return await rollout(opts.seed, opts.rate, opts.duration)
+
+
 RUNNERS = {
     "affinity": affinity,
     "saturation": saturation,
@@ -335,6 +352,7 @@ RUNNERS = {
     "soak": soak_run,
     "fairness": fairness_run,
     "scale": scale_run,
+    "rollout": rollout_run,
 }
 
 
@@ -372,7 +390,7 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"\n{r['name']} errors: `{json.dumps(r['errors'])}`")
     if "ledger" in result:
         lines.append(f"\nledger reconciliation: `{json.dumps(result['ledger'])}`")
-    for key in ("balance", "hit_share_of_oracle", "changes", "capture"):
+    for key in ("balance", "hit_share_of_oracle", "changes", "capture", "rollout"):
         if key in result:
             lines.append(f"\n{key}: `{json.dumps(result[key])}`")
     if "rss" in result:

@@ -1,0 +1,196 @@
+"""Evidence per route revision (streams/evidence.py; docs/rollout.md).
+
+    PUT /admin/routes/{name}/evidence   attach: {"revision": R (default: current),
+                                         "approved_by": "...", "conformance": {...},
+                                         "bench": {...}, "fault_suite": {...},
+                                         "max_age_days": N, "notes": "..."}
+    GET /admin/routes/{name}/evidence   ?revision=R: the evidence of R (default: the
+                                         current revision, else the newest earlier
+                                         revision that has one) and which
+                                         re-evaluation triggers have fired since
+
+An attach merges into the revision's record: an approval is appended,
+conformance reports merge per deployment, a bench or fault-suite result
+replaces the one before. The record is made on first attach with the
+revision's fingerprints and deployment terms, and the gateway's price version.
+Reads are leader reads (streams/kv_log.py), like the route history's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import web
+from gateway.admin.route_contracts import (
+    Handler,
+    RouteStore,
+    nats_guarded,
+    not_found,
+    revision_not_found,
+    revision_param,
+    store_of,
+)
+from gateway.errors import BadRequest, Conflict
+from streams.evidence import (
+    Evidence,
+    decode_evidence,
+    encode_evidence,
+    ensure_evidence,
+    evidence_key,
+    new_evidence,
+    triggers,
+)
+from streams.kv_log import KvLog
+from streams.routes import RouteRecord
+
+MAX_APPROVALS = 64
+
+
+class EvidenceUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    revision: int | None = None
+    approved_by: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+    conformance: dict[str, Any] | None = None
+    bench: dict[str, Any] | None = None
+    fault_suite: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None
+    max_age_days: Annotated[float, msgspec.Meta(gt=0.0, le=3650.0)] | None = None
+    notes: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+
+async def read(kv: KeyValue, route: str, revision: int) -> tuple[Evidence, int] | None:
+    """The evidence of ``route`` at ``revision`` and its KV sequence; None if none."""
+    head = await KvLog.of(kv).last(evidence_key(route, revision))
+    if head is None or head.deleted:
+        return None
+    return decode_evidence(head.value), head.seq
+
+
+async def merge(
+    kv: KeyValue, record: RouteRecord, price_version: str, update: EvidenceUpdate
+) -> Evidence:
+    """Merge ``update`` into ``record``'s evidence (made on first use), compare-and-set."""
+    key = evidence_key(record.contract.name, record.revision)
+    for _ in range(4):
+        found = await read(kv, record.contract.name, record.revision)
+        base = found[0] if found else new_evidence(record, price_version)
+        merged = _merged(base, update)
+        try:
+            if found is None:
+                await kv.create(key, encode_evidence(merged))
+            else:
+                await kv.update(key, encode_evidence(merged), last=found[1])
+        except KeyWrongLastSequenceError:
+            continue  # another attach came first: merge onto it
+        return merged
+    raise Conflict(
+        f"The evidence of {record.contract.name} r{record.revision} kept changing; try again.",
+        code="evidence_conflict",
+    )
+
+
+def _merged(base: Evidence, u: EvidenceUpdate) -> Evidence:
+    approved = base.approved_by
+    if u.approved_by is not None and u.approved_by not in approved:
+        approved = (*approved, u.approved_by)[-MAX_APPROVALS:]
+    return msgspec.structs.replace(
+        base,
+        updated_at=time.time(),
+        approved_by=approved,
+        conformance={**base.conformance, **(u.conformance or {})},
+        bench=u.bench if u.bench is not None else base.bench,
+        fault_suite=u.fault_suite if u.fault_suite is not None else base.fault_suite,
+        guard=u.guard if u.guard is not None else base.guard,
+        max_age_days=u.max_age_days if u.max_age_days is not None else base.max_age_days,
+        notes=u.notes if u.notes is not None else base.notes,
+    )
+
+
+async def _kv(request: Request) -> KeyValue:
+    rt = request.app.state.rt
+    kv: KeyValue = await ensure_evidence(rt.js, rt.cfg.topology.replicas)
+    return kv
+
+
+async def _revision(s: RouteStore, name: str, revision: int | None) -> RouteRecord:
+    if revision is None:
+        cur = await s.current(name)
+        if cur is None:
+            raise not_found(name)
+        return cur[0]
+    for entry in await s.history(name):
+        if entry.record is not None and entry.record.revision == revision:
+            return entry.record
+    raise revision_not_found(name, revision)
+
+
+async def attach(request: Request) -> Response:
+    name = request.path_params["name"]
+    try:
+        update = msgspec.json.decode(await request.body() or b"{}", type=EvidenceUpdate)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid evidence: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"Invalid JSON body: {exc}") from exc
+    record = await _revision(store_of(request), name, update.revision)
+    price_version: str = request.app.state.rt.cfg.prices.version
+    evidence = await merge(await _kv(request), record, price_version, update)
+    return web.json_response(msgspec.to_builtins(evidence))
+
+
+async def show(request: Request) -> Response:
+    name = request.path_params["name"]
+    s = store_of(request)
+    cur = await s.current(name)
+    if cur is None:
+        raise not_found(name)
+    current = cur[0]
+    start = revision_param(request, "revision") or current.revision
+    kv = await _kv(request)
+    found = None
+    for rev in range(start, 0, -1):  # the newest revision at or before ``start`` with evidence
+        found = await read(kv, name, rev)
+        if found is not None:
+            break
+    price_version: str = request.app.state.rt.cfg.prices.version
+    if found is None:
+        return web.json_response(
+            {
+                "name": name,
+                "current_revision": current.revision,
+                "evidence": None,
+                "triggers": [],
+                "due": True,
+                "reason": "no evidence recorded for this route",
+            }
+        )
+    evidence = found[0]
+    fired = triggers(evidence, current, price_version, time.time())
+    reason = (
+        "; ".join(f"{t.kind}: {t.detail}" for t in fired)
+        if fired
+        else f"revision {evidence.revision}'s evidence still holds"
+    )
+    return web.json_response(
+        {
+            "name": name,
+            "current_revision": current.revision,
+            "evidence": msgspec.to_builtins(evidence),
+            "triggers": msgspec.to_builtins(fired),
+            "due": bool(fired),
+            "reason": reason,
+        }
+    )
+
+
+# Before the contract routes: ``{name:path}`` would otherwise take the suffix.
+EVIDENCE_ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("/admin/routes/{name:path}/evidence", "PUT", nats_guarded(attach)),
+    ("/admin/routes/{name:path}/evidence", "GET", nats_guarded(show)),
+)

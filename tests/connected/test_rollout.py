@@ -1,0 +1,637 @@
+"""Rollouts through real NATS, Redis, simulators, a gateway and workers of
+three deployments (docs/rollout.md): the canary split by class and tenant, the
+ledger's arms, manual rollback to an earlier revision, and the status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import nats.js.errors
+import pytest
+
+from gateway.inference import rollout, shadow
+from jetserve.fleet import Fleet, FleetSpec
+from streams.auth import Role
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.pools import pool_consumer_name, pool_token
+from streams.routes import contract_from_builtins
+from streams.subjects import ROLLOUT_EVENTS
+from streams.wire import InferenceRequest
+from tests.refusals import checked_fleet
+from tests.scrape import fleet_sum, metric_sum
+from tests.waits import until
+
+pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
+
+ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-evid")
+HI = {"role": "user", "content": "hi"}
+OTHER = "rollout-other"  # a second tenant, outside the canary's scope
+
+
+@pytest.fixture(scope="module")
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    aliases = [arg for name in ROUTES for arg in ("--alias", name)]
+    # Two gateways: one of them (the lease holder) runs the rollout guard.
+    spec = FleetSpec(
+        workers=0,
+        gateways=2,
+        profile="fast",
+        engine_per_worker=True,
+        sim_args=aliases,
+        gateway_args=["--rollout-guard-every", "0.5"],
+    )
+    with checked_fleet(request, spec) as f:
+        f.start_worker("--deployment-name", "dep-stable")
+        f.start_worker("--deployment-name", "dep-canary")
+        # Every answer of this engine is a 503: a canary that must be rolled back.
+        f.start_worker("--deployment-name", "dep-faulty", sim_args=["--fault-rate", "503=1.0"])
+        asyncio.run(pools_attached(f, DEPLOYMENTS))
+        yield f
+
+
+DEPLOYMENTS = ("dep-stable", "dep-canary", "dep-faulty")
+
+
+async def pools_attached(fleet: Fleet, deps: tuple[str, ...]) -> None:
+    """Until each deployment's worker pulls its pool's interactive and batch
+    subjects. A request queued in a pool before its worker attaches shows the
+    gateway's queue watch a queue that does not drain, and its shedding then
+    refuses the next burst (deadline_unmeetable) until the queue empties."""
+    async with httpx.AsyncClient(
+        base_url=fleet.admin_url, headers={"Authorization": f"Bearer {fleet.admin_token}"}
+    ) as c:
+        # A route naming them all: the gateways make their pools.
+        r = await c.put("/admin/routes/r-warm", json=contract("r-warm", *deps))
+        assert r.status_code in (200, 201), r.text
+    nc = await fleet.connect(Role.ADMIN, name="rollout-pools")
+    js = nc.jetstream()
+    names = [
+        pool_consumer_name(pool_token(d), cls) for d in deps for cls in ("interactive", "batch")
+    ]
+
+    async def pulled() -> bool:
+        for name in names:
+            try:
+                info = await js.consumer_info(DEFAULT_TOPOLOGY.stream, name)
+            except nats.js.errors.NotFoundError:
+                return False
+            if not info.num_waiting:
+                return False
+        return True
+
+    try:
+        await until(pulled, f"workers pulling the pools of {deps}")
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def other_key(fleet: Fleet) -> str:
+    with fleet.admin() as admin:
+        admin.create_tenant(OTHER)
+        return str(admin.create_key(OTHER)["api_key"])
+
+
+def contract(name: str, *deps: str, **over: Any) -> dict[str, Any]:
+    cands = [
+        {"name": d, "adapter": "openai", "engine": "jetserve-sim", "model": name} for d in deps
+    ]
+    return {"name": name, "candidates": cands, **over}
+
+
+def admin_http(fleet: Fleet) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=fleet.admin_url,
+        headers={"Authorization": f"Bearer {fleet.admin_token}"},
+        timeout=30,
+    )
+
+
+async def apply(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
+    async with admin_http(fleet) as c:
+        r = await c.put(f"/admin/routes/{body['name']}", json=body)
+        assert r.status_code in (200, 201), r.text
+        return dict(r.json())
+
+
+async def chat(
+    c: httpx.AsyncClient, fleet: Fleet, model: str, key: str = "", **headers: str
+) -> str:
+    r = await c.post(
+        f"{fleet.base_url}/v1/chat/completions",
+        json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {key or fleet.api_key}", **headers},
+    )
+    assert r.status_code == 200, r.text
+    return str(r.headers["x-request-id"])
+
+
+def ledger(fleet: Fleet, tenant: str, route: str) -> list[dict[str, Any]]:
+    with fleet.admin() as admin:
+        text = admin.ledger(tenant)
+    return [r for r in map(json.loads, text.splitlines()) if r["route"] == route]
+
+
+async def records_of(fleet: Fleet, tenant: str, route: str, n: int) -> list[dict[str, Any]]:
+    """The route's ledger records of ``tenant``, once all ``n`` are in (the
+    records go through the outbox, a moment after the answers)."""
+    found: list[dict[str, Any]] = []
+
+    async def all_in() -> bool:
+        nonlocal found
+        found = await asyncio.to_thread(ledger, fleet, tenant, route)
+        return len(found) >= n
+
+    await until(all_in, f"{n} ledger records of {tenant} on {route}")
+    return found
+
+
+async def test_a_canary_serves_only_its_share_of_its_scope(fleet: Fleet, other_key: str) -> None:
+    tenant = fleet.spec.tenant
+    body = contract(
+        "r-split",
+        "dep-stable",
+        "dep-canary",
+        rollout={
+            "canary": {
+                "candidate": "dep-canary",
+                "share": 0.3,
+                "classes": ["interactive"],
+                "tenants": [tenant],
+            }
+        },
+    )
+    applied = await apply(fleet, body)
+    canary = contract_from_builtins(body).rollout
+    assert canary is not None
+    assert canary.canary is not None
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(
+            *(chat(c, fleet, "r-split") for _ in range(40)),
+            # A client's idempotency key: the split uses the id the key maps to.
+            *(chat(c, fleet, "r-split", **{"Idempotency-Key": f"k-{n}"}) for n in range(8)),
+        )
+        outside = await asyncio.gather(
+            *(chat(c, fleet, "r-split", **{"X-Jetserve-Class": "batch"}) for _ in range(12)),
+            *(chat(c, fleet, "r-split", other_key) for _ in range(12)),
+        )
+    mine = await records_of(fleet, tenant, "r-split", len(ids) + 12)
+    theirs = await records_of(fleet, OTHER, "r-split", 12)
+    by_id = {r["request_id"]: r for r in mine + theirs}
+    assert set(ids) | set(outside) <= set(by_id)
+    arms = []
+    for request_id in ids:
+        r = by_id[request_id]
+        assert r["route_revision"] == applied["revision"]
+        want = rollout.arm(canary.canary, "r-split", request_id, "interactive", tenant)
+        assert r["rollout_arm"] == want, r
+        # The canary arm only on the canary deployment; the stable arm never on it.
+        assert r["deployment"] == ("dep-canary" if want == "canary" else "dep-stable"), r
+        assert r["fingerprint"] == applied["fingerprints"][r["deployment"]]
+        arms.append(want)
+    assert "canary" in arms
+    assert "stable" in arms
+    for request_id in outside:
+        r = by_id[request_id]
+        assert r["rollout_arm"] == "", r
+        assert r["deployment"] == "dep-stable", r
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(fleet.gateway_metrics_urls[0])).text
+    for arm in ("stable", "canary"):
+        counted = metric_sum(text, "jetserve_rollout_requests_total", route="r-split", arm=arm)
+        assert counted == arms.count(arm)
+
+
+async def test_a_canary_outside_the_candidates_is_a_400(fleet: Fleet) -> None:
+    body = contract(
+        "r-bad", "dep-stable", rollout={"canary": {"candidate": "dep-canary", "share": 0.1}}
+    )
+    async with admin_http(fleet) as c:
+        r = await c.put("/admin/routes/r-bad", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "not one of the route's candidates" in err["message"]
+        assert err["param"] == "rollout.canary.candidate"
+        share = contract("r-bad", "dep-stable", "dep-canary")
+        share["rollout"] = {"canary": {"candidate": "dep-canary", "share": 1.5}}
+        r = await c.put("/admin/routes/r-bad", json=share)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "rollout.canary.share"
+        assert (await c.get("/admin/routes/r-bad")).status_code == 404
+
+
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "JETSERVE_ADMIN_URL": fleet.admin_url,
+        "JETSERVE_ADMIN_TOKEN": fleet.admin_token,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "jetserve", "routes", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+async def test_a_rollback_restores_an_earlier_revision_with_its_fingerprints(
+    fleet: Fleet,
+) -> None:
+    canary = {"canary": {"candidate": "dep-canary", "share": 1.0}}
+    r1 = await apply(fleet, contract("r-back", "dep-stable", "dep-canary"))
+    r2 = await apply(fleet, contract("r-back", "dep-stable", "dep-canary", rollout=canary))
+    r3 = await apply(
+        fleet, contract("r-back", "dep-stable", "dep-canary", rollout=canary, deadline_s=30)
+    )
+    assert [r["revision"] for r in (r1, r2, r3)] == [1, 2, 3]
+    assert len({json.dumps(r["fingerprints"], sort_keys=True) for r in (r1, r2, r3)}) == 3
+    async with admin_http(fleet) as c:
+        # Refusals first: nothing is written.
+        assert (await c.post("/admin/routes/r-back/rollback", json={"to": 9})).status_code == 400
+        missing = await c.post("/admin/routes/nope/rollback", json={})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "route_not_found"
+        stale = await c.post("/admin/routes/r-back/rollback", json={"expected_revision": 2})
+        assert stale.status_code == 409
+        assert stale.json()["current_revision"] == 3
+        odd = await c.post("/admin/routes/r-back/rollback", json={"to": "1"})
+        assert odd.status_code == 400
+        async with httpx.AsyncClient(base_url=fleet.admin_url) as anon:
+            assert (await anon.post("/admin/routes/r-back/rollback", json={})).status_code == 401
+            assert (await anon.get("/admin/routes/r-back/status")).status_code == 401
+
+        back = await c.post(
+            "/admin/routes/r-back/rollback",
+            json={"to": 1, "reason": "canary too slow"},
+            headers={"X-Jetserve-Actor": "ops@test"},
+        )
+        assert back.status_code == 200, back.text
+        r4 = back.json()
+        assert r4["changed"] is True
+        assert r4["revision"] == 4
+        assert r4["fingerprints"] == r1["fingerprints"]
+        assert r4["contract"] == r1["contract"]
+        assert r4["rollback"] == {
+            "to_revision": 1,
+            "from_revision": 3,
+            "reason": "canary too slow",
+            "automatic": False,
+        }
+        shown = (await c.get("/admin/routes/r-back")).json()
+        assert shown["revision"] == 4
+        assert shown["fingerprints"] == r1["fingerprints"]
+        history = (await c.get("/admin/routes/r-back/history")).json()["data"]
+        assert [h["revision"] for h in history] == [1, 2, 3, 4]
+        assert history[3]["rollback"]["reason"] == "canary too slow"
+        assert history[3]["updated_by"] == "ops@test"
+        assert "rollback" not in history[2]
+        # Rolling back to the contract in force writes nothing.
+        same = await c.post("/admin/routes/r-back/rollback", json={"to": 1})
+        assert same.json()["changed"] is False
+        assert same.json()["revision"] == 4
+
+    # The data plane serves revision 4 as revision 1 was served: no canary.
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(chat(c, fleet, "r-back") for _ in range(6)))
+    served = {
+        r["request_id"]: r for r in await records_of(fleet, fleet.spec.tenant, "r-back", len(ids))
+    }
+    for request_id in ids:
+        r = served[request_id]
+        assert r["route_revision"] == 4
+        assert r["deployment"] == "dep-stable"
+        assert r["rollout_arm"] == ""
+        assert r["fingerprint"] == r1["fingerprints"]["dep-stable"]
+
+    # The CLI: by default, the newest earlier revision with another contract (3).
+    out = await asyncio.to_thread(cli, fleet, "rollback", "r-back", "--reason", "retry it")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "revision 5: revision 3 restored"
+    assert f"dep-canary  {r3['fingerprints']['dep-canary']}" in out.stdout
+    history_out = await asyncio.to_thread(cli, fleet, "history", "r-back")
+    lines = history_out.stdout.splitlines()
+    assert lines[3].endswith("(rollback to r1 from r3: canary too slow)")
+    assert lines[4].endswith("(rollback to r3 from r4: retry it)")
+    refused = await asyncio.to_thread(cli, fleet, "rollback", "r-back", "--to", "7")
+    assert refused.returncode == 1
+    assert "400" in refused.stderr
+
+
+async def test_the_status_counts_the_arms_from_the_ledger(fleet: Fleet) -> None:
+    guard = {"min_samples": 3, "window_s": 300, "max_ttft_p95_ratio": 1000}
+    body = contract(
+        "r-status",
+        "dep-stable",
+        "dep-canary",
+        rollout={"canary": {"candidate": "dep-canary", "share": 0.5}, "guard": guard},
+    )
+    applied = await apply(fleet, body)
+    async with admin_http(fleet) as c:
+        before = (await c.get("/admin/routes/r-status/status")).json()
+        assert before["arms"]["canary"]["requests"] == 0
+        assert before["decision"] == "collecting"
+        assert (await c.get("/admin/routes/nope/status")).status_code == 404
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(chat(c, fleet, "r-status") for _ in range(24)))
+    served = await records_of(fleet, fleet.spec.tenant, "r-status", len(ids))
+    arms = [r["rollout_arm"] for r in served]
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-status/status")).json()
+    assert st["revision"] == applied["revision"]
+    assert st["arms"]["stable"]["requests"] == arms.count("stable")
+    assert st["arms"]["canary"]["requests"] == arms.count("canary")
+    assert st["shares"]["canary"] == arms.count("canary") / len(arms)
+    assert st["guard"]["canary"]["requests"] == arms.count("canary")
+    assert st["guard"]["canary"]["ttft_p95_ms"] > 0
+    if min(arms.count("stable"), arms.count("canary")) >= 3:  # P(not) ~ 1e-5
+        assert st["decision"] == "healthy", st["reason"]
+        assert st["guard"]["error_ratio"] == 1.0
+    out = await asyncio.to_thread(cli, fleet, "status", "r-status")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(f"r-status revision {applied['revision']}")
+    assert f"decision: {st['decision']}" in out.stdout
+
+
+async def test_the_guard_rolls_a_failing_canary_back_within_its_window(fleet: Fleet) -> None:
+    base = contract("r-guard", "dep-stable", "dep-faulty", retry={"max_attempts": 1})
+    r1 = await apply(fleet, base)
+    window_s = 120.0
+    canary = {"candidate": "dep-faulty", "share": 0.4}
+    guarded = {
+        **base,
+        "rollout": {"canary": canary, "guard": {"min_samples": 5, "window_s": window_s}},
+    }
+    r2 = await apply(fleet, guarded)
+    split = contract_from_builtins(guarded).rollout
+    assert split is not None
+    assert split.canary is not None
+    events: list[dict[str, Any]] = []
+    nc = await fleet.connect(Role.ADMIN, name="rollout-events")
+
+    async def on_event(msg: Any) -> None:
+        events.append(json.loads(msg.data))
+
+    await nc.subscribe(ROLLOUT_EVENTS, cb=on_event)
+    sent: dict[str, int] = {}  # request id -> the status its client saw
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=60) as c, admin_http(fleet) as admin:
+
+        async def one() -> None:
+            r = await c.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json={
+                    "model": "r-guard",
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                headers={"Authorization": f"Bearer {fleet.api_key}"},
+            )
+            sent[r.headers["x-request-id"]] = r.status_code
+
+        async def rolled_back() -> bool:
+            """Traffic, a batch at a time, until the guard has written a revision."""
+            await asyncio.gather(*(one() for _ in range(8)))
+            shown = (await admin.get("/admin/routes/r-guard")).json()
+            return bool(shown["revision"] > r2["revision"])
+
+        await until(rolled_back, "the guard's rollback", bound_s=window_s, every_s=0)
+        elapsed = time.monotonic() - t0
+        r3 = (await admin.get("/admin/routes/r-guard")).json()
+        status = (await admin.get("/admin/routes/r-guard/status")).json()
+    assert elapsed < window_s
+    assert r3["revision"] == r2["revision"] + 1
+    assert r3["contract"] == r1["contract"]
+    assert r3["fingerprints"] == r1["fingerprints"]
+    assert r3["updated_by"] == "rollout-guard"
+    back = r3["rollback"]
+    assert (back["to_revision"], back["from_revision"], back["automatic"]) == (1, 2, True)
+    assert back["reason"].startswith("rollout guard: canary error rate 100.0%"), back
+    assert status["decision"] == "no_canary"
+    assert status["rollback"] == back
+
+    # One gateway judged and rolled back; the event went out.
+    urls = fleet.gateway_metrics_urls
+    rollbacks = await fleet_sum(urls, "jetserve_rollout_rollbacks_total", route="r-guard")
+    assert rollbacks == 1
+
+    async def one_leader() -> bool:
+        # A holder that lost its lease (a late renewal) says so at its next tick.
+        return await fleet_sum(urls, "jetserve_rollout_guard_leader") == 1
+
+    await until(one_leader, "one guard leader")
+    await until(lambda: _true(bool(events)), "the rollout event")
+    await nc.close()
+    assert events[0]["route"] == "r-guard"
+    assert (events[0]["revision"], events[0]["to_revision"]) == (r3["revision"], 1)
+
+    # Nothing lost: every request has its record, on the arm the split chose,
+    # the canary's failed, the stable arm's served.
+    records = await records_of(fleet, fleet.spec.tenant, "r-guard", len(sent))
+    by_id = {r["request_id"]: r for r in records}
+    assert set(sent) <= set(by_id)
+    for request_id, code in sent.items():
+        r = by_id[request_id]
+        assert r["status"] == code
+        assert r["route_revision"] in (r2["revision"], r3["revision"])
+        if r["route_revision"] == r3["revision"]:
+            assert r["rollout_arm"] == ""
+            assert code == 200
+            continue
+        arm = rollout.arm(split.canary, "r-guard", request_id, "interactive", fleet.spec.tenant)
+        assert r["rollout_arm"] == arm
+        if arm == "canary":
+            assert code >= 500, r
+            assert r["deployment"] in ("", "dep-faulty"), r
+        else:
+            assert code == 200, r
+            assert r["deployment"] == "dep-stable", r
+    # After the rollback: the faulty deployment serves nothing.
+    async with httpx.AsyncClient(timeout=60) as c:
+        after = await asyncio.gather(*(chat(c, fleet, "r-guard") for _ in range(8)))
+    more = await records_of(fleet, fleet.spec.tenant, "r-guard", len(sent) + len(after))
+    for r in more:
+        if r["request_id"] in after:
+            assert (r["route_revision"], r["deployment"]) == (r3["revision"], "dep-stable")
+    history = await asyncio.to_thread(cli, fleet, "history", "r-guard")
+    assert "(automatic rollback to r1 from r2: rollout guard: canary error rate" in history.stdout
+    # The judged revision's evidence keeps the guard's final figures (written
+    # just after the rollback).
+    shown: dict[str, Any] = {}
+    async with admin_http(fleet) as admin:
+
+        async def evidenced() -> bool:
+            nonlocal shown
+            r = await admin.get("/admin/routes/r-guard/evidence", params={"revision": 2})
+            shown = r.json()
+            return bool(shown["evidence"] and shown["evidence"]["guard"])
+
+        await until(evidenced, "the guard's figures in revision 2's evidence")
+    assert shown["evidence"]["revision"] == 2
+    assert shown["evidence"]["guard"]["decision"] == "failing"
+    assert shown["evidence"]["guard"]["figures"]["canary"]["errors"] >= 5
+    assert shown["evidence"]["fingerprints"] == r2["fingerprints"]
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(fleet: Fleet) -> None:
+    client = "shadow-client"
+    with fleet.admin() as admin:
+        admin.create_tenant(client)
+        key = str(admin.create_key(client)["api_key"])
+    body = contract(
+        "r-shadow",
+        "dep-stable",
+        "dep-canary",
+        rollout={"shadow": {"candidate": "dep-canary", "share": 0.5}},
+    )
+    applied = await apply(fleet, body)
+    contract_ = contract_from_builtins(body)
+
+    async def ask(c: httpx.AsyncClient, **extra: Any) -> str:
+        body = {"model": "r-shadow", "max_tokens": 8, "temperature": 0, "messages": [HI]}
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={**body, **extra},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert r.status_code == 200, r.text
+        return str(r.headers["x-request-id"])
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(ask(c) for _ in range(16)))
+        # Streamed too: the copy is the same, the client reads only its own answer.
+        ids.append(await ask(c, stream=True))
+
+    def copied(request_id: str) -> bool:
+        probe = InferenceRequest(
+            id=request_id, op="chat", cls="interactive", model="r-shadow", body={}, reply="",
+            deadline=0.0, route="r-shadow",
+        )  # fmt: skip
+        return shadow.chosen(contract_, probe) == "dep-canary"
+
+    want = [i for i in ids if copied(i)]
+    assert want, "no id of 17 drew a copy at 50%"
+    served = await records_of(fleet, client, "r-shadow", len(ids))
+    # The client's own records: served by the stable deployment, none a shadow.
+    assert {r["deployment"] for r in served} == {"dep-stable"}
+    assert not any(r["shadow"] for r in served)
+    copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow", len(want))
+    assert sorted(r["shadow_of"] for r in copies) == sorted(want)
+    for r in copies:
+        assert r["shadow"] is True
+        assert r["request_id"] == r["shadow_of"] + shadow.SHADOW_SUFFIX
+        assert (r["deployment"], r["cls"], r["status"]) == ("dep-canary", "batch", 200)
+        assert r["fingerprint"] == applied["fingerprints"]["dep-canary"]
+        assert r["charge_micros"] == 0
+        assert r["usage"]["completion_tokens"] > 0
+    # The tenant paid for its own requests, and for nothing else.
+    with fleet.admin() as admin:
+        shown = admin.show_tenant(client)
+    assert shown["spent_micros"] == sum(r["charge_micros"] for r in served)
+    assert shown["reserved_micros"] == 0
+    # A client cannot read a shadow's answer: it is another tenant's stream.
+    async with httpx.AsyncClient(timeout=30) as c:
+        resume = await c.get(
+            f"{fleet.base_url}/v1/requests/{want[0]}{shadow.SHADOW_SUFFIX}/stream",
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert resume.status_code == 404
+        text = (await c.get(fleet.gateway_metrics_urls[0])).text
+    ok = metric_sum(text, "jetserve_rollout_shadows_total", route="r-shadow", result="ok")
+    assert ok == len(want)
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-shadow/status")).json()
+    assert st["decision"] == "no_canary"
+    summary = st["shadow"]
+    assert (summary["copies"], summary["paired"], summary["errors"]) == (len(want), len(want), 0)
+    assert summary["error_class_mismatches"] == 0
+    assert summary["ttft_ratio_p50"] > 0
+    assert summary["output_tokens_ratio_p50"] > 0
+    # Both simulators answer a prompt with the same text at temperature 0.
+    assert (summary["exact_compared"], summary["exact_matches"]) == (len(want), len(want))
+    assert {r["shadow_exact_match"] for r in copies} == {True}
+    assert summary["json_checked"] == 0
+
+    # Every request copied, two asking for JSON: the copy's JSON is checked.
+    await apply(fleet, {**body, "rollout": {"shadow": {"candidate": "dep-canary", "share": 1.0}}})
+    async with httpx.AsyncClient(timeout=60) as c:
+        asked = await asyncio.gather(
+            *(ask(c, response_format={"type": "json_object"}) for _ in range(2))
+        )
+    copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow", len(want) + 2)
+    checked = {r["shadow_of"]: r["shadow_json_valid"] for r in copies if r["shadow_of"] in asked}
+    assert set(checked) == set(asked)
+    assert all(isinstance(v, bool) for v in checked.values()), checked
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-shadow/status")).json()
+    assert st["shadow"]["json_checked"] == 2
+
+
+async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet) -> None:
+    r1 = await apply(fleet, contract("r-evid", "dep-stable", "dep-canary"))
+    async with admin_http(fleet) as c:
+        none = (await c.get("/admin/routes/r-evid/evidence")).json()
+        assert none["evidence"] is None
+        assert none["due"] is True
+        bench = {"ttft_p95_ms": 120.0, "run": "bench/results/fleet/rollout.json"}
+        put = await c.put(
+            "/admin/routes/r-evid/evidence",
+            json={"approved_by": "ops@test", "bench": bench, "conformance": {"dep-canary": {}}},
+        )
+        assert put.status_code == 200, put.text
+        again = await c.put("/admin/routes/r-evid/evidence", json={"approved_by": "lead@test"})
+        evidence = again.json()
+        assert evidence["approved_by"] == ["ops@test", "lead@test"]
+        assert evidence["bench"] == bench
+        assert evidence["fingerprints"] == r1["fingerprints"]
+        fresh = (await c.get("/admin/routes/r-evid/evidence")).json()
+        assert (fresh["due"], fresh["triggers"]) == (False, [])
+        bad = await c.put("/admin/routes/r-evid/evidence", json={"revision": 9})
+        assert bad.status_code == 404
+        odd = await c.put("/admin/routes/r-evid/evidence", json={"approve": "x"})
+        assert odd.status_code == 400
+
+    # A new revision changes one deployment: its fingerprint trigger fires,
+    # measured against revision 1's evidence (revision 2 has none yet).
+    changed = contract("r-evid", "dep-stable", "dep-canary")
+    changed["candidates"][1].update(precision="fp8", engine="jetserve-sim-2")
+    r2 = await apply(fleet, changed)
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-evid/evidence")).json()
+    assert (st["current_revision"], st["evidence"]["revision"], st["due"]) == (2, 1, True)
+    fired = {(t["kind"], t["detail"]) for t in st["triggers"]}
+    before, after = r1["fingerprints"]["dep-canary"], r2["fingerprints"]["dep-canary"]
+    assert fired == {
+        ("fingerprint_changed", f"dep-canary: {before} -> {after}"),
+        ("engine_changed", "dep-canary: jetserve-sim -> jetserve-sim-2"),
+    }
+    out = await asyncio.to_thread(cli, fleet, "evidence", "r-evid")
+    assert out.returncode == 0, out.stderr
+    assert f"fingerprint_changed: dep-canary: {before} -> {after}" in out.stdout
+
+    # Expiry: evidence older than its max age is due again.
+    # Approving revision 2 evidences it: nothing has fired against its own record.
+    out = await asyncio.to_thread(cli, fleet, "evidence", "r-evid", "--approve")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("r-evid evidence of revision 2 (current 2)")
+    assert out.stdout.rstrip().endswith("no trigger has fired")
+    async with admin_http(fleet) as c:
+        await c.put("/admin/routes/r-evid/evidence", json={"max_age_days": 1e-5})
+
+        async def expired() -> bool:
+            st = (await c.get("/admin/routes/r-evid/evidence")).json()
+            return any(t["kind"] == "expired" for t in st["triggers"])
+
+        await until(expired, "the evidence to expire")
