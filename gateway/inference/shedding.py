@@ -137,7 +137,11 @@ class QueueWatch:
         if load.at and load.depth > 0 and dt > 0:  # busy since the last look
             sample = max(0, delivered - load.delivered) / dt
             if load.rate is None:
-                load.rate = sample
+                # Nothing started yet while a queue stood means no worker pulls
+                # it yet (a deployment pool before its workers attach, a fleet
+                # starting), not a capacity of 0: learnt from it, the rate
+                # refused the first burst (429) until the queue drained.
+                load.rate = sample or None
             else:
                 keep = math.exp(-dt * math.log(2) / RATE_HALF_LIFE_S)
                 load.rate = keep * load.rate + (1 - keep) * sample

@@ -164,3 +164,19 @@ async def test_the_answer_time_counts_toward_the_deadline_as_the_shedder_counts_
         t.cancel()
     await asyncio.gather(*floods, fits, return_exceptions=True)
     await gate.stop()
+
+
+def test_a_queue_nobody_has_started_teaches_no_rate() -> None:
+    # A deployment pool's first requests, queued before its workers attach: no
+    # start is no evidence of capacity, and a rate learnt as 0 shed the next burst.
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    watch._take("interactive", 5, 0, 0)
+    watch.loads["interactive"].at -= 1.0  # a look a second later: still nothing started
+    watch._take("interactive", 6, 0, 0)
+    assert watch.loads["interactive"].rate is None
+    assert watch.verdict("interactive", 10.0, 0.05) is None  # nobody refused blind
+    # Once something starts, the rate is learnt (and may fall to 0 later: a
+    # fleet that stops starting work does shed).
+    watch.loads["interactive"].at -= 1.0
+    watch._take("interactive", 4, 0, 3)
+    assert (watch.loads["interactive"].rate or 0) > 2.0  # 3 started in about a second
