@@ -57,7 +57,7 @@ class LaneOrder:
     def moved(self, other: LaneOrder) -> float:
         """The share of lanes whose owner differs in ``other``."""
         pairs = list(zip(self.orders, other.orders, strict=True))
-        return sum(a[0] != b[0] for a, b in pairs) / max(len(pairs), 1)
+        return sum(a[:1] != b[:1] for a, b in pairs) / max(len(pairs), 1)  # a lane may be unowned
 
 
 def assign(

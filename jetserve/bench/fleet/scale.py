@@ -134,7 +134,11 @@ async def _until_members(fleet: Fleet, want: int) -> list[str]:
         await asyncio.sleep(0.25)
 
 
-def _moved(before: list[str], after: list[str]) -> float:
+def _moved(before: list[str], after: list[str]) -> float | None:
+    """The share of lanes whose owner changed; None when a read of the members
+    came back empty (the bucket unreadable under load), not 100 %."""
+    if not before or not after:
+        return None
     lanes = DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE)
     return round(assign(before, lanes).moved(assign(after, lanes)), 4)
 
