@@ -703,3 +703,57 @@ async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet)
             return any(t["kind"] == "expired" for t in st["triggers"])
 
         await until(expired, "the evidence to expire")
+
+
+async def test_an_slo_regression_after_the_evidence_fires_its_trigger(fleet: Fleet) -> None:
+    # A deployment of its own, healthy while its evidence is recorded.
+    healthy = await asyncio.to_thread(fleet.start_worker, "--deployment-name", "dep-slo")
+    await pools_attached(fleet, ("dep-slo",))
+    guard = {"min_samples": 6, "window_s": 300}
+    body = contract("r-slo", "dep-slo", retry={"max_attempts": 1}, rollout={"guard": guard})
+    await apply(fleet, body)
+    tenant = fleet.spec.tenant
+
+    async def ask(c: httpx.AsyncClient) -> int:
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={"model": "r-slo", "max_tokens": 4, "messages": [HI]},
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+        return r.status_code
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        assert [await ask(c) for _ in range(8)] == [200] * 8
+    await records_of(fleet, tenant, "r-slo", 8)
+    out = await asyncio.to_thread(cli, fleet, "evidence", "r-slo", "--approve", "--measure-slo")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith("no trigger has fired"), out.stdout
+    async with admin_http(fleet) as c:
+        shown = (await c.get("/admin/routes/r-slo/evidence")).json()
+    slo = shown["evidence"]["slo"]
+    assert (slo["requests"], slo["errors"], slo["revision"]) == (8, 0, 1)
+    assert slo["ttft_p95_ms"] > 0
+
+    # The same deployment gets worse (its contract and fingerprint unchanged): its
+    # worker is replaced by one whose engine answers every request with a 503.
+    await asyncio.to_thread(healthy.stop)
+    await asyncio.to_thread(
+        fleet.start_worker, "--deployment-name", "dep-slo", sim_args=["--fault-rate", "503=1.0"]
+    )
+    async with httpx.AsyncClient(timeout=60) as c:
+        statuses = [await ask(c) for _ in range(8)]
+    assert statuses.count(503) >= 6, statuses
+    await records_of(fleet, tenant, "r-slo", 16)
+
+    async def fired() -> bool:
+        out = await asyncio.to_thread(cli, fleet, "evidence", "r-slo")
+        return "slo_regression: error rate" in out.stdout
+
+    await until(fired, "the slo_regression trigger to fire")
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-slo/evidence")).json()
+    assert st["due"] is True
+    (trigger,) = st["triggers"]
+    assert trigger["kind"] == "slo_regression"
+    assert "vs measured r1 0.0% (0/8)" in trigger["detail"], trigger
+    assert trigger["detail"].endswith("> 2")
