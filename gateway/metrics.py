@@ -136,7 +136,8 @@ class GatewayMetrics:
         )
         self.rollout_shadows = Counter(
             "jetserve_rollout_shadows",
-            "Shadow copies by route and result (ok, error, skipped: too many in flight)",
+            "Shadow copies by route and result (ok, error, skipped: too many in flight; "
+            "budget_exhausted: the operator budget is spent; refused: another operator limit)",
             ["route", "result"],
             registry=r,
         )

@@ -42,13 +42,18 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     bench: dict[str, Any] = {}  # the last bench result for these fingerprints
     fault_suite: dict[str, Any] = {}
     guard: dict[str, Any] = {}  # the rollout guard's final figures (gateway/admin/rollout_guard.py)
+    # Production figures measured at attach (``measure_slo``): the SLO-regression
+    # trigger's baseline (gateway/admin/slo_regression.py). Absent in older records.
+    slo: dict[str, Any] = {}
     notes: str = ""
 
 
 class Trigger(msgspec.Struct, frozen=True, kw_only=True):
     """A reason to re-evaluate: ``kind`` and what changed."""
 
-    kind: str  # fingerprint_changed | adapter_changed | engine_changed | price_changed | expired
+    # fingerprint_changed | adapter_changed | engine_changed | price_changed | expired
+    # | slo_regression (gateway/admin/slo_regression.py: it reads the ledger)
+    kind: str
     detail: str
 
 

@@ -31,6 +31,7 @@ from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unava
 from gateway.runtime import Runtime
 from gateway.tenancy.accounting import Accountant, LimitSpec
 from gateway.tenancy.keys import KeyRecord, Scopes, Tenancy
+from gateway.tenancy.limits import SHADOW_TENANT
 from streams.request_ledger import InvalidTenantError, encode_record
 
 T = TypeVar("T")
@@ -121,6 +122,12 @@ def guarded(handler: Handler) -> Handler:
 
 async def create_tenant(request: Request) -> Response:
     body = _decode(await request.body(), NewTenant)
+    if SHADOW_TENANT in (body.id, body.org):
+        raise BadRequest(
+            f"'{SHADOW_TENANT}' is the operator tenant of shadow copies; it cannot be created.",
+            code="reserved_id",
+            param="id",
+        )
     tenant = await _tenancy(request).create_tenant(body.id, body.org or body.id, body.name)
     return web.json_response(msgspec.to_builtins(tenant), 201)
 
@@ -184,8 +191,11 @@ def _level_of(request: Request) -> tuple[Level, str]:
 async def put_limits(request: Request) -> Response:
     level, ident = _level_of(request)
     tenancy = _tenancy(request)
-    # Limits for an id that does not exist would silently never apply.
-    if level == "tenant":
+    # Limits for an id that does not exist would silently never apply. The
+    # operator tenant of shadow copies is built in (its org and key too).
+    if ident == SHADOW_TENANT:
+        pass
+    elif level == "tenant":
         await tenancy.get_tenant(ident)
     elif level == "org":
         await tenancy.get_org(ident)

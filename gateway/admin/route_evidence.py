@@ -3,7 +3,10 @@
     PUT /admin/routes/{name}/evidence   attach: {"revision": R (default: current),
                                          "approved_by": "...", "conformance": {...},
                                          "bench": {...}, "fault_suite": {...},
-                                         "max_age_days": N, "notes": "..."}
+                                         "max_age_days": N, "notes": "...",
+                                         "measure_slo": true: the route's production
+                                         figures now, from the ledger, kept as the
+                                         SLO-regression trigger's baseline}
     GET /admin/routes/{name}/evidence   ?revision=R: the evidence of R (default: the
                                          current revision, else the newest earlier
                                          revision that has one) and which
@@ -28,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import web
+from gateway.admin import slo_regression
 from gateway.admin.route_contracts import (
     Handler,
     RouteStore,
@@ -62,6 +66,8 @@ class EvidenceUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     guard: dict[str, Any] | None = None
     max_age_days: Annotated[float, msgspec.Meta(gt=0.0, le=3650.0)] | None = None
     notes: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+    slo: dict[str, Any] | None = None  # set by ``measure_slo``, not by the body
+    measure_slo: bool = False
 
 
 async def read(kv: KeyValue, route: str, revision: int) -> tuple[Evidence, int] | None:
@@ -107,6 +113,7 @@ def _merged(base: Evidence, u: EvidenceUpdate) -> Evidence:
         bench=u.bench if u.bench is not None else base.bench,
         fault_suite=u.fault_suite if u.fault_suite is not None else base.fault_suite,
         guard=u.guard if u.guard is not None else base.guard,
+        slo=u.slo if u.slo is not None else base.slo,
         max_age_days=u.max_age_days if u.max_age_days is not None else base.max_age_days,
         notes=u.notes if u.notes is not None else base.notes,
     )
@@ -138,10 +145,30 @@ async def attach(request: Request) -> Response:
         raise BadRequest(f"Invalid evidence: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Invalid JSON body: {exc}") from exc
+    if update.slo is not None:
+        raise BadRequest("'slo' is measured by the gateway: ask for measure_slo.", param="slo")
     record = await _revision(store_of(request), name, update.revision)
+    if update.measure_slo:
+        update = await _measured(request, record, update)
     price_version: str = request.app.state.rt.cfg.prices.version
     evidence = await merge(await _kv(request), record, price_version, update)
     return web.json_response(msgspec.to_builtins(evidence))
+
+
+async def _measured(
+    request: Request, record: RouteRecord, update: EvidenceUpdate
+) -> EvidenceUpdate:
+    """``update`` with the route's production figures at ``record``'s revision."""
+    now = time.time()
+    found = await slo_regression.measure(request.app.state.rt.ledger_reader, record, now)
+    if found.requests == 0:
+        raise BadRequest(
+            f"No request of {record.contract.name} r{record.revision} in the last "
+            f"{slo_regression.policy_of(record).window_s:g}s to measure.",
+            code="nothing_to_measure",
+            param="measure_slo",
+        )
+    return msgspec.structs.replace(update, slo=slo_regression.slo_of(found, record, now))
 
 
 async def show(request: Request) -> Response:
@@ -172,6 +199,9 @@ async def show(request: Request) -> Response:
         )
     evidence = found[0]
     fired = triggers(evidence, current, price_version, time.time())
+    slo = await slo_regression.slo_trigger(request.app.state.rt.ledger_reader, evidence, current)
+    if slo is not None:
+        fired.append(slo)
     reason = (
         "; ".join(f"{t.kind}: {t.detail}" for t in fired)
         if fired

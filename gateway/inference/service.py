@@ -88,7 +88,9 @@ class InferenceService:
         self.pools = pools  # deployment pools of routed requests (None: shared subjects)
         self.settlements = settlements
         self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
-        self.shadows = Shadows(cfg, dispatcher, pools, routes, settlements.settle, metrics)
+        self.shadows = Shadows(
+            cfg, dispatcher, pools, routes, settlements.settle, metrics, accountant
+        )
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)

@@ -12,15 +12,23 @@ coalesced follower). The copy:
   client of a real tenant can resume (read) it;
 - goes to the ``batch`` subject of the shadow candidate's pool, so it waits
   behind that pool's interactive work, and never to any other deployment;
-- is never retried, hedged, coalesced, admitted through the fair gate, held
-  against a budget or counted in a rate limit: the tenant pays nothing for it;
+- is never retried, hedged, coalesced or admitted through the fair gate, and
+  never held against the tenant's budget or counted in its rate limits: the
+  tenant pays nothing for it;
+- is held and charged against the operator tenant's limits instead (its
+  budget, rpm and tpm, set like any tenant's), through the same reserve and
+  settle scripts: before it is sent, its worst case is reserved; when that is
+  refused (the operator budget is spent, a rate limit, Redis down) no copy is
+  sent and the refusal is counted (``budget_exhausted`` or ``refused``). The
+  real request never sees any of it;
 - is read to its end by this gateway (an owned task; at most
   :data:`MAX_INFLIGHT` at once, the rest skipped and counted), and nothing of it
   reaches the client. Tool calls in it are never executed: only the agent
   executor executes tool calls, and it never sees a shadow.
 
 Its ledger record is the operator tenant's, ``shadow: true`` and ``shadow_of``
-the request it copies, with its usage, timings and outcome, and no charge.
+the request it copies, with its usage, timings, outcome and the charge the
+operator tenant's hold was settled to (through the outbox, like any request's).
 The comparison (gateway/admin/rollout_analysis.py) pairs it with the copied
 request's record. The texts are compared here, in memory, and only the verdicts
 are recorded: ``shadow_exact_match`` (both answered, one choice, the request
@@ -40,13 +48,14 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import BudgetExceeded, GatewayError
 from gateway.inference import rollout
 from gateway.inference.dispatch import Dispatcher, FrameStream, error_from_frame
 from gateway.inference.pools import PoolView
 from gateway.inference.route_table import RouteTable
 from gateway.metrics import GatewayMetrics
-from gateway.tenancy.limits import Scope
+from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.limits import SHADOW_SCOPE, SHADOW_TENANT
 from gateway.tenancy.records import RecordHead, Serving
 from streams.outbox import Settlement
 from streams.request_ledger import LedgerRecord
@@ -56,7 +65,7 @@ from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Token, Usage
 
 log = logging.getLogger(__name__)
 
-SHADOW_TENANT = "jetserve-shadow"  # the operator tenant shadows run (and are recorded) as
+__all__ = ["SHADOW_SUFFIX", "SHADOW_TENANT", "Shadows", "chosen"]
 SHADOW_SUFFIX = "-shadow"
 MAX_INFLIGHT = 64  # shadows one gateway reads at once; past it, skipped
 SettleFn = Callable[[Settlement], Awaitable[None]]  # the books' outbox (settlements.py)
@@ -91,8 +100,10 @@ class Shadows:
         routes: RouteTable | None,
         settle: SettleFn,
         metrics: GatewayMetrics,
+        accountant: Accountant,
     ) -> None:
         self.cfg = cfg
+        self.accountant = accountant  # the operator tenant's holds and charges
         self.dispatcher = dispatcher
         self.pools = pools
         self.routes = routes
@@ -150,13 +161,17 @@ class Shadows:
             rollout_arm="",
             attempt_base=0,
         )
+        held = await self._hold(copy)
+        if held is None:
+            self._served.pop(req.id, None)
+            return
         started = time.monotonic()
         final: Final | None = None
         outcome, status, tokens = "", 200, 0
         stream: FrameStream | None = None
         try:
             subject = pool_subject(await self.pools.token(candidate), copy.cls)
-            stream = await self.dispatcher.submit(copy, self._meta(copy), subject)
+            stream = await self.dispatcher.submit(copy, self._meta(copy, held), subject)
             stream.kept = []
             async for event in stream.events(self.cfg.heartbeat_timeout_s):
                 if isinstance(event, Token):
@@ -178,11 +193,41 @@ class Shadows:
             first_ms = (stream.first_token_at - started) * 1000
         e2e_ms = (time.monotonic() - started) * 1000
         self.metrics.rollout_shadows.labels(req.route, "ok" if final else "error").inc()
-        record = self._record(req, copy, final, outcome, status, tokens, first_ms, e2e_ms)
+        record = self._record(req, copy, final, outcome, status, tokens, first_ms, e2e_ms, held)
         record = msgspec.structs.replace(
             record, shadow_exact_match=exact, shadow_json_valid=json_valid
         )
-        await self._settle(Settlement(record=record, writer=self.cfg.gateway_id))
+        # Settled like any request: the operator tenant's hold becomes the charge.
+        await self._settle(
+            Settlement(
+                record=record, writer=self.cfg.gateway_id, actual_micros=record.charge_micros
+            )
+        )
+
+    async def _hold(self, copy: InferenceRequest) -> int | None:
+        """Reserve the copy's worst case against the operator tenant's limits
+        and return it; None (counted) when refused: no copy is sent. Fails closed, quietly:
+        the real request is already on its way and never sees this."""
+        price = self.cfg.prices.for_model(copy.model)
+        try:
+            held = await self.accountant.reserve(
+                SHADOW_SCOPE,
+                copy.id,
+                price.worst_case(copy.prompt_tokens_est, copy.max_tokens),
+                copy.prompt_tokens_est + copy.max_tokens,
+                hold_s=max(1.0, copy.deadline - time.time()) + self.cfg.settle_grace_s,
+            )
+        except BudgetExceeded:
+            result = "budget_exhausted"
+        except GatewayError as exc:  # a rate limit, too large, the store unavailable
+            log.info("shadow %s not sent: %s", copy.id, exc.message)
+            result = "refused"
+        else:
+            if not held.settled:
+                return held.cost_micros
+            result = "refused"  # this copy was already run (never, short of a replayed id)
+        self.metrics.rollout_shadows.labels(copy.route, result).inc()
+        return None
 
     async def _compare(
         self, req: InferenceRequest, text: str | None
@@ -215,7 +260,7 @@ class Shadows:
             json_valid = _is_json(text)
         return exact, json_valid
 
-    def _meta(self, copy: InferenceRequest) -> Meta:
+    def _meta(self, copy: InferenceRequest, reserved_micros: int) -> Meta:
         return Meta(
             op=copy.op,
             model=copy.model,
@@ -227,6 +272,8 @@ class Shadows:
             price_version=self.cfg.prices.version,
             gateway=self.cfg.gateway_id,
             prompt_tokens_est=copy.prompt_tokens_est,
+            key_id=SHADOW_SCOPE.key_id,
+            reserved_micros=reserved_micros,  # the orphan sweep's evidence (settlements.py)
         )
 
     def _record(
@@ -239,9 +286,11 @@ class Shadows:
         tokens: int,
         first_ms: float | None,
         e2e_ms: float,
+        reserved_micros: int,
     ) -> LedgerRecord:
-        scope = Scope(SHADOW_TENANT, SHADOW_TENANT, "")
-        head = RecordHead.of_request(copy, scope, self.cfg.prices.version, self.cfg.gateway_id)
+        head = RecordHead.of_request(
+            copy, SHADOW_SCOPE, self.cfg.prices.version, self.cfg.gateway_id
+        )
         usage = final.usage if final is not None else Usage(0, tokens)
         deployment = final.deployment if final is not None else ""
         fingerprint = final.fingerprint if final is not None else ""
@@ -251,8 +300,9 @@ class Shadows:
             policy="shadow",
             attempts=final.attempt if final is not None else 1,
             usage=usage,
-            charge_micros=0,  # never the tenant's; an operator budget is not built yet
-            reserved_micros=0,
+            # The operator tenant's; what Redis charges replaces it (settlements.py).
+            charge_micros=self.cfg.prices.for_model(copy.model).cost(usage),
+            reserved_micros=reserved_micros,
             outcome=final.finish_reason if final is not None else outcome,
             status=status,
             duration_ms=e2e_ms,

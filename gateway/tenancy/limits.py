@@ -36,6 +36,14 @@ class Scope:
         return {"org": self.org, "tenant": self.tenant, "key": self.key_id}[level]
 
 
+# The operator tenant. Shadow copies of a rollout (gateway/inference/shadow.py) run
+# as it and are charged to it, at every level (its own org and key), so its budget
+# is the operator's shadow budget. It is built in: its limits are set like any
+# tenant's without a tenant record, and no tenant may be created with its id.
+SHADOW_TENANT = "jetserve-shadow"
+SHADOW_SCOPE = Scope(SHADOW_TENANT, SHADOW_TENANT, SHADOW_TENANT)
+
+
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
 
 

@@ -52,6 +52,12 @@ def register(sub: Subparsers) -> None:
     ev.add_argument("--revision", type=int, default=None, help="default: the current one")
     ev.add_argument("--attach", default=None, help="a JSON file of evidence to merge in")
     ev.add_argument("--approve", action="store_true", help="record your approval (user@host)")
+    ev.add_argument(
+        "--measure-slo",
+        action="store_true",
+        help="keep the route's production figures now (ledger, guard window) as the baseline "
+        "of the slo_regression trigger",
+    )
     rm = admin_command(actions, "delete", _delete)
     rm.add_argument("name")
     rm.add_argument("--expected-revision", type=int, default=None)
@@ -211,6 +217,8 @@ def _evidence(admin: AdminClient, args: argparse.Namespace) -> None:
             raise SystemExit(f"{args.attach}: evidence must be a JSON object")
     if args.approve:
         update["approved_by"] = f"{getpass.getuser()}@{socket.gethostname()}"
+    if args.measure_slo:
+        update["measure_slo"] = True
     if update:
         if args.revision is not None:
             update["revision"] = args.revision
@@ -229,8 +237,9 @@ def format_evidence(out: dict[str, Any]) -> str:
         "  approved by: " + (", ".join(ev["approved_by"]) or "nobody"),
         "  fingerprints: " + " ".join(f"{k}={v}" for k, v in sorted(ev["fingerprints"].items())),
     ]
-    for part in ("conformance", "bench", "fault_suite", "guard"):
-        lines.append(f"  {part}: {json.dumps(ev[part], sort_keys=True) if ev[part] else '-'}")
+    for part in ("conformance", "bench", "fault_suite", "guard", "slo"):
+        value = ev.get(part)  # ``slo``: absent from an older gateway's answer
+        lines.append(f"  {part}: {json.dumps(value, sort_keys=True) if value else '-'}")
     if out["triggers"]:
         lines.append("re-evaluate:")
         lines += [f"  {t['kind']}: {t['detail']}" for t in out["triggers"]]

@@ -18,6 +18,7 @@ import nats.js.errors
 import pytest
 
 from gateway.inference import rollout, shadow
+from jetserve.commands.admin_client import AdminError
 from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role
 from streams.definitions import DEFAULT_TOPOLOGY
@@ -31,7 +32,10 @@ from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
-ROUTES = ("r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-evid")
+ROUTES = (
+    "r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-shadow-budget",
+    "r-evid", "r-slo",
+)  # fmt: skip
 HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
 
@@ -485,7 +489,9 @@ async def _true(value: bool) -> bool:
     return value
 
 
-async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(fleet: Fleet) -> None:
+async def test_shadow_copies_are_run_recorded_never_returned_and_charged_to_the_operator(
+    fleet: Fleet,
+) -> None:
     client = "shadow-client"
     with fleet.admin() as admin:
         admin.create_tenant(client)
@@ -534,7 +540,7 @@ async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(flee
         assert r["request_id"] == r["shadow_of"] + shadow.SHADOW_SUFFIX
         assert (r["deployment"], r["cls"], r["status"]) == ("dep-canary", "batch", 200)
         assert r["fingerprint"] == applied["fingerprints"]["dep-canary"]
-        assert r["charge_micros"] == 0
+        assert r["charge_micros"] > 0  # the operator tenant's
         assert r["usage"]["completion_tokens"] > 0
     # The tenant paid for its own requests, and for nothing else.
     with fleet.admin() as admin:
@@ -577,6 +583,68 @@ async def test_shadow_copies_are_run_recorded_and_never_returned_or_charged(flee
     async with admin_http(fleet) as c:
         st = (await c.get("/admin/routes/r-shadow/status")).json()
     assert st["shadow"]["json_checked"] == 2
+    # The operator tenant paid for every copy, exactly what its records say.
+    spent, records = await operator_books(fleet)
+    assert spent == sum(r["charge_micros"] for r in records) > 0
+    assert all(r["shadow"] for r in records)
+
+
+async def operator_books(fleet: Fleet) -> tuple[int, list[dict[str, Any]]]:
+    """The operator tenant's spend (nothing left reserved) and its ledger records."""
+    with fleet.admin() as admin:
+        limits = admin.get_limits("tenant", shadow.SHADOW_TENANT)
+        text = admin.ledger(shadow.SHADOW_TENANT)
+    assert limits["reserved_micros"] == 0
+    return int(limits["spent_micros"]), [json.loads(line) for line in text.splitlines()]
+
+
+async def test_an_exhausted_operator_budget_stops_shadows_never_requests(fleet: Fleet) -> None:
+    client = "shadow-budget-client"
+    with fleet.admin() as admin:
+        admin.create_tenant(client)
+        key = str(admin.create_key(client)["api_key"])
+        with pytest.raises(AdminError) as refused:
+            admin.create_tenant(shadow.SHADOW_TENANT)
+    assert refused.value.status == 400  # the operator tenant is built in, never a tenant's id
+    rollout_ = {"shadow": {"candidate": "dep-canary", "share": 1.0}}
+    await apply(fleet, contract("r-shadow-budget", "dep-stable", "dep-canary", rollout=rollout_))
+    spent, before = await operator_books(fleet)
+    with fleet.admin() as admin:
+        # The operator's shadow budget, set like any tenant's: already spent.
+        admin.set_limits("tenant", shadow.SHADOW_TENANT, budget_micros=spent)
+    urls = fleet.gateway_metrics_urls
+    exhausted = await fleet_sum(urls, "jetserve_rollout_shadows_total", result="budget_exhausted")
+
+    async def ask(c: httpx.AsyncClient) -> str:
+        return await chat(c, fleet, "r-shadow-budget", key)
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        ids = await asyncio.gather(*(ask(c) for _ in range(6)))  # every one answered
+
+    async def all_stopped() -> bool:
+        now = await fleet_sum(urls, "jetserve_rollout_shadows_total", result="budget_exhausted")
+        return now - exhausted >= len(ids)
+
+    await until(all_stopped, "6 shadows stopped by the operator budget")
+    served = await records_of(fleet, client, "r-shadow-budget", len(ids))
+    assert sorted(r["request_id"] for r in served) == sorted(ids)
+    assert {(r["status"], r["deployment"]) for r in served} == {(200, "dep-stable")}
+    # The client paid for its own requests only; the operator paid nothing more.
+    with fleet.admin() as admin:
+        assert admin.show_tenant(client)["spent_micros"] == sum(r["charge_micros"] for r in served)
+    assert await operator_books(fleet) == (spent, before)
+
+    # A budget with room again: the copies run, and are charged to it.
+    with fleet.admin() as admin:
+        admin.set_limits("tenant", shadow.SHADOW_TENANT, budget_micros=spent + 1_000_000)
+    async with httpx.AsyncClient(timeout=60) as c:
+        again = await asyncio.gather(*(ask(c) for _ in range(2)))
+    copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow-budget", 2)
+    assert sorted(r["shadow_of"] for r in copies) == sorted(again)
+    now_spent, records = await operator_books(fleet)
+    assert now_spent == sum(r["charge_micros"] for r in records) > spent
+    with fleet.admin() as admin:
+        admin.set_limits("tenant", shadow.SHADOW_TENANT)  # unlimited again
 
 
 async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet) -> None:
@@ -635,3 +703,57 @@ async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet)
             return any(t["kind"] == "expired" for t in st["triggers"])
 
         await until(expired, "the evidence to expire")
+
+
+async def test_an_slo_regression_after_the_evidence_fires_its_trigger(fleet: Fleet) -> None:
+    # A deployment of its own, healthy while its evidence is recorded.
+    healthy = await asyncio.to_thread(fleet.start_worker, "--deployment-name", "dep-slo")
+    await pools_attached(fleet, ("dep-slo",))
+    guard = {"min_samples": 6, "window_s": 300}
+    body = contract("r-slo", "dep-slo", retry={"max_attempts": 1}, rollout={"guard": guard})
+    await apply(fleet, body)
+    tenant = fleet.spec.tenant
+
+    async def ask(c: httpx.AsyncClient) -> int:
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json={"model": "r-slo", "max_tokens": 4, "messages": [HI]},
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+        return r.status_code
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        assert [await ask(c) for _ in range(8)] == [200] * 8
+    await records_of(fleet, tenant, "r-slo", 8)
+    out = await asyncio.to_thread(cli, fleet, "evidence", "r-slo", "--approve", "--measure-slo")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith("no trigger has fired"), out.stdout
+    async with admin_http(fleet) as c:
+        shown = (await c.get("/admin/routes/r-slo/evidence")).json()
+    slo = shown["evidence"]["slo"]
+    assert (slo["requests"], slo["errors"], slo["revision"]) == (8, 0, 1)
+    assert slo["ttft_p95_ms"] > 0
+
+    # The same deployment gets worse (its contract and fingerprint unchanged): its
+    # worker is replaced by one whose engine answers every request with a 503.
+    await asyncio.to_thread(healthy.stop)
+    await asyncio.to_thread(
+        fleet.start_worker, "--deployment-name", "dep-slo", sim_args=["--fault-rate", "503=1.0"]
+    )
+    async with httpx.AsyncClient(timeout=60) as c:
+        statuses = [await ask(c) for _ in range(8)]
+    assert statuses.count(503) >= 6, statuses
+    await records_of(fleet, tenant, "r-slo", 16)
+
+    async def fired() -> bool:
+        out = await asyncio.to_thread(cli, fleet, "evidence", "r-slo")
+        return "slo_regression: error rate" in out.stdout
+
+    await until(fired, "the slo_regression trigger to fire")
+    async with admin_http(fleet) as c:
+        st = (await c.get("/admin/routes/r-slo/evidence")).json()
+    assert st["due"] is True
+    (trigger,) = st["triggers"]
+    assert trigger["kind"] == "slo_regression"
+    assert "vs measured r1 0.0% (0/8)" in trigger["detail"], trigger
+    assert trigger["detail"].endswith("> 2")
