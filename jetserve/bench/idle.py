@@ -93,7 +93,7 @@ def cmd_idle(args: argparse.Namespace, argv: list[str]) -> int:
         command="jetserve bench " + " ".join(argv),
         when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         window_s=args.duration,
-        workers=args.workers,
+        workers=args.replicas // 8 if args.replicas else args.workers,  # processes
         agents=args.agents,
         replicas=args.replicas,
         percent_of_a_core=pct,
