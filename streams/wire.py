@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from streams.kv_index import PrefixKey
+
 Op = Literal["chat", "completion", "embedding"]
 
 
@@ -70,6 +72,9 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     candidates: list[str] = []
     retry_max: int = 0  # attempts, the first included; 0: the topology's max_attempts
     retry_on: list[str] = []  # worker error codes that may be retried; empty: the worker's own
+    # Its routing text's prefix keys (streams/kv_index.py), when the gateway
+    # routes by the KV index: the worker ties them to the blocks it stores.
+    prefix_keys: list[PrefixKey] = []
 
 
 HEDGE_ATTEMPT_BASE = 100

@@ -1,0 +1,169 @@
+"""Which prefix keys one engine holds, from its KV events (docs/routing.md,
+"KV-event-aware routing").
+
+The tracker mirrors the engine's cached blocks (hash -> parent, depth in its
+chain) from BlockStored / BlockRemoved. When a request that carries prefix keys
+(streams/kv_index.py) ends, the engine has said how many prompt tokens it had:
+its prompt's chain is ``prompt_tokens // block_size`` full blocks long, and the
+one chain of that depth whose last block was stored while the request ran is
+its chain (none, or several: the request is not learnt from; a prompt cached
+whole stores nothing, and two requests of one length at once are ambiguous).
+Key ``i`` covers ``share_i`` of the prompt text, so it needs the chain's first
+``floor(share_i * length)`` blocks; it is held while all of them are cached,
+and withdrawn the moment BlockRemoved evicts one. What is unknown is never
+claimed: lost events (a gap in the engine's sequence numbers) drop everything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from streams.kv_index import PrefixKey
+from workers.inference.kv_events import BlockHash, Cleared, Event, Removed, Stored
+
+MAX_BLOCKS = 1 << 20  # mirrored blocks at most (an engine's cache is far smaller)
+
+
+class KvTracker:
+    def __init__(self) -> None:
+        self._parent: dict[BlockHash, BlockHash | None] = {}
+        self._depth: dict[BlockHash, int] = {}
+        self._stored_at: dict[BlockHash, int] = {}  # the store count when it was stored
+        self._by_depth: dict[int, set[BlockHash]] = {}
+        self._stores = 0
+        self.block_size = 0  # learnt from the first BlockStored
+        self._held: dict[int, tuple[BlockHash, ...]] = {}  # key -> the blocks it needs
+        self._needed_by: dict[BlockHash, set[int]] = {}
+        self.added: set[int] = set()  # since the last take()
+        self.removed: set[int] = set()
+        self.learnt = 0
+        self.unattributed = 0  # requests with keys whose chain was not found (or not one)
+
+    # -- the engine's events -------------------------------------------------------------
+    def apply(self, events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, Stored):
+                self._stored(event)
+            elif isinstance(event, Removed):
+                for h in event.block_hashes:
+                    self._forget(h)
+            elif isinstance(event, Cleared):
+                self.reset()
+
+    def _stored(self, event: Stored) -> None:
+        self.block_size = event.block_size
+        parent = event.parent
+        depth = 0 if parent is None else self._depth.get(parent, -1)
+        self._stores += 1
+        for h in event.block_hashes:
+            if len(self._parent) >= MAX_BLOCKS:
+                self.reset()  # events were lost somewhere: start over
+                depth = -1
+            depth = depth + 1 if depth >= 0 else -1
+            self._parent[h] = parent
+            self._stored_at[h] = self._stores
+            if depth > 0:
+                self._depth[h] = depth
+                self._by_depth.setdefault(depth, set()).add(h)
+            parent = h
+
+    def _forget(self, h: BlockHash) -> None:
+        self._parent.pop(h, None)
+        self._stored_at.pop(h, None)
+        depth = self._depth.pop(h, None)
+        if depth is not None:
+            level = self._by_depth.get(depth)
+            if level is not None:
+                level.discard(h)
+                if not level:
+                    del self._by_depth[depth]
+        for key in self._needed_by.pop(h, ()):
+            self._drop(key)
+
+    def reset(self) -> None:
+        """Forget every block and withdraw every key (cleared, or events lost)."""
+        for key in list(self._held):
+            self._drop(key)
+        self._parent.clear()
+        self._depth.clear()
+        self._stored_at.clear()
+        self._by_depth.clear()
+        self._needed_by.clear()
+
+    # -- requests --------------------------------------------------------------------------
+    def mark(self) -> int:
+        """Where the events stand as a request starts (give it to :meth:`learn`)."""
+        return self._stores
+
+    def learn(self, keys: Sequence[PrefixKey], since: int, prompt_tokens: int) -> None:
+        """A request with ``keys`` that started at ``since`` ended with a prompt
+        of ``prompt_tokens`` engine tokens: tie its keys to its chain."""
+        if not keys or not self.block_size:
+            return
+        length = prompt_tokens // self.block_size
+        ends = [h for h in self._by_depth.get(length, ()) if self._stored_at.get(h, -1) > since]
+        if len(ends) != 1:
+            self.unattributed += 1
+            return
+        chain: list[BlockHash] = []
+        h: BlockHash | None = ends[0]
+        while h is not None and len(chain) < length:
+            chain.append(h)
+            h = self._parent.get(h)
+        if len(chain) != length:
+            self.unattributed += 1
+            return
+        chain.reverse()
+        self.learnt += 1
+        for k in keys:
+            need = min(length, math.floor(k.share * length))
+            if need < 1:
+                continue
+            self._hold(k.key, tuple(chain[:need]))
+
+    def _hold(self, key: int, blocks: tuple[BlockHash, ...]) -> None:
+        old = self._held.get(key)
+        if old == blocks:
+            return
+        if old is not None:
+            self._unlink(key, old)
+        else:
+            self.removed.discard(key)
+            self.added.add(key)
+        self._held[key] = blocks
+        for b in blocks:
+            self._needed_by.setdefault(b, set()).add(key)
+
+    def _unlink(self, key: int, blocks: tuple[BlockHash, ...]) -> None:
+        for b in blocks:
+            users = self._needed_by.get(b)
+            if users is not None:
+                users.discard(key)
+                if not users:
+                    del self._needed_by[b]
+
+    def _drop(self, key: int) -> None:
+        blocks = self._held.pop(key, None)
+        if blocks is None:
+            return
+        self._unlink(key, blocks)
+        if key in self.added:
+            self.added.discard(key)  # never told: nothing to take back
+        else:
+            self.removed.add(key)
+
+    # -- what to tell the gateways -------------------------------------------------------
+    def take(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The keys added and removed since the last take."""
+        added, removed = tuple(self.added), tuple(self.removed)
+        self.added.clear()
+        self.removed.clear()
+        return added, removed
+
+    def held(self) -> tuple[int, ...]:
+        return tuple(self._held)
+
+    @property
+    def blocks(self) -> int:
+        return len(self._parent)
