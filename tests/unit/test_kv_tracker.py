@@ -9,7 +9,7 @@ from sim.kv import BlockManager
 from sim.kv_events import KvEventSink
 from streams.kv_index import PrefixKey, prefix_keys
 from workers.inference.kv_events import Removed, Stored, decode_batch
-from workers.inference.kv_tracker import KvTracker
+from workers.inference.kv_tracker import LEARN_WAIT_S, KvTracker
 
 
 def _events_of(sink: KvEventSink) -> list[Stored | Removed]:
@@ -70,15 +70,32 @@ def test_keys_are_tied_to_the_requests_chain_and_withdrawn_on_eviction() -> None
 
 
 def test_an_ambiguous_or_unknown_chain_is_never_claimed() -> None:
-    tracker = KvTracker()
+    now = [0.0]
+    outcomes: list[str] = []
+    tracker = KvTracker(outcomes.append, clock=lambda: now[0])
     since = tracker.mark()
     tracker.apply([Stored([1, 2], None, 2), Stored([11, 12], None, 2)])
     tracker.learn([PrefixKey(7, 1.0)], since, prompt_tokens=4)  # two chains of 2 blocks
     assert tracker.held() == ()
     tracker.apply([Stored([21, 22], 999, 2)])  # a parent it never heard of
-    tracker.learn([PrefixKey(7, 1.0)], tracker.mark() - 1, prompt_tokens=4)
+    tracker.learn([PrefixKey(8, 1.0)], tracker.mark() - 1, prompt_tokens=4)
     assert tracker.held() == ()
-    assert tracker.unattributed == 2
+    now[0] = LEARN_WAIT_S
+    tracker.expire()
+    assert outcomes == ["unattributed", "unattributed"]
+
+
+def test_a_request_waits_for_the_events_of_its_prefill() -> None:
+    outcomes: list[str] = []
+    tracker = KvTracker(outcomes.append)
+    tracker.apply([Stored([1], None, 2)])  # block_size known
+    since = tracker.mark()
+    # The answer came first (HTTP), the events after (ZMQ).
+    tracker.learn([PrefixKey(7, 1.0)], since, prompt_tokens=4)
+    assert outcomes == []
+    tracker.apply([Stored([31, 32], None, 2)])
+    assert outcomes == ["learnt"]
+    assert tracker.held() == (7,)
 
 
 def test_lost_events_withdraw_everything() -> None:

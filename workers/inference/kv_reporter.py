@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import nats.errors
 from nats.aio.client import Client
@@ -33,10 +34,11 @@ class KvReporter:
         topic: str = "",
         flush_s: float = FLUSH_S,
         refresh_s: float = REFRESH_S,
+        outcome: Callable[[str], None] = lambda outcome: None,
     ) -> None:
         self._nc = nc
         self.replica = replica
-        self.tracker = KvTracker()
+        self.tracker = KvTracker(outcome)
         self.feed = KvEventFeed(endpoint, self.tracker.apply, self.tracker.reset, topic)
         self._flush = flush_s
         self._refresh = refresh_s
@@ -58,6 +60,7 @@ class KvReporter:
         next_refresh = loop.time() + self._refresh
         while True:
             await asyncio.sleep(self._flush)
+            self.tracker.expire()
             try:
                 if loop.time() >= next_refresh:
                     self.tracker.take()  # the refresh says all of it

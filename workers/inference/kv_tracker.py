@@ -6,8 +6,10 @@ chain) from BlockStored / BlockRemoved. When a request that carries prefix keys
 (streams/kv_index.py) ends, the engine has said how many prompt tokens it had:
 its prompt's chain is ``prompt_tokens // block_size`` full blocks long, and the
 one chain of that depth whose last block was stored while the request ran is
-its chain (none, or several: the request is not learnt from; a prompt cached
-whole stores nothing, and two requests of one length at once are ambiguous).
+its chain. The answer may come before the events (HTTP and ZMQ race), so a
+request waits up to ``LEARN_WAIT_S`` for its chain, tried again at each batch.
+None found, or several: the request is not learnt from (a prompt cached whole
+stores nothing, and two requests of one length at once are ambiguous).
 Key ``i`` covers ``share_i`` of the prompt text, so it needs the chain's first
 ``floor(share_i * length)`` blocks; it is held while all of them are cached,
 and withdrawn the moment BlockRemoved evicts one. What is unknown is never
@@ -17,16 +19,36 @@ claimed: lost events (a gap in the engine's sequence numbers) drop everything.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from streams.kv_index import PrefixKey
 from workers.inference.kv_events import BlockHash, Cleared, Event, Removed, Stored
 
 MAX_BLOCKS = 1 << 20  # mirrored blocks at most (an engine's cache is far smaller)
+# A request's answer can reach the worker before the engine's events about its
+# prefill do (they travel apart: HTTP and ZMQ): its learning waits this long
+# for them, tried again as each batch arrives.
+LEARN_WAIT_S = 2.0
+MAX_PENDING = 1024
+
+
+class _Pending:
+    __slots__ = ("keys", "length", "since", "until")
+
+    def __init__(self, keys: Sequence[PrefixKey], since: int, length: int, until: float) -> None:
+        self.keys, self.since, self.length, self.until = keys, since, length, until
 
 
 class KvTracker:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        outcome: Callable[[str], None] = lambda outcome: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._outcome = outcome  # "learnt" or "unattributed", per request with keys
+        self._clock = clock
+        self._pending: list[_Pending] = []
         self._parent: dict[BlockHash, BlockHash | None] = {}
         self._depth: dict[BlockHash, int] = {}
         self._stored_at: dict[BlockHash, int] = {}  # the store count when it was stored
@@ -50,6 +72,8 @@ class KvTracker:
                     self._forget(h)
             elif isinstance(event, Cleared):
                 self.reset()
+        if self._pending:
+            self._retry()
 
     def _stored(self, event: Stored) -> None:
         self.block_size = event.block_size
@@ -98,29 +122,60 @@ class KvTracker:
 
     def learn(self, keys: Sequence[PrefixKey], since: int, prompt_tokens: int) -> None:
         """A request with ``keys`` that started at ``since`` ended with a prompt
-        of ``prompt_tokens`` engine tokens: tie its keys to its chain."""
-        if not keys or not self.block_size:
+        of ``prompt_tokens`` engine tokens: tie its keys to its chain (now, or
+        once the events of its prefill have arrived)."""
+        if not keys:
             return
-        length = prompt_tokens // self.block_size
-        ends = [h for h in self._by_depth.get(length, ()) if self._stored_at.get(h, -1) > since]
+        pending = _Pending(keys, since, prompt_tokens, self._clock() + LEARN_WAIT_S)
+        if self.block_size and self._try(pending):
+            return
+        if len(self._pending) >= MAX_PENDING:
+            self._give_up(self._pending.pop(0))
+        self._pending.append(pending)
+
+    def _retry(self) -> None:
+        now, left = self._clock(), []
+        for p in self._pending:
+            if self._try(p):
+                continue
+            if p.until <= now:
+                self._give_up(p)
+            else:
+                left.append(p)
+        self._pending = left
+
+    def _give_up(self, _: _Pending) -> None:
+        self.unattributed += 1
+        self._outcome("unattributed")
+
+    def _try(self, p: _Pending) -> bool:
+        if not self.block_size:
+            return False
+        length = p.length // self.block_size
+        ends = [h for h in self._by_depth.get(length, ()) if self._stored_at.get(h, -1) > p.since]
         if len(ends) != 1:
-            self.unattributed += 1
-            return
+            return False
         chain: list[BlockHash] = []
         h: BlockHash | None = ends[0]
         while h is not None and len(chain) < length:
             chain.append(h)
             h = self._parent.get(h)
         if len(chain) != length:
-            self.unattributed += 1
-            return
+            return False
         chain.reverse()
         self.learnt += 1
-        for k in keys:
+        self._outcome("learnt")
+        for k in p.keys:
             need = min(length, math.floor(k.share * length))
             if need < 1:
                 continue
             self._hold(k.key, tuple(chain[:need]))
+        return True
+
+    def expire(self) -> None:
+        """Give up on requests whose events never came (called now and then)."""
+        if self._pending:
+            self._retry()
 
     def _hold(self, key: int, blocks: tuple[BlockHash, ...]) -> None:
         old = self._held.get(key)

@@ -188,7 +188,13 @@ class Worker:
                 lambda: sum(lane.stale for lane in self.lanes)
             )
             if cfg.kv_events:
-                kv = self.kv = KvReporter(nc, cfg.worker_id, cfg.kv_events, cfg.kv_events_topic)
+                kv = self.kv = KvReporter(
+                    nc,
+                    cfg.worker_id,
+                    cfg.kv_events,
+                    cfg.kv_events_topic,
+                    outcome=lambda outcome: self.metrics.kv_learnt.labels(outcome).inc(),
+                )
                 self.metrics.kv_keys.set_function(lambda: len(kv.tracker.held()))
                 self.metrics.kv_blocks.set_function(lambda: kv.tracker.blocks)
             async with asyncio.TaskGroup() as tg:
@@ -542,7 +548,8 @@ class Worker:
                             )
                             self._observe_done(req, started_at, ttft / 1000, event.usage)
                             if kv is not None:
-                                self._learn(kv, req, since, event.usage.prompt_tokens)
+                                # Its keys, tied to the blocks its prefill stored.
+                                kv.tracker.learn(req.prefix_keys, since, event.usage.prompt_tokens)
             self.completed += 1
         except TimeoutError:
             await self._fail(
