@@ -415,9 +415,14 @@ class Fleet:
         """One more simulator of the fleet's profile and model; its base URL."""
         port = free_port()
         n = len(self.extra_sims)
-        self.extra_sims.append(self._spawn_sim(f"engine{n}", port, sim_args))
+        kv_port = free_port() if self.spec.kv_events else 0
+        kv = kv_events_args(kv_port) if kv_port else []
+        self.extra_sims.append(self._spawn_sim(f"engine{n}", port, [*kv, *sim_args]))
         self._engine_ports.append(port)
-        return f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        if kv_port:
+            self.kv_endpoints[url] = f"tcp://127.0.0.1:{kv_port}"
+        return url
 
     def extra_ports(self) -> list[int]:
         """The ports of the engines started with :meth:`start_engine`."""

@@ -54,7 +54,16 @@ from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
 from workers.inference.admission import AdmissionConfig
 
-SCENARIOS = ("affinity", "saturation", "failover", "hedging", "soak", "fairness", "scale")
+SCENARIOS = (
+    "affinity",
+    "saturation",
+    "failover",
+    "hedging",
+    "soak",
+    "fairness",
+    "scale",
+    "kvindex",
+)
 BATCH_DEADLINE_S = 20.0  # saturation: batch waits for its share; interactive has 4 s
 
 
@@ -298,6 +307,7 @@ class Options:
     prefix_words: int = 600
     gpu_blocks: int = 1024
     deadline_s: float = 4.0
+    replicas: int = 0  # scale, kvindex: the fleet's replicas (0: 64, 16)
 
 
 async def soak_run(opts: Options) -> dict[str, Any]:
@@ -311,7 +321,18 @@ async def fairness_run(opts: Options) -> dict[str, Any]:
 async def scale_run(opts: Options) -> dict[str, Any]:
     # 256 groups of 300-word prompts: a replica's 1024 KV blocks hold a few of
     # them, the fleet's 64 x 1024 all of them.
-    return await scale(opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks)
+    return await scale(
+        opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks, opts.replicas or 64
+    )
+
+
+async def kvindex_run(opts: Options) -> dict[str, Any]:
+    # 16 replicas, 64 groups of 300-word prompts: hash lanes against the KV index,
+    # both through 16 -> 17 -> 16 -> 15 while the load runs.
+    return await scale(
+        opts.seed, opts.rate, opts.duration, 64, 300, opts.gpu_blocks,
+        replicas=opts.replicas or 16, modes=("affinity", "kv_index"), name="kvindex",
+    )  # fmt: skip
 
 
 RUNNERS = {
@@ -322,6 +343,7 @@ RUNNERS = {
     "soak": soak_run,
     "fairness": fairness_run,
     "scale": scale_run,
+    "kvindex": kvindex_run,
 }
 
 
@@ -359,7 +381,10 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"\n{r['name']} errors: `{json.dumps(r['errors'])}`")
     if "ledger" in result:
         lines.append(f"\nledger reconciliation: `{json.dumps(result['ledger'])}`")
-    for key in ("balance", "hit_share_of_oracle", "changes", "capture"):
+    shown = ("balance", "hit_share_of_oracle", "changes", "changes_by_mode", "kv_routes", "capture")
+    for key in shown:
+        if key == "changes" and "changes_by_mode" in result:
+            continue  # the same, under each arm's name
         if key in result:
             lines.append(f"\n{key}: `{json.dumps(result[key])}`")
     if "rss" in result:
