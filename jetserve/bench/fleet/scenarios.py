@@ -327,11 +327,13 @@ async def scale_run(opts: Options) -> dict[str, Any]:
 
 
 async def kvindex_run(opts: Options) -> dict[str, Any]:
-    # 16 replicas, 64 groups of 300-word prompts: hash lanes against the KV index,
-    # both through 16 -> 17 -> 16 -> 15 while the load runs.
+    # 16 replicas (--replicas), 4 groups of 300-word prompts a replica, as scale's
+    # 64 x 256: hash lanes against the KV index, both through n -> n+1 -> n -> n-1
+    # while the load runs.
+    replicas = opts.replicas or 16
     return await scale(
-        opts.seed, opts.rate, opts.duration, 64, 300, opts.gpu_blocks,
-        replicas=opts.replicas or 16, modes=("affinity", "kv_index"), name="kvindex",
+        opts.seed, opts.rate, opts.duration, 4 * replicas, 300, opts.gpu_blocks,
+        replicas=replicas, modes=("affinity", "kv_index"), name="kvindex",
     )  # fmt: skip
 
 
