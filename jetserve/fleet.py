@@ -375,9 +375,11 @@ class Fleet:
         left, n = self.spec.sim_replicas, 0
         while left:
             k = min(left, self.spec.replicas_per_sim)
-            base = free_ports(k)
+            # With KV events, k more ports right after (free_ports twice before
+            # anything binds could hand out the same range twice).
+            base = free_ports(2 * k if self.spec.kv_events else k)
             args = ["--replicas", str(k), "--fault-seed", str(1 + len(self.replica_urls))]
-            kv_base = free_ports(k) if self.spec.kv_events else 0
+            kv_base = base + k if self.spec.kv_events else 0
             if kv_base:
                 args += kv_events_args(kv_base)  # replica i: kv_base + i
             self.extra_sims.append(self._spawn_sim(f"sims{n}", base, args, wait=False))
