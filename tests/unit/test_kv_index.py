@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from gateway.inference.kv_index import KvIndex
-from streams.kv_index import KvIndexDelta
+from gateway.inference.kv_routing import KvRouting
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.kv_index import KvIndexDelta, PrefixKey
+from streams.membership import Membership
+from streams.rendezvous import assign
 
 
 def test_the_longest_held_prefix_and_its_holders() -> None:
@@ -42,3 +46,28 @@ def test_bounded_least_recently_used_first() -> None:
     assert index.entries == 3
     assert index.longest([2], {"a"}) == (0, [])
     assert index.longest([1], {"a"}) == (1, ["a"])
+
+
+def _routing(members: tuple[str, ...]) -> tuple[KvRouting, list[str]]:
+    counted: list[str] = []
+    routing = KvRouting(None, None, DEFAULT_TOPOLOGY, counted.append)  # type: ignore[arg-type]
+    view = Membership(None, None, 1)  # type: ignore[arg-type]
+    view.members = members
+    routing._members = view
+    return routing, counted
+
+
+def test_routing_goes_to_a_lane_the_holder_owns() -> None:
+    routing, counted = _routing(("a", "b", "c"))
+    keys = [PrefixKey(11, 0.3), PrefixKey(12, 0.6)]
+    order = assign(["a", "b", "c"], 32)
+    hash_lane = next(lane for lane in range(32) if order.owner(lane) == "a")
+    assert routing.lane(32, keys, hash_lane) == hash_lane  # cold: its hash lane
+    routing.index.apply(KvIndexDelta("b", added=(11, 12)))
+    lane = routing.lane(32, keys, hash_lane)
+    assert order.owner(lane) == "b"
+    routing.index.apply(KvIndexDelta("a", added=(11,)))
+    assert routing.lane(32, keys, hash_lane) == lane  # b holds more of it
+    routing.index.apply(KvIndexDelta("b", removed=(11, 12)))
+    assert routing.lane(32, keys, hash_lane) == hash_lane  # a holds it, and owns its lane
+    assert counted == ["hash", "index", "index", "index"]

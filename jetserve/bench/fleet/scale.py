@@ -61,6 +61,11 @@ PATIENCE_S = 60.0
 
 def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
     kv = mode == "kv_index"  # hash lanes with the KV index on top
+    # events_only: hash lanes, the engines publishing and the workers following
+    # their KV events (the index's cost without its routing).
+    events = kv or mode == "events_only"
+    if mode == "events_only":
+        mode = "affinity"
     return FleetSpec(
         workers=0,
         profile="h100-8b",
@@ -69,7 +74,7 @@ def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
         engines_per_worker=PER_WORKER,
         sim_args=["--num-gpu-blocks", str(blocks)],
         gateway_args=["--routing", "affinity", "--kv-index"] if kv else ["--routing", mode],
-        kv_events=kv,
+        kv_events=events,
         lanes=DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),  # the product's 256
     )
 
@@ -229,7 +234,7 @@ async def _mode(
         async def during() -> None:
             await changes.run(t0, duration)
 
-        changing = mode in ("affinity", "kv_index")
+        changing = mode in ("affinity", "kv_index", "events_only")
         shots = await driver.run(rate, duration, make, during if changing else None)
         after = await _served_all(fleet)
         if mode == "kv_index":
@@ -271,7 +276,7 @@ async def scale(
         kv_routes |= routes
         series = _hit_series(shots)
         series_out[mode] = [[t, round(h, 3)] for t, h in series]
-        if log and mode in ("affinity", "kv_index"):
+        if log and mode in ("affinity", "kv_index", "events_only"):
             by_mode[mode] = [c | _recovery(series, c["at_s"]) for c in log]
     rows.append(await _oracle(seed, rate, duration, make))
     hit = {r.name: r.prefix_hit_rate for r in rows}
