@@ -35,6 +35,7 @@ def test_decodes_the_map_shape_of_later_vllm_versions() -> None:
                     "lora_name": None,
                 },
                 {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": "GPU"},
+                {"type": "BlockRemoved", "block_hashes": [b"\x02" * 32], "medium": "CPU"},
                 {"type": "AllBlocksCleared"},
             ],
             "data_parallel_rank": 0,

@@ -6,7 +6,8 @@ The wire shape is vLLM's (``vllm/distributed/kv_events.py``): multipart
 tagged arrays (``["BlockStored", hashes, parent, token_ids, block_size, ...]``);
 later versions encode them as maps (``{"type": "BlockStored", ...}``) and make
 block hashes bytes. Both are read here, into one shape: :class:`Stored`,
-:class:`Removed`, :class:`Cleared`. Fields a version adds are ignored.
+:class:`Removed`, :class:`Cleared`. Fields a version adds are ignored, and so are
+events about copies offloaded off the GPU (``medium`` other than ``"GPU"``).
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ class _ArrayStored(_ArrayEvent, tag="BlockStored", frozen=True):
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
 
 
 class _ArrayRemoved(_ArrayEvent, tag="BlockRemoved", frozen=True):
     block_hashes: list[BlockHash]
+    medium: str | None = None
 
 
 class _ArrayCleared(_ArrayEvent, tag="AllBlocksCleared", frozen=True):
@@ -74,10 +78,12 @@ class _MapStored(_MapEvent, tag="BlockStored", frozen=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     block_size: int
+    medium: str | None = None
 
 
 class _MapRemoved(_MapEvent, tag="BlockRemoved", frozen=True):
     block_hashes: list[BlockHash]
+    medium: str | None = None
 
 
 class _MapCleared(_MapEvent, tag="AllBlocksCleared", frozen=True):
@@ -89,6 +95,7 @@ class _MapBatch(msgspec.Struct, frozen=True):
     events: list[_MapStored | _MapRemoved | _MapCleared]
 
 
+_GPU = (None, "GPU")  # the medium of the engine's own cache (None: before vLLM named it)
 _array = msgspec.msgpack.Decoder(_ArrayBatch)
 _map = msgspec.msgpack.Decoder(_MapBatch)
 
@@ -102,6 +109,8 @@ def decode_batch(payload: bytes) -> list[Event]:
         batch = _map.decode(payload)
     out: list[Event] = []
     for e in batch.events:
+        if not isinstance(e, _ArrayCleared | _MapCleared) and e.medium not in _GPU:
+            continue  # an offloaded copy (CPU, disk): not what the engine's GPU holds
         if isinstance(e, _ArrayStored | _MapStored):
             out.append(Stored(e.block_hashes, e.parent_block_hash, e.block_size))
         elif isinstance(e, _ArrayRemoved | _MapRemoved):
