@@ -78,6 +78,9 @@ class FleetSpec:
     # workers follow them (worker --kv-events): the fleet's KV index is fed; a
     # gateway routes by it with ``--kv-index`` in ``gateway_args``.
     kv_events: bool = False
+    # Worker ids' suffix (default: the start time). Fixed, two fleets draw the
+    # same lane ownership for the same members (benches comparing arms).
+    worker_id_suffix: str = ""
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     agents: int = 0  # agent run executors (`jetserve agent --demo-tools`)
@@ -542,7 +545,7 @@ class Fleet:
             "--engine",
             engine,
             "--worker-id",
-            f"worker{n}-{int(time.time() * 1000) % 100000}",
+            f"worker{n}-{self.spec.worker_id_suffix or int(time.time() * 1000) % 100000}",
             "--metrics-port",
             str(metrics_port),
             *self._replica_args,

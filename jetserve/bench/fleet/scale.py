@@ -75,6 +75,8 @@ def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
         sim_args=["--num-gpu-blocks", str(blocks)],
         gateway_args=["--routing", "affinity", "--kv-index"] if kv else ["--routing", mode],
         kv_events=events,
+        # The same worker ids in every arm: the same lanes move at each change.
+        worker_id_suffix="bench",
         lanes=DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),  # the product's 256
     )
 
