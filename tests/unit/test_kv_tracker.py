@@ -119,3 +119,19 @@ def test_prefix_keys_chain_over_chunks_and_scope() -> None:
     assert [k.key for k in longer[:2]] == [k.key for k in keys[:2]]
     assert longer[2].key != keys[2].key  # the last chunk differs
     assert prefix_keys("beta", text, 1200)[0].key != keys[0].key
+
+
+def test_a_known_prefix_or_its_cache_hits_tell_concurrent_look_alikes_apart() -> None:
+    tracker = KvTracker()
+    since = tracker.mark()
+    tracker.apply([Stored([1, 2], None, 2)])
+    tracker.learn([PrefixKey(10, 0.5)], since, prompt_tokens=4)
+    assert tracker.held() == (10,)  # key 10: block 1
+    # Two requests of one length at once: B shares key 10's text (and hit block 1),
+    # C has a text of its own (nothing cached).
+    since = tracker.mark()
+    tracker.apply([Stored([3], 1, 2), Stored([21, 22], None, 2)])
+    tracker.learn([PrefixKey(10, 0.5), PrefixKey(11, 1.0)], since, 4, cached_tokens=2)
+    assert set(tracker.held()) == {10, 11}  # B: the chain through block 1
+    tracker.learn([PrefixKey(20, 1.0)], since, 4, cached_tokens=0)
+    assert 20 not in tracker.held()  # C: either chain could be its own

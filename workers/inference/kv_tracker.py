@@ -34,10 +34,13 @@ MAX_PENDING = 1024
 
 
 class _Pending:
-    __slots__ = ("keys", "length", "since", "until")
+    __slots__ = ("cached", "keys", "length", "since", "until")
 
-    def __init__(self, keys: Sequence[PrefixKey], since: int, length: int, until: float) -> None:
+    def __init__(
+        self, keys: Sequence[PrefixKey], since: int, length: int, cached: int, until: float
+    ) -> None:
         self.keys, self.since, self.length, self.until = keys, since, length, until
+        self.cached = cached  # prompt tokens the engine found cached
 
 
 class KvTracker:
@@ -120,13 +123,17 @@ class KvTracker:
         """Where the events stand as a request starts (give it to :meth:`learn`)."""
         return self._stores
 
-    def learn(self, keys: Sequence[PrefixKey], since: int, prompt_tokens: int) -> None:
+    def learn(
+        self, keys: Sequence[PrefixKey], since: int, prompt_tokens: int, cached_tokens: int = 0
+    ) -> None:
         """A request with ``keys`` that started at ``since`` ended with a prompt
-        of ``prompt_tokens`` engine tokens: tie its keys to its chain (now, or
-        once the events of its prefill have arrived)."""
+        of ``prompt_tokens`` engine tokens, ``cached_tokens`` of them found
+        cached: tie its keys to its chain (now, or once the events of its
+        prefill have arrived)."""
         if not keys:
             return
-        pending = _Pending(keys, since, prompt_tokens, self._clock() + LEARN_WAIT_S)
+        until = self._clock() + LEARN_WAIT_S
+        pending = _Pending(keys, since, prompt_tokens, cached_tokens, until)
         if self.block_size and self._try(pending):
             return
         if len(self._pending) >= MAX_PENDING:
@@ -153,16 +160,10 @@ class KvTracker:
             return False
         length = p.length // self.block_size
         ends = [h for h in self._by_depth.get(length, ()) if self._stored_at.get(h, -1) > p.since]
-        if len(ends) != 1:
+        chains = [c for c in (self._chain(h, length) for h in ends) if self._fits(c, p)]
+        if len(chains) != 1:
             return False
-        chain: list[BlockHash] = []
-        h: BlockHash | None = ends[0]
-        while h is not None and len(chain) < length:
-            chain.append(h)
-            h = self._parent.get(h)
-        if len(chain) != length:
-            return False
-        chain.reverse()
+        chain = chains[0]
         self.learnt += 1
         self._outcome("learnt")
         for k in p.keys:
@@ -171,6 +172,29 @@ class KvTracker:
                 continue
             self._hold(k.key, tuple(chain[:need]))
         return True
+
+    def _chain(self, end: BlockHash, length: int) -> list[BlockHash]:
+        """The chain from the first block to ``end`` ([] if a link is unknown)."""
+        chain: list[BlockHash] = []
+        h: BlockHash | None = end
+        while h is not None and len(chain) < length:
+            chain.append(h)
+            h = self._parent.get(h)
+        chain.reverse()
+        return chain if len(chain) == length else []
+
+    def _fits(self, chain: list[BlockHash], p: _Pending) -> bool:
+        """Whether ``chain`` can be the request's: it starts with the blocks of
+        any of its keys already held (the same text, the same blocks), and the
+        blocks the engine found cached were there before the request started."""
+        if not chain:
+            return False
+        for k in p.keys:
+            held = self._held.get(k.key)
+            if held is not None and tuple(chain[: len(held)]) != held:
+                return False
+        hits = min(p.cached // self.block_size, len(chain))
+        return not hits or self._stored_at.get(chain[hits - 1], p.since + 1) <= p.since
 
     def expire(self) -> None:
         """Give up on requests whose events never came (called now and then)."""

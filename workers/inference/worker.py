@@ -549,7 +549,12 @@ class Worker:
                             self._observe_done(req, started_at, ttft / 1000, event.usage)
                             if kv is not None:
                                 # Its keys, tied to the blocks its prefill stored.
-                                kv.tracker.learn(req.prefix_keys, since, event.usage.prompt_tokens)
+                                kv.tracker.learn(
+                                    req.prefix_keys,
+                                    since,
+                                    event.usage.prompt_tokens,
+                                    event.usage.cached_tokens,
+                                )
             self.completed += 1
         except TimeoutError:
             await self._fail(
