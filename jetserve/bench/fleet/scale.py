@@ -151,7 +151,11 @@ async def _until_members(fleet: Fleet, want: int) -> list[str]:
         await asyncio.sleep(0.25)
 
 
-def _moved(before: list[str], after: list[str]) -> float:
+def _moved(before: list[str], after: list[str]) -> float | None:
+    """The share of lanes whose owner moved; None when a look found no members
+    (on a loaded machine every heartbeat can miss the bucket's 4 s TTL)."""
+    if not before or not after:
+        return None
     lanes = DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE)
     return round(assign(before, lanes).moved(assign(after, lanes)), 4)
 
