@@ -27,7 +27,7 @@ from gateway.inference.kv_index import KvIndex
 from streams.definitions import Topology
 from streams.kv_index import KV_INDEX_SUBJECT, PrefixKey, decode_delta
 from streams.membership import Membership, follow_members
-from streams.rendezvous import LaneOrder
+from streams.rendezvous import assign
 from streams.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -52,16 +52,24 @@ class KvRouting:
         self.deltas = 0
         self._members: Membership | None = None
         self._sub: Subscription | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._owned: tuple[LaneOrder, dict[str, list[int]]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # Lane count -> (the members it was computed for, each member's own lanes):
+        # computed off the request path (a thread), after each change of the members.
+        self._owned: dict[int, tuple[tuple[str, ...], dict[str, list[int]]]] = {
+            topology.lanes_of(cls): ((), {}) for cls in topology.lane_classes
+        }
+        self._stale = asyncio.Event()
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(KV_INDEX_SUBJECT, cb=self._on_delta)
-        self._task = asyncio.create_task(self._follow(), name="kv-index-members")
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="kv-index-members"),
+            asyncio.create_task(self._reorder(), name="kv-index-lanes"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await stop_task(self._task)
+        for task in self._tasks:
+            await stop_task(task)
         if self._sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._sub.unsubscribe()
@@ -94,12 +102,46 @@ class KvRouting:
 
     @property
     def members(self) -> int:
-        """The live members this gateway routes among (0: none seen yet)."""
-        return len(self._members.members) if self._members is not None else 0
+        """The live members this gateway routes among: those its lane ownership
+        is computed for (0: none seen yet)."""
+        if self._members is None:
+            return 0
+        computed = [len(ms) for ms, _ in self._owned.values()]
+        return min(computed) if computed else len(self._members.members)
 
     def _members_changed(self) -> None:
         if self._members is not None:
             self.index.retain(self._members.members)
+        self._stale.set()
+
+    async def _reorder(self) -> None:
+        """Lane ownership for the members as they stand, in a thread: assigning
+        256 lanes among 64 members takes ~25 ms, which a request must not wait."""
+        while True:
+            await self._stale.wait()
+            self._stale.clear()
+            members = self._members
+            if members is None:
+                continue
+            now = members.members
+            for lanes in list(self._owned):
+                owned = await asyncio.to_thread(self._owned_lanes, now, lanes, members.depth)
+                self._owned[lanes] = (now, owned)
+
+    @staticmethod
+    def _owned_lanes(members: tuple[str, ...], lanes: int, depth: int) -> dict[str, list[int]]:
+        owned: dict[str, list[int]] = {}
+        for lane, ranked in enumerate(assign(members, lanes, depth).orders):
+            if ranked:
+                owned.setdefault(ranked[0], []).append(lane)
+        return owned
+
+    def prepare(self, lanes: int) -> None:
+        """Compute the ownership of ``lanes`` lanes now (tests; the first request
+        of a lane count otherwise asks for it and is hashed meanwhile)."""
+        if self._members is not None:
+            now = self._members.members
+            self._owned[lanes] = (now, self._owned_lanes(now, lanes, self._members.depth))
 
     def lane(self, lanes: int, keys: Sequence[PrefixKey], hash_lane: int) -> int:
         """The lane for a request with ``keys`` whose prefix hashes to ``hash_lane``."""
@@ -114,22 +156,18 @@ class KvRouting:
         n, holders = self.index.longest([k.key for k in keys], members.members)
         if not n:
             return None
-        order = members.order(lanes)
-        if order.owner(hash_lane) in holders:
+        entry = self._owned.get(lanes)
+        if entry is None or entry[0] != members.members:
+            # Not computed for these members yet (_reorder is at it): hashed meanwhile.
+            self._owned.setdefault(lanes, ((), {}))
+            self._stale.set()
+            return None
+        owned = entry[1]
+        if any(hash_lane in owned.get(h, ()) for h in holders):
             return hash_lane  # its own lane's owner holds it: the same place
-        owned = self._owned_lanes(order)
         # The least loaded holder that owns a lane (loads as the members heard them).
         for replica in sorted(holders, key=lambda r: (members.loads.get(r, 0.0), r)):
             mine = owned.get(replica)
             if mine:
                 return mine[keys[n - 1].key % len(mine)]  # one lane per prefix
         return None
-
-    def _owned_lanes(self, order: LaneOrder) -> dict[str, list[int]]:
-        if self._owned is None or self._owned[0] is not order:
-            owned: dict[str, list[int]] = {}
-            for lane, ranked in enumerate(order.orders):
-                if ranked:
-                    owned.setdefault(ranked[0], []).append(lane)
-            self._owned = (order, owned)
-        return self._owned[1]

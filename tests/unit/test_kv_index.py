@@ -54,6 +54,7 @@ def _routing(members: tuple[str, ...]) -> tuple[KvRouting, list[str]]:
     view = Membership(None, None, 1)  # type: ignore[arg-type]
     view.members = members
     routing._members = view
+    routing.prepare(32)
     return routing, counted
 
 
