@@ -123,7 +123,19 @@ def _recovery(series: list[tuple[float, float]], at: float) -> dict[str, Any]:
 
 
 async def _members(fleet: Fleet) -> list[str]:
-    """The live members, as the bucket holds them (a watch to its current end)."""
+    """The live members, as the bucket holds them. A fleet always has some: a
+    look that finds none (the watch's end marker can come before its first
+    entry on a loaded machine) is taken again."""
+    for _ in range(20):
+        members = await _look(fleet)
+        if members:
+            return members
+        await asyncio.sleep(0.25)
+    return []
+
+
+async def _look(fleet: Fleet) -> list[str]:
+    """One watch of the members bucket to its current end."""
     nc = await fleet.connect()
     try:
         kv = await nc.jetstream().key_value(MEMBERS_BUCKET)
