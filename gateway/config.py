@@ -91,6 +91,9 @@ class GatewayConfig:
     # For models without a route contract (a contract's own policies win).
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     hedge: HedgePolicy = field(default_factory=HedgePolicy)
+    # Route affinity requests by the fleet's KV index (vLLM KV events from the
+    # workers, gateway/inference/kv_routing.py), hash lanes where it says nothing.
+    kv_index: bool = False
     # Refuse (429) what the queue ahead would keep past its deadline.
     shed: bool = True
     # Tenants in turn within a class: the class's queue kept short, the rest held

@@ -107,6 +107,28 @@ class GatewayMetrics:
             ["cls", "outcome"],
             registry=r,
         )
+        self.kv_routes = Counter(
+            "jetserve_gateway_kv_routes",
+            "Affinity requests on the shared lanes with the KV index on (--kv-index), by "
+            "what chose the lane: index (a replica holds its prefix), hash (cold or none does)",
+            ["source"],
+            registry=r,
+        )
+        self.kv_index_entries = Gauge(
+            "jetserve_gateway_kv_index_entries",
+            "(prefix key, replica) entries in this gateway's KV index",
+            registry=r,
+        )
+        self.kv_index_replicas = Gauge(
+            "jetserve_gateway_kv_index_replicas",
+            "Replicas with entries in this gateway's KV index",
+            registry=r,
+        )
+        self.kv_index_members = Gauge(
+            "jetserve_gateway_kv_index_members",
+            "Live workers the KV index routes among (their lane ownership), as this gateway sees",
+            registry=r,
+        )
         self.pool_workers = Gauge(
             "jetserve_gateway_pool_workers",
             "Live workers per deployment pool, as this gateway sees the members",

@@ -26,6 +26,7 @@ from gateway.inference.deadletters import MaxDeliveriesWatch
 from gateway.inference.dispatch import Dispatcher
 from gateway.inference.fair_gate import FairGate
 from gateway.inference.hedge_budget import SharedHedgeBudget
+from gateway.inference.kv_routing import KvRouting
 from gateway.inference.pools import PoolView
 from gateway.inference.route_table import RouteTable
 from gateway.inference.service import InferenceService
@@ -196,6 +197,16 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             grace_s=cfg.outbox_grace_s,
             on_outcome=lambda outcome: metrics.settlements.labels(outcome).inc(),
         )
+        kv = None
+        if cfg.kv_index:
+            kv = await _started(
+                stack,
+                KvRouting(nc, js, cfg.topology, lambda src: metrics.kv_routes.labels(src).inc()),
+            )
+            index, routing = kv.index, kv
+            metrics.kv_index_entries.set_function(lambda: index.entries)
+            metrics.kv_index_replicas.set_function(lambda: index.replicas)
+            metrics.kv_index_members.set_function(lambda: routing.members)
         gw = InferenceService(
             cfg,
             Tenancy(rds, cfg.key_cache_s, key_secret=cfg.key_secret),
@@ -211,6 +222,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             fair_gate=fair_gate,
             fleet_coalescing=FleetCoalescing(rds),
             pools=await _started(stack, PoolView(js, cfg.topology, route_table)),
+            kv=kv,
         )
         stack.push_async_callback(gw.aclose)  # after the ingresses below have stopped
         if cfg.rollout_guard_every_s > 0:

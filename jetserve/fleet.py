@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
+import msgspec
 from nats.aio.client import Client
 
 from jetserve.commands.admin_client import AdminClient
@@ -73,6 +74,13 @@ class FleetSpec:
     # 256 (docs/routing.md); a fleet on one machine needs far fewer, and each
     # file-backed lane consumer costs nats-server ~10 ms to stop (512: 5 s).
     lanes: int = 32
+    # Engines publish vLLM's KV cache events (sim --kv-events-config) and their
+    # workers follow them (worker --kv-events): the fleet's KV index is fed; a
+    # gateway routes by it with ``--kv-index`` in ``gateway_args``.
+    kv_events: bool = False
+    # Worker ids' suffix (default: the start time). Fixed, two fleets draw the
+    # same lane ownership for the same members (benches comparing arms).
+    worker_id_suffix: str = ""
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     agents: int = 0  # agent run executors (`jetserve agent --demo-tools`)
@@ -88,6 +96,18 @@ class FleetSpec:
     # policy (always, or a duration) and Redis's appendfsync, as deploy/ runs them.
     nats_sync: str = NATS_SYNC_DEFAULT
     redis_appendfsync: str = REDIS_APPENDFSYNC_DEFAULT
+
+
+def kv_events_args(port: int) -> list[str]:
+    """A simulator's flags to publish vLLM's KV events on ``port`` (replica i of
+    ``--replicas``: port + i)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "topic": "kv-events",
+    }
+    return ["--kv-events-config", msgspec.json.encode(config).decode()]
 
 
 @dataclass
@@ -145,6 +165,7 @@ class Fleet:
         self.worker_sims: list[Proc | None] = []  # engine_per_worker: each worker's own
         self.extra_sims: list[Proc] = []  # engines started apart (start_engine)
         self.replica_urls: list[str] = []  # sim_replicas: every engine's base URL
+        self.kv_endpoints: dict[str, str] = {}  # kv_events: engine URL -> its events endpoint
         self._engine_ports: list[int] = []  # start_engine's
         self.worker_sim_ports: list[int] = []
         self.gateways: list[Proc] = []
@@ -359,12 +380,19 @@ class Fleet:
         left, n = self.spec.sim_replicas, 0
         while left:
             k = min(left, self.spec.replicas_per_sim)
-            base = free_ports(k)
+            # With KV events, k more ports right after (free_ports twice before
+            # anything binds could hand out the same range twice).
+            base = free_ports(2 * k if self.spec.kv_events else k)
             args = ["--replicas", str(k), "--fault-seed", str(1 + len(self.replica_urls))]
+            kv_base = base + k if self.spec.kv_events else 0
+            if kv_base:
+                args += kv_events_args(kv_base)  # replica i: kv_base + i
             self.extra_sims.append(self._spawn_sim(f"sims{n}", base, args, wait=False))
-            for port in range(base, base + k):
+            for i, port in enumerate(range(base, base + k)):
                 wait_port(port, 60.0, self.extra_sims[-1].proc)
                 self.replica_urls.append(f"http://127.0.0.1:{port}")
+                if kv_base:
+                    self.kv_endpoints[self.replica_urls[-1]] = f"tcp://127.0.0.1:{kv_base + i}"
             left, n = left - k, n + 1
 
     def start_sim(self, wait: bool = True) -> None:
@@ -394,9 +422,14 @@ class Fleet:
         """One more simulator of the fleet's profile and model; its base URL."""
         port = free_port()
         n = len(self.extra_sims)
-        self.extra_sims.append(self._spawn_sim(f"engine{n}", port, sim_args))
+        kv_port = free_port() if self.spec.kv_events else 0
+        kv = kv_events_args(kv_port) if kv_port else []
+        self.extra_sims.append(self._spawn_sim(f"engine{n}", port, [*kv, *sim_args]))
         self._engine_ports.append(port)
-        return f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        if kv_port:
+            self.kv_endpoints[url] = f"tcp://127.0.0.1:{kv_port}"
+        return url
 
     def extra_ports(self) -> list[int]:
         """The ports of the engines started with :meth:`start_engine`."""
@@ -492,10 +525,20 @@ class Fleet:
         if self.spec.engine_per_worker:
             port = free_port()
             # Replicas of one model: the same text, but independent fault draws.
-            sim = self._spawn_sim(f"sim{n}", port, ["--fault-seed", str(n + 1), *sim_args])
+            kv_port = free_port() if self.spec.kv_events else 0
+            kv = kv_events_args(kv_port) if kv_port else []
+            sim = self._spawn_sim(f"sim{n}", port, ["--fault-seed", str(n + 1), *kv, *sim_args])
             engine = f"http://127.0.0.1:{port}"
+            if kv_port:
+                self.kv_endpoints[engine] = f"tcp://127.0.0.1:{kv_port}"
             self.worker_sim_ports.append(port)
         self.worker_sims.append(sim)
+        # Each engine's KV events, in the order of its --engine.
+        engines = [engine, *(a for i, a in enumerate(extra) if i and extra[i - 1] == "--engine")]
+        kv_flags = [
+            arg for url in engines if url in self.kv_endpoints
+            for arg in ("--kv-events", self.kv_endpoints[url])
+        ]  # fmt: skip
         worker = self._spawn(
             f"worker{n}",
             "worker",
@@ -504,7 +547,7 @@ class Fleet:
             "--engine",
             engine,
             "--worker-id",
-            f"worker{n}-{int(time.time() * 1000) % 100000}",
+            f"worker{n}-{self.spec.worker_id_suffix or int(time.time() * 1000) % 100000}",
             "--metrics-port",
             str(metrics_port),
             *self._replica_args,
@@ -512,6 +555,7 @@ class Fleet:
             *self._bus_flags,
             *self.spec.worker_args,
             *extra,
+            *kv_flags,
             env=self._env(Role.WORKER),
         )
         self.workers.append(worker)

@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Generator
 
+import msgspec
 import uvicorn
 from starlette.applications import Starlette
 
@@ -78,6 +79,25 @@ def _fault_rate(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"rate must be a number: {text!r}") from None
 
 
+class KvEventsConfig(msgspec.Struct, frozen=True):
+    """vLLM's ``--kv-events-config`` (the fields the simulator honours)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+
+
+def _kv_events_config(text: str) -> KvEventsConfig:
+    try:
+        cfg = msgspec.json.decode(text, type=KvEventsConfig)
+    except msgspec.DecodeError as e:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {e}") from None
+    if cfg.enable_kv_cache_events and cfg.publisher != "zmq":
+        raise argparse.ArgumentTypeError("--kv-events-config: only the zmq publisher is simulated")
+    return cfg
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jetserve sim", description="vLLM-compatible engine simulator (OpenAI API)."
@@ -112,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scripts", default=None, metavar="FILE", help="scripted response rules")
     p.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV cache events, e.g. '{\"enable_kv_cache_events\":true,"
+        '"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv-events"}\''
+        "; replica i publishes on port + i",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -137,7 +166,14 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         embedding_dim=ns.embedding_dim,
         fault_rates=dict(ns.fault_rate),
         scripts_path=ns.scripts,
+        **_kv_events_fields(ns.kv_events_config),
     )
+
+
+def _kv_events_fields(cfg: KvEventsConfig | None) -> dict[str, str]:
+    if cfg is None or not cfg.enable_kv_cache_events:
+        return {}
+    return {"kv_events_endpoint": cfg.endpoint, "kv_events_topic": cfg.topic}
 
 
 def main(argv: list[str] | None = None) -> int:

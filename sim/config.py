@@ -26,6 +26,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # fault spec ("429", "drop:3", "slow:50", ...) -> probability per request; sum <= 1
     fault_rates: dict[str, float] = msgspec.field(default_factory=dict)
     scripts_path: str | None = None
+    # vLLM's KV cache events (sim/kv_events.py): a ZMQ PUB endpoint to bind
+    # (``tcp://*:5557``), None: off. Replica i of ``--replicas N`` binds port + i.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:

@@ -150,6 +150,8 @@ class Engine:
             while sched.has_work() or self._timers:
                 self._release_due(clock.now())
                 batch = sched.schedule(clock.now())
+                if self.kv.events is not None:
+                    self.kv.events.flush()  # the step's KV events, one batch (as vLLM)
                 self._count_preemptions()
                 if not batch:
                     self._wake.clear()

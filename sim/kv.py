@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from sim.kv_events import KvEventSink
+
 _ROOT_HASH = 0x6A09E667F3BCC908  # parent of the first block of every sequence
 
 
@@ -26,8 +28,10 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int]) -
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KvEventSink | None = None) -> None:
         self.num_blocks = num_blocks
+        # vLLM's KV events (sim/kv_events.py): a block cached, a block evicted.
+        self.events = events
         self.block_size = block_size
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
@@ -68,7 +72,11 @@ class BlockManager:
         return n
 
     def allocate(
-        self, full_hashes: Sequence[int], num_blocks: int, max_cached_blocks: int
+        self,
+        full_hashes: Sequence[int],
+        num_blocks: int,
+        max_cached_blocks: int,
+        token_ids: Sequence[int] = (),
     ) -> tuple[list[int], int] | None:
         """Blocks for the first `num_blocks` blocks of a sequence whose leading full
         blocks have `full_hashes` (those being computed now: they become cacheable).
@@ -94,7 +102,8 @@ class BlockManager:
         blocks = hits + [self._take_free() for _ in range(need)]
         # Newly computed full blocks become cacheable right away (vLLM caches at schedule).
         for i in range(len(hits), min(len(full_hashes), num_blocks)):
-            self.register(blocks[i], full_hashes[i])
+            parent = full_hashes[i - 1] if i else None
+            self.register(blocks[i], full_hashes[i], parent, self._tokens(token_ids, i))
         return blocks, len(hits)
 
     def append(self) -> int | None:
@@ -103,12 +112,25 @@ class BlockManager:
             return None
         return self._take_free()
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Mark a full block's content as reusable by later prefixes."""
+    def _tokens(self, token_ids: Sequence[int], i: int) -> Sequence[int]:
+        return token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def register(
+        self,
+        block: int,
+        block_hash: int,
+        parent: int | None = None,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """Mark a full block's content as reusable by later prefixes (``parent``:
+        the previous block's hash, None for a first block; with ``token_ids``,
+        the block's, for its BlockStored event)."""
         if block_hash in self._cached or self._hash[block] is not None:
             return  # a duplicate of a block computed concurrently: leave it uncached
         self._cached[block_hash] = block
         self._hash[block] = block_hash
+        if self.events is not None:
+            self.events.stored(block_hash, parent, token_ids, self.block_size)
 
     def free(self, blocks: Sequence[int]) -> None:
         # Reverse order: a sequence's tail blocks become the first eviction candidates.
@@ -130,6 +152,8 @@ class BlockManager:
             h = self._hash[b]
             if h is not None:
                 del self._cached[h]
+                if self.events is not None:
+                    self.events.removed(h)
             self._hash[b] = None
         self._ref[b] = 1
         self._used += 1

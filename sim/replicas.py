@@ -23,14 +23,22 @@ import msgspec
 import uvicorn
 
 from sim.config import SimConfig
+from sim.kv_events import offset_endpoint
 
 
 def replica_configs(cfg: SimConfig, n: int) -> list[SimConfig]:
-    """Replica i's config: `cfg` with its own fault seed (i = 0 keeps `cfg`'s)."""
+    """Replica i's config: `cfg` with its own fault seed (i = 0 keeps `cfg`'s)
+    and its own KV events endpoint (port + i, vLLM's rule for its DP ranks)."""
     base = cfg.seed if cfg.fault_seed is None else cfg.fault_seed
     if n == 1:
         return [cfg]
-    return [msgspec.structs.replace(cfg, fault_seed=base + i) for i in range(n)]
+    ep = cfg.kv_events_endpoint
+    return [
+        msgspec.structs.replace(
+            cfg, fault_seed=base + i, kv_events_endpoint=offset_endpoint(ep, i) if ep else None
+        )
+        for i in range(n)
+    ]
 
 
 class _ReplicaServer(uvicorn.Server):

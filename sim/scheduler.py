@@ -132,7 +132,7 @@ class Scheduler:
         computed = hits * bs
         n = min(total - computed, budget)
         end = computed + n
-        got = kv.allocate(seq.hashes[: end // bs], kv.blocks_for(end), hits)
+        got = kv.allocate(seq.hashes[: end // bs], kv.blocks_for(end), hits, seq.token_ids)
         if got is None:
             return 0
         seq.blocks, _ = got
@@ -164,5 +164,7 @@ class Scheduler:
         if last > first:  # blocks this step fills become cacheable (vLLM caches at schedule)
             chain_hashes(seq.token_ids, bs, seq.hashes)
             for i in range(first, last):
-                kv.register(seq.blocks[i], seq.hashes[i])
+                parent = seq.hashes[i - 1] if i else None
+                tokens = seq.token_ids[i * bs : (i + 1) * bs]
+                kv.register(seq.blocks[i], seq.hashes[i], parent, tokens)
         return True

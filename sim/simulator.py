@@ -15,6 +15,7 @@ from sim.engine import Engine
 from sim.faults import Fault, FaultPicker
 from sim.inbound import BadRequest, NotFound
 from sim.kv import BlockManager
+from sim.kv_events import KvEventSink, ZmqPublisher
 from sim.metrics import SimMetrics
 from sim.records import Counters, RequestLog, RequestRecord
 from sim.scripts import ScriptBook
@@ -31,7 +32,12 @@ class Simulator:
         self.max_model_len = cfg.eff_max_model_len
         self.created = int(time.time())
         self.tokenizer = Tokenizer()
-        self.kv = BlockManager(cfg.eff_num_gpu_blocks, cfg.block_size)
+        self.kv_publisher: ZmqPublisher | None = None
+        sink = None
+        if cfg.kv_events_endpoint:
+            self.kv_publisher = ZmqPublisher(cfg.kv_events_endpoint, cfg.kv_events_topic)
+            sink = KvEventSink(self.kv_publisher)
+        self.kv = BlockManager(cfg.eff_num_gpu_blocks, cfg.block_size, sink)
         self.records = RequestLog()
         self.stats = Counters()
         self.metrics = SimMetrics(
@@ -65,6 +71,11 @@ class Simulator:
         self.scripts = ScriptBook.from_file(cfg.scripts_path)
         # Embedding requests share the engine's concurrency limit, not its KV blocks.
         self.embed_slots = asyncio.Semaphore(self.max_num_seqs)
+
+    def close(self) -> None:
+        """Unbind the KV events socket (the HTTP side is the server's)."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
     def check_model(self, model: str | None) -> str:
         if model is None:

@@ -31,6 +31,7 @@ from streams.outbox import DEFAULT_OUTBOX, OutboxTopology
 from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology
 from streams.routes import ROUTES_BUCKET
 from streams.subjects import (
+    KV_INDEX_SUBJECT,
     LIVE,
     POOL_SPACE,
     PREFIX,
@@ -177,6 +178,7 @@ def permissions(
                 # Hand a failed request to the next candidate's pool
                 # (streams/pools.py; the gateway makes the pools).
                 f"{POOL_SPACE}.>",
+                KV_INDEX_SUBJECT,  # what its engine's KV cache holds (streams/kv_index.py)
             ),
             subscribe=(inbox, f"{PREFIX}.cancel.>"),
         )
@@ -249,6 +251,7 @@ def permissions(
             reply,
             live,
             f"{PREFIX}.resumed.>",
+            KV_INDEX_SUBJECT,  # the fleet's KV index (--kv-index)
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>",
         ),
     )

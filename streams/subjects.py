@@ -60,6 +60,12 @@ def frames_filter(tenant: str, request_id: str) -> str:
     return f"{PREFIX}.reply.{tenant}.*.{request_id}"
 
 
+# The fleet-wide KV index (streams/kv_index.py): workers publish what their
+# engines hold, gateways listen (core NATS). One subject for the fleet: an
+# engine's cache serves every class.
+KV_INDEX_SUBJECT = f"{PREFIX}.kvidx"
+
+
 def resumed_subject(request_id: str) -> str:
     """A gateway announces here that a client resumed this request's stream."""
     return f"{PREFIX}.resumed.{request_id}"

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from streams.kv_index import PrefixKey
+
 Op = Literal["chat", "completion", "embedding"]
 
 
@@ -74,6 +76,9 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     # scope), decided by the gateway (gateway/inference/rollout.py) and kept
     # for the ledger; workers read only ``candidates``.
     rollout_arm: str = ""
+    # Its routing text's prefix keys (streams/kv_index.py), when the gateway
+    # routes by the KV index: the worker ties them to the blocks it stores.
+    prefix_keys: list[PrefixKey] = []
 
 
 HEDGE_ATTEMPT_BASE = 100

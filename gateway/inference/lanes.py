@@ -8,6 +8,10 @@ affinity (the worker half is ``workers/inference/affinity.py``).
 - ``least_loaded``: the plain class subject, where whichever worker has a free
   slot pulls first.
 
+With the KV index on (``--kv-index``, gateway/inference/kv_routing.py), an
+``affinity`` request on the shared lanes goes to the lane of the replica whose
+engine holds the longest prefix of its routing text, else to its hash lane.
+
 The prefix key includes the tenant unless the route marks the prefix shared:
 cache-timing side channels must not cross tenants by default.
 """
@@ -19,7 +23,9 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.inference.kv_routing import KvRouting
 from streams.definitions import Topology
+from streams.kv_index import PrefixKey, prefix_keys
 from streams.routes import RoutingPolicy
 from streams.subjects import (
     excess_subject,
@@ -63,10 +69,20 @@ def prefix_text(op: str, body: Mapping[str, Any], routing: RoutingPolicy) -> str
     return head[: routing.prefix_chars]
 
 
+def prompt_chars(op: str, body: Mapping[str, Any]) -> int:
+    """The length of the whole prompt text, as :func:`prefix_text` reads it."""
+    if op == "chat":
+        messages = [m for m in body.get("messages") or [] if isinstance(m, Mapping)]
+        return sum(len(str(m.get("role"))) + len(_text(m.get("content"))) + 2 for m in messages)
+    prompt = body.get("prompt") if op == "completion" else None
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
 class LaneRouter:
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, kv: KvRouting | None = None) -> None:
         self._topo = topology
         self._turn = itertools.count()
+        self.kv = kv  # the fleet's KV index (None: hash lanes only)
 
     def subject(
         self,
@@ -79,27 +95,49 @@ class LaneRouter:
         excess: bool = False,
         pool: str = "",
     ) -> str:
-        """The work-queue subject: a lane by prefix or in turn, the class's own,
-        or (``excess``, a tenant past its turn) the class's excess subject; with
-        ``pool`` (a deployment pool's token), the pool's lane or plain subject
-        (a pool has no excess: its workers are the route's alone)."""
+        """The work-queue subject (see :meth:`route`)."""
+        return self.route(op, cls, tenant, body, routing, shared_prefix, excess, pool)[0]
+
+    def route(
+        self,
+        op: str,
+        cls: str,
+        tenant: str,
+        body: Mapping[str, Any],
+        routing: RoutingPolicy,
+        shared_prefix: bool = False,
+        excess: bool = False,
+        pool: str = "",
+    ) -> tuple[str, list[PrefixKey]]:
+        """The work-queue subject: a lane by prefix (or by the KV index) or in
+        turn, the class's own, or (``excess``, a tenant past its turn) the
+        class's excess subject; with ``pool`` (a deployment pool's token), the
+        pool's lane or plain subject (a pool has no excess: its workers are the
+        route's alone). And the request's prefix keys, when the KV index is on
+        (the worker that serves it ties them to the blocks it stores)."""
         if pool:
             plain = pool_subject(pool, cls)
             lanes = self._topo.pool_lanes if cls in self._topo.lane_classes else 0
         elif excess and cls in self._topo.excess_classes:
-            return excess_subject(cls)
+            return excess_subject(cls), []
         else:
             plain = request_subject(cls)
             lanes = self._topo.lanes_of(cls) if cls in self._topo.lane_classes else 0
         if routing.mode == "least_loaded" or not lanes:
-            return plain
+            return plain, []
+        keys: list[PrefixKey] = []
         if routing.mode == "round_robin":
             lane = next(self._turn) % lanes
         else:
             head = prefix_text(op, body, routing)
             if head is None:
-                return plain
+                return plain, []
             scope = "" if shared_prefix else tenant
             digest = hashlib.blake2b(f"{scope}\0{head}".encode(), digest_size=8).digest()
             lane = int.from_bytes(digest, "big") % lanes
-        return pool_lane_subject(pool, cls, lane) if pool else lane_subject(cls, lane)
+            if self.kv is not None and not pool:
+                # Pools keep their hash lanes: the index covers the shared lanes.
+                keys = prefix_keys(scope, head, prompt_chars(op, body))
+                lane = self.kv.lane(lanes, keys, lane)
+        subject = pool_lane_subject(pool, cls, lane) if pool else lane_subject(cls, lane)
+        return subject, keys

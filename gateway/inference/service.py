@@ -31,6 +31,7 @@ from gateway.inference.coalesce_fleet import FleetCoalescing
 from gateway.inference.dispatch import Dispatcher, FrameStream, error_from_frame
 from gateway.inference.event_ids import tokens_through
 from gateway.inference.fair_gate import FairGate
+from gateway.inference.kv_routing import KvRouting
 from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
 from gateway.inference.pools import PoolView
@@ -73,6 +74,7 @@ class InferenceService:
         fair_gate: FairGate | None = None,
         fleet_coalescing: FleetCoalescing | None = None,
         pools: PoolView | None = None,
+        kv: KvRouting | None = None,
     ) -> None:
         self.cfg = cfg
         self.tenancy = tenancy
@@ -84,7 +86,7 @@ class InferenceService:
         self.routes = routes  # route contracts (None: only cfg.models, no contracts)
         self.queue_watch = queue_watch  # deadline-aware shedding (None: off)
         self.fair_gate = fair_gate  # tenants in turn within a class (None: off)
-        self.lanes = LaneRouter(cfg.topology)
+        self.lanes = LaneRouter(cfg.topology, kv)  # kv: the fleet's KV index (--kv-index)
         self.pools = pools  # deployment pools of routed requests (None: shared subjects)
         self.settlements = settlements
         self.books = Books(cfg, accountant, idempotency, settlements, metrics, routes)
@@ -328,11 +330,12 @@ class InferenceService:
             pool = ""
             if req.candidates and self.pools is not None:
                 pool = await self.pools.token(self.pools.choose(req.candidates))
-            subject = self.lanes.subject(
+            subject, keys = self.lanes.route(
                 req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool
             )
+            sent = msgspec.structs.replace(req, prefix_keys=keys) if keys else req
             return await self.dispatcher.submit(
-                req, meta, subject, hedge if hedge.enabled and not excess else None
+                sent, meta, subject, hedge if hedge.enabled and not excess else None
             )
 
         # A canary-arm request never shares an execution: a follower would be

@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--scenario", default="affinity,saturation,failover,hedging")
     f.add_argument("--out", default="bench/results/fleet")
     f.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="scale and kvindex: the fleet's replicas (0: 64 for scale, 16 for kvindex)",
+    )
+    f.add_argument(
         "--rate", type=float, default=12.0, help="req/s (affinity, failover, hedging, soak)"
     )
     f.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")

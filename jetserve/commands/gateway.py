@@ -219,6 +219,12 @@ def _routing(g: argparse.ArgumentParser) -> None:
         help="routing for models without a route contract",
     )
     g.add_argument(
+        "--kv-index",
+        action="store_true",
+        help="route affinity requests to the replica whose engine holds the longest cached "
+        "prefix, by the fleet's KV index (workers with --kv-events); hash lanes otherwise",
+    )
+    g.add_argument(
         "--hedge",
         default=None,
         metavar="p95|SECONDS",
@@ -338,6 +344,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         admin_port=args.admin_port,
         admin_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else None,
         routing=RoutingPolicy(mode=args.routing),
+        kv_index=args.kv_index,
         hedge=hedge_policy(args.hedge, args.hedge_max_extra),
         shed=not args.no_shed,
         fair=not args.no_fair,

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 from jetserve.commands.common import (
@@ -43,6 +44,17 @@ def register(sub: Subparsers) -> None:
         "several engines from one process: each is a replica of its own (worker id "
         "<id>-<n>, admission, lanes; its metrics labelled replica=<id>-<n>)",
     )
+    w.add_argument(
+        "--kv-events",
+        dest="kv_events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="the engine's KV cache events (vLLM --kv-events-config's ZMQ endpoint, e.g. "
+        "tcp://127.0.0.1:5557), fed to the fleet's KV index (gateway --kv-index); one per "
+        "--engine, in the same order",
+    )
+    w.add_argument("--kv-events-topic", default="", help="the events' ZMQ topic (prefix)")
     w.add_argument("--engine-api-key", default=None)
     w.add_argument(
         "--engine-dialect",
@@ -114,6 +126,9 @@ async def _run(args: argparse.Namespace) -> int:
     from workers.replicas import all_ready, replica_registry
 
     engines = args.engines or [DEFAULT_ENGINE]
+    if args.kv_events and len(args.kv_events) != len(engines):
+        print("jetserve worker: one --kv-events per --engine", file=sys.stderr)
+        return 2
     base_id = args.worker_id or f"w-{uuid.uuid4().hex[:8]}"
     model = args.deployment_name  # names the model in Triton's URL
     loop = asyncio.get_running_loop()
@@ -122,7 +137,12 @@ async def _run(args: argparse.Namespace) -> int:
         for n, url in enumerate(engines):
             # One replica per engine: its own id (lane ownership), admission and metrics.
             worker_id = base_id if len(engines) == 1 else f"{base_id}-{n}"
-            cfg = dataclasses.replace(await worker_config(args, url), worker_id=worker_id)
+            cfg = dataclasses.replace(
+                await worker_config(args, url),
+                worker_id=worker_id,
+                kv_events=args.kv_events[n] if args.kv_events else None,
+                kv_events_topic=args.kv_events_topic,
+            )
             engine = await stack.enter_async_context(
                 make_adapter(args.dialect, url, args.engine_api_key, model)
             )

@@ -26,7 +26,7 @@ from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role, inbox_prefix
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.routes import ROUTES_BUCKET
-from streams.subjects import INGRESS_CHAT, RequestClass, request_subject
+from streams.subjects import INGRESS_CHAT, KV_INDEX_SUBJECT, RequestClass, request_subject
 
 pytestmark = [pytest.mark.connected, pytest.mark.bus_refusals]
 
@@ -135,6 +135,12 @@ FORBIDDEN = [
     (Role.TOOLS, "publish", request_subject(RequestClass.INTERACTIVE)),
     (Role.TOOLS, "subscription", "jetserve.reply.>"),
     (Role.TOOLS, "subscription", "jetserve.live.>"),
+    # The fleet's KV index: workers tell it, gateways hear it, nobody else either.
+    (Role.SERVICE, "publish", KV_INDEX_SUBJECT),
+    (Role.SERVICE, "subscription", KV_INDEX_SUBJECT),
+    (Role.AGENT, "publish", KV_INDEX_SUBJECT),
+    (Role.WORKER, "subscription", KV_INDEX_SUBJECT),
+    (Role.GATEWAY, "publish", KV_INDEX_SUBJECT),
     # Even the gateway may not delete or purge a stream.
     (Role.GATEWAY, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
     (Role.GATEWAY, "publish", f"$JS.API.STREAM.PURGE.{TOPO.frames_stream}"),

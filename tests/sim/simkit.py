@@ -75,6 +75,7 @@ async def serve(cfg: SimConfig, clock: Clock | None = None) -> AsyncIterator[Sim
     finally:
         await _stop(server, task)
         sock.close()
+        app.state.sim.close()
 
 
 async def _stop(server: uvicorn.Server, task: asyncio.Task[None]) -> None:

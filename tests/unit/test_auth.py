@@ -14,6 +14,7 @@ from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
 from jetserve.credentials import Credentials, generate, public_key
 from streams.auth import Role, inbox_prefix, permissions, tenant_of_inbox
 from streams.routes import ROUTES_BUCKET
+from streams.subjects import KV_INDEX_SUBJECT
 
 
 def _covers(patterns: tuple[str, ...], subject: str) -> bool:
@@ -56,6 +57,18 @@ def test_a_worker_cannot_touch_routes_or_the_api() -> None:
     assert not _covers(p.subscribe, "jetserve.api.chat")
     assert _covers(p.publish, "$JS.API.CONSUMER.MSG.NEXT.JETSERVE_REQ.workers-interactive")
     assert _covers(p.publish, "jetserve.reply.acme.gw1.r1")
+
+
+def test_workers_publish_the_kv_index_and_gateways_only_hear_it() -> None:
+    worker, gateway = permissions(Role.WORKER), permissions(Role.GATEWAY)
+    assert _covers(worker.publish, KV_INDEX_SUBJECT)
+    assert not _covers(worker.subscribe, KV_INDEX_SUBJECT)
+    assert _covers(gateway.subscribe, KV_INDEX_SUBJECT)
+    assert not _covers(gateway.publish, KV_INDEX_SUBJECT)
+    for role in (Role.SERVICE, Role.TOOLS, Role.AGENT):
+        p = permissions(role, "acme" if role is Role.SERVICE else None)
+        assert not _covers(p.publish, KV_INDEX_SUBJECT), role
+        assert not _covers(p.subscribe, KV_INDEX_SUBJECT), role
 
 
 @pytest.mark.parametrize("role", [r for r in Role if r is not Role.ADMIN])

@@ -53,6 +53,23 @@ class WorkerMetrics:
             ["event"],
             registry=r,
         )
+        self.kv_keys = Gauge(
+            "jetserve_worker_kv_index_keys",
+            "Prefix keys the engine holds, as told to the fleet's KV index (--kv-events)",
+            registry=r,
+        )
+        self.kv_blocks = Gauge(
+            "jetserve_worker_kv_event_blocks",
+            "Cached blocks the engine's KV events say it holds",
+            registry=r,
+        )
+        self.kv_learnt = Counter(
+            "jetserve_worker_kv_index_requests",
+            "Requests with prefix keys, by whether their blocks were found (learnt) "
+            "or not (unattributed: a prompt cached whole, or concurrent look-alikes)",
+            ["outcome"],
+            registry=r,
+        )
         self.block_waits = Counter(
             "jetserve_worker_block_waits",
             "Requests that waited for KV blocks: their prompt + max_tokens did not fit yet",

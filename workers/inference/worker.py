@@ -53,6 +53,7 @@ from workers.inference.affinity import LanePuller, StartRate
 from workers.inference.batching import EmbedBatcher
 from workers.inference.cancels import CancelWatch
 from workers.inference.delivery import confirm_ack, delivery_limit
+from workers.inference.kv_reporter import KvReporter
 from workers.inference.metrics import WorkerMetrics
 from workers.inference.pool_source import PoolSource
 from workers.inference.relay import FrameSender
@@ -103,6 +104,11 @@ class WorkerConfig:
     # and how far above its share of lanes one may own.
     lane_depth: int = DEFAULT_DEPTH
     lane_load_factor: float = DEFAULT_LOAD_FACTOR
+    # The engine's KV cache events (vLLM's --kv-events-config ZMQ PUB endpoint,
+    # e.g. tcp://127.0.0.1:5557): followed and published to the fleet's KV index
+    # (workers/inference/kv_reporter.py); None: not followed.
+    kv_events: str | None = None
+    kv_events_topic: str = ""
 
 
 class Worker:
@@ -136,6 +142,7 @@ class Worker:
         self._cancels: CancelWatch | None = None
         self._failures: FailureCounts | None = None
         self._acks: set[asyncio.Task[bool]] = set()  # confirmations still running
+        self.kv: KvReporter | None = None  # the engine's KV events, when followed
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -180,10 +187,21 @@ class Worker:
             self.metrics.lane_stale_pullers.set_function(
                 lambda: sum(lane.stale for lane in self.lanes)
             )
+            if cfg.kv_events:
+                kv = self.kv = KvReporter(
+                    nc,
+                    cfg.worker_id,
+                    cfg.kv_events,
+                    cfg.kv_events_topic,
+                    outcome=lambda outcome: self.metrics.kv_learnt.labels(outcome).inc(),
+                )
+                self.metrics.kv_keys.set_function(lambda: len(kv.tracker.held()))
+                self.metrics.kv_blocks.set_function(lambda: kv.tracker.blocks)
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(self.consumer.run())
                 poller = tg.create_task(self._poll_engine())
                 heartbeat = tg.create_task(members.run())
+                kv_feed = tg.create_task(self.kv.run()) if self.kv is not None else None
                 self.ready.set()
                 log.info("worker %s serving %s", cfg.worker_id, list(cfg.classes))
                 await self._stop.wait()
@@ -192,6 +210,8 @@ class Worker:
                 await self.admission.close()
                 poller.cancel()
                 heartbeat.cancel()
+                if kv_feed is not None:
+                    kv_feed.cancel()
                 self.consumer.shutdown()
                 await serving
                 log.info("worker %s drained", cfg.worker_id)
@@ -493,6 +513,9 @@ class Worker:
                     )
                     self._observe_done(req, started_at, 0.0, result.usage)
                     return
+                # Where the engine's KV events stand: its prefill's blocks come after.
+                kv = self.kv if req.prefix_keys else None
+                since = kv.tracker.mark() if kv is not None else 0
                 # Closed on any exit, cancellation included: a stream left open
                 # (or back in the pool) keeps the engine generating.
                 events = self.engine.generate(req.op, req.body, req.id, headers)
@@ -524,6 +547,14 @@ class Worker:
                                 engine_ms=(time.monotonic() - started_at) * 1000,
                             )
                             self._observe_done(req, started_at, ttft / 1000, event.usage)
+                            if kv is not None:
+                                # Its keys, tied to the blocks its prefill stored.
+                                kv.tracker.learn(
+                                    req.prefix_keys,
+                                    since,
+                                    event.usage.prompt_tokens,
+                                    event.usage.cached_tokens,
+                                )
             self.completed += 1
         except TimeoutError:
             await self._fail(
@@ -534,6 +565,14 @@ class Worker:
         finally:
             done.set()
             ticker.cancel()
+
+    def _learn(self, kv: KvReporter, req: InferenceRequest, since: int, prompt_tokens: int) -> None:
+        """Tie the request's prefix keys to the blocks its prefill stored."""
+        before = kv.tracker.learnt
+        kv.tracker.learn(req.prefix_keys, since, prompt_tokens)
+        self.metrics.kv_learnt.labels(
+            "learnt" if kv.tracker.learnt > before else "unattributed"
+        ).inc()
 
     def _observe_done(
         self, req: InferenceRequest, started: float, ttft_s: float, usage: Usage

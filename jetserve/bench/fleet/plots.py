@@ -29,7 +29,7 @@ def write_fleet_plots(results: dict[str, Any], out: Path) -> list[str]:
         left.set_ylabel("ms")
         left.legend(fontsize=7)
         left.set_title(f"{name}: first-token latency", fontsize=9)
-        if name in ("soak", "scale"):
+        if name in ("soak", "scale", "kvindex"):
             if name == "soak":
                 _rss(right, result.get("rss_samples", []))
             else:
@@ -85,7 +85,7 @@ def _hits(ax: Any, result: dict[str, Any]) -> None:
     ax.set_ylabel("prefix-cache hit share (%)")
     ax.set_ylim(0, 100)
     ax.legend(fontsize=7)
-    ax.set_title("scale: cache hits over the run", fontsize=9)
+    ax.set_title(f"{result.get('scenario', 'scale')}: cache hits over the run", fontsize=9)
 
 
 def _labels(names: list[str]) -> list[str]:

@@ -16,6 +16,14 @@ shared-prefix trace.
   owner moved (rendezvous assignment over the members before and after,
   streams/rendezvous.py) and how long until the hit share of what is sent is
   back to its level before the change.
+
+The ``kvindex`` scenario is the same on a smaller fleet (16 replicas by
+default: 64 with two arms and changes is more than a busy 2-core machine
+drives), comparing hash lanes (``affinity``) with KV-event-aware routing
+(``kv_index``: engines publish vLLM's KV events, workers feed the index, the
+gateway routes by it, docs/routing.md), both through the same membership
+changes: hash lanes move at a change, the index keeps each cached prefix on
+the replica that holds it.
 """
 
 from __future__ import annotations
@@ -52,6 +60,12 @@ PATIENCE_S = 60.0
 
 
 def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
+    kv = mode == "kv_index"  # hash lanes with the KV index on top
+    # events_only: hash lanes, the engines publishing and the workers following
+    # their KV events (the index's cost without its routing).
+    events = kv or mode == "events_only"
+    if mode == "events_only":
+        mode = "affinity"
     return FleetSpec(
         workers=0,
         profile="h100-8b",
@@ -59,7 +73,10 @@ def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
         replicas_per_sim=PER_SIM,
         engines_per_worker=PER_WORKER,
         sim_args=["--num-gpu-blocks", str(blocks)],
-        gateway_args=["--routing", mode],
+        gateway_args=["--routing", "affinity", "--kv-index"] if kv else ["--routing", mode],
+        kv_events=events,
+        # The same worker ids in every arm: the same lanes move at each change.
+        worker_id_suffix="bench",
         lanes=DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),  # the product's 256
     )
 
@@ -106,7 +123,19 @@ def _recovery(series: list[tuple[float, float]], at: float) -> dict[str, Any]:
 
 
 async def _members(fleet: Fleet) -> list[str]:
-    """The live members, as the bucket holds them (a watch to its current end)."""
+    """The live members, as the bucket holds them. A fleet always has some: a
+    look that finds none (the watch's end marker can come before its first
+    entry on a loaded machine) is taken again."""
+    for _ in range(20):
+        members = await _look(fleet)
+        if members:
+            return members
+        await asyncio.sleep(0.25)
+    return []
+
+
+async def _look(fleet: Fleet) -> list[str]:
+    """One watch of the members bucket to its current end."""
     nc = await fleet.connect()
     try:
         kv = await nc.jetstream().key_value(MEMBERS_BUCKET)
@@ -135,8 +164,8 @@ async def _until_members(fleet: Fleet, want: int) -> list[str]:
 
 
 def _moved(before: list[str], after: list[str]) -> float | None:
-    """The share of lanes whose owner changed; None when a read of the members
-    came back empty (the bucket unreadable under load), not 100 %."""
+    """The share of lanes whose owner moved; None when a look found no members
+    (on a loaded machine every heartbeat can miss the bucket's 4 s TTL)."""
     if not before or not after:
         return None
     lanes = DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE)
@@ -189,14 +218,33 @@ async def _served_all(fleet: Fleet) -> dict[str, int]:
         return out
 
 
+async def _kv_routes(fleet: Fleet) -> dict[str, float]:
+    """The gateway's KV routing decisions by source (``--kv-index`` only)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(fleet.gateway_metrics_urls[0])).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("jetserve_gateway_kv_routes_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def _mode(
-    mode: str, seed: int, rate: float, duration: float, make: MakeRequest, blocks: int
-) -> tuple[Summary, dict[str, Any], list[Shot], list[dict[str, Any]]]:
-    fleet = await asyncio.to_thread(lambda: Fleet(_spec(REPLICAS - 1, mode, blocks)).start())
+    mode: str,
+    seed: int,
+    rate: float,
+    duration: float,
+    make: MakeRequest,
+    blocks: int,
+    replicas: int = REPLICAS,
+) -> tuple[Summary, dict[str, Any], list[Shot], list[dict[str, Any]], dict[str, float]]:
+    fleet = await asyncio.to_thread(lambda: Fleet(_spec(replicas - 1, mode, blocks)).start())
     driver = Driver(fleet, seed, PATIENCE_S)
+    kv_routes: dict[str, float] = {}
     try:
         changes = Changes(fleet, await _single(fleet, blocks), blocks)
-        await _until_members(fleet, REPLICAS)
+        await _until_members(fleet, replicas)
         await asyncio.sleep(2.0)  # lane ranks settle after the last replica joined
         before = await _served_all(fleet)
         t0 = time.monotonic()
@@ -204,17 +252,28 @@ async def _mode(
         async def during() -> None:
             await changes.run(t0, duration)
 
-        shots = await driver.run(rate, duration, make, during if mode == "affinity" else None)
+        changing = mode in ("affinity", "kv_index", "events_only")
+        shots = await driver.run(rate, duration, make, during if changing else None)
         after = await _served_all(fleet)
+        if mode == "kv_index":
+            kv_routes = await _kv_routes(fleet)
     finally:
         await driver.aclose()
         await asyncio.to_thread(fleet.stop)
     counts = [after[u] - before.get(u, 0) for u in after]
-    return summarize(mode, shots, duration), _balance(counts), shots, changes.log
+    return summarize(mode, shots, duration), _balance(counts), shots, changes.log, kv_routes
 
 
 async def scale(
-    seed: int, rate: float, duration: float, groups: int, words: int, blocks: int
+    seed: int,
+    rate: float,
+    duration: float,
+    groups: int,
+    words: int,
+    blocks: int,
+    replicas: int = REPLICAS,
+    modes: tuple[str, ...] = ("round_robin", "affinity"),
+    name: str = "scale",
 ) -> dict[str, Any]:
     prompts = [system_prompt(g, words) for g in range(groups)]
     # Some prefixes are far more popular than others (Zipf-like, s = 0.6).
@@ -225,21 +284,31 @@ async def scale(
         return "interactive", chat(prompts[g], f"Request {i}: what applies to case {g}?", 16), {}
 
     rows, balance, series_out = [], {}, {}
-    changes: list[dict[str, Any]] = []
-    for mode in ("round_robin", "affinity"):
-        row, balance[mode], shots, log = await _mode(mode, seed, rate, duration, make, blocks)
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    kv_routes: dict[str, float] = {}
+    for mode in modes:
+        row, balance[mode], shots, log, routes = await _mode(
+            mode, seed, rate, duration, make, blocks, replicas
+        )
         rows.append(row)
+        kv_routes |= routes
         series = _hit_series(shots)
         series_out[mode] = [[t, round(h, 3)] for t, h in series]
-        if mode == "affinity":
-            changes = [c | _recovery(series, c["at_s"]) for c in log]
+        if log and mode in ("affinity", "kv_index", "events_only"):
+            by_mode[mode] = [c | _recovery(series, c["at_s"]) for c in log]
     rows.append(await _oracle(seed, rate, duration, make))
     hit = {r.name: r.prefix_hit_rate for r in rows}
     oracle = hit.get("oracle")
+    extra: dict[str, Any] = {}
+    if len(by_mode) > 1:
+        extra["changes_by_mode"] = by_mode
+    if kv_routes:
+        extra["kv_routes"] = kv_routes  # the kv_index arm's gateway: index vs hash
     return {
-        "scenario": "scale",
+        "scenario": name,
+        **extra,
         "setup": {
-            "replicas": REPLICAS,
+            "replicas": replicas,
             "replicas_per_sim_process": PER_SIM,
             "engines_per_worker_process": PER_WORKER,
             "profile": "h100-8b",
@@ -255,7 +324,7 @@ async def scale(
         "hit_share_of_oracle": {
             k: round(v / oracle, 3) if v is not None and oracle else None for k, v in hit.items()
         },
-        "changes": changes,
+        "changes": next(iter(by_mode.values()), []),
         "hit_series": series_out,
         "rows": [asdict(r) for r in rows],
     }

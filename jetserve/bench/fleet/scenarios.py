@@ -70,6 +70,7 @@ SCENARIOS = (
     "fairness",
     "scale",
     "rollout",
+    "kvindex",
 )
 CAPPED_RATIO = 0.02  # hedging's 3-gateway arm: tighter than the 3 % tail wants
 BATCH_DEADLINE_S = 20.0  # saturation: batch waits for its share; interactive has 4 s
@@ -324,6 +325,7 @@ class Options:
     prefix_words: int = 600
     gpu_blocks: int = 1024
     deadline_s: float = 4.0
+    replicas: int = 0  # scale, kvindex: the fleet's replicas (0: 64, 16)
 
 
 async def soak_run(opts: Options) -> dict[str, Any]:
@@ -337,7 +339,20 @@ async def fairness_run(opts: Options) -> dict[str, Any]:
 async def scale_run(opts: Options) -> dict[str, Any]:
     # 256 groups of 300-word prompts: a replica's 1024 KV blocks hold a few of
     # them, the fleet's 64 x 1024 all of them.
-    return await scale(opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks)
+    return await scale(
+        opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks, opts.replicas or 64
+    )
+
+
+async def kvindex_run(opts: Options) -> dict[str, Any]:
+    # 16 replicas (--replicas), 4 groups of 300-word prompts a replica, as scale's
+    # 64 x 256: hash lanes against the KV index, both through n -> n+1 -> n -> n-1
+    # while the load runs.
+    replicas = opts.replicas or 16
+    return await scale(
+        opts.seed, opts.rate, opts.duration, 4 * replicas, 300, opts.gpu_blocks,
+        replicas=replicas, modes=("affinity", "kv_index"), name="kvindex",
+    )  # fmt: skip
 
 
 async def rollout_run(opts: Options) -> dict[str, Any]:
@@ -353,6 +368,7 @@ RUNNERS = {
     "fairness": fairness_run,
     "scale": scale_run,
     "rollout": rollout_run,
+    "kvindex": kvindex_run,
 }
 
 
@@ -390,7 +406,18 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"\n{r['name']} errors: `{json.dumps(r['errors'])}`")
     if "ledger" in result:
         lines.append(f"\nledger reconciliation: `{json.dumps(result['ledger'])}`")
-    for key in ("balance", "hit_share_of_oracle", "changes", "capture", "rollout"):
+    shown = (
+        "balance",
+        "hit_share_of_oracle",
+        "changes",
+        "changes_by_mode",
+        "kv_routes",
+        "capture",
+        "rollout",
+    )
+    for key in shown:
+        if key == "changes" and "changes_by_mode" in result:
+            continue  # the same, under each arm's name
         if key in result:
             lines.append(f"\n{key}: `{json.dumps(result[key])}`")
     if "rss" in result:
