@@ -35,6 +35,7 @@ from streams.connect import connect
 from streams.consumer import Limit, PullConsumer, PullLoop
 from streams.deadletter import dead_letter
 from streams.errors import LeaseLostError, RunConflictError, RunStoreError, RunTooLargeError
+from streams.patience import patiently
 from streams.provision import await_topology
 from streams.subjects import RUN_CANCEL_WILDCARD
 from tools import (
@@ -115,10 +116,13 @@ class Executor:
             js = self._js = nc.jetstream()
             # The inference queue (its model calls, class "agent"): the stream only.
             await await_topology(js, cfg.topology, consumers=False)
-            store = self._store = await RunStore.open(nc, cfg.agent, executor=True)
+            store = self._store = await patiently(
+                lambda: RunStore.open(nc, cfg.agent, executor=True)
+            )
+            effects = EffectLedgerConfig(replicas=cfg.agent.replicas)
             dispatcher = ToolDispatcher(
                 self.registry,
-                ledger=await EffectLedger.open(js, EffectLedgerConfig(replicas=cfg.agent.replicas)),
+                ledger=await patiently(lambda: EffectLedger.open(js, effects)),
                 nc=nc,
                 metrics=ToolMetrics(self.metrics.registry),
             )
