@@ -16,26 +16,11 @@ from jetserve.fleet import Fleet
 from streams.definitions import Topology
 from streams.rendezvous import assign
 from streams.routes import RoutingPolicy
+from tests.prompts import chat
 from tests.scrape import metric_sum
 from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(180)]
-
-
-def system_prompt(group: int) -> str:
-    rules = "".join(f"Rule {i}: answer group {group} politely and briefly. " for i in range(12))
-    return f"You are assistant number {group}. {rules}"
-
-
-def chat(group: int, question: int) -> dict[str, object]:
-    return {
-        "model": "sim-8b",
-        "max_tokens": 8,
-        "messages": [
-            {"role": "system", "content": system_prompt(group)},
-            {"role": "user", "content": f"Question {question} from a user of group {group}?"},
-        ],
-    }
 
 
 async def ask(client: httpx.AsyncClient, fleet: Fleet, group: int, question: int) -> str:
