@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +24,7 @@ from streams.routes import contract_from_builtins
 from streams.subjects import ROLLOUT_EVENTS
 from streams.wire import InferenceRequest
 from tests.refusals import checked_fleet
+from tests.routes_cli import cli
 from tests.scrape import fleet_sum, metric_sum
 from tests.waits import until
 
@@ -230,21 +228,6 @@ async def test_a_canary_outside_the_candidates_is_a_400(fleet: Fleet) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "rollout.canary.share"
         assert (await c.get("/admin/routes/r-bad")).status_code == 404
-
-
-def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "JETSERVE_ADMIN_URL": fleet.admin_url,
-        "JETSERVE_ADMIN_TOKEN": fleet.admin_token,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "jetserve", "routes", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
 
 
 async def test_a_rollback_restores_an_earlier_revision_with_its_fingerprints(

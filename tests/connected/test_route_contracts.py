@@ -8,9 +8,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +29,7 @@ from streams.routes import (
     fingerprints,
 )
 from tests.refusals import checked_fleet
+from tests.routes_cli import cli
 
 pytestmark = pytest.mark.connected
 
@@ -233,21 +231,6 @@ def test_only_a_candidate_deployment_serves(fleet: Fleet) -> None:
     assert len(records) == 8
     assert {r["deployment"] for r in records} == {"dep-b"}
     assert {r["fingerprint"] for r in records} == {applied.json()["fingerprints"]["dep-b"]}
-
-
-def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "JETSERVE_ADMIN_URL": fleet.admin_url,
-        "JETSERVE_ADMIN_TOKEN": fleet.admin_token,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "jetserve", "routes", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
 
 
 def test_cli_apply_diff_history(fleet: Fleet, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -20,7 +20,7 @@ from jetserve.conformance.runner import run_corpus
 from streams.wire import Op
 from tests.sim.simkit import SimHandle
 from workers.engines import translation as t
-from workers.engines.base import Delta, Done
+from workers.engines.base import Delta, Done, EngineAdapter
 from workers.engines.factory import make_adapter
 from workers.engines.openai import OpenAIAdapter
 from workers.engines.tgi import TGIAdapter
@@ -167,8 +167,9 @@ DROPPABLE: dict[str, str | tuple[str, ...]] = {
 }
 
 
-class _DropsOne(OpenAIAdapter):
-    """A buggy pass-through adapter: leaves one field out of every request."""
+class _Drops:
+    """A bug to mix into an adapter (before it in the bases): it leaves
+    ``fields`` out of every request."""
 
     fields: tuple[str, ...] = ()
 
@@ -176,7 +177,12 @@ class _DropsOne(OpenAIAdapter):
         self, op: Op, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
     ) -> AsyncIterator[Delta | Done]:
         trimmed = {k: v for k, v in body.items() if k not in self.fields}
-        return super().generate(op, trimmed, request_id, headers)
+        adapter = cast(EngineAdapter, super())  # the adapter it is mixed into
+        return adapter.generate(op, trimmed, request_id, headers)
+
+
+class _DropsOne(_Drops, OpenAIAdapter):
+    """A buggy pass-through adapter: leaves one field out of every request."""
 
 
 async def test_every_case_catches_the_loss_of_its_field(fast: SimHandle) -> None:
@@ -234,16 +240,8 @@ async def test_a_json_reply_cut_at_max_tokens_is_no_silent_drop(
         assert "cut at max_tokens" in row.note
 
 
-class _TgiDropsOne(TGIAdapter):
+class _TgiDropsOne(_Drops, TGIAdapter):
     """A buggy TGI adapter: leaves one field out of every request."""
-
-    fields: tuple[str, ...] = ()
-
-    def generate(
-        self, op: Op, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
-    ) -> AsyncIterator[Delta | Done]:
-        trimmed = {k: v for k, v in body.items() if k not in self.fields}
-        return super().generate(op, trimmed, request_id, headers)
 
 
 class _TritonDropsOne(TritonAdapter):

@@ -1,0 +1,24 @@
+"""`jetserve routes ...` run as an operator would, against a test fleet's admin API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from jetserve.fleet import Fleet
+
+
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "JETSERVE_ADMIN_URL": fleet.admin_url,
+        "JETSERVE_ADMIN_TOKEN": fleet.admin_token,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "jetserve", "routes", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
