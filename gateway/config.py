@@ -48,6 +48,9 @@ class GatewayConfig:
     # The rollout guard (gateway/admin/rollout_guard.py): how often the gateway
     # holding its lease compares each canary's arms; 0: this gateway never does.
     rollout_guard_every_s: float = 2.0
+    # The evidence watch (gateway/admin/evidence_watch.py), run by the same lease
+    # holder: how often every route's evidence triggers are evaluated; 0: never.
+    evidence_watch_every_s: float = 30.0
     # Idempotency-Key: how long a key's answer is kept (and a retry attaches to
     # the first attempt's stream). The frames capture and the work queue's
     # de-duplication window must cover it (checked at start-up).

@@ -175,6 +175,27 @@ class GatewayMetrics:
             ["route", "figure"],
             registry=r,
         )
+        self.rollout_window_records = Gauge(
+            "jetserve_rollout_window_records",
+            "Ledger samples the rollout guard's lease holder keeps in memory (its window)",
+            registry=r,
+        )
+        # Evidence re-evaluation (gateway/admin/evidence_watch.py), by the lease holder.
+        self.evidence_due = Gauge(
+            "jetserve_route_evidence_due",
+            "1 while a route's evidence has a fired re-evaluation trigger, per trigger kind "
+            "(fingerprint_changed, adapter_changed, engine_changed, price_changed, expired, "
+            "slo_regression); set by the rollout guard's lease holder",
+            ["route", "kind"],
+            registry=r,
+        )
+        self.evidence_fired = Counter(
+            "jetserve_route_evidence_triggers_fired",
+            "Re-evaluation triggers seen to fire, per route and kind (counted once per "
+            "firing by the lease holder that saw it)",
+            ["route", "kind"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from redis.exceptions import RedisError
 
+from gateway.admin.evidence_watch import EvidenceWatch
 from gateway.admin.rollout_guard import LEASE_KEY, RolloutGuard
 from gateway.config import GatewayConfig
 from gateway.inference.coalesce_fleet import FleetCoalescing
@@ -44,7 +45,7 @@ from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from streams.agent_store import RunStore
 from streams.agent_topology import AgentTopology
 from streams.connect import connect
-from streams.evidence import ensure_evidence
+from streams.evidence import bind_evidence, ensure_evidence
 from streams.leases import KvLease, ensure_leases
 from streams.outbox import DEFAULT_OUTBOX, Outbox, ensure_outbox
 from streams.provision import ensure_routes, ensure_topology
@@ -236,10 +237,22 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
             async def evidence() -> KeyValue:
                 return await ensure_evidence(js, cfg.topology.replicas)
 
+            async def existing_evidence() -> KeyValue | None:
+                return await bind_evidence(js)
+
             reader = LedgerReader(js, ledger_topo)
-            guard = RolloutGuard(
-                nc, lease, route_table, reader, metrics, every, evidence, cfg.prices.version
+            watch = EvidenceWatch(
+                nc,
+                existing_evidence,
+                route_table,
+                metrics,
+                cfg.prices.version,
+                cfg.evidence_watch_every_s,
             )
+            guard = RolloutGuard(
+                nc, lease, route_table, reader, metrics, every, evidence, cfg.prices.version,
+                watch if cfg.evidence_watch_every_s > 0 else None,
+            )  # fmt: skip
             await _started(stack, guard)
         await _started(stack, NatsIngress(nc, gw))
         await _started(stack, MaxDeliveriesWatch(nc, js, cfg.topology, gw.metrics))

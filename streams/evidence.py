@@ -57,6 +57,18 @@ class Trigger(msgspec.Struct, frozen=True, kw_only=True):
     detail: str
 
 
+class EvidenceDueEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """Published on ``streams.subjects.ROLLOUT_EVENTS`` when the evidence watch
+    (gateway/admin/evidence_watch.py) sees triggers fire on a route."""
+
+    kind: str = "evidence_due"
+    route: str
+    revision: int  # the route's current revision
+    evidence_revision: int  # the revision whose evidence no longer holds
+    triggers: tuple[Trigger, ...]  # those newly fired
+    at: float
+
+
 def evidence_key(route: str, revision: int) -> str:
     return f"{route}/r{revision}"
 
@@ -122,6 +134,15 @@ def evidence_config(replicas: int = 1) -> KeyValueConfig:
         storage=StorageType.FILE,
         replicas=replicas,
     )
+
+
+async def bind_evidence(js: JetStreamContext) -> KeyValue | None:
+    """The evidence bucket if anyone has made it (an attach), else None: a
+    watcher must not make it."""
+    try:
+        return await js.key_value(EVIDENCE_BUCKET)
+    except BucketNotFoundError:
+        return None
 
 
 async def ensure_evidence(js: JetStreamContext, replicas: int = 1) -> KeyValue:

@@ -83,6 +83,9 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     # for it; None: not compared.
     shadow_exact_match: bool | None = None
     shadow_json_valid: bool | None = None
+    # On a shadow's record: whether the *served* answer it was compared with
+    # was valid JSON (None: not checked, or the served request did not complete).
+    shadow_served_json_valid: bool | None = None
 
 
 _encoder = msgspec.json.Encoder()

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import msgspec
 
@@ -30,6 +31,28 @@ from streams.routes import RouteRecord
 
 ERROR_RATE_FLOOR = 0.01
 ARMS = ("stable", "canary")
+
+
+class Sampled(Protocol):
+    """What the arms' figures read of a record: a :class:`LedgerRecord`, or the
+    rollout guard's in-memory :class:`gateway.admin.ledger_window.Sample`."""
+
+    @property
+    def created(self) -> float: ...
+    @property
+    def route(self) -> str: ...
+    @property
+    def route_revision(self) -> int: ...
+    @property
+    def rollout_arm(self) -> str: ...
+    @property
+    def shadow(self) -> bool: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def first_token_ms(self) -> float | None: ...
 
 
 class ArmFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +91,10 @@ class ShadowSummary(msgspec.Struct, frozen=True, kw_only=True):
     exact_matches: int = 0
     json_checked: int = 0  # copies of requests that asked for JSON
     json_valid: int = 0
+    # The served answers of those requests, checked the same way: a shadow's
+    # JSON rate means little without the stable arm's beside it.
+    served_json_checked: int = 0
+    served_json_valid: int = 0
 
 
 class Analysis(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,7 +118,7 @@ def p95(values: list[float]) -> float | None:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def figures(records: Iterable[LedgerRecord]) -> ArmFigures:
+def figures(records: Iterable[Sampled]) -> ArmFigures:
     n = errors = 0
     ttft: list[float] = []
     for r in records:
@@ -137,11 +164,16 @@ def shadow_summary(records: Iterable[LedgerRecord], route: str, revision: int) -
             length.append(copy.usage.completion_tokens / real.usage.completion_tokens)
     exact = [c.shadow_exact_match for c in copies if c.shadow_exact_match is not None]
     json_ok = [c.shadow_json_valid for c in copies if c.shadow_json_valid is not None]
+    served_ok = [
+        c.shadow_served_json_valid for c in copies if c.shadow_served_json_valid is not None
+    ]
     return ShadowSummary(
         exact_compared=len(exact),
         exact_matches=sum(exact),
         json_checked=len(json_ok),
         json_valid=sum(json_ok),
+        served_json_checked=len(served_ok),
+        served_json_valid=sum(served_ok),
         copies=len(copies),
         paired=paired,
         errors=sum(c.status >= 500 for c in copies),
@@ -152,7 +184,7 @@ def shadow_summary(records: Iterable[LedgerRecord], route: str, revision: int) -
     )
 
 
-def in_arms(records: Iterable[LedgerRecord], route: str, revision: int) -> list[LedgerRecord]:
+def in_arms(records: Iterable[Sampled], route: str, revision: int) -> list[Sampled]:
     """The records that count: the route's, at ``revision``, served on an arm."""
     return [
         r
@@ -165,17 +197,20 @@ def in_arms(records: Iterable[LedgerRecord], route: str, revision: int) -> list[
     ]
 
 
-def analyse(record: RouteRecord, records: list[LedgerRecord], now: float) -> Analysis:
-    """The arms so far, the guard over its window, and the decision."""
+def analyse(
+    record: RouteRecord,
+    records: Sequence[Sampled],
+    now: float,
+    shadow: ShadowSummary | None = None,
+) -> Analysis:
+    """The arms in ``records``, the guard over its window, and the decision;
+    ``shadow``, the shadow comparison, is passed through."""
     name, revision = record.contract.name, record.revision
     mine = in_arms(records, name, revision)
     arms = {arm: figures(r for r in mine if r.rollout_arm == arm) for arm in ARMS}
     total = sum(a.requests for a in arms.values())
     shares = {arm: (arms[arm].requests / total if total else 0.0) for arm in ARMS}
     rollout = record.contract.rollout
-    shadow = None
-    if rollout is not None and rollout.shadow is not None:
-        shadow = shadow_summary(records, name, revision)
     if rollout is None or rollout.canary is None:
         return Analysis(
             route=name,
@@ -265,4 +300,10 @@ async def read_records(
 
 
 async def analyse_now(reader: LedgerReader, record: RouteRecord) -> Analysis:
-    return analyse(record, await read_records(reader, record), time.time())
+    """Everything since the revision took effect, shadows compared (a status read)."""
+    records = await read_records(reader, record)
+    rollout = record.contract.rollout
+    shadow = None
+    if rollout is not None and rollout.shadow is not None:
+        shadow = shadow_summary(records, record.contract.name, record.revision)
+    return analyse(record, records, time.time(), shadow)

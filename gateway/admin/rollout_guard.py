@@ -5,10 +5,13 @@ Every gateway runs one; the one holding the ``rollout-guard`` lease (NATS KV,
 streams/leases.py) works, the others only keep trying for the lease, so a
 guard that dies is replaced within the lease's ttl. While no route has a
 canary, nobody contends for the lease (nor makes its bucket): a fleet without
-rollouts pays nothing for the guard. Every ``every_s`` the
-holder reads, for each route whose current revision has a canary, that
-revision's ledger records over the guard's window (fleet-wide:
-gateway/admin/rollout_analysis.py). When the analysis fails the canary, it
+rollouts pays nothing for the guard. The holder follows the ledger
+(gateway/admin/ledger_window.py: each record read once, the last minutes kept
+in memory), and every ``every_s`` judges, for each route whose current
+revision has a canary, that revision's records over the guard's window
+(fleet-wide: gateway/admin/rollout_analysis.py). Once evidence exists, the
+holder also re-evaluates every route's evidence triggers
+(gateway/admin/evidence_watch.py). When the analysis fails the canary, it
 rolls back through :func:`gateway.admin.route_rollback.roll_back`, the code of
 the manual rollback, to the newest earlier revision that does not canary that
 deployment, conditional on the route still being at the revision it judged.
@@ -29,14 +32,16 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
-from gateway.admin.rollout_analysis import Analysis, analyse, read_records
+from gateway.admin.evidence_watch import EvidenceWatch
+from gateway.admin.ledger_window import LedgerWindow
+from gateway.admin.rollout_analysis import Analysis, analyse
 from gateway.admin.route_contracts import RouteStore
 from gateway.admin.route_evidence import EvidenceUpdate, merge
 from gateway.admin.route_rollback import RouteConflict, roll_back
 from gateway.errors import GatewayError
 from gateway.inference.route_table import RouteTable
 from gateway.metrics import GatewayMetrics
-from gateway.tenancy.request_ledger import LedgerReader
+from gateway.tenancy.request_ledger import LedgerFollowLost, LedgerReader
 from streams.errors import ProvisioningError
 from streams.leases import KvLease
 from streams.logs import log_event
@@ -61,6 +66,7 @@ class RolloutGuard:
         every_s: float,
         evidence: Callable[[], Awaitable[KeyValue]] | None = None,
         price_version: str = "",
+        watch: EvidenceWatch | None = None,
     ) -> None:
         self._nc = nc
         self._evidence = evidence  # the evidence bucket: the judged revision gets the figures
@@ -72,6 +78,8 @@ class RolloutGuard:
         self.reader = reader
         self.metrics = metrics
         self.every_s = every_s
+        self.window = LedgerWindow(reader)  # the ledger's last minutes, while the holder
+        self.watch = watch  # every route's evidence triggers, while the holder
         self._stuck: set[tuple[str, int]] = set()  # failing, nothing to roll back to: said once
         self._task: asyncio.Task[None] | None = None
 
@@ -84,43 +92,65 @@ class RolloutGuard:
             self._task = None
         if self.lease is not None:
             await self.lease.release()
-        self.metrics.rollout_guard_leader.set(0)
+        await self._resign()
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.tick()
-            except (nats.errors.Error, TimeoutError, ProvisioningError) as exc:
+            except (nats.errors.Error, TimeoutError, ProvisioningError, LedgerFollowLost) as exc:
+                # The window, lost, starts again next tick.
                 log.warning("rollout guard: the bus failed (%r); trying again", exc)
             await asyncio.sleep(self.every_s)
 
     async def tick(self) -> list[str]:
-        """One round: hold the lease, then judge every canary; the routes rolled back."""
+        """One round: hold the lease, then judge every canary and, when due,
+        every route's evidence; the routes rolled back."""
+        now = time.time()
         canaries = [r for r in map(self.table.get, self.table.names()) if _has_canary(r)]
-        if not canaries:
+        watching = self.watch is not None and await self.watch.active(now)
+        if not canaries and not watching:
             if self.lease is not None and self.lease.held:
                 await self.lease.release()  # another gateway takes over at once when needed
-            self.metrics.rollout_guard_leader.set(0)
+            await self._resign()
             return []
         if self.lease is None:
             self.lease = await self._make_lease()
         leader = await self.lease.hold()
         self.metrics.rollout_guard_leader.set(1 if leader else 0)
         if not leader:
+            await self._resign()
             return []
+        evaluate = self.watch is not None and self.watch.due(now)
+        if evaluate:
+            assert self.watch is not None
+            await self.watch.refresh()
+        spans = [r.contract.rollout.guard.window_s for r in canaries if r and r.contract.rollout]
+        if self.watch is not None:
+            spans.append(self.watch.horizon_s())
+        await self.window.advance(max(spans) + self.reader.topo.clock_skew_s, now)
+        self.metrics.rollout_window_records.set(len(self.window))
         rolled = []
         for record in canaries:
             assert record is not None
-            rollout = record.contract.rollout
-            assert rollout is not None
             name = record.contract.name
-            now = time.time()
-            records = await read_records(self.reader, record, since=now - rollout.guard.window_s)
-            analysis = analyse(record, records, now)
+            analysis = analyse(record, self.window.samples(name, record.revision), now)
             self._observe(analysis)
             if analysis.decision == "failing" and await self._roll_back(record, analysis):
                 rolled.append(name)
+        if evaluate:
+            assert self.watch is not None
+            await self.watch.evaluate(self.window, now)
         return rolled
+
+    async def _resign(self) -> None:
+        """Not (or no longer) the holder: keep no window, report no figures."""
+        self.metrics.rollout_guard_leader.set(0)
+        await self.window.aclose()
+        self.window.horizon_s = 0.0
+        self.metrics.rollout_window_records.set(0)
+        if self.watch is not None:
+            self.watch.clear()
 
     def _observe(self, analysis: Analysis) -> None:
         g = analysis.guard

@@ -78,6 +78,18 @@ async def read(kv: KeyValue, route: str, revision: int) -> tuple[Evidence, int] 
     return decode_evidence(head.value), head.seq
 
 
+async def newest(
+    kv: KeyValue, route: str, start: int, stop: int = 0
+) -> tuple[Evidence, int] | None:
+    """The evidence of the newest revision of ``route`` at or before ``start``
+    (and after ``stop``) that has one, with its KV sequence; None if none."""
+    for rev in range(start, stop, -1):
+        found = await read(kv, route, rev)
+        if found is not None:
+            return found
+    return None
+
+
 async def merge(
     kv: KeyValue, record: RouteRecord, price_version: str, update: EvidenceUpdate
 ) -> Evidence:
@@ -179,12 +191,7 @@ async def show(request: Request) -> Response:
         raise not_found(name)
     current = cur[0]
     start = revision_param(request, "revision") or current.revision
-    kv = await _kv(request)
-    found = None
-    for rev in range(start, 0, -1):  # the newest revision at or before ``start`` with evidence
-        found = await read(kv, name, rev)
-        if found is not None:
-            break
+    found = await newest(await _kv(request), name, start)
     price_version: str = request.app.state.rt.cfg.prices.version
     if found is None:
         return web.json_response(

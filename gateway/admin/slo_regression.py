@@ -25,14 +25,20 @@ ledger.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
-from gateway.admin.rollout_analysis import ERROR_RATE_FLOOR, ArmFigures, figures, read_records
+from gateway.admin.rollout_analysis import (
+    ERROR_RATE_FLOOR,
+    ArmFigures,
+    Sampled,
+    figures,
+    read_records,
+)
 from gateway.tenancy.request_ledger import LedgerReader
 from streams.evidence import Evidence, Trigger
-from streams.request_ledger import LedgerRecord
 from streams.routes import GuardPolicy, RouteRecord
 
 
@@ -42,7 +48,7 @@ def policy_of(record: RouteRecord) -> GuardPolicy:
     return rollout.guard if rollout is not None else GuardPolicy()
 
 
-def production(records: list[LedgerRecord], record: RouteRecord, since: float) -> ArmFigures:
+def production(records: Iterable[Sampled], record: RouteRecord, since: float) -> ArmFigures:
     """The route's figures at ``record``'s revision from ``since``."""
     name, revision = record.contract.name, record.revision
     return figures(

@@ -33,7 +33,8 @@ The comparison (gateway/admin/rollout_analysis.py) pairs it with the copied
 request's record. The texts are compared here, in memory, and only the verdicts
 are recorded: ``shadow_exact_match`` (both answered, one choice, the request
 asked for temperature 0) and ``shadow_json_valid`` (the request asked for a
-JSON ``response_format``). The served request's reader keeps its text for it
+JSON ``response_format``), and ``shadow_served_json_valid`` (the same check on
+the served answer, so the two rates compare). The served request's reader keeps its text for it
 (``FrameReader.kept``), and :meth:`Shadows.served` hands it over when the
 request ends.
 """
@@ -44,6 +45,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import msgspec
 
@@ -71,6 +73,14 @@ MAX_INFLIGHT = 64  # shadows one gateway reads at once; past it, skipped
 SettleFn = Callable[[Settlement], Awaitable[None]]  # the books' outbox (settlements.py)
 SERVED_GRACE_S = 5.0  # past the deadline: the served request's books are done by then
 JSON_FORMATS = ("json_object", "json_schema")
+
+
+class Verdicts(NamedTuple):
+    """A copy against the served answer; None where a verdict does not apply."""
+
+    exact: bool | None  # same text (temperature 0, one choice, both answered)
+    json_valid: bool | None  # the copy's text is JSON (the request asked for JSON)
+    served_json_valid: bool | None  # the served text is, too
 
 
 def _is_json(text: str) -> bool:
@@ -187,7 +197,7 @@ class Shadows:
             if stream is not None:
                 stream.close()
         text = "".join(stream.kept or []) if stream is not None and final is not None else None
-        exact, json_valid = await self._compare(req, text)
+        verdicts = await self._compare(req, text)
         first_ms = None
         if stream is not None and stream.first_token_at is not None:
             first_ms = (stream.first_token_at - started) * 1000
@@ -195,7 +205,10 @@ class Shadows:
         self.metrics.rollout_shadows.labels(req.route, "ok" if final else "error").inc()
         record = self._record(req, copy, final, outcome, status, tokens, first_ms, e2e_ms, held)
         record = msgspec.structs.replace(
-            record, shadow_exact_match=exact, shadow_json_valid=json_valid
+            record,
+            shadow_exact_match=verdicts.exact,
+            shadow_json_valid=verdicts.json_valid,
+            shadow_served_json_valid=verdicts.served_json_valid,
         )
         # Settled like any request: the operator tenant's hold becomes the charge.
         await self._settle(
@@ -229,10 +242,8 @@ class Shadows:
         self.metrics.rollout_shadows.labels(copy.route, result).inc()
         return None
 
-    async def _compare(
-        self, req: InferenceRequest, text: str | None
-    ) -> tuple[bool | None, bool | None]:
-        """(exact match, JSON valid), each None where it does not apply. Waits for
+    async def _compare(self, req: InferenceRequest, text: str | None) -> Verdicts:
+        """The verdicts, each None where it does not apply. Waits for
         the served request to end, at most until its deadline and a grace."""
         fut = self._served.get(req.id)
         served = None
@@ -254,11 +265,12 @@ class Shadows:
             and body.get("best_of", 1) == 1
         ):
             exact = text == served
-        json_valid: bool | None = None
+        json_valid = served_json = None
         fmt = body.get("response_format")
-        if text is not None and isinstance(fmt, dict) and fmt.get("type") in JSON_FORMATS:
-            json_valid = _is_json(text)
-        return exact, json_valid
+        if isinstance(fmt, dict) and fmt.get("type") in JSON_FORMATS:
+            json_valid = None if text is None else _is_json(text)
+            served_json = None if served is None else _is_json(served)
+        return Verdicts(exact, json_valid, served_json)
 
     def _meta(self, copy: InferenceRequest, reserved_micros: int) -> Meta:
         return Meta(

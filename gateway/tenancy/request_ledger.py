@@ -31,7 +31,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from streams.errors import JetserveError
 from streams.headers import Header
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 READ_BATCH = 256
 # An abandoned query's consumer (crashed reader) disappears on its own after this.
 READ_INACTIVE_S = 30.0
+# A follower (LedgerReader.follow) polled less often than this is dropped by the
+# server; its owner then starts again from its window's start.
+FOLLOW_INACTIVE_S = 120.0
 
 
 class LedgerWriteError(JetserveError):
@@ -217,6 +220,30 @@ class LedgerReader:
         finally:
             await self._delete(name)
 
+    async def follow(self, since: float) -> LedgerFollow:
+        """Every tenant's records from ``since`` on, and each one appended later:
+        a read that goes on (:class:`LedgerFollow`), for a reader that looks at
+        the same window again and again (the rollout guard) and would otherwise
+        scan all of it every time."""
+        name = f"ledger-follow-{secrets.token_hex(8)}"
+        config = ConsumerConfig(
+            name=name,
+            filter_subject=f"{self.topo.subject_prefix}.*",
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=FOLLOW_INACTIVE_S,
+            mem_storage=True,
+            num_replicas=1,
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=datetime.fromtimestamp(since - self.topo.clock_skew_s, UTC),
+        )
+        await self._js.add_consumer(self.topo.stream, config)
+        try:
+            sub = await self._js.pull_subscribe_bind(name, stream=self.topo.stream)
+        except BaseException:
+            await self._delete(name)
+            raise
+        return LedgerFollow(self, name, sub)
+
     async def _fetch(
         self, sub: JetStreamContext.PullSubscription, n: int, received: int
     ) -> list[Msg] | None:
@@ -290,3 +317,50 @@ class LedgerReader:
 
 def _in_range(record: LedgerRecord, since: float | None, until: float | None) -> bool:
     return (since is None or record.created >= since) and (until is None or record.created <= until)
+
+
+class LedgerFollowLost(JetserveError):
+    """The follower's consumer is gone (not polled in time, a server restart):
+    what it had read still stands, what came after must be read again."""
+
+    code = "ledger_follow_lost"
+    retryable = True
+
+
+class LedgerFollow:
+    """A standing read of every tenant's records (:meth:`LedgerReader.follow`).
+    Each :meth:`poll` returns the records appended since the last one, in append
+    order; it never waits for new ones. Close it (``aclose``) when done."""
+
+    def __init__(
+        self, reader: LedgerReader, name: str, sub: JetStreamContext.PullSubscription
+    ) -> None:
+        self._reader = reader
+        self.name = name
+        self._sub = sub
+        self._received = 0  # consumer sequence of the last message that arrived
+
+    async def poll(self) -> list[LedgerRecord]:
+        try:
+            info = await self._sub.consumer_info()
+        except NotFoundError as exc:
+            raise LedgerFollowLost(f"ledger follower {self.name} is gone") from exc
+        left = info.num_pending or 0
+        out: list[LedgerRecord] = []
+        while left > 0:
+            msgs = await self._reader._fetch(self._sub, min(left, READ_BATCH), self._received)
+            if msgs is None:
+                break  # aged out under us
+            for msg in msgs:
+                meta = msg.metadata
+                self._received = max(self._received, meta.sequence.consumer or 0)
+                left = 0 if meta.num_pending == 0 else left - 1
+                record = self._reader._decode(msg, None)
+                if record is not None:
+                    out.append(record)
+        return out
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await self._sub.unsubscribe()
+        await self._reader._delete(self.name)

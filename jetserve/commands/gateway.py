@@ -263,6 +263,13 @@ def _routing(g: argparse.ArgumentParser) -> None:
         "canary's arms and rolls a failing one back (s); 0: never on this gateway",
     )
     b.add_argument(
+        "--evidence-watch-every",
+        type=float,
+        default=30.0,
+        help="how often the same lease holder evaluates every route's evidence triggers "
+        "(s; docs/rollout.md); 0: never",
+    )
+    b.add_argument(
         "--idempotency-window",
         type=float,
         default=600.0,
@@ -353,6 +360,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         outbox_grace_s=args.outbox_grace,
         outbox_scan_s=args.outbox_scan,
         rollout_guard_every_s=args.rollout_guard_every,
+        evidence_watch_every_s=args.evidence_watch_every,
         idempotency_window_s=args.idempotency_window,
         coalesce=CoalescePolicy(enabled=args.coalesce),
         max_body_bytes=args.max_body_bytes,

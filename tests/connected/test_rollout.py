@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
 ROUTES = (
     "r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-shadow-budget",
-    "r-evid", "r-slo",
+    "r-evid", "r-slo", "r-slow",
 )  # fmt: skip
 HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
@@ -48,7 +48,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         profile="fast",
         engine_per_worker=True,
         sim_args=aliases,
-        gateway_args=["--rollout-guard-every", "0.5"],
+        gateway_args=["--rollout-guard-every", "0.5", "--evidence-watch-every", "0.5"],
     )
     with checked_fleet(request, spec) as f:
         f.start_worker("--deployment-name", "dep-stable")
@@ -566,6 +566,11 @@ async def test_shadow_copies_are_run_recorded_never_returned_and_charged_to_the_
     async with admin_http(fleet) as c:
         st = (await c.get("/admin/routes/r-shadow/status")).json()
     assert st["shadow"]["json_checked"] == 2
+    # The served answers of the same requests are checked too, so the rates compare.
+    assert st["shadow"]["served_json_checked"] == 2
+    served_json = [r["shadow_served_json_valid"] for r in copies if r["shadow_of"] in asked]
+    assert all(isinstance(v, bool) for v in served_json), served_json
+    assert st["shadow"]["served_json_valid"] == sum(served_json)
     # The operator tenant paid for every copy, exactly what its records say.
     spent, records = await operator_books(fleet)
     assert spent == sum(r["charge_micros"] for r in records) > 0
@@ -658,7 +663,23 @@ async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet)
     # measured against revision 1's evidence (revision 2 has none yet).
     changed = contract("r-evid", "dep-stable", "dep-canary")
     changed["candidates"][1].update(precision="fp8", engine="jetserve-sim-2")
+    events = await rollout_events(fleet)
     r2 = await apply(fleet, changed)
+    # The evidence watch sees it without anyone reading the evidence: a gauge per
+    # fired kind, a counter, and one event naming both triggers.
+    urls = fleet.gateway_metrics_urls
+
+    async def watched() -> bool:
+        due = await fleet_sum(urls, "jetserve_route_evidence_due", route="r-evid")
+        return due == 2 and any(e["route"] == "r-evid" for e in events.seen)
+
+    await until(watched, "the evidence watch to see r-evid's triggers")
+    await events.close()
+    (event,) = [e for e in events.seen if e["route"] == "r-evid"]
+    assert (event["kind"], event["revision"], event["evidence_revision"]) == ("evidence_due", 2, 1)
+    assert sorted(t["kind"] for t in event["triggers"]) == ["engine_changed", "fingerprint_changed"]
+    fired = await fleet_sum(urls, "jetserve_route_evidence_triggers_fired_total", route="r-evid")
+    assert fired == 2
     async with admin_http(fleet) as c:
         st = (await c.get("/admin/routes/r-evid/evidence")).json()
     assert (st["current_revision"], st["evidence"]["revision"], st["due"]) == (2, 1, True)
@@ -733,6 +754,16 @@ async def test_an_slo_regression_after_the_evidence_fires_its_trigger(fleet: Fle
         return "slo_regression: error rate" in out.stdout
 
     await until(fired, "the slo_regression trigger to fire")
+
+    async def watched() -> bool:
+        due = await fleet_sum(
+            fleet.gateway_metrics_urls, "jetserve_route_evidence_due", route="r-slo",
+            kind="slo_regression",
+        )  # fmt: skip
+        return due == 1
+
+    # The evidence watch compares the same figures from its in-memory window.
+    await until(watched, "the evidence watch to see r-slo's regression")
     async with admin_http(fleet) as c:
         st = (await c.get("/admin/routes/r-slo/evidence")).json()
     assert st["due"] is True
@@ -740,3 +771,64 @@ async def test_an_slo_regression_after_the_evidence_fires_its_trigger(fleet: Fle
     assert trigger["kind"] == "slo_regression"
     assert "vs measured r1 0.0% (0/8)" in trigger["detail"], trigger
     assert trigger["detail"].endswith("> 2")
+
+
+class Events:
+    """What ``jetserve.rollout.events`` carries while subscribed."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.seen: list[dict[str, Any]] = []
+
+    async def on(self, msg: Any) -> None:
+        self.seen.append(json.loads(msg.data))
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+async def rollout_events(fleet: Fleet) -> Events:
+    nc = await fleet.connect(Role.ADMIN, name="rollout-events")
+    events = Events(nc)
+    await nc.subscribe(ROLLOUT_EVENTS, cb=events.on)
+    await nc.flush()
+    return events
+
+
+async def test_the_guard_rolls_a_slow_canary_back_on_its_first_token_p95(fleet: Fleet) -> None:
+    # Every first token of this deployment's engine comes 250 ms late; the
+    # stable deployment's within milliseconds. Nothing fails: only the
+    # first-token guard can see it.
+    await asyncio.to_thread(
+        fleet.start_worker,
+        "--deployment-name",
+        "dep-slow",
+        sim_args=["--fault-rate", "stall:250=1.0"],
+    )
+    await pools_attached(fleet, ("dep-slow",))
+    await apply(fleet, contract("r-slow", "dep-stable", "dep-slow"))
+    guard = {"min_samples": 5, "window_s": 120, "max_ttft_p95_ratio": 1.5}
+    canary = {"candidate": "dep-slow", "share": 0.5}
+    await apply(fleet, contract("r-slow", "dep-stable", "dep-slow",
+                                rollout={"canary": canary, "guard": guard}))  # fmt: skip
+    sent: list[str] = []
+    async with admin_http(fleet) as admin, httpx.AsyncClient(timeout=60) as c:
+
+        async def rolled_back() -> bool:
+            sent.extend(await asyncio.gather(*(chat(c, fleet, "r-slow") for _ in range(8))))
+            shown = (await admin.get("/admin/routes/r-slow")).json()
+            return bool(shown["revision"] == 3)
+
+        await until(rolled_back, "the guard's rollback of the slow canary", every_s=0)
+        r3 = (await admin.get("/admin/routes/r-slow")).json()
+    back = r3["rollback"]
+    assert (back["to_revision"], back["from_revision"], back["automatic"]) == (1, 2, True)
+    assert back["reason"].startswith("rollout guard: canary first-token p95"), back
+    records = await records_of(fleet, fleet.spec.tenant, "r-slow", len(sent))
+    mine = [r for r in records if r["request_id"] in set(sent)]
+    # Slow, never failed: every request of both arms was served.
+    assert {r["status"] for r in mine} == {200}
+    slow = [r["first_token_ms"] for r in mine if r["rollout_arm"] == "canary"]
+    fast = [r["first_token_ms"] for r in mine if r["rollout_arm"] == "stable"]
+    assert min(len(slow), len(fast)) >= 5
+    assert min(slow) > 1.5 * max(fast)

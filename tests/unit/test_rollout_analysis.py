@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway.admin.rollout_analysis import ERROR_RATE_FLOOR, analyse, p95
+from gateway.admin.rollout_analysis import ERROR_RATE_FLOOR, analyse, p95, shadow_summary
 from gateway.inference import shadow
 from jetserve.commands.routes import format_status
 from streams.request_ledger import LedgerRecord
@@ -182,13 +182,15 @@ def test_shadow_copies_pair_with_the_requests_they_copied() -> None:
             usage=Usage(prompt_tokens=5, completion_tokens=5),
             shadow_exact_match=n == 0,
             shadow_json_valid=True,
+            shadow_served_json_valid=n == 1,
         )
         for n in range(2)
     ]
     failed = rec("", request_id="q2-shadow", shadow=True, shadow_of="q2", status=503,
                  outcome="engine_unavailable", ttft=None)  # fmt: skip
     orphan = rec("", request_id="zz-shadow", shadow=True, shadow_of="zz")
-    a = analyse(r, [*served, *copies, failed, orphan], NOW)
+    records = [*served, *copies, failed, orphan]
+    a = analyse(r, records, NOW, shadow_summary(records, "r", 2))
     assert a.shadow is not None
     assert (a.shadow.copies, a.shadow.paired, a.shadow.errors) == (4, 3, 1)
     assert a.shadow.error_class_mismatches == 1
@@ -197,6 +199,7 @@ def test_shadow_copies_pair_with_the_requests_they_copied() -> None:
     assert a.shadow.output_tokens_ratio_p50 == 0.5
     assert (a.shadow.exact_compared, a.shadow.exact_matches) == (2, 1)
     assert (a.shadow.json_checked, a.shadow.json_valid) == (2, 2)
+    assert (a.shadow.served_json_checked, a.shadow.served_json_valid) == (2, 1)
     # Shadow records never count in an arm.
     assert a.arms["stable"].requests == a.arms["canary"].requests == 0
 
