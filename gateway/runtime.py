@@ -248,6 +248,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
                 metrics,
                 cfg.prices.version,
                 cfg.evidence_watch_every_s,
+                gw.pools,
             )
             guard = RolloutGuard(
                 nc, lease, route_table, reader, metrics, every, evidence, cfg.prices.version,

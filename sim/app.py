@@ -255,7 +255,7 @@ async def health(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    return _json({"version": "0.0.0+jetserve.sim"})
+    return _json({"version": _sim(request).cfg.engine_version})
 
 
 async def metrics(request: Request) -> Response:

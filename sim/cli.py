@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--embedding-dim", type=int, default=384)
     p.add_argument(
+        "--engine-version",
+        default="0.0.0+jetserve.sim",
+        help="the version /version and /info report (a new engine build, to the workers)",
+    )
+    p.add_argument(
         "--fault-rate",
         type=_fault_rate,
         action="append",
@@ -164,6 +169,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         block_size=ns.block_size,
         max_model_len=ns.max_model_len,
         embedding_dim=ns.embedding_dim,
+        engine_version=ns.engine_version,
         fault_rates=dict(ns.fault_rate),
         scripts_path=ns.scripts,
         **_kv_events_fields(ns.kv_events_config),

@@ -23,6 +23,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     max_model_len: int | None = None
     embedding_dim: int = 384
+    # What /version (and TGI's /info) report: a new engine build to a worker.
+    engine_version: str = "0.0.0+jetserve.sim"
     # fault spec ("429", "drop:3", "slow:50", ...) -> probability per request; sum <= 1
     fault_rates: dict[str, float] = msgspec.field(default_factory=dict)
     scripts_path: str | None = None

@@ -35,6 +35,9 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float
     fingerprints: dict[str, str]  # the revision's, deployment -> fingerprint
     terms: dict[str, dict[str, str]]  # deployment -> {adapter, engine}, as evidenced
+    # deployment -> the engine versions its live workers reported (streams/membership.py)
+    # when the record was made or last approved; absent: none reported.
+    engine_versions: dict[str, tuple[str, ...]] = {}
     price_version: str = ""  # the gateway's price table when first recorded
     max_age_days: float = 30.0  # past it, the evidence is due again
     approved_by: tuple[str, ...] = ()
@@ -51,8 +54,9 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
 class Trigger(msgspec.Struct, frozen=True, kw_only=True):
     """A reason to re-evaluate: ``kind`` and what changed."""
 
-    # fingerprint_changed | adapter_changed | engine_changed | price_changed | expired
-    # | slo_regression (gateway/admin/slo_regression.py: it reads the ledger)
+    # fingerprint_changed | adapter_changed | engine_changed | engine_version_changed
+    # | price_changed | expired | slo_regression (gateway/admin/slo_regression.py:
+    # it reads the ledger)
     kind: str
     detail: str
 
@@ -73,7 +77,15 @@ def evidence_key(route: str, revision: int) -> str:
     return f"{route}/r{revision}"
 
 
-def new_evidence(record: RouteRecord, price_version: str, now: float | None = None) -> Evidence:
+Versions = dict[str, tuple[str, ...]]  # deployment -> engine versions its workers report
+
+
+def new_evidence(
+    record: RouteRecord,
+    price_version: str,
+    now: float | None = None,
+    versions: Versions | None = None,
+) -> Evidence:
     at = time.time() if now is None else now
     return Evidence(
         route=record.contract.name,
@@ -85,13 +97,20 @@ def new_evidence(record: RouteRecord, price_version: str, now: float | None = No
             d.name: {"adapter": d.adapter, "engine": d.engine} for d in record.contract.candidates
         },
         price_version=price_version,
+        engine_versions=versions or {},
     )
 
 
 def triggers(
-    evidence: Evidence, current: RouteRecord, price_version: str, now: float
+    evidence: Evidence,
+    current: RouteRecord,
+    price_version: str,
+    now: float,
+    versions: Versions | None = None,
 ) -> list[Trigger]:
-    """Which re-evaluation triggers have fired since ``evidence`` was recorded."""
+    """Which re-evaluation triggers have fired since ``evidence`` was recorded;
+    ``versions``: what the deployments' live workers report now (a deployment
+    with no live worker, or none that says, is not compared)."""
     fired: list[Trigger] = []
     now_fps = current.fingerprints
     for name in sorted(evidence.fingerprints.keys() | now_fps.keys()):
@@ -115,6 +134,15 @@ def triggers(
                         kind=f"{term}_changed", detail=f"{dep.name}: {was.get(term)} -> {now_term}"
                     )
                 )
+    for name, was_built in sorted(evidence.engine_versions.items()):
+        now_built = (versions or {}).get(name)
+        if was_built and now_built and tuple(was_built) != now_built:
+            fired.append(
+                Trigger(
+                    kind="engine_version_changed",
+                    detail=f"{name}: {', '.join(was_built)} -> {', '.join(now_built)}",
+                )
+            )
     if evidence.price_version and evidence.price_version != price_version:
         fired.append(
             Trigger(kind="price_changed", detail=f"{evidence.price_version} -> {price_version}")

@@ -45,10 +45,12 @@ HOT_SLACK = 0.5  # requests per second
 
 
 class MemberInfo(msgspec.Struct, frozen=True, array_like=True):
-    """A member's value in the bucket: ``["deployment", load]``."""
+    """A member's value in the bucket: ``["deployment", load, "engine"]``.
+    New fields go at the end with a default: an older reader ignores them."""
 
     deployment: str = ""
     load: float = 0.0
+    engine: str = ""  # the engine's name and version as it reports them ("" unknown)
 
 
 _info_decoder = msgspec.json.Decoder(MemberInfo)
@@ -79,12 +81,15 @@ class Membership:
         load_factor: float = DEFAULT_LOAD_FACTOR,
         deployment: str = "",
         load: Callable[[], float] = lambda: 0.0,
+        engine: str = "",
     ):
         self._js = js
         self.worker_id = worker_id
         self.deployment = deployment
+        self.engine = engine
         self._load = load  # this worker's requests started per second, smoothed
         self.loads: dict[str, float] = {}  # member -> its load as last heard
+        self.engines: dict[str, str] = {}  # member -> its engine version as last heard
         self._replicas = replicas
         self._every = every_s
         self.depth = depth  # the workers that pull each lane: owner and backups
@@ -127,22 +132,25 @@ class Membership:
         self._recompute()
 
     def _value(self) -> bytes:
-        return msgspec.json.encode(MemberInfo(self.deployment, round(self._load(), 3)))
+        return msgspec.json.encode(MemberInfo(self.deployment, round(self._load(), 3), self.engine))
 
     def _note(self, entry: KeyValue.Entry) -> None:
         if entry.operation in (KV_DEL, KV_PURGE):
             self._seen.pop(entry.key, None)
             self.loads.pop(entry.key, None)
+            self.engines.pop(entry.key, None)
         else:
             info = member_info(entry.value)
             self._seen[entry.key] = (time.monotonic(), info.deployment)
             self.loads[entry.key] = info.load
+            self.engines[entry.key] = info.engine
 
     def _recompute(self) -> None:
         horizon = time.monotonic() - self._every * 4
         for gone in [k for k, (at, _) in self._seen.items() if at < horizon]:
             del self._seen[gone]
             self.loads.pop(gone, None)
+            self.engines.pop(gone, None)
         seen = {k: dep for k, (_, dep) in self._seen.items()}
         if self.worker_id:
             seen[self.worker_id] = self.deployment
@@ -204,6 +212,11 @@ class Membership:
         mean = sum(self.loads.get(m, 0.0) for m in members if m != self.worker_id) + mine
         mean /= len(members)
         return mine > HOT_FACTOR * mean + HOT_SLACK
+
+    def engine_versions(self, deployment: str) -> tuple[str, ...]:
+        """The engine versions ``deployment``'s live workers report, sorted and
+        distinct ("" for a worker whose engine does not say)."""
+        return tuple(sorted({self.engines.get(m, "") for m in self.pools.get(deployment, ())}))
 
     def live(self, deployment: str) -> bool:
         """Whether ``deployment``'s pool has a live worker."""

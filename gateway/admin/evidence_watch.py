@@ -29,7 +29,8 @@ from nats.js.kv import KeyValue
 
 from gateway.admin import slo_regression
 from gateway.admin.ledger_window import LedgerWindow
-from gateway.admin.route_evidence import newest
+from gateway.admin.route_evidence import live_versions, newest
+from gateway.inference.pools import PoolView
 from gateway.inference.route_table import RouteTable
 from gateway.metrics import GatewayMetrics
 from streams.evidence import Evidence, EvidenceDueEvent, Trigger, triggers
@@ -49,6 +50,7 @@ class EvidenceWatch:
         metrics: GatewayMetrics,
         price_version: str,
         every_s: float,
+        pools: PoolView | None = None,
     ) -> None:
         self._nc = nc
         self._bucket = bucket
@@ -57,6 +59,7 @@ class EvidenceWatch:
         self.metrics = metrics
         self.price_version = price_version
         self.every_s = every_s
+        self.pools = pools  # the workers' engine versions
         self._next = 0.0  # when the next evaluation is due
         # route -> (the evidenced revision, its evidence), read again each evaluation.
         self._evidence: dict[str, tuple[int, Evidence]] = {}
@@ -117,7 +120,8 @@ class EvidenceWatch:
             fired: list[Trigger] = []
             if current is not None and found is not None:
                 evidence = found[1]
-                fired = triggers(evidence, current, self.price_version, at)
+                versions = live_versions(self.pools, current)
+                fired = triggers(evidence, current, self.price_version, at, versions)
                 slo = self._slo(window, evidence, current, at)
                 if slo is not None:
                     fired.append(slo)

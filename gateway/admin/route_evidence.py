@@ -42,8 +42,10 @@ from gateway.admin.route_contracts import (
     store_of,
 )
 from gateway.errors import BadRequest, Conflict
+from gateway.inference.pools import PoolView
 from streams.evidence import (
     Evidence,
+    Versions,
     decode_evidence,
     encode_evidence,
     ensure_evidence,
@@ -90,15 +92,35 @@ async def newest(
     return None
 
 
+def live_versions(pools: PoolView | None, record: RouteRecord) -> Versions:
+    """Per candidate deployment, the engine versions its live workers report
+    now (as this gateway sees the members); deployments with none left out."""
+    out: Versions = {}
+    for dep in record.contract.candidates if pools is not None else ():
+        assert pools is not None
+        found = tuple(v for v in pools.engine_versions(dep.name) or () if v)
+        if found:
+            out[dep.name] = found
+    return out
+
+
 async def merge(
-    kv: KeyValue, record: RouteRecord, price_version: str, update: EvidenceUpdate
+    kv: KeyValue,
+    record: RouteRecord,
+    price_version: str,
+    update: EvidenceUpdate,
+    versions: Versions | None = None,
 ) -> Evidence:
-    """Merge ``update`` into ``record``'s evidence (made on first use), compare-and-set."""
+    """Merge ``update`` into ``record``'s evidence (made on first use), compare-and-set.
+    ``versions`` (what the workers report now) are kept when the record is made
+    and on each approval: an approval covers the engines running now."""
     key = evidence_key(record.contract.name, record.revision)
     for _ in range(4):
         found = await read(kv, record.contract.name, record.revision)
-        base = found[0] if found else new_evidence(record, price_version)
+        base = found[0] if found else new_evidence(record, price_version, versions=versions)
         merged = _merged(base, update)
+        if found and update.approved_by is not None and versions:
+            merged = msgspec.structs.replace(merged, engine_versions=versions)
         try:
             if found is None:
                 await kv.create(key, encode_evidence(merged))
@@ -162,8 +184,10 @@ async def attach(request: Request) -> Response:
     record = await _revision(store_of(request), name, update.revision)
     if update.measure_slo:
         update = await _measured(request, record, update)
-    price_version: str = request.app.state.rt.cfg.prices.version
-    evidence = await merge(await _kv(request), record, price_version, update)
+    rt = request.app.state.rt
+    price_version: str = rt.cfg.prices.version
+    versions = live_versions(rt.gateway.pools, record)
+    evidence = await merge(await _kv(request), record, price_version, update, versions)
     return web.json_response(msgspec.to_builtins(evidence))
 
 
@@ -205,7 +229,8 @@ async def show(request: Request) -> Response:
             }
         )
     evidence = found[0]
-    fired = triggers(evidence, current, price_version, time.time())
+    versions = live_versions(request.app.state.rt.gateway.pools, current)
+    fired = triggers(evidence, current, price_version, time.time(), versions)
     slo = await slo_regression.slo_trigger(request.app.state.rt.ledger_reader, evidence, current)
     if slo is not None:
         fired.append(slo)

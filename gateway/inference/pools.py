@@ -88,6 +88,12 @@ class PoolView:
         members = self._members
         return {dep: len(ms) for dep, ms in members.pools.items()} if members else {}
 
+    def engine_versions(self, deployment: str) -> tuple[str, ...] | None:
+        """What ``deployment``'s live workers report of their engines; None: no
+        view of the members yet."""
+        members = self._members
+        return members.engine_versions(deployment) if members is not None else None
+
     def choose(self, candidates: list[str]) -> str:
         """The candidate whose pool the request goes to."""
         members = self._members

@@ -228,7 +228,7 @@ async def info(request: Request) -> Response:
         "max_concurrent_requests": sim.max_num_seqs,
         "max_best_of": MAX_BEST_OF,
         "max_top_n_tokens": MAX_TOP_N_TOKENS,
-        "version": "0.0.0+jetserve.sim",
+        "version": sim.cfg.engine_version,
     }
     return Response(msgspec.json.encode(payload), media_type=JSON)
 

@@ -234,6 +234,12 @@ async def ready(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def server_metadata(request: Request) -> Response:
+    """KServe v2 server metadata: Triton answers its name and version here."""
+    body = {"name": "triton", "version": simulator(request).cfg.engine_version}
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
 async def model_ready(request: Request) -> Response:
     known = request.path_params["model"] in simulator(request).served_models
     return Response(status_code=200 if known else 400)
@@ -243,6 +249,7 @@ ROUTES = (
     Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
     Route("/v2/models/{model}/generate", generate_once, methods=["POST"]),
     Route("/v2/models/{model}/ready", model_ready, methods=["GET"]),
+    Route("/v2", server_metadata, methods=["GET"]),
     Route("/v2/health/ready", ready, methods=["GET"]),
     Route("/v2/health/live", ready, methods=["GET"]),
 )

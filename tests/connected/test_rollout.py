@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
 ROUTES = (
     "r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-shadow-budget",
-    "r-evid", "r-slo", "r-slow",
+    "r-evid", "r-slo", "r-slow", "r-ver", "r-shadow-rpm",
 )  # fmt: skip
 HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
@@ -678,8 +678,8 @@ async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet)
     (event,) = [e for e in events.seen if e["route"] == "r-evid"]
     assert (event["kind"], event["revision"], event["evidence_revision"]) == ("evidence_due", 2, 1)
     assert sorted(t["kind"] for t in event["triggers"]) == ["engine_changed", "fingerprint_changed"]
-    fired = await fleet_sum(urls, "jetserve_route_evidence_triggers_fired_total", route="r-evid")
-    assert fired == 2
+    counted = await fleet_sum(urls, "jetserve_route_evidence_triggers_fired_total", route="r-evid")
+    assert counted == 2
     async with admin_http(fleet) as c:
         st = (await c.get("/admin/routes/r-evid/evidence")).json()
     assert (st["current_revision"], st["evidence"]["revision"], st["due"]) == (2, 1, True)
@@ -832,3 +832,64 @@ async def test_the_guard_rolls_a_slow_canary_back_on_its_first_token_p95(fleet: 
     fast = [r["first_token_ms"] for r in mine if r["rollout_arm"] == "stable"]
     assert min(len(slow), len(fast)) >= 5
     assert min(slow) > 1.5 * max(fast)
+
+
+async def test_a_new_engine_build_under_a_deployment_fires_its_trigger(fleet: Fleet) -> None:
+    # The contract names the deployment, not its build: a new engine version
+    # behind the same deployment changes no fingerprint. The workers say it.
+    old = await asyncio.to_thread(
+        fleet.start_worker, "--deployment-name", "dep-ver", sim_args=["--engine-version", "1.0"]
+    )
+    await pools_attached(fleet, ("dep-ver",))
+    await apply(fleet, contract("r-ver", "dep-ver"))
+    async with admin_http(fleet) as c:
+        approved: dict[str, Any] = {}
+
+        async def evidenced() -> bool:
+            nonlocal approved
+            put = await c.put("/admin/routes/r-ver/evidence", json={"approved_by": "ops@test"})
+            approved = put.json()
+            return bool(approved["engine_versions"])
+
+        await until(evidenced, "an approval that keeps dep-ver's engine build")
+        assert approved["engine_versions"] == {"dep-ver": ["vllm 1.0"]}
+        assert (await c.get("/admin/routes/r-ver/evidence")).json()["triggers"] == []
+
+        await asyncio.to_thread(old.stop)
+        await asyncio.to_thread(
+            fleet.start_worker, "--deployment-name", "dep-ver", sim_args=["--engine-version", "2.0"]
+        )
+        want = {"kind": "engine_version_changed", "detail": "dep-ver: vllm 1.0 -> vllm 2.0"}
+
+        async def fired() -> bool:
+            shown = (await c.get("/admin/routes/r-ver/evidence")).json()
+            return bool(shown["triggers"] == [want])
+
+        await until(fired, "the engine_version_changed trigger")
+
+    async def watched() -> bool:
+        due = await fleet_sum(
+            fleet.gateway_metrics_urls, "jetserve_route_evidence_due", route="r-ver",
+            kind="engine_version_changed",
+        )  # fmt: skip
+        return due == 1
+
+    await until(watched, "the evidence watch to see the new build")
+
+
+async def test_shadow_copies_never_count_in_the_tenants_rate_limits(fleet: Fleet) -> None:
+    client = "shadow-rpm-client"
+    with fleet.admin() as admin:
+        admin.create_tenant(client)
+        key = str(admin.create_key(client)["api_key"])
+        # A burst of 6 requests (a tenth of the minute's 60), then one a second.
+        admin.set_limits("tenant", client, rpm=60)
+    rollout_ = {"shadow": {"candidate": "dep-canary", "share": 1.0}}
+    await apply(fleet, contract("r-shadow-rpm", "dep-stable", "dep-canary", rollout=rollout_))
+    async with httpx.AsyncClient(timeout=60) as c:
+        # Every request is copied, each copy sent before the next request. Were
+        # the copies counted, the fourth request would find the burst spent.
+        ids = [await chat(c, fleet, "r-shadow-rpm", key) for _ in range(6)]
+    copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow-rpm", len(ids))
+    assert sorted(r["shadow_of"] for r in copies) == sorted(ids)
+    assert {r["status"] for r in copies} == {200}

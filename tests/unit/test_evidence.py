@@ -71,3 +71,21 @@ def test_a_deployment_added_or_removed_fires() -> None:
         contract=c, revision=2, updated_at=NOW, updated_by="t", fingerprints=fingerprints(c)
     )
     assert kinds(triggers(ev, fewer, "p1", NOW)) == [("fingerprint_changed", "b")]
+
+
+def test_an_engine_build_change_reported_by_the_workers_fires() -> None:
+    ev = new_evidence(record(), "p1", NOW, versions={"a": ("vllm 0.11.0",)})
+    same = triggers(ev, record(), "p1", NOW, {"a": ("vllm 0.11.0",), "b": ("vllm 0.12.0",)})
+    assert same == []  # b was not evidenced with a version: nothing to compare
+    assert triggers(ev, record(), "p1", NOW, {}) == []  # no live worker says: not compared
+    rolling = triggers(ev, record(), "p1", NOW, {"a": ("vllm 0.11.0", "vllm 0.12.0")})
+    assert [(t.kind, t.detail) for t in rolling] == [
+        ("engine_version_changed", "a: vllm 0.11.0 -> vllm 0.11.0, vllm 0.12.0")
+    ]
+    # Older records (no versions kept) decode and never fire it.
+    old = msgspec.json.decode(
+        msgspec.json.encode({k: v for k, v in msgspec.to_builtins(ev).items()
+                             if k != "engine_versions"}),
+        type=type(ev),
+    )  # fmt: skip
+    assert triggers(old, record(), "p1", NOW, {"a": ("vllm 0.12.0",)}) == []

@@ -93,6 +93,12 @@ class EngineAdapter(abc.ABC):
         (for splitting a batched call's usage per request); None: cannot say."""
         return None
 
+    async def version(self) -> str:
+        """The engine's name and version as it reports them (workers advertise it;
+        a change fires the route evidence's ``engine_version_changed``); "": it
+        does not say."""
+        return ""
+
     async def healthy(self) -> bool:
         """Whether the engine answers its health probe (readiness)."""
         load = await self.load()

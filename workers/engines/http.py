@@ -102,6 +102,17 @@ async def probe(client: httpx.AsyncClient, path: str) -> bool:
     return response.status_code == 200
 
 
+async def read_version(client: httpx.AsyncClient, path: str, name: str) -> str:
+    """``"<name> <version>"`` from the JSON at ``path`` (its ``version``), "" when
+    the engine does not answer it (an older build, another server)."""
+    try:
+        response = await client.get(path, timeout=PROBE_TIMEOUT_S)
+        found = response.json().get("version") if response.status_code == 200 else None
+    except (httpx.TransportError, ValueError, AttributeError):
+        return ""
+    return f"{name} {found}"[:128] if isinstance(found, str) and found else ""
+
+
 async def scrape(client: httpx.AsyncClient, url: str) -> str | None:
     """The engine's Prometheus text, or None when it cannot be read now."""
     try:

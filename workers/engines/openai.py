@@ -17,7 +17,14 @@ import msgspec
 
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
-from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.http import (
+    engine_client,
+    open_stream,
+    probe,
+    raise_for_status,
+    read_version,
+    scrape,
+)
 from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
@@ -229,6 +236,9 @@ class OpenAIAdapter(EngineAdapter):
 
         counts = await asyncio.gather(*(one(t) for t in texts))
         return None if any(c is None for c in counts) else [c for c in counts if c is not None]
+
+    async def version(self) -> str:
+        return await read_version(self._client, "/version", "vllm")
 
     async def healthy(self) -> bool:
         if self._lean is not None:

@@ -22,7 +22,14 @@ from workers.engines import prompted
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad, closing
 from workers.engines.fanout import merged
-from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.http import (
+    engine_client,
+    open_stream,
+    probe,
+    raise_for_status,
+    read_version,
+    scrape,
+)
 from workers.engines.tgi_request import TgiRequest
 from workers.engines.token_logprobs import TokenLogprob, Track
 from workers.engines.translation import FieldStatus, Translated
@@ -319,6 +326,9 @@ class TGIAdapter(EngineAdapter):
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
     ) -> Embeddings:
         raise EngineRejected("TGI serves generation only; embeddings need an embedding engine")
+
+    async def version(self) -> str:
+        return await read_version(self._client, "/info", "tgi")
 
     async def healthy(self) -> bool:
         return await probe(self._client, "/health")

@@ -27,7 +27,14 @@ from streams.wire import Op, Usage
 from workers.engines import prompted
 from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
-from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.http import (
+    engine_client,
+    open_stream,
+    probe,
+    raise_for_status,
+    read_version,
+    scrape,
+)
 from workers.engines.token_logprobs import TokenLogprob, Track
 from workers.engines.tool_emulation import ToolPlan
 from workers.engines.translation import FieldStatus, Translated
@@ -320,6 +327,9 @@ class TritonAdapter(EngineAdapter):
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
     ) -> Embeddings:
         raise EngineRejected("the Triton adapter serves generation only")
+
+    async def version(self) -> str:
+        return await read_version(self._client, "/v2", "triton")
 
     async def healthy(self) -> bool:
         return await probe(self._client, "/v2/health/ready")

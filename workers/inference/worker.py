@@ -138,6 +138,7 @@ class Worker:
         self._deployment = cfg.deployment.name if cfg.deployment else ""
         self.lanes: list[LanePuller] = []
         self._members: Membership | None = None
+        self.engine_version = ""  # what the engine reports (streams/membership.py)
         self.starts = StartRate()  # its load, as the members hear it
         self._cancels: CancelWatch | None = None
         self._failures: FailureCounts | None = None
@@ -175,6 +176,7 @@ class Worker:
                 load_factor=cfg.lane_load_factor,
                 deployment=dep,
                 load=self.starts.value,
+                engine=self.engine_version,
             )
             await members.start()
             self.lanes = self._lane_pullers(SHARED)
@@ -327,6 +329,10 @@ class Worker:
         if not self.engine_up or now >= self._health_due or load == EngineLoad():
             self.engine_up = await self.engine.healthy()
             self._health_due = now + self.cfg.health_poll_s
+            if self.engine_up:  # an engine replaced behind its URL reports its new build
+                self.engine_version = await self.engine.version() or self.engine_version
+                if self._members is not None:
+                    self._members.engine = self.engine_version
         m = self.metrics
         m.engine_up.set(1 if self.engine_up else 0)
         m.engine_waiting.set(load.waiting or 0)
