@@ -119,11 +119,12 @@ class PoolView:
         return members is not None and members.live(pool)
 
     def served_models(self) -> set[str] | None:
-        """The base models live workers' engines serve; None when some live
-        worker cannot say (it may serve anything configured)."""
+        """The base models live workers' engines serve; None when this gateway
+        cannot tell: it does not follow the members yet (no worker has made
+        the bucket), or a live worker cannot say (it may serve anything)."""
         members = self._members
         if members is None:
-            return set()
+            return None
         served: set[str] = set()
         for info in members.serving.values():
             if not info.models:

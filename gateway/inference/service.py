@@ -35,7 +35,7 @@ from gateway.inference.kv_routing import KvRouting
 from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
 from gateway.inference.pools import PoolView, adapter_unavailable
-from gateway.inference.request_builder import KINDS, build_request, with_id
+from gateway.inference.request_builder import CLASS_HEADER, KINDS, build_request, with_id
 from gateway.inference.results import Result, read_result, render
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Replayed, Resumed, Session
@@ -138,6 +138,8 @@ class InferenceService:
         """Authenticate, parse, reserve and enqueue. ``gate`` (an ingress's own
         check of the caller against the request) runs after authentication and
         parsing and before anything is charged or queued."""
+        key: KeyRecord | None = None
+        parsed: Parsed | None = None
         try:
             key = await self.tenancy.authenticate(headers.get("authorization"))
             parsed, body = parse_body(raw, KINDS[op])
@@ -156,6 +158,14 @@ class InferenceService:
                 raise adapter_unavailable(req.adapter)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
+            # Before a request id exists: what is known of the caller, for every
+            # ingress (HTTP, WebSocket, NATS), never the body.
+            log_event(
+                log, "refused", request_id=None, tenant=key.tenant if key else None,
+                cls=headers.get(CLASS_HEADER, "embed" if op == "embedding" else "interactive"),
+                model=parsed.model if parsed else None, code=exc.code, status=exc.status,
+                gateway=self.cfg.gateway_id,
+            )  # fmt: skip
             raise
         span = self.tracer.start(
             "jetserve.request",

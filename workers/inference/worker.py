@@ -360,6 +360,7 @@ class Worker:
                 assert js is not None
                 seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
                 await dead_letter(js, msg.subject, msg.data, f"undecodable request: {exc}", seq)
+                self._event("dead_lettered", None, class_of(msg.subject), code="poison", seq=seq)
                 await msg.term()
                 self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
                 return
@@ -407,6 +408,7 @@ class Worker:
                 retryable=False,
             )
             await msg.term()
+            self._event("refused", req, req.cls, code="deadline_exceeded")
             self.metrics.requests.labels(req.cls, "deadline_exceeded").inc()
             return
         dep = self.cfg.deployment
@@ -414,6 +416,7 @@ class Worker:
             # Fallback only to a candidate of the same contract: hand it back at
             # once, engine untouched and nothing emitted, for a listed deployment.
             await msg.nak()
+            self._event("redelivered", req, req.cls, code="not_candidate")
             self.metrics.redeliveries.labels(req.cls, "not_candidate").inc()
             return
         watch = self._cancels
