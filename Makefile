@@ -9,12 +9,16 @@ BIN := $(VENV)/bin
 # The fleet needs redis-server; the tests also need chromium (the /playground
 # browser test) and promtool (it checks /metrics), which is taken out of Debian's
 # prometheus package into .venv/bin: the Prometheus server is not installed.
+# apt and dpkg print progress even with -qq ("Setting up ...", triggers): their
+# output goes to a file that is shown only when a step fails.
+quietly = log=$$(mktemp) && { { $(1); } >$$log 2>&1 || { cat $$log >&2; rm -f $$log; exit 1; }; } && rm -f $$log
+
 define apt_ensure
 	@missing=""; for pair in $(1); do cmd=$${pair%%=*}; pkg=$${pair#*=}; \
 	  command -v $$cmd >/dev/null || missing="$$missing $$pkg"; done; \
-	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq --no-install-recommends $$missing; fi
+	if [ -n "$$missing" ]; then echo "installing:$$missing (apt-get, as root)"; \
+	  $(call quietly,apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends $$missing); fi
 endef
 
 $(BIN)/jetserve: pyproject.toml
@@ -31,8 +35,8 @@ test-setup: setup
 	@command -v promtool >/dev/null || test -x $(BIN)/promtool || { \
 	  echo "installing: promtool (extracted from Debian's prometheus package; no server)"; \
 	  tmp=$$(mktemp -d) && chmod 755 $$tmp && cd $$tmp && \
-	  { apt-get download -qq prometheus 2>/dev/null || \
-	    { apt-get update -qq && apt-get download -qq prometheus 2>/dev/null; }; } && \
+	  $(call quietly,apt-get download -qq prometheus || \
+	    { apt-get update -qq && apt-get download -qq prometheus; }) && \
 	  dpkg-deb -x prometheus_*.deb root && cp root/usr/bin/promtool $(CURDIR)/$(BIN)/promtool && \
 	  cd / && rm -rf $$tmp; }
 

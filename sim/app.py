@@ -217,8 +217,15 @@ async def _embed_slot(sim: Simulator, rec: RequestRecord, delay: float) -> None:
 @_api
 async def models(request: Request) -> Response:
     sim = _sim(request)
+    loras = set(sim.cfg.loras)
     cards = [
-        out.ModelCard(id=name, created=sim.created, root=sim.model, max_model_len=sim.max_model_len)
+        out.ModelCard(
+            id=name,
+            created=sim.created,
+            root=name if name in loras else sim.model,
+            parent=sim.model if name in loras else None,
+            max_model_len=sim.max_model_len,
+        )
         for name in sim.served_models
     ]
     return _json(out.ModelList(data=cards))

@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--alias", action="append", default=None, help="another served name (repeatable)"
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter served on top of --model (repeatable): listed in /v1/models "
+        "with parent = the model; its text differs from the base's, deterministically",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault-seed", type=int, default=None, help="fault draws (default: --seed)")
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -160,6 +168,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
     return SimConfig(
         model=ns.model,
         aliases=tuple(ns.alias) if ns.alias is not None else ("sim-embed",),
+        loras=tuple(ns.lora),
         profile=ns.profile,
         seed=ns.seed,
         fault_seed=ns.fault_seed,

@@ -12,6 +12,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "sim-8b"
     # More names the same engine answers to (vLLM: several --served-model-name).
     aliases: tuple[str, ...] = ("sim-embed",)
+    # LoRA adapters served on top of ``model`` (vLLM: --lora-modules): listed in
+    # /v1/models with ``parent`` = ``model``; their text differs from the base's.
+    loras: tuple[str, ...] = ()
     profile: str = "h100-8b"
     seed: int = 0
     # Fault draws only (None: ``seed``): replicas of one model share ``seed`` (the
@@ -46,6 +49,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        clash = set(self.loras) & {self.model, *self.aliases}
+        if clash or len(set(self.loras)) != len(self.loras):
+            raise ValueError(
+                f"a LoRA adapter needs a name of its own: {sorted(clash) or self.loras}"
+            )
         for spec, rate in self.fault_rates.items():
             parse_fault(spec)  # raises ValueError on a bad spec
             if not 0.0 <= rate <= 1.0:

@@ -168,7 +168,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     created: int
     owned_by: str = "vllm"
     root: str
-    parent: None = None
+    parent: str | None = None  # a LoRA adapter's base model, as vLLM lists it
     max_model_len: int
 
 

@@ -74,10 +74,15 @@ def _script_for(sim: Simulator, headers: Headers, conv: Conversation) -> Scripte
 
 
 def _natural(
-    sim: Simulator, prompt_ids: list[int], seed: int | None, length: int | None, k: Knobs
+    sim: Simulator,
+    prompt_ids: list[int],
+    seed: int | None,
+    length: int | None,
+    k: Knobs,
+    model: str | None,
 ) -> list[Event]:
     pieces = natural_pieces(
-        sim.cfg.seed,
+        sim.text_seed(model),
         prompt_ids,
         None if k.greedy else seed,  # one candidate per step: the seed changes nothing
         length,
@@ -90,13 +95,18 @@ def _natural(
 
 
 def _pad(
-    sim: Simulator, events: list[Event], prompt_ids: list[int], at_least: int, k: Knobs
+    sim: Simulator,
+    events: list[Event],
+    prompt_ids: list[int],
+    at_least: int,
+    k: Knobs,
+    model: str | None,
 ) -> list[Event]:
     """A (scripted) reply shorter than ``at_least`` goes on with natural text."""
     missing = at_least - len(events)
     if missing <= 0:
         return events
-    more = natural_pieces(sim.cfg.seed, prompt_ids, None, missing, distinct=k.distinct)
+    more = natural_pieces(sim.text_seed(model), prompt_ids, None, missing, distinct=k.distinct)
     return [*events, *(Text(p) for p in more)]
 
 
@@ -126,7 +136,9 @@ def _more_choices(
     if scripted is not None:
         return [list(scripted) for _ in range(req.n - 1)]
     base = req.seed if req.seed is not None else 0
-    return [_natural(sim, prompt_ids, base * 7919 + j, forced, k) for j in range(1, req.n)]
+    return [
+        _natural(sim, prompt_ids, base * 7919 + j, forced, k, req.model) for j in range(1, req.n)
+    ]
 
 
 def _reply(
@@ -153,9 +165,9 @@ def _reply(
         events, finish = _scripted_events(sim, script)
         # min_tokens, and ignore_eos (no end of sequence before max_tokens), go on
         # past a shorter scripted reply.
-        events = _pad(sim, events, prompt_ids, forced or k.min_tokens, k)
+        events = _pad(sim, events, prompt_ids, forced or k.min_tokens, k, req.model)
     else:
-        events, finish = _natural(sim, prompt_ids, req.seed, forced, k), "stop"
+        events, finish = _natural(sim, prompt_ids, req.seed, forced, k, req.model), "stop"
     scripted = events if script is not None else None
     return events, finish, _more_choices(sim, req, prompt_ids, scripted, forced, k)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -26,7 +27,7 @@ class Simulator:
     def __init__(self, cfg: SimConfig, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.model
-        self.served_models = (cfg.model, *cfg.aliases)
+        self.served_models = (cfg.model, *cfg.aliases, *cfg.loras)
         self.profile = cfg.base_profile
         self.max_num_seqs = cfg.eff_max_num_seqs
         self.max_model_len = cfg.eff_max_model_len
@@ -83,6 +84,14 @@ class Simulator:
         if model not in self.served_models:
             raise NotFound(f"The model `{model}` does not exist.", "model")
         return model
+
+    def text_seed(self, model: str | None) -> int:
+        """The seed of ``model``'s natural text: the base's, or for a LoRA adapter
+        one derived from its name (the same every run, never the base's)."""
+        if not model or model not in self.cfg.loras:
+            return self.cfg.seed
+        digest = hashlib.blake2b(f"lora/{self.cfg.seed}/{model}".encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "big")
 
     @staticmethod
     def request_id(headers: Any) -> str:

@@ -1,8 +1,11 @@
 """Who is serving: the live workers and the deployment pool each serves.
 
 A KV bucket (``jetserve_workers``) holds one key per worker, its value the
-deployment the worker serves (empty: none declared) and its load (requests
-started per second, smoothed). Each worker puts its key
+deployment the worker serves (empty: none declared), its load (requests
+started per second, smoothed), the model ids its engine serves and the LoRA
+adapters it holds (each with its base model). A worker that holds adapters is a
+member of one more pool per adapter (streams.pools.adapter_pool): requests for
+an adapter go only there. Each worker puts its key
 every ``every_s`` and follows the bucket with one watch; lane ownership is
 computed from what it sees (streams/rendezvous.py): the shared lanes among all
 members, a pool's lanes among the pool's members. Gateways follow the same
@@ -29,6 +32,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from streams.pools import adapter_pool
 from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, LaneOrder, assign
 from streams.tasks import stop_task
 
@@ -44,25 +48,53 @@ HOT_FACTOR = 1.25
 HOT_SLACK = 0.5  # requests per second
 
 
+class Adapter(msgspec.Struct, frozen=True, array_like=True):
+    """A LoRA adapter a worker's engine serves: ``["name", "parent"]`` (the base model)."""
+
+    name: str
+    parent: str = ""
+
+
 class MemberInfo(msgspec.Struct, frozen=True, array_like=True):
-    """A member's value in the bucket: ``["deployment", load, "engine"]``.
-    New fields go at the end with a default: an older reader ignores them."""
+    """A member's value in the bucket:
+    ``["deployment", load, [models], [adapters], "engine"]``.
+    Fields are only ever added at the end: a reader takes the ones it knows."""
 
     deployment: str = ""
     load: float = 0.0
-    engine: str = ""  # the engine's name and version as it reports them ("" unknown)
+    # The engine's base model ids (its /v1/models less the adapters); empty: the
+    # worker could not say (an older worker, an engine without /v1/models).
+    models: tuple[str, ...] = ()
+    adapters: tuple[Adapter, ...] = ()
+    engine: str = ""  # the engine's build as it reports it, e.g. "vllm 0.11.0" ("" unknown)
+
+    def pools(self) -> tuple[str, ...]:
+        """The pools this member pulls: its deployment's and one per adapter."""
+        if not self.deployment:
+            return ()
+        return (self.deployment, *(adapter_pool(self.deployment, a.name) for a in self.adapters))
+
+    def same_pools(self, other: MemberInfo) -> bool:
+        return (self.deployment, self.models, self.adapters) == (
+            other.deployment,
+            other.models,
+            other.adapters,
+        )
 
 
-_info_decoder = msgspec.json.Decoder(MemberInfo)
+_KNOWN = len(MemberInfo.__struct_fields__)
 
 
 def member_info(value: bytes | None) -> MemberInfo:
-    """A bucket value; a plain deployment name (older workers) too."""
+    """A bucket value: a newer worker's (fields past the known ones are left
+    out), an older one's, or a plain deployment name (the oldest workers)."""
     if not value:
         return MemberInfo()
     if value[:1] == b"[":
-        with contextlib.suppress(msgspec.DecodeError):
-            return _info_decoder.decode(value)
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            raw = msgspec.json.decode(value)
+            if isinstance(raw, list):
+                return msgspec.convert(raw[:_KNOWN], MemberInfo)
     return MemberInfo(value.decode(errors="replace"))
 
 
@@ -81,15 +113,16 @@ class Membership:
         load_factor: float = DEFAULT_LOAD_FACTOR,
         deployment: str = "",
         load: Callable[[], float] = lambda: 0.0,
+        models: tuple[str, ...] = (),
+        adapters: tuple[Adapter, ...] = (),
         engine: str = "",
     ):
         self._js = js
         self.worker_id = worker_id
         self.deployment = deployment
-        self.engine = engine
+        self._mine = MemberInfo(deployment, 0.0, models, adapters, engine)
         self._load = load  # this worker's requests started per second, smoothed
         self.loads: dict[str, float] = {}  # member -> its load as last heard
-        self.engines: dict[str, str] = {}  # member -> its engine version as last heard
         self._replicas = replicas
         self._every = every_s
         self.depth = depth  # the workers that pull each lane: owner and backups
@@ -98,11 +131,14 @@ class Membership:
         self._orders: dict[tuple[str, int], LaneOrder] = {}
         self._kv: KeyValue | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
-        self._seen: dict[str, tuple[float, str]] = {}  # member -> (last heard, deployment)
+        # member -> (last heard, what it serves; its load is in ``loads``)
+        self._seen: dict[str, tuple[float, MemberInfo]] = {}
         self.members: tuple[str, ...] = (worker_id,) if worker_id else ()
-        self.pools: dict[str, tuple[str, ...]] = {}  # deployment -> its members
-        if worker_id and deployment:
-            self.pools[deployment] = (worker_id,)
+        # pool (a deployment, or a deployment's adapter) -> its members
+        self.pools: dict[str, tuple[str, ...]] = {}
+        if worker_id:
+            self.pools = {pool: (worker_id,) for pool in self._mine.pools()}
+        self.serving: dict[str, MemberInfo] = {}  # member -> what it serves
         self.changed: list[Callable[[], None]] = []  # told when the members change
 
     async def start(self) -> None:
@@ -132,34 +168,33 @@ class Membership:
         self._recompute()
 
     def _value(self) -> bytes:
-        return msgspec.json.encode(MemberInfo(self.deployment, round(self._load(), 3), self.engine))
+        load = round(self._load(), 3)
+        return msgspec.json.encode(msgspec.structs.replace(self._mine, load=load))
 
     def _note(self, entry: KeyValue.Entry) -> None:
         if entry.operation in (KV_DEL, KV_PURGE):
             self._seen.pop(entry.key, None)
             self.loads.pop(entry.key, None)
-            self.engines.pop(entry.key, None)
         else:
             info = member_info(entry.value)
-            self._seen[entry.key] = (time.monotonic(), info.deployment)
+            self._seen[entry.key] = (time.monotonic(), msgspec.structs.replace(info, load=0.0))
             self.loads[entry.key] = info.load
-            self.engines[entry.key] = info.engine
 
     def _recompute(self) -> None:
         horizon = time.monotonic() - self._every * 4
         for gone in [k for k, (at, _) in self._seen.items() if at < horizon]:
             del self._seen[gone]
             self.loads.pop(gone, None)
-            self.engines.pop(gone, None)
-        seen = {k: dep for k, (_, dep) in self._seen.items()}
+        seen = {k: info for k, (_, info) in self._seen.items()}
         if self.worker_id:
-            seen[self.worker_id] = self.deployment
+            seen[self.worker_id] = self._mine
         new = tuple(sorted(seen))
         pools: dict[str, list[str]] = {}
         for member in new:
-            if seen[member]:
-                pools.setdefault(seen[member], []).append(member)
-        new_pools = {dep: tuple(ms) for dep, ms in pools.items()}
+            for pool in seen[member].pools():
+                pools.setdefault(pool, []).append(member)
+        new_pools = {pool: tuple(ms) for pool, ms in pools.items()}
+        self.serving = seen
         if new != self.members or new_pools != self.pools:
             log.info("members now: %d (%s)", len(new), ",".join(new[:8]))
             self.members = new
@@ -191,9 +226,9 @@ class Membership:
                 was = self._seen.get(entry.key)
                 self._note(entry)
                 now = self._seen.get(entry.key)
-                # A join, a leave or a changed deployment: at once; a refresh
-                # only moves the member's last-heard time.
-                if was is None or now is None or was[1] != now[1]:
+                # A join, a leave or a change of what it serves: at once; a
+                # refresh only moves the member's last-heard time.
+                if was is None or now is None or not was[1].same_pools(now[1]):
                     self._recompute()
 
     async def leave(self) -> None:
@@ -213,14 +248,19 @@ class Membership:
         mean /= len(members)
         return mine > HOT_FACTOR * mean + HOT_SLACK
 
-    def engine_versions(self, deployment: str) -> tuple[str, ...]:
-        """The engine versions ``deployment``'s live workers report, sorted and
-        distinct ("" for a worker whose engine does not say)."""
-        return tuple(sorted({self.engines.get(m, "") for m in self.pools.get(deployment, ())}))
+    def set_engine(self, engine: str) -> None:
+        """The engine's build changed (replaced behind its URL): said from the next beat."""
+        self._mine = msgspec.structs.replace(self._mine, engine=engine)
 
-    def live(self, deployment: str) -> bool:
-        """Whether ``deployment``'s pool has a live worker."""
-        return bool(self.pools.get(deployment))
+    def engine_versions(self, deployment: str) -> tuple[str, ...]:
+        """The engine builds ``deployment``'s live workers report, sorted and
+        distinct ("" for a worker whose engine does not say)."""
+        members = self.pools.get(deployment, ())
+        return tuple(sorted({self.serving[m].engine for m in members if m in self.serving}))
+
+    def live(self, pool: str) -> bool:
+        """Whether ``pool`` (a deployment's, or its adapter's) has a live worker."""
+        return bool(self.pools.get(pool))
 
     def order(self, lanes: int, pool: str = SHARED) -> LaneOrder:
         """The owners and backups of ``lanes`` lanes of ``pool`` (SHARED: the

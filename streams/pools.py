@@ -28,6 +28,13 @@ from streams.subjects import LANE_CLASSES, RequestClass, pool_lane_subject, pool
 _PLAIN = re.compile(r"[A-Za-z0-9_-]{1,48}")
 
 
+def adapter_pool(deployment: str, adapter: str) -> str:
+    """The pool of the workers of ``deployment`` whose engine holds the LoRA
+    ``adapter``: requests for the adapter go only there. ``@`` never occurs in a
+    deployment name (streams.routes.Name), so this names no deployment's pool."""
+    return f"{deployment}@{adapter}"
+
+
 def pool_token(deployment: str) -> str:
     if _PLAIN.fullmatch(deployment):
         return deployment

@@ -180,6 +180,10 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     description: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     # A canary and/or shadow of one candidate (docs/rollout.md); None: none.
     rollout: RolloutPolicy | None = None
+    # LoRA adapters (the engine's model ids for them) clients may ask for by
+    # name under this route's policy: a request for one goes only to the
+    # candidates' workers whose engine holds it (docs/adapters.md).
+    adapters: Annotated[tuple[Name, ...], msgspec.Meta(max_length=64)] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -187,6 +191,10 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if dep.name in seen:
                 raise ValueError(f"candidates: deployment name {dep.name!r} appears twice")
             seen.add(dep.name)
+        if len(set(self.adapters)) != len(self.adapters):
+            raise ValueError("adapters: an adapter appears twice")
+        if self.name in self.adapters:
+            raise ValueError(f"adapters: {self.name!r} is the route's own name")
         if self.rollout is None:
             return
         canary = self.rollout.canary
@@ -271,6 +279,9 @@ def fingerprint(dep: Deployment, contract: RouteContract) -> str:
     if contract.rollout is not None:
         # Added later: a contract without a rollout keeps the fingerprint it had.
         policy["rollout"] = msgspec.to_builtins(contract.rollout)
+    if contract.adapters:
+        # Added later, likewise.
+        policy["adapters"] = list(contract.adapters)
     terms: dict[str, Any] = {"deployment": deployment, "policy": policy}
     canonical = msgspec.json.encode(terms, order="sorted")
     return hashlib.sha256(canonical).hexdigest()[:16]
@@ -331,12 +342,14 @@ _record_decoder = msgspec.json.Decoder(RouteRecord)
 
 def encode(value: RouteContract | RouteRecord) -> bytes:
     """JSON, without the fields added later while they are unset (``rollout``,
-    ``rollback``): a gateway that predates them still reads every record that
-    does not use them (``RouteContract`` refuses unknown fields)."""
+    ``rollback``, ``adapters``): a gateway that predates them still reads every
+    record that does not use them (``RouteContract`` refuses unknown fields)."""
     raw = msgspec.to_builtins(value)
     contract = raw["contract"] if isinstance(value, RouteRecord) else raw
     if contract.get("rollout", ...) is None:
         del contract["rollout"]
+    if "adapters" in contract and not contract["adapters"]:
+        del contract["adapters"]
     if isinstance(value, RouteRecord) and raw.get("rollback", ...) is None:
         del raw["rollback"]
     return _encoder.encode(raw)

@@ -79,6 +79,10 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     # Its routing text's prefix keys (streams/kv_index.py), when the gateway
     # routes by the KV index: the worker ties them to the blocks it stores.
     prefix_keys: list[PrefixKey] = []
+    # The LoRA adapter ``model`` names (empty: a base model): the request sits in
+    # an adapter pool (streams.pools.adapter_pool), and a fallback goes to the
+    # next candidate's pool of the same adapter.
+    adapter: str = ""
 
 
 HEDGE_ATTEMPT_BASE = 100

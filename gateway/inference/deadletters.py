@@ -23,6 +23,7 @@ from nats.js.errors import APIError, NotFoundError
 from gateway.metrics import GatewayMetrics
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
+from streams.logs import log_event
 from streams.subjects import live_subject
 from streams.wire import ErrorFrame, decode_request, encode
 
@@ -95,6 +96,12 @@ class MaxDeliveriesWatch:
             await self._nc.publish(live_subject(req.reply), data)  # a waiting reader
             await self._nc.publish(req.reply, data)  # the capture (a resume)
         await dead_letter(self._js, stored.subject or "", data, reason, adv.stream_seq)
+        log_event(
+            log, "dead_lettered", request_id=req.id if req else None,
+            tenant=req.tenant if req else None, cls=req.cls if req else None,
+            code="max_deliveries_exceeded", deliveries=adv.deliveries, consumer=adv.consumer,
+            seq=adv.stream_seq,
+        )  # fmt: skip
         try:
             await self._js.delete_msg(adv.stream, adv.stream_seq)
         except (NotFoundError, APIError, nats.errors.Error, TimeoutError) as exc:

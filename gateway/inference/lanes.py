@@ -13,7 +13,9 @@ With the KV index on (``--kv-index``, gateway/inference/kv_routing.py), an
 engine holds the longest prefix of its routing text, else to its hash lane.
 
 The prefix key includes the tenant unless the route marks the prefix shared:
-cache-timing side channels must not cross tenants by default.
+cache-timing side channels must not cross tenants by default. It includes the
+LoRA adapter a request names: an adapter's KV blocks are its own (vLLM keys
+its prefix cache by adapter), so one prompt under two adapters shares nothing.
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ class LaneRouter:
         shared_prefix: bool = False,
         excess: bool = False,
         pool: str = "",
+        adapter: str = "",
     ) -> str:
         """The work-queue subject (see :meth:`route`)."""
-        return self.route(op, cls, tenant, body, routing, shared_prefix, excess, pool)[0]
+        return self.route(op, cls, tenant, body, routing, shared_prefix, excess, pool, adapter)[0]
 
     def route(
         self,
@@ -108,6 +111,7 @@ class LaneRouter:
         shared_prefix: bool = False,
         excess: bool = False,
         pool: str = "",
+        adapter: str = "",
     ) -> tuple[str, list[PrefixKey]]:
         """The work-queue subject: a lane by prefix (or by the KV index) or in
         turn, the class's own, or (``excess``, a tenant past its turn) the
@@ -133,6 +137,8 @@ class LaneRouter:
             if head is None:
                 return plain, []
             scope = "" if shared_prefix else tenant
+            if adapter:  # a base model's keys stay as they were
+                scope = f"{scope}\0{adapter}"
             digest = hashlib.blake2b(f"{scope}\0{head}".encode(), digest_size=8).digest()
             lane = int.from_bytes(digest, "big") % lanes
             if self.kv is not None and not pool:

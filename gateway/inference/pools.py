@@ -9,7 +9,13 @@ makes the pool of every candidate of every route as the route table shows them
 (checked every ``every_s``), and on first use, so a route applied at any time
 is served without a restart, and a worker's fallback to the next candidate
 lands in a pool that exists. Workers only pull pools (workers/inference/
-pool_source.py)."""
+pool_source.py).
+
+A request for a LoRA adapter goes to the adapter pool (streams.pools.
+adapter_pool) of the first candidate whose worker holds the adapter, as the
+workers advertise (a request outside any route: of any deployment that does).
+Adapter pools are made for every route's candidates and adapters, and for every
+adapter a live worker advertises."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from gateway.inference.route_table import RouteTable
 from streams.definitions import Topology
 from streams.errors import ProvisioningError
 from streams.membership import Membership, follow_members
+from streams.pools import adapter_pool
 from streams.provision import ensure_pool
 from streams.tasks import stop_task
 
@@ -67,10 +74,22 @@ class PoolView:
             if self._routes is not None:
                 for name in self._routes.names():
                     record = self._routes.get(name)
-                    for dep in record.contract.candidates if record is not None else ():
-                        if dep.name not in self._made:
-                            with contextlib.suppress(Unavailable):  # tried again next round
-                                await self.token(dep.name)
+                    if record is None:
+                        continue
+                    for dep in record.contract.candidates:
+                        for pool in (
+                            dep.name,
+                            *(adapter_pool(dep.name, a) for a in record.contract.adapters),
+                        ):
+                            if pool not in self._made:
+                                with contextlib.suppress(Unavailable):  # tried again next round
+                                    await self.token(pool)
+            members = self._members
+            # The adapter pools of live workers: their requests need no route.
+            for pool in list(members.pools) if members is not None else ():
+                if "@" in pool and pool not in self._made:
+                    with contextlib.suppress(Unavailable):
+                        await self.token(pool)
             await asyncio.sleep(self._every)
 
     async def _follow(self) -> None:
@@ -93,6 +112,53 @@ class PoolView:
         view of the members yet."""
         members = self._members
         return members.engine_versions(deployment) if members is not None else None
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters live workers hold -> their base model."""
+        members = self._members
+        if members is None:
+            return {}
+        return {a.name: a.parent for info in members.serving.values() for a in info.adapters}
+
+    def live(self, pool: str) -> bool:
+        members = self._members
+        return members is not None and members.live(pool)
+
+    def served_models(self) -> set[str] | None:
+        """The base models live workers' engines serve; None when this gateway
+        cannot tell: it does not follow the members yet (no worker has made
+        the bucket), or a live worker cannot say (it may serve anything)."""
+        members = self._members
+        if members is None:
+            return None
+        served: set[str] = set()
+        for info in members.serving.values():
+            if not info.models:
+                return None
+            served.update(info.models)
+        return served
+
+    def holders(self, adapter: str, candidates: list[str]) -> list[str]:
+        """The deployments (of ``candidates``, in order; empty: any, by name)
+        with a live worker holding ``adapter``."""
+        members = self._members
+        if members is None:
+            return []
+        if not candidates:
+            candidates = sorted(
+                info.deployment
+                for info in members.serving.values()
+                if any(a.name == adapter for a in info.adapters)
+            )
+        return [d for d in dict.fromkeys(candidates) if members.live(adapter_pool(d, adapter))]
+
+    def choose_adapter(self, adapter: str, candidates: list[str]) -> str:
+        """The adapter pool the request goes to; Unavailable when no live
+        worker holds the adapter (it was there at admission: it just left)."""
+        holders = self.holders(adapter, candidates)
+        if not holders:
+            raise adapter_unavailable(adapter)
+        return adapter_pool(holders[0], adapter)
 
     def choose(self, candidates: list[str]) -> str:
         """The candidate whose pool the request goes to."""
@@ -119,3 +185,12 @@ class PoolView:
                         "The deployment's queue could not be set up.", code="bus_unavailable"
                     ) from exc
             return self._made[deployment]
+
+
+def adapter_unavailable(adapter: str) -> Unavailable:
+    return Unavailable(
+        f"No live replica holds the adapter '{adapter}': none of its deployments' "
+        "workers advertises it now.",
+        code="adapter_unavailable",
+        param="model",
+    )

@@ -49,12 +49,21 @@ def build_request(
     body: dict[str, Any],
     key: KeyRecord,
     headers: Mapping[str, str],
+    live_adapters: Callable[[], Mapping[str, str]] = dict,
 ) -> InferenceRequest:
     """The request, checked against what the key may use (``reply_for``: the
-    reply subject of a tenant's request id)."""
+    reply subject of a tenant's request id; ``live_adapters``: the LoRA
+    adapters live workers hold)."""
     served = cfg.embedding_models if op == "embedding" else cfg.models
     route = routes.get(parsed.model) if routes is not None else None
-    if parsed.model not in served and route is None:
+    adapter = ""
+    if route is None and parsed.model not in served and op != "embedding":
+        # A LoRA adapter: listed by a route (its policy and candidates), or held
+        # by a live worker (no route: any deployment that holds it).
+        route = routes.for_adapter(parsed.model) if routes is not None else None
+        if route is not None or parsed.model in live_adapters():
+            adapter = parsed.model
+    if parsed.model not in served and route is None and not adapter:
         raise NotFound(f"The model '{parsed.model}' does not exist.", param="model")
     cls = _request_class(op, headers)
     tools = tuple(
@@ -90,6 +99,7 @@ def build_request(
         max_tokens=max_tokens * sequences_of(parsed),
         created=now,
         headers=forwarded,
+        adapter=adapter,
         **_route_fields(route),
     )
 

@@ -35,6 +35,8 @@ class RouteTable:
     ) -> None:
         self.kv = kv
         self._routes: dict[str, RouteRecord] = {}  # replaced, never mutated
+        # (the snapshot it was built from, adapter -> the route listing it)
+        self._adapters: tuple[dict[str, RouteRecord], dict[str, RouteRecord]] = ({}, {})
         self._recent: OrderedDict[tuple[str, int], RouteRecord] = OrderedDict()
         self._keep = keep
         self._retry_s = retry_s
@@ -49,6 +51,18 @@ class RouteTable:
 
     def names(self) -> list[str]:
         return sorted(self._routes)
+
+    def for_adapter(self, adapter: str) -> RouteRecord | None:
+        """The route that lists the LoRA ``adapter`` (the first by name if
+        several do), or None."""
+        routes = self._routes
+        if self._adapters[0] is not routes:  # built once per swapped-in snapshot
+            index: dict[str, RouteRecord] = {}
+            for name in sorted(routes):
+                for a in routes[name].contract.adapters:
+                    index.setdefault(a, routes[name])
+            self._adapters = (routes, index)
+        return self._adapters[1].get(adapter)
 
     def at(self, name: str, revision: int) -> RouteRecord | None:
         """The record of ``name`` at ``revision``, if current or recently replaced."""

@@ -34,8 +34,8 @@ from gateway.inference.fair_gate import FairGate
 from gateway.inference.kv_routing import KvRouting
 from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
-from gateway.inference.pools import PoolView
-from gateway.inference.request_builder import KINDS, build_request, with_id
+from gateway.inference.pools import PoolView, adapter_unavailable
+from gateway.inference.request_builder import CLASS_HEADER, KINDS, build_request, with_id
 from gateway.inference.results import Result, read_result, render
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Replayed, Resumed, Session
@@ -104,9 +104,32 @@ class InferenceService:
             fleet_coalescing,  # None: each replica coalesces its own requests only
         )
 
-    def models(self) -> list[str]:
+    def models(self) -> list[tuple[str, str | None]]:
+        """What /v1/models lists: (model, parent) for each configured or routed
+        name a live worker serves, and each LoRA adapter a live worker holds
+        (parent: its base model). A name no live worker's engine names is left
+        out; while a live worker cannot say what it serves (an older worker, an
+        engine without /v1/models), every configured name stays in."""
         routed = self.routes.names() if self.routes is not None else []
-        return list(dict.fromkeys([*self.cfg.models, *routed, *self.cfg.embedding_models]))
+        names = list(dict.fromkeys([*self.cfg.models, *routed, *self.cfg.embedding_models]))
+        if self.pools is None:
+            return [(m, None) for m in names]
+        served = self.pools.served_models()
+        listed: list[tuple[str, str | None]] = [
+            (m, None) for m in names if served is None or self._served(m, served)
+        ]
+        known = set(names)
+        adapters = self.pools.adapters()
+        listed += [(a, adapters[a] or None) for a in sorted(adapters) if a not in known]
+        return listed
+
+    def _served(self, model: str, served: set[str]) -> bool:
+        record = self.routes.get(model) if self.routes is not None else None
+        if record is None:
+            return model in served
+        # A route is served when a candidate's pool has a live worker.
+        return any(self.pools is not None and self.pools.live(d.name)
+                   for d in record.contract.candidates)  # fmt: skip
 
     # -- admission ---------------------------------------------------------------
     async def admit(
@@ -115,6 +138,8 @@ class InferenceService:
         """Authenticate, parse, reserve and enqueue. ``gate`` (an ingress's own
         check of the caller against the request) runs after authentication and
         parsing and before anything is charged or queued."""
+        key: KeyRecord | None = None
+        parsed: Parsed | None = None
         try:
             key = await self.tenancy.authenticate(headers.get("authorization"))
             parsed, body = parse_body(raw, KINDS[op])
@@ -122,10 +147,25 @@ class InferenceService:
                 gate(key, parsed)
             idem = headers.get(IDEM_HEADER)
             req = build_request(
-                self.cfg, self.routes, self.dispatcher.reply_for, op, parsed, body, key, headers
-            )
+                self.cfg, self.routes, self.dispatcher.reply_for, op, parsed, body, key, headers,
+                self.pools.adapters if self.pools is not None else dict,
+            )  # fmt: skip
+            if req.adapter and (
+                self.pools is None or not self.pools.holders(req.adapter, req.candidates)
+            ):
+                # Refused before any hold: a route lists it, but no live worker
+                # of its candidates holds it now.
+                raise adapter_unavailable(req.adapter)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
+            # Before a request id exists: what is known of the caller, for every
+            # ingress (HTTP, WebSocket, NATS), never the body.
+            log_event(
+                log, "refused", request_id=None, tenant=key.tenant if key else None,
+                cls=headers.get(CLASS_HEADER, "embed" if op == "embedding" else "interactive"),
+                model=parsed.model if parsed else None, code=exc.code, status=exc.status,
+                gateway=self.cfg.gateway_id,
+            )  # fmt: skip
             raise
         span = self.tracer.start(
             "jetserve.request",
@@ -328,10 +368,14 @@ class InferenceService:
         async def publish() -> FrameStream:
             # A routed request goes to a candidate's pool, whose workers alone pull it.
             pool = ""
-            if req.candidates and self.pools is not None:
+            if req.adapter and self.pools is not None:
+                # Only the workers that hold the adapter pull its pool.
+                chosen = self.pools.choose_adapter(req.adapter, req.candidates)
+                pool = await self.pools.token(chosen)
+            elif req.candidates and self.pools is not None:
                 pool = await self.pools.token(self.pools.choose(req.candidates))
             subject, keys = self.lanes.route(
-                req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool
+                req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool, req.adapter
             )
             sent = msgspec.structs.replace(req, prefix_keys=keys) if keys else req
             return await self.dispatcher.submit(

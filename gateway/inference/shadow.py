@@ -60,6 +60,7 @@ from gateway.tenancy.accounting import Accountant
 from gateway.tenancy.limits import SHADOW_SCOPE, SHADOW_TENANT
 from gateway.tenancy.records import RecordHead, Serving
 from streams.outbox import Settlement
+from streams.pools import adapter_pool
 from streams.request_ledger import LedgerRecord
 from streams.routes import RouteContract
 from streams.subjects import RequestClass, pool_subject
@@ -130,6 +131,8 @@ class Shadows:
         candidate = chosen(contract, req)
         if candidate is None or self.pools is None:
             return False
+        if req.adapter and not self.pools.holders(req.adapter, [candidate]):
+            return False  # the shadow candidate holds no such LoRA adapter
         if len(self._tasks) >= MAX_INFLIGHT:
             self.metrics.rollout_shadows.labels(req.route, "skipped").inc()
             return False
@@ -180,7 +183,9 @@ class Shadows:
         outcome, status, tokens = "", 200, 0
         stream: FrameStream | None = None
         try:
-            subject = pool_subject(await self.pools.token(candidate), copy.cls)
+            # An adapter's copy goes to the candidate's pool of that adapter.
+            pool = adapter_pool(candidate, req.adapter) if req.adapter else candidate
+            subject = pool_subject(await self.pools.token(pool), copy.cls)
             stream = await self.dispatcher.submit(copy, self._meta(copy, held), subject)
             stream.kept = []
             async for event in stream.events(self.cfg.heartbeat_timeout_s):

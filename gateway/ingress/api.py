@@ -112,7 +112,10 @@ async def embeddings(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     gw = gateway_of(request)
     await gw.tenancy.authenticate(request.headers.get("authorization"))
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "jetserve"} for m in gw.models()]
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "jetserve", "parent": parent}
+        for m, parent in gw.models()
+    ]
     return json_response({"object": "list", "data": data})
 
 

@@ -158,6 +158,8 @@ class Model(msgspec.Struct, frozen=True):
     object: Literal["model"]
     created: Int0
     owned_by: str
+    # A LoRA adapter's base model (as vLLM lists it); null for a base model.
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ from jetserve.commands.common import (
 
 if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
+    from streams.membership import Adapter
     from streams.routes import Deployment
     from workers.inference.worker import WorkerConfig
 
@@ -182,6 +183,8 @@ async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConf
     from workers.inference.admission import AdmissionConfig
     from workers.inference.worker import WorkerConfig
 
+    cards = await engine_models(engine_url)
+    models, adapters = served(cards)
     return WorkerConfig(
         nats_url=args.nats,
         nats_auth=bus_auth(args, Role.WORKER),
@@ -200,36 +203,66 @@ async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConf
         topology=Topology(replicas=args.replicas),
         lane_depth=args.lane_depth,
         lane_load_factor=args.lane_load_factor,
-        deployment=await deployment(args, engine_url),
+        deployment=await deployment(args, engine_url, cards),
+        models=models,
+        adapters=adapters,
     )
 
 
-async def deployment(args: argparse.Namespace, engine_url: str) -> Deployment | None:
-    """The route deployment a worker declares. Unset flags come from the engine:
-    name and model = the model it serves, engine = its ``owned_by``; None when the
-    engine can't say (then the worker serves only requests whose route lists no
-    candidates)."""
+async def engine_models(engine_url: str) -> list[dict[str, object]] | None:
+    """The engine's /v1/models cards; None when it cannot say."""
     import httpx
 
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            r = await client.get(f"{engine_url.rstrip('/')}/v1/models")
+            r.raise_for_status()
+            cards = r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        logging.getLogger("jetserve.worker").info("the engine's /v1/models: %r", exc)
+        return None
+    if not isinstance(cards, list):
+        return None
+    return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+
+def served(cards: list[dict[str, object]] | None) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
+    """The base model ids and the LoRA adapters (vLLM lists one with ``parent``,
+    its base model) in an engine's /v1/models cards."""
+    from streams.membership import Adapter
+
+    models, adapters = [], []
+    for card in cards or ():
+        name, parent = str(card["id"]), card.get("parent")
+        if parent and parent != name:
+            adapters.append(Adapter(name, str(parent)))
+        else:
+            models.append(name)
+    return tuple(models), tuple(adapters)
+
+
+async def deployment(
+    args: argparse.Namespace, engine_url: str, cards: list[dict[str, object]] | None
+) -> Deployment | None:
+    """The route deployment a worker declares. Unset flags come from the engine's
+    cards: name and model = the (first base) model it serves, engine = its
+    ``owned_by``; None when the engine can't say (then the worker serves only
+    requests whose route lists no candidates)."""
     from streams.routes import Deployment
 
     name, engine, model = args.deployment_name, args.deployment_engine, args.deployment_name
+    base = [c for c in cards or () if not c.get("parent") or c.get("parent") == c["id"]]
     if not (name and engine):
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                r = await client.get(f"{engine_url.rstrip('/')}/v1/models")
-                r.raise_for_status()
-                first = r.json()["data"][0]
-            model = model or str(first["id"])
-            name, engine = name or model, engine or str(first.get("owned_by") or "unknown")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            if not name:
-                logging.getLogger("jetserve.worker").warning(
-                    "no --deployment-name and the engine did not name its model (%s): "
-                    "this worker serves no route with candidates",
-                    exc,
-                )
-                return None
+        if base:
+            model = model or str(base[0]["id"])
+            name, engine = name or model, engine or str(base[0].get("owned_by") or "unknown")
+        elif not name:
+            logging.getLogger("jetserve.worker").warning(
+                "no --deployment-name and the engine did not name its model: "
+                "this worker serves no route with candidates"
+            )
+            return None
+        else:
             engine = engine or "unknown"
     dialect = getattr(args, "dialect", None)
     return Deployment(

@@ -54,6 +54,9 @@ async def test_refusals_errors_cancels_and_dead_letters_are_json_events(
     async with httpx.AsyncClient(timeout=60) as c:
         bad_key = await c.post(url, json=body(), headers={"Authorization": "Bearer sk-wrong"})
         assert bad_key.status_code == 401
+        # Refused before a request id exists: the caller's tenant and class are known.
+        unknown = await c.post(url, json=body(model="no-such-model"), headers=auth)
+        assert unknown.status_code == 404
         # Every attempt fails before the first token: redelivered, then dead-lettered.
         failing = await c.post(url, json=body(), headers={**auth, "X-Sim-Fault": "500"})
         assert failing.status_code >= 500
@@ -79,6 +82,11 @@ async def test_refusals_errors_cancels_and_dead_letters_are_json_events(
     await until(logged, "the cancel logged by the worker and the gateway")
     gateway, worker = events(fleet, "gateway0"), events(fleet, "worker0")
     assert any(e.get("event") == "http_error" and e["status"] == 401 for e in gateway)
+    refused = [e for e in gateway if e.get("event") == "refused" and e["status"] == 404]
+    assert len(refused) == 1
+    assert refused[0]["code"] == "model_not_found"
+    assert (refused[0]["tenant"], refused[0]["cls"]) == (fleet.spec.tenant, "interactive")
+    assert refused[0]["gateway"]
     cancel = find(fleet, "worker0", "cancelled", cancelled_id)
     assert cancel is not None
     assert (cancel["tenant"], cancel["cls"]) == (fleet.spec.tenant, "interactive")

@@ -272,3 +272,27 @@ async def test_metrics_use_vllm_names(fast: SimHandle) -> None:
     assert await fast.metric("vllm:generation_tokens_total") == 3
     assert await fast.metric("vllm:time_to_first_token_seconds_count") == 1
     assert await fast.metric("vllm:inter_token_latency_seconds_count") == 2
+
+
+async def test_lora_adapters_listed_with_parent_and_answer_differently(
+    start_sim: StartSim,
+) -> None:
+    """``--lora NAME``: served as vLLM serves --lora-modules, its own text."""
+    h = await start_sim(profile="fast", loras=("sql-lora",))
+    cards = {m["id"]: m for m in (await h.client.get("/v1/models")).json()["data"]}
+    assert cards["sim-8b"]["parent"] is None
+    assert cards["sql-lora"]["parent"] == "sim-8b"
+    assert cards["sql-lora"]["root"] == "sql-lora"
+
+    async def text(model: str) -> str:
+        r = await h.client.post("/v1/chat/completions", json=chat_body(model=model, seed=3))
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    base, adapted = await text("sim-8b"), await text("sql-lora")
+    assert adapted != base
+    assert await text("sql-lora") == adapted  # deterministic
+    assert await text("sim-8b") == base
+    r = await h.client.post("/v1/chat/completions", json=chat_body(model="other-lora"))
+    assert r.status_code == 404

@@ -7,7 +7,15 @@ from typing import Any, cast
 
 import msgspec
 
-from streams.membership import HOT_FACTOR, HOT_SLACK, MemberInfo, Membership, member_info
+from streams.membership import (
+    HOT_FACTOR,
+    HOT_SLACK,
+    Adapter,
+    MemberInfo,
+    Membership,
+    member_info,
+)
+from streams.pools import adapter_pool
 from workers.inference.affinity import StartRate
 
 
@@ -53,3 +61,15 @@ def test_the_start_rate_is_a_decaying_average() -> None:
     for _ in range(20):
         rate.tick()
     assert 1.9 < rate.value() <= 2.0  # 20 starts at once, over a 10 s time constant
+
+
+def test_a_members_adapters_make_pools_and_newer_fields_are_left_out() -> None:
+    info = MemberInfo("dep-a", 1.0, ("sim-8b",), (Adapter("sql-lora", "sim-8b"),), "vllm 0.1")
+    assert member_info(msgspec.json.encode(info)) == info
+    assert info.pools() == ("dep-a", adapter_pool("dep-a", "sql-lora"))
+    assert MemberInfo("", 0.0, (), (Adapter("x", "m"),)).pools() == ()  # no deployment
+    # A worker newer than this reader: the fields it does not know are skipped.
+    newer = b'["dep-a", 1.0, ["sim-8b"], [["sql-lora", "sim-8b"]], "vllm 0.1", {"later": 1}]'
+    assert member_info(newer) == info
+    # A worker of before adapters: two fields.
+    assert member_info(b'["dep-a", 1.0]') == MemberInfo("dep-a", 1.0)

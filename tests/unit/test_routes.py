@@ -81,6 +81,9 @@ def test_defaults_match_the_documented_contract() -> None:
         (raw(routing={"mode": "random"}), "$.routing.mode"),
         (raw(routing={"prefix_chars": 100, "min_prefix_chars": 200}), "min_prefix_chars"),
         (raw(name="has space"), "$.name"),
+        (raw(adapters=["a", "a"]), "appears twice"),
+        (raw(adapters=["sim-8b"]), "the route's own name"),
+        (raw(adapters=["has space"]), "$.adapters"),
         (
             raw(candidates=[{"name": "d", "adapter": "vllm", "engine": "e", "model": "m"}]),
             "adapter",
@@ -142,6 +145,7 @@ POLICY_CHANGES: list[dict[str, Any]] = [
     {"routing": RoutingPolicy(min_prefix_chars=128)},
     {"coalesce": CoalescePolicy(enabled=True)},
     {"coalesce": CoalescePolicy(cross_tenant=True)},
+    {"adapters": ("sql-lora",)},
 ]
 
 
@@ -251,3 +255,12 @@ def test_yaml_contract_with_a_bare_on_key(tmp_path: Path) -> None:
     )
     c = contract_from_builtins(load_contract(str(path)))
     assert c.retry.on == ("engine_unavailable",)
+
+
+def test_a_contract_without_adapters_keeps_its_encoding_and_fingerprint() -> None:
+    """``adapters`` came later: unset, a record encodes and hashes as before (an
+    older gateway, which refuses unknown fields, still reads it)."""
+    assert b"adapters" not in encode(BASE)
+    with_adapters = msgspec.structs.replace(BASE, adapters=("sql-lora",))
+    assert decode_contract(encode(with_adapters)).adapters == ("sql-lora",)
+    test_a_contract_without_context_length_keeps_its_fingerprint()

@@ -37,8 +37,8 @@ from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.headers import Header
 from streams.logs import log_event
 from streams.marks import CancelMarks, FailureCounts
-from streams.membership import SHARED, Membership
-from streams.pools import pool_consumer_name, pool_token
+from streams.membership import SHARED, Adapter, Membership
+from streams.pools import adapter_pool, pool_consumer_name, pool_token
 from streams.provision import await_topology
 from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR
 from streams.routes import Deployment
@@ -98,6 +98,11 @@ class WorkerConfig:
     # The route deployment this worker serves (streams.routes); None: it serves
     # only requests whose route lists no candidates.
     deployment: Deployment | None = None
+    # What the engine's /v1/models says it serves, advertised in the membership
+    # bucket: its base model ids (gateways list only served names) and its LoRA
+    # adapters (a worker with a deployment pulls one pool per adapter).
+    models: tuple[str, ...] = ()
+    adapters: tuple[Adapter, ...] = ()
     embed_batch_max: int = 32  # inputs per batched engine call (1: no batching)
     embed_batch_delay_ms: float = 5.0  # longest a request waits for its batch to fill
     # Lane ownership (streams/rendezvous.py): the workers that pull each lane,
@@ -176,6 +181,8 @@ class Worker:
                 load_factor=cfg.lane_load_factor,
                 deployment=dep,
                 load=self.starts.value,
+                models=cfg.models,
+                adapters=cfg.adapters,
                 engine=self.engine_version,
             )
             await members.start()
@@ -185,6 +192,10 @@ class Worker:
             if dep:
                 # Its deployment's pool: routed requests only its workers may serve.
                 self.consumer.add(PoolSource(js, topo, dep, self._pool_sources))
+                # One pool per adapter it holds: requests for one go only there.
+                for adapter in cfg.adapters:
+                    pool = adapter_pool(dep, adapter.name)
+                    self.consumer.add(PoolSource(js, topo, pool, self._pool_sources))
             self.metrics.lane_members.set_function(lambda: len(members.members))
             self.metrics.lane_stale_pullers.set_function(
                 lambda: sum(lane.stale for lane in self.lanes)
@@ -332,7 +343,7 @@ class Worker:
             if self.engine_up:  # an engine replaced behind its URL reports its new build
                 self.engine_version = await self.engine.version() or self.engine_version
                 if self._members is not None:
-                    self._members.engine = self.engine_version
+                    self._members.set_engine(self.engine_version)
         m = self.metrics
         m.engine_up.set(1 if self.engine_up else 0)
         m.engine_waiting.set(load.waiting or 0)
@@ -355,6 +366,7 @@ class Worker:
                 assert js is not None
                 seq = msg.metadata.sequence.stream if msg.metadata.sequence else None
                 await dead_letter(js, msg.subject, msg.data, f"undecodable request: {exc}", seq)
+                self._event("dead_lettered", None, class_of(msg.subject), code="poison", seq=seq)
                 await msg.term()
                 self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
                 return
@@ -402,6 +414,7 @@ class Worker:
                 retryable=False,
             )
             await msg.term()
+            self._event("refused", req, req.cls, code="deadline_exceeded")
             self.metrics.requests.labels(req.cls, "deadline_exceeded").inc()
             return
         dep = self.cfg.deployment
@@ -409,6 +422,7 @@ class Worker:
             # Fallback only to a candidate of the same contract: hand it back at
             # once, engine untouched and nothing emitted, for a listed deployment.
             await msg.nak()
+            self._event("redelivered", req, req.cls, code="not_candidate")
             self.metrics.redeliveries.labels(req.cls, "not_candidate").inc()
             return
         watch = self._cancels
@@ -658,6 +672,11 @@ class Worker:
             return False
         dep = self.cfg.deployment.name if self.cfg.deployment else ""
         later = req.candidates[req.candidates.index(dep) + 1 :] if dep in req.candidates else []
+        if req.adapter:
+            # An adapter's request moves only to a candidate whose worker holds it.
+            members = self._members
+            pools = [adapter_pool(d, req.adapter) for d in later]
+            later = [p for p in pools if members is not None and members.live(p)]
         if not later:
             return False
         attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
