@@ -17,10 +17,20 @@ import msgspec
 
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
-from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
+from workers.engines.http import (
+    PROBE_TIMEOUT_S,
+    engine_client,
+    open_stream,
+    probe,
+    raise_for_status,
+    scrape,
+)
 from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
+
+# The simulator's /version (sim/app.py): an engine that runs each embedding call alone.
+SIM_VERSION_SUFFIX = "+jetserve.sim"
 
 
 class _PromptDetails(msgspec.Struct):
@@ -229,6 +239,22 @@ class OpenAIAdapter(EngineAdapter):
 
         counts = await asyncio.gather(*(one(t) for t in texts))
         return None if any(c is None for c in counts) else [c for c in counts if c is not None]
+
+    async def batches_embeddings(self) -> bool | None:
+        """vLLM schedules concurrent pooling requests into one forward pass; the
+        simulator (its ``/version`` ends ``+jetserve.sim``) runs each call alone.
+        Any other server is assumed to batch."""
+        try:
+            response = await self._client.get("/version", timeout=PROBE_TIMEOUT_S)
+        except httpx.TransportError:
+            return None
+        if response.status_code != 200:
+            return True
+        try:
+            version = msgspec.json.decode(response.content).get("version", "")
+        except (msgspec.DecodeError, AttributeError):
+            return True
+        return not (isinstance(version, str) and version.endswith(SIM_VERSION_SUFFIX))
 
     async def healthy(self) -> bool:
         if self._lean is not None:
