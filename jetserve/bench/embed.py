@@ -19,7 +19,9 @@ same round. Before measuring, it checks that every jetserve arm returns vectors
 bit-identical to the engine's own and the same ``prompt_tokens``, alone and in
 concurrent (batched) requests.
 
-Writes ``embed.json`` and ``summary.md`` under ``--out``.
+Writes ``embed.json`` (every run, with the CPU seconds of the engine, each
+fleet's gateway and worker, and the rest of the machine over its window) and
+``summary.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -334,7 +337,10 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         if args.engine:
             engine, engine_pids = args.engine.rstrip("/"), []
         else:
-            engine, pid = stack.enter_context(vllm_engine(out / "vllm.log"))
+            # Its log stays outside the results (megabytes): the path is printed.
+            log = Path(tempfile.mkdtemp(prefix="jetserve-embed-")) / "vllm.log"
+            print(f"starting vLLM (log: {log})", flush=True)
+            engine, pid = stack.enter_context(vllm_engine(log))
             engine_pids = [pid]  # its engine-core process is a descendant: counted
         model = str(httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"])
         version = httpx.get(f"{engine}/version", timeout=10).json().get("version", "?")
