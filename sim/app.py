@@ -236,6 +236,7 @@ async def tokenize(request: Request) -> Response:
     sim = _sim(request)
     req = decode(await request.body(), TokenizeRequest)
     sim.check_model(req.model)
+    sim.stats.tokenize += 1
     if req.messages is not None:
         text = render_chat(req.messages, req.tools, req.add_generation_prompt)
         ids = sim.tokenizer.encode(text)

@@ -67,5 +67,6 @@ class Counters(msgspec.Struct, kw_only=True):
     ttft_s: float | None = None
     tpot_s: float | None = None
     embeddings: int = 0
+    tokenize: int = 0  # /tokenize calls (the worker's per-input usage counting)
     faults: dict[str, int] = msgspec.field(default_factory=dict)
     scripted: int = 0

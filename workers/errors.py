@@ -8,7 +8,8 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     │   ├── EngineRejected       4xx: the request itself is bad (never retried)
     │   │   └── EngineUnsupported  400 ``unsupported_parameter``: the adapter cannot carry a field
     │   └── EngineStreamBroken   the stream ended without a finish (never retried)
-    └── DeadlineExceeded         the request's absolute deadline passed
+    ├── DeadlineExceeded         the request's absolute deadline passed
+    └── TokenizerUnavailable     --tokenizer given, but it cannot be loaded (start-up)
 
 The worker retries an engine call (before the first token) only when the error's
 ``retryable`` says so (workers/inference/worker.py).
@@ -67,3 +68,11 @@ class EngineStreamBroken(EngineError):
 class DeadlineExceeded(WorkerError):
     code = "deadline_exceeded"
     status = 504
+
+
+class TokenizerUnavailable(WorkerError):
+    """The local tokenizer asked for (``--tokenizer``) cannot be loaded: the
+    ``tokenizers`` package is missing or the file is not a tokenizer. A start-up
+    error: the worker does not run with counts it was told to make exactly."""
+
+    code = "tokenizer_unavailable"

@@ -8,6 +8,7 @@ jetserve bench report --results bench/out/.../results.json   (re-render md and p
 jetserve bench fleet --scenario affinity,failover   (the fleet-routing scenarios)
 jetserve bench capacity --concurrency 4,16,32   (closed loop: max req/s, CPU per request)
 jetserve bench idle --duration 30   (what an idle fleet costs, per process)
+jetserve bench embed   (real MiniLM on vLLM: direct vs through jetserve, batching off/on)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from jetserve.bench.capacity import add_arguments as add_capacity_arguments
 from jetserve.bench.capacity import cmd_capacity
 from jetserve.bench.commands import cmd_fleet, cmd_plan, cmd_report, cmd_run
 from jetserve.bench.dists import parse_dist
+from jetserve.bench.embed import add_arguments as add_embed_arguments
+from jetserve.bench.embed import cmd_embed
 from jetserve.bench.idle import add_arguments as add_idle_arguments
 from jetserve.bench.idle import cmd_idle
 from jetserve.bench.metrics import DEFAULT_MAX_LAG
@@ -28,7 +31,7 @@ from jetserve.bench.targets import parse_header, parse_target
 from jetserve.bench.units import parse_duration, parse_rates
 from jetserve.bench.workload import parse_class
 
-COMMANDS = ("run", "plan", "report", "fleet", "capacity", "idle")
+COMMANDS = ("run", "plan", "report", "fleet", "capacity", "idle", "embed")
 
 T = TypeVar("T")
 
@@ -102,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_idle_arguments(idle)
+    emb = sub.add_parser(
+        "embed",
+        allow_abbrev=False,
+        help="embeddings on a real MiniLM (vLLM): direct vs through jetserve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_embed_arguments(emb)
     rp = sub.add_parser("report", allow_abbrev=False, help="re-render markdown and plots")
     rp.add_argument("--results", required=True)
     rp.add_argument("--out", default=None, help="default: the results file's directory")
@@ -298,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_capacity(args, args_list)
         if args.command == "idle":
             return cmd_idle(args, args_list)
+        if args.command == "embed":
+            return cmd_embed(args, args_list)
         return cmd_run(args, parser, args_list)
     except ValueError as exc:
         print(f"jetserve bench: {exc}", file=sys.stderr)

@@ -107,6 +107,22 @@ def register(sub: Subparsers) -> None:
     w.add_argument("--deployment-precision", default="bf16")
     w.add_argument("--embed-batch-max", type=int, default=32, help="inputs per engine call")
     w.add_argument("--embed-batch-delay-ms", type=float, default=5.0, help="batch fill wait")
+    w.add_argument(
+        "--embed-batching",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="embedding micro-batching; auto: on only for an engine that runs each call "
+        "alone (the simulator), off for one that batches concurrent calls itself (vLLM) "
+        "(docs/batching.md)",
+    )
+    w.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="the model's tokenizer.json, or its directory: a batched embedding call's usage "
+        "is split per request by counting in-process, not by one engine /tokenize call per "
+        "input (needs the `embed` extra: the tokenizers package)",
+    )
     w.set_defaults(func=run)
 
 
@@ -122,6 +138,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     from streams.tasks import install_task_dump
     from workers.engines.factory import make_adapter
+    from workers.errors import TokenizerUnavailable
     from workers.inference.worker import Worker
     from workers.probe import probe_server
     from workers.replicas import all_ready, replica_registry
@@ -147,7 +164,11 @@ async def _run(args: argparse.Namespace) -> int:
             engine = await stack.enter_async_context(
                 make_adapter(args.dialect, url, args.engine_api_key, model)
             )
-            workers.append(Worker(cfg, engine))
+            try:
+                workers.append(Worker(cfg, engine))
+            except TokenizerUnavailable as exc:
+                print(f"jetserve worker: {exc}", file=sys.stderr)
+                return 2
         http = None
         if args.metrics_port is not None:
             if len(workers) == 1:
@@ -200,6 +221,8 @@ async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConf
         otel_exporter=args.otel_exporter,
         embed_batch_max=args.embed_batch_max,
         embed_batch_delay_ms=args.embed_batch_delay_ms,
+        embed_batching=args.embed_batching,
+        tokenizer=args.tokenizer,
         topology=Topology(replicas=args.replicas),
         lane_depth=args.lane_depth,
         lane_load_factor=args.lane_load_factor,

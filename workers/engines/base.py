@@ -99,6 +99,13 @@ class EngineAdapter(abc.ABC):
         does not say."""
         return ""
 
+    async def batches_embeddings(self) -> bool | None:
+        """Whether the engine runs concurrent embedding calls together by itself
+        (then the worker's micro-batching only adds its wait); None: cannot say
+        now (unreachable). Unknown engines are assumed to: batching is turned on
+        only where it is known to pay."""
+        return True
+
     async def healthy(self) -> bool:
         """Whether the engine answers its health probe (readiness)."""
         load = await self.load()

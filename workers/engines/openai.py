@@ -18,6 +18,7 @@ import msgspec
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import (
+    PROBE_TIMEOUT_S,
     engine_client,
     open_stream,
     probe,
@@ -28,6 +29,9 @@ from workers.engines.http import (
 from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
+
+# The simulator's /version (sim/app.py): an engine that runs each embedding call alone.
+SIM_VERSION_SUFFIX = "+jetserve.sim"
 
 
 class _PromptDetails(msgspec.Struct):
@@ -239,6 +243,22 @@ class OpenAIAdapter(EngineAdapter):
 
     async def version(self) -> str:
         return await read_version(self._client, "/version", "vllm")
+
+    async def batches_embeddings(self) -> bool | None:
+        """vLLM schedules concurrent pooling requests into one forward pass; the
+        simulator (its ``/version`` ends ``+jetserve.sim``) runs each call alone.
+        Any other server is assumed to batch."""
+        try:
+            response = await self._client.get("/version", timeout=PROBE_TIMEOUT_S)
+        except httpx.TransportError:
+            return None
+        if response.status_code != 200:
+            return True
+        try:
+            version = msgspec.json.decode(response.content).get("version", "")
+        except (msgspec.DecodeError, AttributeError):
+            return True
+        return not (isinstance(version, str) and version.endswith(SIM_VERSION_SUFFIX))
 
     async def healthy(self) -> bool:
         if self._lean is not None:

@@ -8,13 +8,20 @@ a request for at most ``max_delay_s`` (or until ``max_batch`` inputs are
 waiting), sends the concatenated ``input`` list once, and hands each request
 its own vectors and its own exact usage.
 
+Where it pays: an engine that schedules concurrent calls together (vLLM)
+gains nothing from merging and loses the wait, so in ``auto`` mode batching is
+on only when the adapter says its engine runs each call alone
+(:meth:`EngineAdapter.batches_embeddings`: the simulator); ``on``/``off``
+override it.
+
 Usage split: an OpenAI-shaped engine reports one ``prompt_tokens`` total for
 the call. Token-id inputs count themselves; text inputs are counted by the
-engine's own tokenizer (:meth:`EngineAdapter.count_tokens`, vLLM's
-``/tokenize``), concurrently with the embedding call, and the counts are
-checked against the engine's total. Only an engine that cannot count (or a
-count that disagrees) falls back to a proportional split of the total (largest
-remainder, so the parts still sum to it), with a warning.
+model's own tokenizer in-process (:class:`LocalTokenCounter`, ``--tokenizer``)
+or, when none is configured, by the engine's (:meth:`EngineAdapter.count_tokens`,
+vLLM's ``/tokenize``: one HTTP call per input, concurrently with the embedding
+call). The counts are checked against the engine's total. Only an engine that
+cannot count (or a count that disagrees) falls back to a proportional split of
+the total (largest remainder, so the parts still sum to it), with a warning.
 
 Rules: an expired request never enters a batch; a request whose deadline falls
 before its batch would fire makes the batch fire now. A batch failure fails
@@ -34,17 +41,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from streams.wire import Usage
 from workers.engines.base import Embeddings, EngineAdapter
 from workers.errors import EngineError, EngineRejected, EngineUnavailable
+from workers.inference.token_count import LocalTokenCounter
 
 log = logging.getLogger(__name__)
 
 Item = str | list[int]
+BatchingMode = Literal["auto", "on", "off"]
 # Headers that differ per request without changing what the engine computes.
 _PER_REQUEST_HEADERS = frozenset({"traceparent", "tracestate", "x-request-id"})
 
@@ -119,6 +128,9 @@ class EmbedBatcher:
         max_batch: int = 32,
         max_delay_s: float = 0.005,
         observe: Callable[[int], None] | None = None,
+        *,
+        mode: BatchingMode = "on",
+        counter: LocalTokenCounter | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -127,6 +139,10 @@ class EmbedBatcher:
         self.engine = engine
         self.max_batch = max_batch
         self.max_delay_s = max_delay_s
+        self.mode = mode
+        self.counter = counter
+        # Settled on the first request ("auto" asks the engine then); None: not yet.
+        self.batching: bool | None = None if mode == "auto" else mode == "on"
         self._observe = observe  # requests per engine call (the batch-size histogram)
         self._pending: dict[bytes, _Batch] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # one per batch, owned here
@@ -147,7 +163,12 @@ class EmbedBatcher:
             # As if the caller's own asyncio.timeout had fired: its deadline path.
             raise TimeoutError("request deadline passed before it was batched")
         split = split_inputs(body.get("input"))
-        if self.max_batch == 1 or split is None or len(split[1]) >= self.max_batch:
+        if (
+            self.max_batch == 1
+            or split is None
+            or len(split[1]) >= self.max_batch
+            or not await self._batching()
+        ):
             return await self._alone(body, request_id, headers)
         kind, items = split
         loop = asyncio.get_running_loop()
@@ -168,6 +189,21 @@ class EmbedBatcher:
         if batch.size >= self.max_batch or deadline - time.time() <= due_in:
             self._fire(batch)
         return await member.future  # cancelling the caller cancels the future: it leaves
+
+    async def _batching(self) -> bool:
+        """Whether to merge; in ``auto`` mode the engine's answer, asked once (again
+        on the next request while the engine cannot say)."""
+        if self.batching is None:
+            merges = await self.engine.batches_embeddings()
+            if merges is None:
+                return False
+            self.batching = not merges
+            log.info(
+                "embedding micro-batching %s: the engine %s",
+                "on" if self.batching else "off",
+                "batches concurrent calls itself" if merges else "runs each call alone",
+            )
+        return self.batching
 
     async def _alone(
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
@@ -257,7 +293,10 @@ class EmbedBatcher:
         """Token count per input, in batch order; None if the engine cannot say."""
         texts = [i for m in live for i in m.items if isinstance(i, str)]
         text_counts: list[int] = []
-        if texts:
+        if texts and self.counter is not None:
+            special = body.get("add_special_tokens", True)
+            text_counts = self.counter.count(texts, special if isinstance(special, bool) else True)
+        elif texts:
             model = str(body.get("model", ""))
             found = await self.engine.count_tokens(model, texts, headers)
             if found is None or len(found) != len(texts):

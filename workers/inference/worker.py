@@ -50,13 +50,14 @@ from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
 from workers.inference.admission import Admission, AdmissionConfig
 from workers.inference.affinity import LanePuller, StartRate
-from workers.inference.batching import EmbedBatcher
+from workers.inference.batching import BatchingMode, EmbedBatcher
 from workers.inference.cancels import CancelWatch
 from workers.inference.delivery import confirm_ack, delivery_limit
 from workers.inference.kv_reporter import KvReporter
 from workers.inference.metrics import WorkerMetrics
 from workers.inference.pool_source import PoolSource
 from workers.inference.relay import FrameSender
+from workers.inference.token_count import LocalTokenCounter
 from workers.probe import ProbeServer, probe_server
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,11 @@ class WorkerConfig:
     adapters: tuple[Adapter, ...] = ()
     embed_batch_max: int = 32  # inputs per batched engine call (1: no batching)
     embed_batch_delay_ms: float = 5.0  # longest a request waits for its batch to fill
+    # auto: batch only for an engine that runs each call alone (docs/batching.md).
+    embed_batching: BatchingMode = "auto"
+    # The model's tokenizer.json (or its directory): exact per-request usage of a
+    # batched call counted in-process; None: the engine's /tokenize, per input.
+    tokenizer: str | None = None
     # Lane ownership (streams/rendezvous.py): the workers that pull each lane,
     # and how far above its share of lanes one may own.
     lane_depth: int = DEFAULT_DEPTH
@@ -135,6 +141,8 @@ class Worker:
             cfg.embed_batch_max,
             cfg.embed_batch_delay_ms / 1000,
             self.metrics.embed_batch_size.observe,
+            mode=cfg.embed_batching,
+            counter=LocalTokenCounter(cfg.tokenizer) if cfg.tokenizer else None,
         )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False

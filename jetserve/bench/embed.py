@@ -1,0 +1,420 @@
+"""`jetserve bench embed`: embeddings on a real model, direct against through jetserve.
+
+It serves all-MiniLM-L6-v2 with vLLM's pooling runner (``bench/peers/vllm.sh
+serve-embed``, or ``--engine URL`` for one already running) and puts one
+jetserve fleet (gateway + one worker) in front of it per arm:
+
+- ``direct``: the engine itself;
+- ``jetserve``: worker micro-batching off (the default for vLLM, which batches
+  concurrent calls itself);
+- ``jetserve-batched``: batching on, usage counted in-process (``--tokenizer``);
+- ``jetserve-batched-tokenize`` (opt-in): batching on, usage counted by one
+  engine ``/tokenize`` call per input, the path issue 17 measured.
+
+Each arm runs a closed loop (C clients, each sending its next request when the
+last one answered) of single-input and 8-input requests. Arms alternate within
+each round (the order rotates), so a noisy neighbour on the shared machine hits
+all of them alike; the figures that count are ratios against ``direct`` in the
+same round. Before measuring, it checks that every jetserve arm returns vectors
+bit-identical to the engine's own and the same ``prompt_tokens``, alone and in
+concurrent (batched) requests.
+
+Writes ``embed.json`` (every run, with the CPU seconds of the engine, each
+fleet's gateway and worker, and the rest of the machine over its window) and
+``summary.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from jetserve.bench.cpu import CpuMeter
+from jetserve.fleet import Fleet, FleetSpec
+from jetserve.services import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS = Path(
+    os.environ.get("JETSERVE_VLLM_PEERS")
+    or os.environ.get("JETSERVE_PEERS")
+    or Path.home() / ".cache/jetserve-peers"
+)
+DEFAULT_TOKENIZER = PEERS / "minilm/all-MiniLM-L6-v2"
+ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize")
+WORKER_ARGS = {
+    "jetserve": ["--embed-batching", "off"],
+    "jetserve-batched": ["--embed-batching", "on", "--tokenizer", "{tokenizer}"],
+    "jetserve-batched-tokenize": ["--embed-batching", "on"],
+}
+WORDS = (
+    "the",
+    "a",
+    "model",
+    "engine",
+    "request",
+    "token",
+    "vector",
+    "queue",
+    "worker",
+    "gateway",
+    "batch",
+    "latency",
+    "stream",
+    "cache",
+    "prefix",
+    "input",
+    "output",
+    "server",
+    "client",
+    "deadline",
+    "budget",
+    "tenant",
+    "route",
+    "replica",
+    "pool",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "river",
+    "mountain",
+    "city",
+    "night",
+    "morning",
+    "coffee",
+)
+
+
+class Run(msgspec.Struct, kw_only=True):
+    arm: str
+    inputs: int  # per request
+    round: int
+    requests: int
+    items: int
+    errors: int
+    window_s: float
+    items_per_s: float
+    p50_ms: float | None
+    p99_ms: float | None
+    cpu_s: dict[str, float]  # per process group over the window
+
+
+class ArmSummary(msgspec.Struct, kw_only=True):
+    items_per_s: float  # median over rounds
+    p50_ms: float | None
+    p99_ms: float | None
+    ratio_to_direct: float | None  # median over rounds of arm / direct in that round
+    ratio_min: float | None
+
+
+class Check(msgspec.Struct, kw_only=True):
+    arm: str
+    requests: int
+    vectors_identical: bool
+    prompt_tokens_exact: bool
+
+
+class EmbedResults(msgspec.Struct, kw_only=True):
+    command: str
+    when: str
+    engine: str
+    model: str
+    tokenizer: str
+    cpus: int | None
+    concurrency: int
+    duration_s: float
+    warmup_s: float
+    rounds: int
+    checks: list[Check]
+    runs: list[Run]
+    summary: dict[str, dict[str, ArmSummary]]  # inputs per request -> arm -> figures
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default=None, help="an embedding engine already running (URL)")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="the model's directory")
+    p.add_argument("--arms", default=",".join(ARMS[:3]), help=f"from {','.join(ARMS)}")
+    p.add_argument("--inputs", default="1,8", help="inputs per request, one figure each")
+    p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per run")
+    p.add_argument("--rounds", type=int, default=3, help="each arm this many times, alternated")
+    p.add_argument("--out", default="bench/results/embed-minilm")
+
+
+def sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 24)))
+
+
+def bodies(model: str, inputs: int, seed: int) -> Iterator[bytes]:
+    rng = random.Random(seed)
+    while True:
+        texts = [sentence(rng) for _ in range(inputs)]
+        value: str | list[str] = texts[0] if inputs == 1 else texts
+        yield msgspec.json.encode({"model": model, "input": value})
+
+
+@contextlib.contextmanager
+def vllm_engine(log: Path) -> Iterator[tuple[str, int]]:
+    """all-MiniLM-L6-v2 on vLLM's pooling runner, on a free port, until the block
+    ends: its URL and process id."""
+    port = free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(ROOT / "bench/peers/vllm.sh"), "serve-embed", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({proc.returncode}); see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not answer /health in 600 s; see {log}")
+            time.sleep(1.0)  # polling a process start-up: nothing to wait on but /health
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def closed_loop(
+    url: str, headers: dict[str, str], make: Iterator[bytes], clients: int, warmup: float,
+    duration: float,
+) -> tuple[list[float], int, int]:  # fmt: skip
+    """Latencies (s) and error count of requests completed inside the window, and
+    the inputs they carried."""
+    headers = {"Content-Type": "application/json", **headers}
+    lat: list[float] = []
+    errors = items = 0
+    start = time.monotonic()
+    begin, end = start + warmup, start + warmup + duration
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one() -> None:
+            nonlocal errors, items
+            while (t0 := time.monotonic()) < end:
+                body = next(make)
+                try:
+                    r = await client.post(f"{url}/v1/embeddings", content=body, headers=headers)
+                    ok = r.status_code == 200
+                    n = len(r.json()["data"]) if ok else 0
+                except httpx.HTTPError:
+                    ok, n = False, 0
+                t1 = time.monotonic()
+                if begin <= t0 and t1 <= end:
+                    if ok:
+                        lat.append(t1 - t0)
+                        items += n
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(one() for _ in range(clients)))
+    return lat, items, errors
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+async def check(arm: str, url: str, headers: dict[str, str], engine: str, model: str) -> Check:
+    """Vectors and prompt_tokens through ``url`` equal the engine's own: single and
+    8-input requests, one at a time and 16 at once (batched where the arm batches)."""
+    rng = random.Random(7)
+    reqs: list[dict[str, Any]] = [{"model": model, "input": sentence(rng)} for _ in range(8)] + [
+        {"model": model, "input": [sentence(rng) for _ in range(8)]} for _ in range(8)
+    ]
+    async with httpx.AsyncClient(timeout=120) as c:
+        direct = [(await c.post(f"{engine}/v1/embeddings", json=b)).json() for b in reqs]
+        alone = [
+            (await c.post(f"{url}/v1/embeddings", json=b, headers=headers)).json() for b in reqs
+        ]
+        together = await asyncio.gather(
+            *(c.post(f"{url}/v1/embeddings", json=b, headers=headers) for b in reqs)
+        )
+    got = [*alone, *(r.json() for r in together)]
+    want = [*direct, *direct]
+    return Check(
+        arm=arm,
+        requests=len(got),
+        vectors_identical=all(
+            [d["embedding"] for d in g["data"]] == [d["embedding"] for d in w["data"]]
+            for g, w in zip(got, want, strict=True)
+        ),
+        prompt_tokens_exact=all(
+            g["usage"]["prompt_tokens"] == w["usage"]["prompt_tokens"]
+            for g, w in zip(got, want, strict=True)
+        ),
+    )
+
+
+def summarise(
+    runs: list[Run], arms: list[str], shapes: list[int]
+) -> dict[str, dict[str, ArmSummary]]:
+    out: dict[str, dict[str, ArmSummary]] = {}
+    for n in shapes:
+        direct = {r.round: r.items_per_s for r in runs if r.inputs == n and r.arm == "direct"}
+        out[str(n)] = {}
+        for arm in arms:
+            mine = [r for r in runs if r.inputs == n and r.arm == arm]
+            ratios = [r.items_per_s / direct[r.round] for r in mine if direct.get(r.round)]
+            p50s = [r.p50_ms for r in mine if r.p50_ms is not None]
+            p99s = [r.p99_ms for r in mine if r.p99_ms is not None]
+            out[str(n)][arm] = ArmSummary(
+                items_per_s=round(statistics.median(r.items_per_s for r in mine), 1),
+                p50_ms=round(statistics.median(p50s), 1) if p50s else None,
+                p99_ms=round(statistics.median(p99s), 1) if p99s else None,
+                ratio_to_direct=round(statistics.median(ratios), 3) if ratios else None,
+                ratio_min=round(min(ratios), 3) if ratios else None,
+            )
+    return out
+
+
+def markdown(res: EmbedResults) -> str:
+    lines = [
+        f"# Embeddings: {res.model} on vLLM's pooling runner, direct vs through jetserve",
+        "",
+        f"`{res.command}` at {res.when}: {res.concurrency} closed-loop clients, "
+        f"{res.rounds} rounds of {res.duration_s:g} s per arm (arms alternated), "
+        f"{res.cpus} CPUs shared by the engine, the fleets and the load generator.",
+        "",
+        "| inputs/request | arm | items/s (median) | vs direct (median, min) | p50 ms | p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, arms in res.summary.items():
+        for arm, s in arms.items():
+            ratio = (
+                "-" if s.ratio_to_direct is None else f"{s.ratio_to_direct:.2f}, {s.ratio_min:.2f}"
+            )
+            lines.append(f"| {n} | {arm} | {s.items_per_s} | {ratio} | {s.p50_ms} | {s.p99_ms} |")
+    lines += ["", "Checks against the engine's own answers:", ""]
+    for c in res.checks:
+        lines.append(
+            f"- {c.arm}: {c.requests} requests, vectors identical: {c.vectors_identical}, "
+            f"prompt_tokens exact: {c.prompt_tokens_exact}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(arms) - set(ARMS)
+    if unknown or "direct" not in arms:
+        raise ValueError(f"arms must include direct and come from {ARMS}; got {arms}")
+    shapes = [int(x) for x in args.inputs.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if args.engine:
+            engine, engine_pids = args.engine.rstrip("/"), []
+        else:
+            # Its log stays outside the results (megabytes): the path is printed.
+            log = Path(tempfile.mkdtemp(prefix="jetserve-embed-")) / "vllm.log"
+            print(f"starting vLLM (log: {log})", flush=True)
+            engine, pid = stack.enter_context(vllm_engine(log))
+            engine_pids = [pid]  # its engine-core process is a descendant: counted
+        model = str(httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"])
+        version = httpx.get(f"{engine}/version", timeout=10).json().get("version", "?")
+        fleets: dict[str, Fleet] = {}
+        for arm in arms:
+            if arm == "direct":
+                continue
+            wargs = [a.format(tokenizer=args.tokenizer) for a in WORKER_ARGS[arm]]
+            spec = FleetSpec(
+                workers=1, engine_url=engine, model=model, worker_args=wargs,
+                gateway_args=["--embedding-models", model],
+            )  # fmt: skip
+            fleets[arm] = stack.enter_context(Fleet(spec))
+        targets: dict[str, tuple[str, dict[str, str]]] = {"direct": (engine, {})} | {
+            arm: (f.base_url, {"Authorization": f"Bearer {f.api_key}"}) for arm, f in fleets.items()
+        }
+        checks = [
+            asyncio.run(check(arm, url, hdrs, engine, model))
+            for arm, (url, hdrs) in targets.items()
+            if arm != "direct"
+        ]
+        groups = {"engine": engine_pids} | {
+            f"{arm}:{kind}": [p.proc.pid for p in procs]
+            for arm, f in fleets.items()
+            for kind, procs in (("gateway", f.gateways), ("worker", f.workers))
+        }
+        meter = CpuMeter(groups)
+        runs: list[Run] = []
+        for rnd in range(args.rounds):
+            for n in shapes:
+                order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
+                for arm in order:
+                    url, hdrs = targets[arm]
+                    make = bodies(model, n, seed=1000 * rnd + n)
+                    before = meter.sample()
+                    lat, items, errors = asyncio.run(
+                        closed_loop(url, hdrs, make, args.concurrency, args.warmup, args.duration)
+                    )
+                    cpu = CpuMeter.delta(before, meter.sample())
+                    run = Run(
+                        arm=arm, inputs=n, round=rnd, requests=len(lat), items=items,
+                        errors=errors, window_s=args.duration,
+                        items_per_s=round(items / args.duration, 1),
+                        p50_ms=pct(lat, 0.5), p99_ms=pct(lat, 0.99), cpu_s=cpu,
+                    )  # fmt: skip
+                    runs.append(run)
+                    print(
+                        f"round {rnd} inputs {n} {arm}: {run.items_per_s} items/s, "
+                        f"p50 {run.p50_ms} ms, p99 {run.p99_ms} ms, errors {errors}",
+                        flush=True,
+                    )
+    res = EmbedResults(
+        command="jetserve bench " + " ".join(argv),
+        when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        engine=f"vLLM {version}",
+        model=model,
+        tokenizer=args.tokenizer,
+        cpus=os.cpu_count(),
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        rounds=args.rounds,
+        checks=checks,
+        runs=runs,
+        summary=summarise(runs, arms, shapes),
+    )
+    (out / "embed.json").write_bytes(msgspec.json.format(msgspec.json.encode(res)) + b"\n")
+    (out / "summary.md").write_text(markdown(res))
+    print(markdown(res))
+    print(f"wrote {out / 'embed.json'} and {out / 'summary.md'}")
+    bad = [c.arm for c in checks if not (c.vectors_identical and c.prompt_tokens_exact)]
+    if bad:
+        print(
+            f"jetserve bench embed: answers differ from the engine's through {bad}", file=sys.stderr
+        )
+        return 1
+    return 0

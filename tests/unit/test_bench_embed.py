@@ -1,0 +1,36 @@
+"""`jetserve bench embed`'s figures: ratios against direct in the same round."""
+
+from __future__ import annotations
+
+from jetserve.bench.cli import build_parser
+from jetserve.bench.embed import Run, bodies, summarise
+
+
+def run(arm: str, rnd: int, rate: float, inputs: int = 1) -> Run:
+    return Run(
+        arm=arm, inputs=inputs, round=rnd, requests=10, items=10 * inputs, errors=0,
+        window_s=1.0, items_per_s=rate, p50_ms=10.0, p99_ms=20.0, cpu_s={},
+    )  # fmt: skip
+
+
+def test_ratios_are_taken_within_each_round() -> None:
+    runs = [
+        run("direct", 0, 100.0), run("jetserve", 0, 90.0),
+        run("direct", 1, 50.0), run("jetserve", 1, 40.0),  # a noisy round: both fell
+        run("direct", 2, 80.0), run("jetserve", 2, 76.0),
+    ]  # fmt: skip
+    got = summarise(runs, ["direct", "jetserve"], [1])["1"]
+    assert got["direct"].ratio_to_direct == 1.0
+    assert got["jetserve"].ratio_to_direct == 0.9  # median of 0.9, 0.8, 0.95
+    assert got["jetserve"].ratio_min == 0.8
+    assert got["jetserve"].items_per_s == 76.0
+
+
+def test_bodies_carry_the_asked_inputs_and_the_command_parses() -> None:
+    import msgspec
+
+    body = msgspec.json.decode(next(bodies("minilm", 8, seed=1)))
+    assert len(body["input"]) == 8
+    assert b'"input":"' in next(bodies("minilm", 1, seed=1))
+    args = build_parser().parse_args(["embed", "--engine", "http://x:1", "--rounds", "1"])
+    assert (args.command, args.rounds, args.engine) == ("embed", 1, "http://x:1")

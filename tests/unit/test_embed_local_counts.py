@@ -1,0 +1,141 @@
+"""Exact usage of a batched embedding call counted in-process (issue 17, item 4):
+the model's own tokenizer.json, loaded by the worker, instead of one engine
+/tokenize call per input; and batching on only where it pays (auto mode). Against
+the real simulator, with a tokenizer.json built here that tokenizes as it does."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from sim.config import SimConfig
+from sim.tokenizer import _PIECE
+from tests.unit.test_embed_batcher import TEXTS, Sim, body, later, serve
+from workers.engines.openai import OpenAIAdapter
+from workers.errors import TokenizerUnavailable
+from workers.inference.batching import EmbedBatcher
+from workers.inference.token_count import LocalTokenCounter
+
+Start = Callable[..., Awaitable[tuple[Sim, OpenAIAdapter]]]
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    async with AsyncExitStack() as stack:
+
+        async def make(**kw: Any) -> tuple[Sim, OpenAIAdapter]:
+            sim = await stack.enter_async_context(serve(SimConfig(profile="fast", **kw)))
+            engine = await stack.enter_async_context(OpenAIAdapter(sim.url))
+            return sim, engine
+
+        yield make
+
+
+@pytest.fixture
+def sim_tokenizer(tmp_path: Path) -> Path:
+    """A tokenizer.json that splits text into the simulator's pieces (one token each)."""
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECE.pattern), behavior="isolated")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path  # the directory, as --tokenizer takes a model's directory
+
+
+async def stats(sim: Sim) -> dict[str, int]:
+    r = await sim.client.get("/sim/stats")
+    r.raise_for_status()
+    return {k: int(r.json()[k]) for k in ("embeddings", "tokenize")}
+
+
+async def test_local_counts_are_the_engines_without_a_tokenize_call(
+    start: Start, sim_tokenizer: Path
+) -> None:
+    sim, engine = await start()
+    singles = [await engine.embed(body(t), f"single-{i}", {}) for i, t in enumerate(TEXTS)]
+    counter = LocalTokenCounter(sim_tokenizer)
+    assert counter.count(TEXTS) == [s.usage.prompt_tokens for s in singles]
+    before = await stats(sim)
+    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05, counter=counter)
+    got = await asyncio.gather(
+        *(batcher.embed(body(t), f"r{i}", {}, later()) for i, t in enumerate(TEXTS))
+    )
+    after = await stats(sim)
+    assert after["embeddings"] - before["embeddings"] == 1
+    assert after["tokenize"] == before["tokenize"]  # no network call per input
+    for one, batched in zip(singles, got, strict=True):
+        assert batched.vectors == one.vectors
+        assert batched.usage == one.usage
+    await batcher.aclose()
+
+
+async def test_without_a_tokenizer_the_engine_counts_each_input(start: Start) -> None:
+    sim, engine = await start()
+    before = await stats(sim)
+    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05)
+    got = await asyncio.gather(
+        *(batcher.embed(body(t), f"r{i}", {}, later()) for i, t in enumerate(TEXTS[:4]))
+    )
+    after = await stats(sim)
+    assert after["tokenize"] - before["tokenize"] == 4  # the fallback's cost
+    assert after["embeddings"] - before["embeddings"] == 1
+    assert [g.usage.prompt_tokens for g in got] == [len(_PIECE.findall(t)) for t in TEXTS[:4]]
+    await batcher.aclose()
+
+
+async def test_auto_batches_for_the_simulator_and_off_never_merges(start: Start) -> None:
+    sim, engine = await start()
+    assert await engine.batches_embeddings() is False  # it runs each call alone
+    auto = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05, mode="auto")
+    before = await stats(sim)
+    await asyncio.gather(*(auto.embed(body(t), f"a{i}", {}, later()) for i, t in enumerate(TEXTS)))
+    assert auto.batching is True
+    assert (await stats(sim))["embeddings"] - before["embeddings"] == 1
+    off = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05, mode="off")
+    before = await stats(sim)
+    await asyncio.gather(*(off.embed(body(t), f"o{i}", {}, later()) for i, t in enumerate(TEXTS)))
+    after = await stats(sim)
+    assert after["embeddings"] - before["embeddings"] == len(TEXTS)
+    assert after["tokenize"] == before["tokenize"]  # alone: the engine's usage is the request's
+    await auto.aclose()
+    await off.aclose()
+
+
+async def test_auto_waits_for_an_engine_that_cannot_answer() -> None:
+    # Nothing listens there: unbatched for now, and asked again next time.
+    async with OpenAIAdapter("http://127.0.0.1:9") as engine:
+        assert await engine.batches_embeddings() is None
+        batcher = EmbedBatcher(engine, mode="auto")
+        assert await batcher._batching() is False
+        assert batcher.batching is None
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(TokenizerUnavailable, match="cannot load tokenizer"):
+        LocalTokenCounter(tmp_path)  # no tokenizer.json in it
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerUnavailable, match="cannot load tokenizer"):
+        LocalTokenCounter(tmp_path / "tokenizer.json")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # the extra not installed
+    with pytest.raises(TokenizerUnavailable, match=r"jetserve\[embed\]"):
+        LocalTokenCounter(tmp_path)
+
+
+def test_the_worker_refuses_to_start_with_a_tokenizer_it_cannot_load(tmp_path: Path) -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "jetserve", "worker", "--tokenizer", str(tmp_path),
+         "--deployment-name", "m", "--deployment-engine", "e", "--nats", "nats://127.0.0.1:9",
+         "--insecure"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "cannot load tokenizer" in done.stderr
