@@ -48,6 +48,10 @@ class Evidence(msgspec.Struct, frozen=True, kw_only=True):
     # Production figures measured at attach (``measure_slo``): the SLO-regression
     # trigger's baseline (gateway/admin/slo_regression.py). Absent in older records.
     slo: dict[str, Any] = {}
+    # For each attached item ("bench", "fault_suite", "conformance/<deployment>"):
+    # the fingerprints it was measured on (deployment -> fingerprint), checked
+    # equal to the revision's when attached; an item absent here was taken as given.
+    checked: dict[str, dict[str, str]] = {}
     notes: str = ""
 
 

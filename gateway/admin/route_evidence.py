@@ -70,6 +70,9 @@ class EvidenceUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     notes: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
     slo: dict[str, Any] | None = None  # set by ``measure_slo``, not by the body
     measure_slo: bool = False
+    # deployment -> the fingerprint the attached results were measured on (read
+    # before the run): checked against the revision's, and kept per item.
+    covers: dict[str, str] | None = None
 
 
 async def read(kv: KeyValue, route: str, revision: int) -> tuple[Evidence, int] | None:
@@ -135,12 +138,59 @@ async def merge(
     )
 
 
+def attached_items(u: EvidenceUpdate) -> list[str]:
+    """The results an update attaches, by the names ``Evidence.checked`` uses."""
+    items = [f"conformance/{dep}" for dep in u.conformance or {}]
+    return items + [name for name in ("bench", "fault_suite") if getattr(u, name) is not None]
+
+
+def check_covers(record: RouteRecord, u: EvidenceUpdate) -> None:
+    """``covers`` must name the revision's deployments at their fingerprints, and
+    every deployment whose conformance report is attached."""
+    if u.covers is None:
+        return
+    if not attached_items(u):
+        raise BadRequest(
+            "'covers' says what attached results were measured on: attach some.", param="covers"
+        )
+    unknown = sorted(u.covers.keys() - record.fingerprints.keys())
+    if unknown:
+        raise BadRequest(
+            f"'covers' names deployments revision {record.revision} does not have: {unknown}",
+            param="covers",
+        )
+    missing = sorted((u.conformance or {}).keys() - u.covers.keys())
+    if missing:
+        raise BadRequest(
+            f"'covers' must name {missing} (their reports are attached)", param="covers"
+        )
+    stale = {d: fp for d, fp in u.covers.items() if record.fingerprints[d] != fp}
+    if stale:
+        detail = ", ".join(
+            f"{d}: measured on {fp}, revision {record.revision} has {record.fingerprints[d]}"
+            for d, fp in sorted(stale.items())
+        )
+        raise Conflict(
+            f"The results were measured on other fingerprints than {record.contract.name} "
+            f"r{record.revision}'s ({detail}); measure again.",
+            code="evidence_fingerprint_mismatch",
+        )
+
+
 def _merged(base: Evidence, u: EvidenceUpdate) -> Evidence:
     approved = base.approved_by
     if u.approved_by is not None and u.approved_by not in approved:
         approved = (*approved, u.approved_by)[-MAX_APPROVALS:]
+    checked = dict(base.checked)
+    for item in attached_items(u):
+        if u.covers is None:
+            checked.pop(item, None)  # replaced by a result taken as given
+        else:
+            deps = [item.split("/", 1)[1]] if item.startswith("conformance/") else u.covers
+            checked[item] = {d: u.covers[d] for d in deps}
     return msgspec.structs.replace(
         base,
+        checked=checked,
         updated_at=time.time(),
         approved_by=approved,
         conformance={**base.conformance, **(u.conformance or {})},
@@ -182,6 +232,7 @@ async def attach(request: Request) -> Response:
     if update.slo is not None:
         raise BadRequest("'slo' is measured by the gateway: ask for measure_slo.", param="slo")
     record = await _revision(store_of(request), name, update.revision)
+    check_covers(record, update)
     if update.measure_slo:
         update = await _measured(request, record, update)
     rt = request.app.state.rt

@@ -1,14 +1,20 @@
 """``jetserve conformance``: run the adapter corpus (``jetserve/conformance/``)
-against a live engine and print the translation-loss report."""
+against a live engine and print the translation-loss report. With
+``--evidence ROUTE --deployment D`` the report is attached to the route's
+current revision as D's conformance evidence, covering the fingerprint D had
+when the run started (docs/rollout.md): a route changed meanwhile refuses it."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jetserve.commands.admin import add_admin_options, client
+from jetserve.commands.admin_client import AdminError
 from jetserve.conformance.publish import document, run_dialects
 from jetserve.conformance.report import Report, matrix_markdown
 from workers.engines.factory import DIALECTS
@@ -47,6 +53,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="also write the reports as one document (docs/conformance.md's shape)",
     )
+    p.add_argument(
+        "--evidence",
+        default=None,
+        metavar="ROUTE",
+        help="attach the report to ROUTE's current revision (admin API; with --deployment)",
+    )
+    p.add_argument(
+        "--deployment",
+        default=None,
+        help="the route's candidate deployment this engine serves (its adapter is the dialect)",
+    )
+    add_admin_options(p)
 
 
 async def _run(args: argparse.Namespace) -> list[Report]:
@@ -60,8 +78,49 @@ async def _run(args: argparse.Namespace) -> list[Report]:
     )
 
 
+def _covered(args: argparse.Namespace) -> tuple[int, str]:
+    """The route's current revision and the deployment's fingerprint, read
+    before the run; the deployment must be the route's, of this adapter."""
+    if args.dialect == "all" or not args.deployment:
+        raise SystemExit("jetserve conformance: --evidence needs --deployment and one --dialect")
+    with client(args) as admin:
+        shown = admin.show_route(args.evidence)
+    deps = {d["name"]: d for d in shown["contract"]["candidates"]}
+    dep = deps.get(args.deployment)
+    if dep is None:
+        raise SystemExit(
+            f"jetserve conformance: {args.evidence} has no deployment {args.deployment!r}"
+            f" (it has {sorted(deps)})"
+        )
+    if dep["adapter"] != args.dialect:
+        raise SystemExit(
+            f"jetserve conformance: {args.deployment} uses the {dep['adapter']} adapter;"
+            f" run --dialect {dep['adapter']}"
+        )
+    return int(shown["revision"]), str(shown["fingerprints"][args.deployment])
+
+
+def _attach(args: argparse.Namespace, report: Report, revision: int, fingerprint: str) -> None:
+    body = {
+        "revision": revision,
+        "conformance": {args.deployment: report.to_json()},
+        "covers": {args.deployment: fingerprint},
+    }
+    with client(args) as admin:
+        admin.attach_evidence(args.evidence, body)
+    print(
+        f"attached to {args.evidence} r{revision} as {args.deployment}'s conformance"
+        f" (fingerprint {fingerprint})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when nothing was silently dropped and nothing failed, else 1."""
+    try:
+        covered = _covered(args) if args.evidence else None
+    except AdminError as exc:
+        print(f"jetserve conformance: {exc}", file=sys.stderr)
+        return 1
     reports = asyncio.run(_run(args))
     for report in reports:
         print(report.to_markdown())
@@ -76,4 +135,10 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(body, indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(document(reports, args.engine))
+    if covered is not None:
+        try:
+            _attach(args, reports[0], *covered)
+        except AdminError as exc:
+            print(f"jetserve conformance: not attached: {exc}", file=sys.stderr)
+            return 1
     return 0 if all(r.ok for r in reports) else 1

@@ -237,15 +237,44 @@ def format_evidence(out: dict[str, Any]) -> str:
         "  approved by: " + (", ".join(ev["approved_by"]) or "nobody"),
         "  fingerprints: " + " ".join(f"{k}={v}" for k, v in sorted(ev["fingerprints"].items())),
     ]
-    for part in ("conformance", "bench", "fault_suite", "guard", "slo"):
+    checked = ev.get("checked") or {}  # absent from an older gateway's answer
+    conformance = ev.get("conformance") or {}
+    lines.append("  conformance:" + ("" if conformance else " -"))
+    for dep, report in sorted(conformance.items()):
+        lines.append(
+            f"    {dep}: {_conformance_summary(report)}{_checked(checked, f'conformance/{dep}')}"
+        )
+    for part in ("bench", "fault_suite", "guard", "slo"):
         value = ev.get(part)  # ``slo``: absent from an older gateway's answer
-        lines.append(f"  {part}: {json.dumps(value, sort_keys=True) if value else '-'}")
+        shown = json.dumps(value, sort_keys=True) if value else "-"
+        lines.append(f"  {part}: {shown}{_checked(checked, part) if value else ''}")
     if out["triggers"]:
         lines.append("re-evaluate:")
         lines += [f"  {t['kind']}: {t['detail']}" for t in out["triggers"]]
     else:
         lines.append("no trigger has fired")
     return "\n".join(lines) + "\n"
+
+
+def _conformance_summary(report: Any) -> str:
+    """``ok: 40 passed, 6 transformed, ...`` of a conformance report (its rows'
+    statuses); a report in another shape is shown as it is."""
+    rows = report.get("rows") if isinstance(report, dict) else None
+    if not isinstance(rows, list):
+        return json.dumps(report, sort_keys=True)
+    counts: dict[str, int] = {}
+    for row in rows:
+        status = str(row.get("status", "?")) if isinstance(row, dict) else "?"
+        counts[status] = counts.get(status, 0) + 1
+    verdict = "ok" if report.get("ok") else "NOT ok"
+    return f"{verdict}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+def _checked(checked: dict[str, dict[str, str]], item: str) -> str:
+    fps = checked.get(item)
+    if not fps:
+        return " (as given)"
+    return " (measured on " + " ".join(f"{d}={fp}" for d, fp in sorted(fps.items())) + ")"
 
 
 def _delete(admin: AdminClient, args: argparse.Namespace) -> None:

@@ -24,7 +24,7 @@ from streams.routes import contract_from_builtins
 from streams.subjects import ROLLOUT_EVENTS
 from streams.wire import InferenceRequest
 from tests.refusals import checked_fleet
-from tests.routes_cli import cli
+from tests.routes_cli import cli, jetserve_cli
 from tests.scrape import fleet_sum, metric_sum
 from tests.waits import until
 
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
 ROUTES = (
     "r-split", "r-back", "r-bad", "r-status", "r-guard", "r-shadow", "r-shadow-budget",
-    "r-evid", "r-slo", "r-slow", "r-ver", "r-shadow-rpm",
+    "r-evid", "r-slo", "r-slow", "r-ver", "r-shadow-rpm", "r-conf",
 )  # fmt: skip
 HI = {"role": "user", "content": "hi"}
 OTHER = "rollout-other"  # a second tenant, outside the canary's scope
@@ -893,3 +893,59 @@ async def test_shadow_copies_never_count_in_the_tenants_rate_limits(fleet: Fleet
     copies = await records_of(fleet, shadow.SHADOW_TENANT, "r-shadow-rpm", len(ids))
     assert sorted(r["shadow_of"] for r in copies) == sorted(ids)
     assert {r["status"] for r in copies} == {200}
+
+
+async def test_gathered_evidence_is_checked_against_the_fingerprints_it_covers(
+    fleet: Fleet,
+) -> None:
+    r1 = await apply(fleet, contract("r-conf", "dep-stable", "dep-canary"))
+    fp = r1["fingerprints"]["dep-canary"]
+    canary_engine = f"http://127.0.0.1:{fleet.worker_sim_ports[DEPLOYMENTS.index('dep-canary')]}"
+    # The corpus against the engine dep-canary's workers use, attached as its
+    # conformance evidence with the fingerprint read before the run.
+    out = await asyncio.to_thread(
+        jetserve_cli, fleet, "conformance", "--engine", canary_engine, "--dialect", "openai",
+        "--model", "r-conf", "--evidence", "r-conf", "--deployment", "dep-canary",
+        timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr
+    assert f"attached to r-conf r1 as dep-canary's conformance (fingerprint {fp})" in out.stdout
+    async with admin_http(fleet) as c:
+        ev = (await c.get("/admin/routes/r-conf/evidence")).json()["evidence"]
+        assert ev["conformance"]["dep-canary"]["ok"] is True
+        assert len(ev["conformance"]["dep-canary"]["rows"]) >= 40
+        assert ev["checked"] == {"conformance/dep-canary": {"dep-canary": fp}}
+        # Results measured on another fingerprint are refused, not stored.
+        stale = await c.put(
+            "/admin/routes/r-conf/evidence",
+            json={"bench": {"p95": 1}, "covers": {"dep-canary": "0" * len(fp)}},
+        )
+        assert stale.status_code == 409, stale.text
+        assert stale.json()["error"]["code"] == "evidence_fingerprint_mismatch"
+        unknown = await c.put(
+            "/admin/routes/r-conf/evidence", json={"bench": {}, "covers": {"dep-x": fp}}
+        )
+        assert unknown.status_code == 400, unknown.text
+        bare = await c.put("/admin/routes/r-conf/evidence", json={"covers": {"dep-canary": fp}})
+        assert bare.status_code == 400, bare.text
+        # A result attached without covers is kept as given, and says so.
+        given = await c.put("/admin/routes/r-conf/evidence", json={"bench": {"p95": 2}})
+        assert given.status_code == 200, given.text
+        assert "bench" not in given.json()["checked"]
+        assert given.json()["bench"] == {"p95": 2}
+    shown = await asyncio.to_thread(cli, fleet, "evidence", "r-conf")
+    assert "dep-canary: ok: " in shown.stdout, shown.stdout
+    assert f"(measured on dep-canary={fp})" in shown.stdout
+    assert 'bench: {"p95": 2} (as given)' in shown.stdout
+
+    # The route changes while a run is under way: its attach is refused.
+    changed = contract("r-conf", "dep-stable", "dep-canary")
+    changed["candidates"][1].update(precision="fp8")
+    r2 = await apply(fleet, changed)
+    async with admin_http(fleet) as c:
+        late = await c.put(
+            "/admin/routes/r-conf/evidence",
+            json={"conformance": {"dep-canary": {"ok": True}}, "covers": {"dep-canary": fp}},
+        )
+    assert late.status_code == 409, late.text
+    assert r2["fingerprints"]["dep-canary"] in late.json()["error"]["message"]
