@@ -49,5 +49,8 @@ def test_render_and_plot_labels() -> None:
 def test_render_shows_the_rollout_figures() -> None:
     rows = [asdict(summarize("bad canary at 20%", shots(), 2.0))]
     found = {"rolled_back_after_s": 11.7, "canary_arm_failed": 24}
-    text = render({"scenario": "rollout", "setup": {}, "rollout": found, "rows": rows})
+    slow = {"rolled_back_after_s": 9.1, "harmed": 30}
+    result = {"scenario": "rollout", "setup": {}, "rollout": found, "rollout_slow": slow}
+    text = render({**result, "rows": rows})
     assert 'rollout: `{"rolled_back_after_s": 11.7, "canary_arm_failed": 24}`' in text
+    assert 'rollout_slow: `{"rolled_back_after_s": 9.1, "harmed": 30}`' in text

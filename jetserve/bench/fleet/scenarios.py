@@ -24,9 +24,10 @@ its own baseline in the same run.
 - ``scale``: 64 replicas on one machine (``fleet/scale.py``): hit share against
   the oracle's, how evenly replicas serve, TTFT against round-robin, and replicas
   joining and leaving mid-run. Not in the default set.
-- ``rollout``: a canary on a deployment that fails every request, applied under
-  load (``fleet/rollout.py``): the time from its revision to the guard's
-  rollback, and the requests it harmed. Not in the default set.
+- ``rollout``: a canary on a deployment that fails every request, then one whose
+  first tokens come late, each applied under load (``fleet/rollout.py``): the
+  time from its revision to the guard's rollback, and the requests it harmed.
+  Not in the default set.
 
 Every latency figure is published beside the admission rate it was measured at.
 """
@@ -414,6 +415,7 @@ def render(result: dict[str, Any]) -> str:
         "kv_routes",
         "capture",
         "rollout",
+        "rollout_slow",
     )
     for key in shown:
         if key == "changes" and "changes_by_mode" in result:
