@@ -138,11 +138,15 @@ class OpenAIAdapter(EngineAdapter):
         payload = dict(body)
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
-        hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
+        hdrs = {
+            "X-Request-Id": self.engine_request_id(request_id),
+            "Content-Type": "application/json",
+            **headers,
+        }
         content = _encoder.encode(payload)
         if self._lean is not None:
             async with (
-                self._lean.stream(_PATHS[op], content, hdrs) as lean,
+                self._lean.stream(_PATHS[op], content, hdrs, self.status_check) as lean,
                 contextlib.aclosing(self._events(lean.sse_data())) as events,
             ):
                 async for event in events:
@@ -150,12 +154,20 @@ class OpenAIAdapter(EngineAdapter):
             return
         request = self._client.build_request("POST", _PATHS[op], content=content, headers=hdrs)
         async with (
-            open_stream(self._client, request) as response,
+            open_stream(self._client, request, self.status_check) as response,
             contextlib.aclosing(_sse_data(response)) as payloads,
             contextlib.aclosing(self._events(payloads)) as events,
         ):
             async for event in events:
                 yield event
+
+    def status_check(self, status: int, body: bytes) -> None:
+        """An error status of a stream's response, raised as its EngineError."""
+        raise_for_status(status, body)
+
+    def engine_request_id(self, request_id: str) -> str:
+        """The ``X-Request-Id`` the engine gets (vLLM takes any string)."""
+        return request_id
 
     async def _events(
         self, payloads: AsyncIterator[bytes | str]
