@@ -60,9 +60,10 @@ test-llamacpp: setup
 
 # Both real engines, one after the other: each peer is installed if missing, then its
 # tier runs (the conformance corpus, a fleet request, cancellation; docs/adapters.md).
+# Both run even when the first fails; the target fails if either did.
 test-engines: setup
-	bench/peers/vllm.sh test $(ARGS)
-	bench/peers/llamacpp.sh test $(ARGS)
+	@rc=0; bench/peers/vllm.sh test $(ARGS) || rc=1; \
+	bench/peers/llamacpp.sh test $(ARGS) || rc=1; exit $$rc
 
 lint: setup
 	$(BIN)/ruff check .

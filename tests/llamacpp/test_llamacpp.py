@@ -22,6 +22,7 @@ from jetserve.conformance.report import Status
 from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
 from tests.engine_corpus import real_engine_cases
+from tests.engine_reports import save
 from tests.llamacpp.llamacppkit import CONTEXT, LlamaCppServer
 from workers.engines.base import Done
 from workers.engines.llamacpp import LlamaCppAdapter
@@ -62,7 +63,10 @@ async def test_corpus_against_real_llamacpp(
         cases=real_engine_cases(),
         timeout_s=60.0,
     )
-    print("\nllamacpp tier: translation-loss report\n" + report.to_markdown())
+    async with httpx.AsyncClient(timeout=5) as c:
+        info = (await c.get(f"{llamacpp_server.url}/openapi.json")).json()["info"]
+    saved = save("llamacpp", report, f"llama-cpp-python {info['version']}, CPU build")
+    print(f"\nllamacpp tier: translation-loss report ({saved})\n" + report.to_markdown())
     assert not report.failures, report.to_markdown()
     for row in report.silent_drops:
         assert KNOWN_DROPS.get(row.field) == row.note, report.to_markdown()

@@ -25,6 +25,7 @@ from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
 from tests.connected.test_choices import Choices, from_body, from_stream
 from tests.engine_corpus import real_engine_cases
+from tests.engine_reports import save
 from tests.vllm.vllmkit import VllmServer
 from workers.engines.base import Delta, Done
 from workers.engines.openai import OpenAIAdapter
@@ -92,7 +93,10 @@ async def test_corpus_passes_against_real_vllm(
         faults_supported=False,
         cases=real_engine_cases(),
     )
-    print("\nvllm tier: translation-loss report\n" + report.to_markdown())
+    async with httpx.AsyncClient(timeout=5) as c:
+        version = (await c.get(f"{vllm_server.url}/version")).json()["version"]
+    saved = save("vllm", report, f"vLLM {version}, CPU build")
+    print(f"\nvllm tier: translation-loss report ({saved})\n" + report.to_markdown())
     assert not report.failures, report.to_markdown()
     for row in report.silent_drops:
         assert KNOWN_DROPS.get(row.field) == row.note, report.to_markdown()

@@ -19,6 +19,7 @@ from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import engine_client, open_stream, probe, raise_for_status, scrape
 from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
+from workers.engines.translation import STRUCTURED_OUTPUTS, FieldStatus, Translated
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
@@ -99,8 +100,32 @@ async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
         raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
 
 
+# vLLM's older structured-output fields, which vLLM 0.32 takes and ignores (measured
+# in the real-vLLM tier): sent as the structured_outputs options they stand for.
+_GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex",
+           "guided_grammar": "grammar"}  # fmt: skip
+
+
+def structured_outputs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The body with vLLM's ``guided_*`` fields moved into ``structured_outputs``."""
+    payload = dict(body)
+    moved = {_GUIDED[k]: payload.pop(k) for k in list(payload) if k in _GUIDED}
+    moved = {k: v for k, v in moved.items() if v is not None}
+    if moved:
+        payload["structured_outputs"] = {**moved, **(payload.get("structured_outputs") or {})}
+    return payload
+
+
 class OpenAIAdapter(EngineAdapter):
     name = "openai"
+    translations: Mapping[str, Translated] = {
+        STRUCTURED_OUTPUTS: Translated(
+            FieldStatus.TRANSFORMED,
+            "guided_json / guided_choice / guided_regex / guided_grammar -> "
+            "structured_outputs (vLLM 0.32 ignores the guided_ fields); "
+            "structured_outputs as is",
+        )
+    }
 
     def __init__(
         self,
@@ -135,7 +160,7 @@ class OpenAIAdapter(EngineAdapter):
     ) -> AsyncIterator[Delta | Done]:
         if op not in _PATHS:
             raise EngineRejected(f"operation {op!r} does not stream")
-        payload = dict(body)
+        payload = structured_outputs(body)
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
         hdrs = {
