@@ -31,15 +31,18 @@ def _pin_schemas(body: dict[str, Any]) -> None:
         tool["function"]["parameters"] = _pinned(tool["function"]["parameters"])
 
 
-def real_engine_cases() -> tuple[Case, ...]:
+def real_engine_cases(extra: dict[str, dict[str, Any]] | None = None) -> tuple[Case, ...]:
     """The corpus, with the grammar-bound cases' schemas pinned to enums. With
     random weights, a free JSON string never closes within max_tokens, so the reply
     would be cut (finish `length`) and fail to parse even though vLLM enforced the
     grammar; pinned, only the grammar decides the reply, so it proves the field was
-    carried. (vLLM runs with disable_any_whitespace for the same reason.)"""
+    carried. (vLLM runs with disable_any_whitespace for the same reason.)
+
+    ``extra``: case name -> fields added to its body for this engine."""
     out = []
     for case in CASES:
         body = copy.deepcopy(case.body)
         _pin_schemas(body)
+        body.update((extra or {}).get(case.name, {}))
         out.append(dataclasses.replace(case, body=body))
     return tuple(out)
