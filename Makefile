@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test setup test-setup lint test-vllm conformance-report
+.PHONY: up test setup test-setup lint test-vllm test-llamacpp test-engines conformance-report
 
 # Debian packages, checked every time (cheap) and installed only when missing.
 # The fleet needs redis-server; the tests also need chromium (the /playground
@@ -56,6 +56,18 @@ conformance-report: setup
 # The opt-in real-vLLM tier (docs/vllm.md); builds the vLLM CPU peer first if missing.
 test-vllm: setup
 	bench/peers/vllm.sh test $(ARGS)
+
+# The opt-in real llama.cpp tier (llama-cpp-python[server] built from source for the
+# CPU, a tiny GGUF made locally; docs/adapters.md); builds the peer first if missing.
+test-llamacpp: setup
+	bench/peers/llamacpp.sh test $(ARGS)
+
+# Both real engines, one after the other: each peer is installed if missing, then its
+# tier runs (the conformance corpus, a fleet request, cancellation; docs/adapters.md).
+# Both run even when the first fails; the target fails if either did.
+test-engines: setup
+	@rc=0; bench/peers/vllm.sh test $(ARGS) || rc=1; \
+	bench/peers/llamacpp.sh test $(ARGS) || rc=1; exit $$rc
 
 lint: setup
 	$(BIN)/ruff check .

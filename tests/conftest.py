@@ -28,6 +28,11 @@ _TIERS = {
         "opt-in: bench/peers/vllm.sh, or -m vllm with JETSERVE_VLLM_URL or "
         "JETSERVE_VLLM_PEERS; docs/vllm.md",
     ),
+    "llamacpp": (
+        ("JETSERVE_LLAMACPP_URL", "JETSERVE_LLAMACPP_PEERS"),
+        "opt-in: bench/peers/llamacpp.sh, or -m llamacpp with JETSERVE_LLAMACPP_URL or "
+        "JETSERVE_LLAMACPP_PEERS; docs/adapters.md",
+    ),
     "open_bug": (
         (),
         "scenarios that found a bug not fixed yet, each naming it; run with -m open_bug",
@@ -36,10 +41,10 @@ _TIERS = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The real-vLLM tier (marker `vllm`, docs/vllm.md) and the `open_bug` tier
-    are opt-in: each runs only with `-m` naming it (or, for vLLM, with
-    JETSERVE_VLLM_URL / JETSERVE_VLLM_PEERS set); otherwise its tests are
-    deselected, and said so, never skipped silently."""
+    """The real-engine tiers (markers `vllm`, docs/vllm.md, and `llamacpp`,
+    docs/adapters.md) and the `open_bug` tier are opt-in: each runs only with `-m`
+    naming it (or, for an engine, with its JETSERVE_*_URL / JETSERVE_*_PEERS set);
+    otherwise its tests are deselected, and said so, never skipped silently."""
     markexpr = config.getoption("markexpr") or ""
     counts: dict[str, int] = {}
     for tier, (env, _) in _TIERS.items():

@@ -1,68 +1,33 @@
 """The tiny random-weight model the real-vLLM test tier serves (recipe:
 shared/peers/RECIPES.md): a byte-level BPE tokenizer (2048 tokens, ASCII, trained on
 the Python stdlib sources) and a random Llama (128 hidden, 2 layers, seed 0), with a
-Llama-3-style chat template. Run with the vLLM venv's python:
+Llama-3-style chat template (tiny_tokenizer.py). Run with the vLLM venv's python:
 
     OUT=$PEERS/tinyllama-ascii python bench/peers/make_tiny.py
 
 Its replies are gibberish by design: the tier checks the wire, not the words.
 """
 
-import glob
 import json
 import os
-import sysconfig
 import time
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tiny_tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, UNK, train
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-    "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-SPECIAL = [
-    "<unk>",
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|pad|>",
-]
-
-
-def corpus() -> list[str]:
-    texts = []
-    for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:200]:
-        try:
-            with open(f, encoding="utf-8") as fh:
-                texts.append(fh.read())
-        except (OSError, UnicodeDecodeError):
-            continue  # a stdlib file that is not UTF-8: not needed
-    greeting = "Hello! How are you today? I am a tiny test model. The quick brown fox jumps"
-    texts += [greeting + " over the lazy dog."] * 50
-    return [t.encode("ascii", "ignore").decode() for t in texts]
 
 
 def main() -> None:
     t0 = time.time()
     out = os.environ["OUT"]
     os.makedirs(out, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=SPECIAL, show_progress=False)
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok = train()
     hft = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-        pad_token="<|pad|>",
-        unk_token="<unk>",
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
         model_max_length=2048,
     )
     hft.chat_template = CHAT_TEMPLATE

@@ -17,7 +17,7 @@ from jetserve.commands.admin import add_admin_options, client
 from jetserve.commands.admin_client import AdminError
 from jetserve.conformance.publish import document, run_dialects
 from jetserve.conformance.report import Report, matrix_markdown
-from workers.engines.factory import DIALECTS
+from workers.engines.factory import DIALECTS, SIM_DIALECTS
 
 if TYPE_CHECKING:
     from jetserve.commands.common import Subparsers
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> list[Report]:
-    dialects = list(DIALECTS) if args.dialect == "all" else [args.dialect]
+    dialects = list(SIM_DIALECTS) if args.dialect == "all" else [args.dialect]
     return await run_dialects(
         args.engine,
         dialects,

@@ -61,8 +61,15 @@ def register(sub: Subparsers) -> None:
         "--engine-dialect",
         dest="dialect",
         default="openai",
-        choices=["openai", "tgi", "triton"],
+        choices=["openai", "llamacpp", "tgi", "triton"],
         help="engine API; triton needs --deployment-name (the model)",
+    )
+    w.add_argument(
+        "--engine-context-length",
+        type=int,
+        default=None,
+        help="llamacpp: the server's --n_ctx (it clips a longer max_tokens silently; "
+        "known, the adapter refuses it with 400 as vLLM does)",
     )
     w.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     w.add_argument("--replicas", type=int, default=1, help=REPLICAS_HELP)
@@ -162,7 +169,9 @@ async def _run(args: argparse.Namespace) -> int:
                 kv_events_topic=args.kv_events_topic,
             )
             engine = await stack.enter_async_context(
-                make_adapter(args.dialect, url, args.engine_api_key, model)
+                make_adapter(
+                    args.dialect, url, args.engine_api_key, model, args.engine_context_length
+                )
             )
             try:
                 workers.append(Worker(cfg, engine))

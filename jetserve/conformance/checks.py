@@ -88,6 +88,13 @@ async def _tool_call(ctx: Ctx, out: Outcome) -> None:
         args = json.loads(calls[0].get("arguments") or "null")
     except ValueError as exc:
         raise CheckFailed(f"tool arguments are not JSON: {exc}") from exc
+    if not ctx.sim and done.finish_reason == "length":
+        # vLLM forces `required` with a grammar for a list of calls: a random model
+        # may go on adding calls until max_tokens. The first call is structured.
+        raise CutShort(
+            "cut at max_tokens after a structured call: the engine forced the call, "
+            "the model did not close the list"
+        )
     if ctx.sim and args != exp["arguments"]:
         raise CheckFailed(f"tool arguments {args!r} != {exp['arguments']!r}")
     # A forced tool_choice (named or required) may end "stop", as OpenAI's own API

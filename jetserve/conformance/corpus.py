@@ -118,7 +118,7 @@ _CITY_SCHEMA = {
 }
 # What a context-length refusal says (vLLM: "maximum context length", TGI:
 # "`inputs` tokens + `max_new_tokens` must be <= N").
-_CONTEXT_WORDS = "(?i)context length|max_new_tokens|maximum"
+_CONTEXT_WORDS = "(?i)context length|context window|max_new_tokens|max_model_len|maximum"
 _COUNT = "one two three four five six seven eight"
 _LONG = " ".join(f"w{i}" for i in range(8300))  # past the simulator's 8192 tokens
 # A system prompt long enough to fill prefix-cache blocks (16 tokens each), unique per run.

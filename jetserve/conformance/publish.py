@@ -26,14 +26,14 @@ from jetserve.conformance.report import (
     summary_markdown,
 )
 from jetserve.conformance.runner import run_corpus
-from workers.engines.factory import DIALECTS, make_adapter
+from workers.engines.factory import SIM_DIALECTS, make_adapter
 
 TITLE = "# Translation-loss reports"
 
 
 async def run_dialects(
     engine_url: str,
-    dialects: Sequence[str] = DIALECTS,
+    dialects: Sequence[str] = SIM_DIALECTS,
     *,
     model: str = "sim-8b",
     api_key: str | None = None,

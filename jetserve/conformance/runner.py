@@ -170,8 +170,16 @@ class _Run:
     async def _token_id(self, word: str) -> str:
         """The engine's id of `word` (the first, if its tokenizer splits it)."""
         r = await self.probe.post("/tokenize", json={"prompt": word, "add_special_tokens": False})
+        if r.status_code == 404:  # llama.cpp's server: /extras/tokenize, which adds BOS
+            ids = await self._extras_tokens(word)
+            return str(ids[len(await self._extras_tokens("")) :][0])
         r.raise_for_status()
         return str(r.json()["tokens"][0])
+
+    async def _extras_tokens(self, text: str) -> list[int]:
+        r = await self.probe.post("/extras/tokenize", json={"input": text})
+        r.raise_for_status()
+        return list(r.json()["tokens"])
 
     async def _sim_setup(self, case: Case) -> dict[str, str]:
         if not self.sim:

@@ -65,7 +65,11 @@ async def test_corpus_through_every_adapter(fast: SimHandle) -> None:
         assert all(r.note for r in report.rows if r.status is not Status.PASSED)
         assert json.loads(json.dumps(report.to_json()))["ok"] is True
     openai, tgi, triton = reports
-    assert {r.status for r in openai.rows} == {Status.PASSED}
+    # The OpenAI adapter passes everything through, but vLLM's guided_* fields go as
+    # structured_outputs (vLLM 0.32 ignores them: the real-vLLM tier showed it).
+    moved = {"guided_json", "guided_choice", "structured_outputs_json"}
+    assert {r.status for r in openai.rows if r.case not in moved} == {Status.PASSED}
+    assert {openai.status(c) for c in moved} == {Status.TRANSFORMED}
     assert tgi.status("parallel_tool_calls_false") is Status.EMULATED
     assert triton.status("tool_choice_none") is Status.EMULATED
     # What the engine lacks is refused, what it has is carried (issue 17).

@@ -27,6 +27,7 @@ from workers.engines.http import (
     scrape,
 )
 from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
+from workers.engines.translation import STRUCTURED_OUTPUTS, FieldStatus, Translated
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
@@ -110,8 +111,32 @@ async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
         raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
 
 
+# vLLM's older structured-output fields, which vLLM 0.32 takes and ignores (measured
+# in the real-vLLM tier): sent as the structured_outputs options they stand for.
+_GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex",
+           "guided_grammar": "grammar"}  # fmt: skip
+
+
+def structured_outputs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The body with vLLM's ``guided_*`` fields moved into ``structured_outputs``."""
+    payload = dict(body)
+    moved = {_GUIDED[k]: payload.pop(k) for k in list(payload) if k in _GUIDED}
+    moved = {k: v for k, v in moved.items() if v is not None}
+    if moved:
+        payload["structured_outputs"] = {**moved, **(payload.get("structured_outputs") or {})}
+    return payload
+
+
 class OpenAIAdapter(EngineAdapter):
     name = "openai"
+    translations: Mapping[str, Translated] = {
+        STRUCTURED_OUTPUTS: Translated(
+            FieldStatus.TRANSFORMED,
+            "guided_json / guided_choice / guided_regex / guided_grammar -> "
+            "structured_outputs (vLLM 0.32 ignores the guided_ fields); "
+            "structured_outputs as is",
+        )
+    }
 
     def __init__(
         self,
@@ -146,14 +171,18 @@ class OpenAIAdapter(EngineAdapter):
     ) -> AsyncIterator[Delta | Done]:
         if op not in _PATHS:
             raise EngineRejected(f"operation {op!r} does not stream")
-        payload = dict(body)
+        payload = structured_outputs(body)
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
-        hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
+        hdrs = {
+            "X-Request-Id": self.engine_request_id(request_id),
+            "Content-Type": "application/json",
+            **headers,
+        }
         content = _encoder.encode(payload)
         if self._lean is not None:
             async with (
-                self._lean.stream(_PATHS[op], content, hdrs) as lean,
+                self._lean.stream(_PATHS[op], content, hdrs, self.status_check) as lean,
                 contextlib.aclosing(self._events(lean.sse_data())) as events,
             ):
                 async for event in events:
@@ -161,12 +190,20 @@ class OpenAIAdapter(EngineAdapter):
             return
         request = self._client.build_request("POST", _PATHS[op], content=content, headers=hdrs)
         async with (
-            open_stream(self._client, request) as response,
+            open_stream(self._client, request, self.status_check) as response,
             contextlib.aclosing(_sse_data(response)) as payloads,
             contextlib.aclosing(self._events(payloads)) as events,
         ):
             async for event in events:
                 yield event
+
+    def status_check(self, status: int, body: bytes) -> None:
+        """An error status of a stream's response, raised as its EngineError."""
+        raise_for_status(status, body)
+
+    def engine_request_id(self, request_id: str) -> str:
+        """The ``X-Request-Id`` the engine gets (vLLM takes any string)."""
+        return request_id
 
     async def _events(
         self, payloads: AsyncIterator[bytes | str]
