@@ -53,10 +53,12 @@ case "$cmd" in
     # Offline (the model is local); 1 GiB of KV cache; prompt_tokens_details carries
     # cached_tokens, which the tier checks. No free whitespace in structured output:
     # a random-weight model would fill a JSON reply with it and never close the object.
+    # The model's whole 2048 positions: the cancel test's streams must outlast its
+    # hang-up window (512 tokens took 0.55 s, within reach of a late hang-up).
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "$VENV/bin/python" \
       "$ROOT/bench/peers/vllm_cli.py" serve "$MODEL" \
       --served-model-name tiny --host 127.0.0.1 --port "$port" --dtype float32 \
-      --max-model-len 1024 --max-num-seqs 4 --enable-prompt-tokens-details \
+      --max-model-len 2048 --max-num-seqs 4 --enable-prompt-tokens-details \
       --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' \
       --enable-auto-tool-choice --tool-call-parser pythonic "$@"
     ;;

@@ -215,7 +215,7 @@ async def test_context_too_long_is_engine_rejected_400(
     adapter: OpenAIAdapter, vllm_server: VllmServer
 ) -> None:
     with pytest.raises(EngineRejected) as prompt_err:
-        await collect(adapter, chat(vllm_server, "x " * 2000, max_tokens=8))
+        await collect(adapter, chat(vllm_server, "x " * 3000, max_tokens=8))
     assert prompt_err.value.status == 400
     assert "maximum context length" in prompt_err.value.message
     with pytest.raises(EngineRejected) as output_err:
