@@ -23,6 +23,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
@@ -132,6 +133,9 @@ class Dispatcher:
         self.hedger = Hedger(hedge_budget)
         # Counts hedges (sent, won, lost, capped, failed); the gateway sets its metric.
         self.on_hedge: Callable[[str, str], None] = lambda cls, outcome: None
+        # Requests whose client left while they were being queued (cancelled by id
+        # before the stream acknowledged them); the gateway exports it.
+        self.cancelled_while_queueing = 0
 
     def reply_for(self, tenant: str, request_id: str) -> str:
         return reply_subject(tenant, self.gateway_id, request_id)
@@ -199,17 +203,20 @@ class Dispatcher:
         meta: Meta,
         subject: str | None = None,
         hedge: HedgePolicy | None = None,
+        gone: asyncio.Event | None = None,
     ) -> FrameStream:
         """Register for frames, then publish; the frames can't arrive before we listen.
         The Meta frame goes first, so the frames capture can be resumed from.
         ``subject``: a lane (prefix affinity) instead of the class subject;
-        ``hedge``: race a second copy if the first token is late."""
+        ``hedge``: race a second copy if the first token is late; ``gone``: set
+        when the client hangs up, which cancels the request by id at once, even
+        while its publish waits for the stream's acknowledgement."""
         queue = FrameBuffer(self.max_buffered)
         self._queues[req.id] = queue
         try:
             payload = self.client.encode(req)
-            await self.client.announce(req, meta)
-            ack = await self.client.publish(subject or request_subject(req.cls), req, payload)
+            sending = self._send(req, meta, subject or request_subject(req.cls), payload)
+            ack = await (sending if gone is None else self._unless_gone(req.id, sending, gone))
         except PublishError as exc:
             self._queues.pop(req.id, None)
             raise publish_failure(exc) from exc
@@ -222,6 +229,35 @@ class Dispatcher:
                     self._hedge_after(stream, delay, hedge_subject(subject, req.cls))
                 )
         return stream
+
+    async def _send(
+        self, req: InferenceRequest, meta: Meta, subject: str, payload: bytes
+    ) -> PubAck:
+        await self.client.announce(req, meta)
+        return await self.client.publish(subject, req, payload)
+
+    async def _unless_gone(
+        self, request_id: str, sending: Coroutine[Any, Any, PubAck], gone: asyncio.Event
+    ) -> PubAck:
+        """``sending``, and a cancel by id the moment ``gone`` is set before it
+        ends. A stream that stores with ``sync: always`` can take seconds to
+        acknowledge on a loaded disk, and a worker may pull and serve the whole
+        request meanwhile; the cancel marks reach it (or the one that pulls it
+        later) without waiting. The publish itself goes on: the books depend on
+        knowing whether it was queued."""
+        send = asyncio.ensure_future(sending)
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({send, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not send.done():
+                self.cancelled_while_queueing += 1
+                await self.cancel(request_id, "client_disconnected")
+            return await send
+        except BaseException:
+            send.cancel()
+            raise
+        finally:
+            left.cancel()
 
     async def _hedge_after(self, stream: FrameStream, delay: float, subject: str) -> None:
         """The second copy: to the plain class (or pool) subject (any worker with

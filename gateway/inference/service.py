@@ -133,11 +133,18 @@ class InferenceService:
 
     # -- admission ---------------------------------------------------------------
     async def admit(
-        self, op: Op, raw: bytes, headers: Mapping[str, str], gate: Gate | None = None
+        self,
+        op: Op,
+        raw: bytes,
+        headers: Mapping[str, str],
+        gate: Gate | None = None,
+        gone: asyncio.Event | None = None,
     ) -> Admitted | Replayed:
         """Authenticate, parse, reserve and enqueue. ``gate`` (an ingress's own
         check of the caller against the request) runs after authentication and
-        parsing and before anything is charged or queued."""
+        parsing and before anything is charged or queued. ``gone``: set by the
+        ingress when the client hangs up; while the request is being queued
+        that cancels it by id at once (gateway/inference/dispatch.py)."""
         key: KeyRecord | None = None
         parsed: Parsed | None = None
         try:
@@ -197,7 +204,7 @@ class InferenceService:
                     # here, under the same request id.
             span.set("jetserve.request_id", req.id)
             req = self._split(req)
-            return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span)
+            return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span, gone)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             span.end(exc.code)
@@ -247,6 +254,7 @@ class InferenceService:
         raw: bytes,
         claim: Claim | None,
         span: Span,
+        gone: asyncio.Event | None = None,
     ) -> Admitted:
         price = self.cfg.prices.for_model(req.model)
         worst = price.worst_case(bound_prompt_tokens(parsed), req.max_tokens)
@@ -282,7 +290,7 @@ class InferenceService:
                 # Counted as queued until the next look at the queue (a coalesced
                 # follower too: a slight overestimate, on the safe side).
                 self.queue_watch.published(req.cls)
-            stream = await self._submit(req, meta, claim is not None, excess)
+            stream = await self._submit(req, meta, claim is not None, excess, gone)
         except GatewayError as exc:
             self._log_refusal(req, exc)
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
@@ -347,7 +355,12 @@ class InferenceService:
         )
 
     async def _submit(
-        self, req: InferenceRequest, meta: Meta, idempotent: bool, excess: bool = False
+        self,
+        req: InferenceRequest,
+        meta: Meta,
+        idempotent: bool,
+        excess: bool = False,
+        gone: asyncio.Event | None = None,
     ) -> FrameStream:
         """Publish under the route's policies (lane, hedging), or follow an
         identical request in flight (coalescing; never on the idempotency path).
@@ -379,7 +392,7 @@ class InferenceService:
             )
             sent = msgspec.structs.replace(req, prefix_keys=keys) if keys else req
             return await self.dispatcher.submit(
-                sent, meta, subject, hedge if hedge.enabled and not excess else None
+                sent, meta, subject, hedge if hedge.enabled and not excess else None, gone
             )
 
         # A canary-arm request never shares an execution: a follower would be

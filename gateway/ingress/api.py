@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import nats.errors
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive
 
 from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from gateway.inference.dispatch import error_from_frame
@@ -16,6 +20,7 @@ from gateway.ingress.sse import (
     client_events,
     race_disconnect,
     sse_body,
+    wait_disconnect,
 )
 from gateway.tenancy.request_ledger import LedgerReader
 from gateway.web import error_response, json_response, ledger_window
@@ -39,14 +44,31 @@ async def _first_event(gw: InferenceService, adm: Admitted) -> Event | None:
         return None
 
 
+async def _note_gone(receive: Receive, gone: asyncio.Event) -> None:
+    await wait_disconnect(receive)
+    gone.set()
+
+
 async def _serve(request: Request, op: Op) -> Response:
     gw = gateway_of(request)
-    adm = await gw.admit(op, await request.body(), request.headers)
+    raw = await request.body()
+    # A hang-up while the request is being queued cancels it by id at once: on a
+    # loaded bus the queueing can outlast a short answer (dispatch.py).
+    gone = asyncio.Event()
+    watch = asyncio.ensure_future(_note_gone(request.receive, gone))
+    try:
+        adm = await gw.admit(op, raw, request.headers, gone=gone)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
     if isinstance(adm, Replayed):
         headers = {"X-Request-Id": adm.request_id, "Idempotent-Replayed": "true"}
         return json_response(adm.response, adm.status, headers)
     headers = {"X-Request-Id": adm.request_id, "traceparent": adm.stream.req.traceparent}
     try:
+        if gone.is_set():
+            raise ClientGone
         if not adm.wants_stream or op == "embedding":
             result = await race_disconnect(request.receive, gw.collect(adm))
             body = gw.render(adm, result)

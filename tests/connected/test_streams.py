@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
+import nats.js.errors
 import pytest
+from nats.aio.msg import Msg
+from nats.js.api import PubAck
 
 from gateway.errors import RateLimited, StreamInterrupted
 from gateway.inference.dispatch import Dispatcher, FrameStream
@@ -15,9 +19,11 @@ from streams.auth import Role
 from streams.connect import connect
 from streams.definitions import Limits, Topology
 from streams.inference.frames import FrameBuffer
+from streams.marks import CancelMarks
 from streams.provision import ensure_topology
-from streams.subjects import RequestClass, reply_subject
+from streams.subjects import RequestClass, cancel_subject, reply_subject
 from streams.wire import Final, InferenceRequest, Meta, Token, Usage, encode
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -135,5 +141,63 @@ async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
         assert stream.drain_tokens() == []
         with pytest.raises(StreamInterrupted):
             await stream.next_event(1.0)
+    finally:
+        await nc.close()
+
+
+async def test_a_client_gone_while_its_request_is_queued_cancels_it_at_once(
+    nats_server: Service,
+) -> None:
+    """The stream stored the request (a worker may pull it) but its
+    acknowledgement is late, as on a loaded disk with ``sync: always``: the
+    client's hang-up cancels the request by id then, not when the ack comes."""
+    topo = Topology(lanes=16)
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, topo)
+        d = Dispatcher(nc, js, "gw", topo)
+        heard: list[bytes] = []
+        req, meta = request(7)
+
+        async def hear(msg: Msg) -> None:
+            heard.append(msg.data)
+
+        await nc.subscribe(cancel_subject(req.id), cb=hear)
+        release = asyncio.Event()
+        stored = asyncio.Event()
+        publish = d.client.publish
+
+        async def late_ack(*args: Any, **kwargs: Any) -> PubAck:
+            ack = await publish(*args, **kwargs)  # stored now
+            stored.set()
+            await release.wait()  # acknowledged later
+            return ack
+
+        d.client.publish = late_ack  # type: ignore[method-assign]
+        gone = asyncio.Event()
+        submitting = asyncio.create_task(d.submit(req, meta, gone=gone))
+        await stored.wait()
+        gone.set()
+        marks = await CancelMarks(js, topo).open()
+
+        async def marked() -> bool:
+            try:
+                entry = await marks.get(req.id)
+            except nats.js.errors.KeyNotFoundError:
+                return False
+            return entry.value is not None
+
+        await until(marked, "the cancel mark, before the acknowledgement")
+        assert not submitting.done()
+        assert d.cancelled_while_queueing == 1
+        release.set()
+        stream = await submitting
+        assert stream.req.id == req.id
+        assert heard, "no cancel was published while the publish waited"
+        # Without a hang-up nothing is cancelled.
+        quiet = await d.submit(*request(8), gone=asyncio.Event())
+        assert quiet.req.id == "req-8"
+        assert d.cancelled_while_queueing == 1
     finally:
         await nc.close()
