@@ -9,7 +9,10 @@ jetserve fleet (gateway + one worker) in front of it per arm:
   concurrent calls itself);
 - ``jetserve-batched``: batching on, usage counted in-process (``--tokenizer``);
 - ``jetserve-batched-tokenize`` (opt-in): batching on, usage counted by one
-  engine ``/tokenize`` call per input, the path issue 17 measured.
+  engine ``/tokenize`` call per input, the path issue 17 measured;
+- ``baseline`` (with ``--baseline DIR``): as ``jetserve``, but its gateway and
+  worker run the code of another checkout (``git archive main | tar -x -C DIR``),
+  so a change is measured against what it changes in the same run.
 
 Each arm runs a closed loop (C clients, each sending its next request when the
 last one answered) of single-input and 8-input requests. Arms alternate within
@@ -59,9 +62,10 @@ PEERS = Path(
     or Path.home() / ".cache/jetserve-peers"
 )
 DEFAULT_TOKENIZER = PEERS / "minilm/all-MiniLM-L6-v2"
-ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize")
+ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize", "baseline")
 WORKER_ARGS = {
     "jetserve": ["--embed-batching", "off"],
+    "baseline": ["--embed-batching", "off"],
     "jetserve-batched": ["--embed-batching", "on", "--tokenizer", "{tokenizer}"],
     "jetserve-batched-tokenize": ["--embed-batching", "on"],
 }
@@ -174,6 +178,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="before each run, wait until other processes use <= CORES (a shared machine)",
     )
     p.add_argument("--wait-quiet-max", type=float, default=120.0, help="... for at most this long")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="another checkout's code for the baseline arm (added to --arms)",
+    )
     p.add_argument("--out", default="bench/results/embed-minilm")
 
 
@@ -372,8 +382,36 @@ def markdown(res: EmbedResults) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def baseline_code(src: str | None) -> Iterator[None]:
+    """While a fleet starts, its processes import jetserve from ``src``: they
+    inherit the environment, where PYTHONPATH comes before the installed checkout,
+    and PYTHONSAFEPATH keeps ``python -m`` from putting the working directory (this
+    checkout, most likely) before both."""
+    if src is None:
+        yield
+        return
+    if not (Path(src) / "jetserve" / "__init__.py").is_file():
+        raise ValueError(f"--baseline {src}: no jetserve package there")
+    set_now = {"PYTHONPATH": str(Path(src).resolve()), "PYTHONSAFEPATH": "1"}
+    before = {k: os.environ.get(k) for k in set_now}
+    os.environ.update(set_now)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.baseline and "baseline" not in arms:
+        arms.append("baseline")
+    if "baseline" in arms and not args.baseline:
+        raise ValueError("the baseline arm needs --baseline DIR")
     unknown = set(arms) - set(ARMS)
     if unknown or "direct" not in arms:
         raise ValueError(f"arms must include direct and come from {ARMS}; got {arms}")
@@ -400,7 +438,8 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                 workers=1, engine_url=engine, model=model, worker_args=wargs,
                 gateway_args=["--embedding-models", model],
             )  # fmt: skip
-            fleets[arm] = stack.enter_context(Fleet(spec))
+            with baseline_code(args.baseline if arm == "baseline" else None):
+                fleets[arm] = stack.enter_context(Fleet(spec))
         targets: dict[str, tuple[str, dict[str, str]]] = {"direct": (engine, {})} | {
             arm: (f.base_url, {"Authorization": f"Bearer {f.api_key}"}) for arm, f in fleets.items()
         }

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import msgspec
+import pytest
 
 from jetserve.bench.cli import build_parser
-from jetserve.bench.embed import Run, bodies, cpu_per_request, summarise
+from jetserve.bench.embed import Run, baseline_code, bodies, cpu_per_request, summarise
 
 
 def run(arm: str, rnd: int, rate: float, inputs: int = 1) -> Run:
@@ -49,3 +55,24 @@ def test_cpu_per_request_counts_the_engine_and_the_arms_own_processes() -> None:
     summary = summarise([*runs, run("direct", 0, 100.0)], ["direct", "jetserve"], [1])["1"]
     assert summary["jetserve"].cpu_ms_per_request == got
     assert summary["jetserve"].other_cores == 1.5
+
+
+def test_the_baseline_arm_runs_another_checkouts_code(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    (tmp_path / "jetserve").mkdir()
+    (tmp_path / "jetserve" / "__init__.py").write_text("BASELINE = True\n")
+    repo = pathlib.Path(__file__).resolve().parents[2]  # where the bench runs from
+    probe = [sys.executable, "-c", "import jetserve; print(getattr(jetserve, 'BASELINE', False))"]
+    with baseline_code(str(tmp_path)):
+        # What a fleet started now runs: the other checkout's package, even from here.
+        out = subprocess.run(probe, cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    assert os.environ["PYTHONPATH"] == "/elsewhere"
+    assert "PYTHONSAFEPATH" not in os.environ
+    out = subprocess.run(probe, cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    with pytest.raises(ValueError, match="no jetserve package"), baseline_code("/nonexistent"):
+        pass
