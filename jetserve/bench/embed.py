@@ -9,7 +9,10 @@ jetserve fleet (gateway + one worker) in front of it per arm:
   concurrent calls itself);
 - ``jetserve-batched``: batching on, usage counted in-process (``--tokenizer``);
 - ``jetserve-batched-tokenize`` (opt-in): batching on, usage counted by one
-  engine ``/tokenize`` call per input, the path issue 17 measured.
+  engine ``/tokenize`` call per input, the path issue 17 measured;
+- ``baseline`` (with ``--baseline DIR``): as ``jetserve``, but its gateway and
+  worker run the code of another checkout (``git archive main | tar -x -C DIR``),
+  so a change is measured against what it changes in the same run.
 
 Each arm runs a closed loop (C clients, each sending its next request when the
 last one answered) of single-input and 8-input requests. Arms alternate within
@@ -20,8 +23,13 @@ bit-identical to the engine's own and the same ``prompt_tokens``, alone and in
 concurrent (batched) requests.
 
 Writes ``embed.json`` (every run, with the CPU seconds of the engine, each
-fleet's gateway and worker, and the rest of the machine over its window) and
-``summary.md`` under ``--out``.
+fleet's gateway, worker and bus (nats-server, redis-server), and the rest of
+the machine over its window) and ``summary.md`` under ``--out``, which gives the
+CPU per request of each arm's own processes beside its ratio: on a machine
+whose cores the engine itself fills (vLLM's CPU build), every CPU-millisecond
+the path spends is one the engine does not get, so a gap the path's CPU
+accounts for is contention, and the rest is waiting. ``--wait-quiet CORES``
+holds each run until other processes use at most that many cores.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from jetserve.bench.cpu import CpuMeter
+from jetserve.bench.cpu import CpuMeter, wait_quiet
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import free_port
 
@@ -54,9 +62,10 @@ PEERS = Path(
     or Path.home() / ".cache/jetserve-peers"
 )
 DEFAULT_TOKENIZER = PEERS / "minilm/all-MiniLM-L6-v2"
-ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize")
+ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize", "baseline")
 WORKER_ARGS = {
     "jetserve": ["--embed-batching", "off"],
+    "baseline": ["--embed-batching", "off"],
     "jetserve-batched": ["--embed-batching", "on", "--tokenizer", "{tokenizer}"],
     "jetserve-batched-tokenize": ["--embed-batching", "on"],
 }
@@ -114,6 +123,7 @@ class Run(msgspec.Struct, kw_only=True):
     p50_ms: float | None
     p99_ms: float | None
     cpu_s: dict[str, float]  # per process group over the window
+    other_cores_before: float | None = None  # other processes' use as the run began
 
 
 class ArmSummary(msgspec.Struct, kw_only=True):
@@ -122,6 +132,10 @@ class ArmSummary(msgspec.Struct, kw_only=True):
     p99_ms: float | None
     ratio_to_direct: float | None  # median over rounds of arm / direct in that round
     ratio_min: float | None
+    # CPU ms per request (median over rounds): the engine and this arm's own
+    # processes (gateway, worker, bus); ``other``: everything else, in cores.
+    cpu_ms_per_request: dict[str, float] = {}
+    other_cores: float | None = None
 
 
 class Check(msgspec.Struct, kw_only=True):
@@ -156,6 +170,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per run")
     p.add_argument("--rounds", type=int, default=3, help="each arm this many times, alternated")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="CORES",
+        help="before each run, wait until other processes use <= CORES (a shared machine)",
+    )
+    p.add_argument("--wait-quiet-max", type=float, default=120.0, help="... for at most this long")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="another checkout's code for the baseline arm (added to --arms)",
+    )
     p.add_argument("--out", default="bench/results/embed-minilm")
 
 
@@ -289,14 +317,31 @@ def summarise(
             ratios = [r.items_per_s / direct[r.round] for r in mine if direct.get(r.round)]
             p50s = [r.p50_ms for r in mine if r.p50_ms is not None]
             p99s = [r.p99_ms for r in mine if r.p99_ms is not None]
+            others = [r.cpu_s["other"] / r.window_s for r in mine if "other" in r.cpu_s]
             out[str(n)][arm] = ArmSummary(
                 items_per_s=round(statistics.median(r.items_per_s for r in mine), 1),
                 p50_ms=round(statistics.median(p50s), 1) if p50s else None,
                 p99_ms=round(statistics.median(p99s), 1) if p99s else None,
                 ratio_to_direct=round(statistics.median(ratios), 3) if ratios else None,
                 ratio_min=round(min(ratios), 3) if ratios else None,
+                cpu_ms_per_request=cpu_per_request(mine, arm),
+                other_cores=round(statistics.median(others), 2) if others else None,
             )
     return out
+
+
+def cpu_per_request(runs: list[Run], arm: str) -> dict[str, float]:
+    """Median over ``runs`` of each of the arm's own process groups' CPU ms per
+    request: ``engine`` and, through a fleet, its ``gateway``, ``worker``, ``bus``."""
+    per: dict[str, list[float]] = {}
+    for r in runs:
+        if not r.requests:
+            continue
+        for group, cpu in r.cpu_s.items():
+            name = "engine" if group == "engine" else group.removeprefix(f"{arm}:")
+            if name in ("engine", "gateway", "worker", "bus"):
+                per.setdefault(name, []).append(1000 * cpu / r.requests)
+    return {k: round(statistics.median(v), 2) for k, v in per.items()}
 
 
 def markdown(res: EmbedResults) -> str:
@@ -307,15 +352,27 @@ def markdown(res: EmbedResults) -> str:
         f"{res.rounds} rounds of {res.duration_s:g} s per arm (arms alternated), "
         f"{res.cpus} CPUs shared by the engine, the fleets and the load generator.",
         "",
-        "| inputs/request | arm | items/s (median) | vs direct (median, min) | p50 ms | p99 ms |",
-        "|---|---|---|---|---|---|",
+        "CPU ms per request: the engine's, and the arm's own processes' (gateway, "
+        "worker, bus = nats-server + redis-server); other: the rest of the machine, "
+        "in cores.",
+        "",
+        "| inputs/request | arm | items/s (median) | vs direct (median, min) | p50 ms | p99 ms "
+        "| CPU ms/request: engine, gateway, worker, bus | other cores |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, arms in res.summary.items():
         for arm, s in arms.items():
             ratio = (
                 "-" if s.ratio_to_direct is None else f"{s.ratio_to_direct:.2f}, {s.ratio_min:.2f}"
             )
-            lines.append(f"| {n} | {arm} | {s.items_per_s} | {ratio} | {s.p50_ms} | {s.p99_ms} |")
+            cpu = ", ".join(
+                f"{s.cpu_ms_per_request[k]:g}" if k in s.cpu_ms_per_request else "-"
+                for k in ("engine", "gateway", "worker", "bus")
+            )
+            lines.append(
+                f"| {n} | {arm} | {s.items_per_s} | {ratio} | {s.p50_ms} | {s.p99_ms} "
+                f"| {cpu} | {s.other_cores} |"
+            )
     lines += ["", "Checks against the engine's own answers:", ""]
     for c in res.checks:
         lines.append(
@@ -325,8 +382,36 @@ def markdown(res: EmbedResults) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def baseline_code(src: str | None) -> Iterator[None]:
+    """While a fleet starts, its processes import jetserve from ``src``: they
+    inherit the environment, where PYTHONPATH comes before the installed checkout,
+    and PYTHONSAFEPATH keeps ``python -m`` from putting the working directory (this
+    checkout, most likely) before both."""
+    if src is None:
+        yield
+        return
+    if not (Path(src) / "jetserve" / "__init__.py").is_file():
+        raise ValueError(f"--baseline {src}: no jetserve package there")
+    set_now = {"PYTHONPATH": str(Path(src).resolve()), "PYTHONSAFEPATH": "1"}
+    before = {k: os.environ.get(k) for k in set_now}
+    os.environ.update(set_now)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.baseline and "baseline" not in arms:
+        arms.append("baseline")
+    if "baseline" in arms and not args.baseline:
+        raise ValueError("the baseline arm needs --baseline DIR")
     unknown = set(arms) - set(ARMS)
     if unknown or "direct" not in arms:
         raise ValueError(f"arms must include direct and come from {ARMS}; got {arms}")
@@ -353,7 +438,8 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                 workers=1, engine_url=engine, model=model, worker_args=wargs,
                 gateway_args=["--embedding-models", model],
             )  # fmt: skip
-            fleets[arm] = stack.enter_context(Fleet(spec))
+            with baseline_code(args.baseline if arm == "baseline" else None):
+                fleets[arm] = stack.enter_context(Fleet(spec))
         targets: dict[str, tuple[str, dict[str, str]]] = {"direct": (engine, {})} | {
             arm: (f.base_url, {"Authorization": f"Bearer {f.api_key}"}) for arm, f in fleets.items()
         }
@@ -363,9 +449,13 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
             if arm != "direct"
         ]
         groups = {"engine": engine_pids} | {
-            f"{arm}:{kind}": [p.proc.pid for p in procs]
+            f"{arm}:{kind}": pids
             for arm, f in fleets.items()
-            for kind, procs in (("gateway", f.gateways), ("worker", f.workers))
+            for kind, pids in (
+                ("gateway", [p.proc.pid for p in f.gateways]),
+                ("worker", [p.proc.pid for p in f.workers]),
+                ("bus", [s.proc.pid for s in (*f.nats_nodes, f.redis) if s is not None]),
+            )
         }
         meter = CpuMeter(groups)
         runs: list[Run] = []
@@ -375,6 +465,9 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                 for arm in order:
                     url, hdrs = targets[arm]
                     make = bodies(model, n, seed=1000 * rnd + n)
+                    other = None
+                    if args.wait_quiet > 0:
+                        other = wait_quiet(meter, args.wait_quiet, args.wait_quiet_max)
                     before = meter.sample()
                     lat, items, errors = asyncio.run(
                         closed_loop(url, hdrs, make, args.concurrency, args.warmup, args.duration)
@@ -385,6 +478,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                         errors=errors, window_s=args.duration,
                         items_per_s=round(items / args.duration, 1),
                         p50_ms=pct(lat, 0.5), p99_ms=pct(lat, 0.99), cpu_s=cpu,
+                        other_cores_before=None if other is None else round(other, 2),
                     )  # fmt: skip
                     runs.append(run)
                     print(

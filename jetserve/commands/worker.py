@@ -84,6 +84,13 @@ def register(sub: Subparsers) -> None:
         "interactive comes first (docs/routing.md)",
     )
     w.add_argument(
+        "--starve-after",
+        type=float,
+        default=1.0,
+        help="seconds a lower class is held back while interactive asks for slots, before "
+        "it takes its floor (--lower-share) anyway",
+    )
+    w.add_argument(
         "--in-turn-spare",
         type=int,
         default=None,
@@ -223,6 +230,7 @@ async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConf
             max_inflight=args.max_inflight,
             target_util=args.target_util,
             lower_share=args.lower_share,
+            starve_after=args.starve_after,
             in_turn_spare=args.in_turn_spare,
         ),
         heartbeat_s=args.heartbeat,

@@ -1,7 +1,7 @@
-"""OpenAIAdapter's lean streaming path (workers/engines/lean_http.py) against the
-real simulator in its own process: the same text, usage and finish reason as
-httpx gives, keep-alive reuse, and a cancel mid-stream reaching the engine as
-an abort."""
+"""OpenAIAdapter's lean path (workers/engines/lean_http.py) against the real
+simulator in its own process: the same text, usage and finish reason (and the
+same embeddings) as httpx gives, keep-alive reuse, and a cancel mid-stream
+reaching the engine as an abort."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jetserve.services import free_port, wait_port
 from tests.waits import until
 from workers.engines.base import Delta, Done, closing
 from workers.engines.openai import OpenAIAdapter
+from workers.errors import EngineError
 
 pytestmark = pytest.mark.connected
 
@@ -91,6 +92,32 @@ async def test_sequential_streams_share_one_connection(adapter: OpenAIAdapter) -
         # terminator (a separate write) lands, so wait for that, not a sleep.
         await until(lambda: _true(adapter._lean is not None and adapter._lean._idle), "pooled")
     assert adapter._lean.connects == 1
+
+
+async def test_embeddings_take_the_lean_path_and_match_httpx(
+    adapter: OpenAIAdapter, sim_url: str
+) -> None:
+    lean = adapter._lean
+    assert lean is not None
+    body = {"model": "sim-embed", "input": ["one text", "and another, longer text"]}
+    got = [await adapter.embed(body, f"lean-embed-{i}", {}) for i in range(5)]
+    assert lean.connects == 1  # all five on one kept-alive lean socket
+    assert (await record(sim_url, "lean-embed-4"))["status"] == "finished"
+    async with OpenAIAdapter(sim_url, lean_streams=False) as plain:
+        want = await plain.embed(body, "httpx-embed", {})
+        assert all(g == want for g in got)
+        assert len(want.vectors) == 2
+        assert want.usage.prompt_tokens > 0
+        # An engine's refusal reads the same on both paths.
+        bad = {"model": "no-such-model", "input": "x"}
+        with pytest.raises(EngineError) as plain_err:
+            await plain.embed(bad, "httpx-bad", {})
+    with pytest.raises(EngineError) as lean_err:
+        await adapter.embed(bad, "lean-bad", {})
+    assert (lean_err.value.code, lean_err.value.status) == (
+        plain_err.value.code,
+        plain_err.value.status,
+    )
 
 
 async def test_cancel_mid_stream_aborts_in_the_engine(adapter: OpenAIAdapter, sim_url: str) -> None:

@@ -299,6 +299,34 @@ async def test_an_idle_excess_polls_only_as_a_lower_class_does() -> None:
     assert adm.try_acquire(0, excess=True, idle=True)  # two free: it may poll
 
 
+async def test_an_idle_excess_waiting_is_no_top_class_demand() -> None:
+    # Embeddings (a lower class) hold all but the reserve; interactive's excess,
+    # polling an empty subject, waits for two free. Counted as interactive
+    # waiting, that held every embedding back for starve_after (issue 17: an
+    # embedding worker sat with nothing in flight half the time).
+    adm = Admission(AdmissionConfig(max_inflight=8, reserve=1, starve_after=60))
+    assert adm.try_acquire(0)  # interactive's puller, polling
+    for _ in range(6):
+        assert adm.try_acquire(2)
+    assert not adm.try_acquire(2)  # the reserve stays free
+    excess = asyncio.create_task(adm.acquire(0, excess=True, idle=True))
+    await until(lambda: _true(adm.waiters == 1), "the idle excess waiting")
+    assert adm.top_waiters == 0
+    await adm.release(rank=2)  # an embedding ends: two free
+    assert await asyncio.wait_for(excess, 5)  # the excess polls with one ...
+    await adm.release(rank=0, excess=True)  # ... and finds nothing
+    assert adm.try_acquire(2)  # the next embedding starts now, not a minute later
+    # An excess with work in sight is interactive demand like any other.
+    assert adm.try_acquire(0)  # the last slot
+    busy = asyncio.create_task(adm.acquire(0, excess=True))
+    await until(lambda: _true(adm.top_waiters == 1), "the busy excess waiting")
+    await adm.release(rank=2)
+    assert await asyncio.wait_for(busy, 5)
+    await adm.release(rank=0, excess=True)
+    await adm.release()  # two free again
+    assert not adm.try_acquire(2)  # interactive asked within starve_after
+
+
 async def test_an_idle_puller_lets_a_freed_slot_go_to_an_eager_waiter() -> None:
     # One slot, held by a puller polling an empty subject; a held lane message
     # waits for it. On release the puller loops straight back to acquire: it

@@ -1,8 +1,8 @@
 """A lean HTTP/1.1 client for the hot paths: streaming a chat or completion
 from an engine over plain ``http://`` (issue 14: httpx's send path was ~26% of
 a worker's CPU), and the load scrape and health probe a worker sends its engine
-every half second (through httpx they were most of an idle worker's CPU).
-Everything else (TLS, embeddings) stays on httpx.
+every half second (through httpx they were most of an idle worker's CPU), and
+embeddings (issue 17). Everything else (TLS, /tokenize, /version) stays on httpx.
 
 One pool per client, i.e. per engine (host, port): at most ``max_connections``
 sockets, idle ones reused last-in first-out (the warmest). A stream that ends

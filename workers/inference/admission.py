@@ -21,7 +21,8 @@ runs: the engine preempts or recomputes, as vLLM does).
 Classes are ranked, and split without preemption (what runs, runs to its end):
 
 - a lower-ranked class takes a slot only while ``reserve`` more stay free and
-  no top-class puller has waited for one in the last ``starve_after`` seconds,
+  no top-class puller has waited for one in the last ``starve_after`` seconds
+  (its excess puller polling an empty subject is not asking for work),
   so interactive work gets every slot it asks for first, and batch uses only
   capacity interactive has left idle a while (a slot batch takes is held to its
   end: taking one in a lull of an interactive burst delays the burst);
@@ -97,7 +98,7 @@ class Admission:
         self.held = 0  # slots held: polling fetchers and in-flight requests
         self.held_lower = 0  # of those, by lower-ranked classes
         self.held_excess = 0  # of those, by excess pullers
-        self.top_waiters = 0  # top-class pullers waiting for a slot now
+        self.top_waiters = 0  # top-class pullers waiting for a slot now (not idle excess)
         self.in_turn_waiters: collections.Counter[int] = collections.Counter()  # by rank
         # Waiters with work in sight (a lane's room, a held message, a puller whose
         # last pull brought something), by rank: an idle puller yields to them.
@@ -272,11 +273,15 @@ class Admission:
         ``waiters`` (and ``top_waiters``, ``in_turn_waiters``, ``eager_waiters``);
         the condition's lock is held."""
         eager = not excess and not idle
+        # An excess polling an empty subject is no top-class demand: counted, it
+        # held every lower class back for starve_after whenever a moment's
+        # scarcity made it wait (an embedding worker then sat idle half the time).
+        top = rank == 0 and not (excess and idle)
         self.waiters += 1
-        self.top_waiters += rank == 0
+        self.top_waiters += top
         self.in_turn_waiters[rank] += not excess
         self.eager_waiters[rank] += eager
-        if rank == 0:
+        if top:
             self._top_waited_at = asyncio.get_running_loop().time()
         try:
             # (asyncio.timeout, not wait_for: on 3.11 that can drop a cancel.)
@@ -285,10 +290,10 @@ class Admission:
                     await self._cond.wait()
         finally:
             self.waiters -= 1
-            self.top_waiters -= rank == 0
+            self.top_waiters -= top
             self.in_turn_waiters[rank] -= not excess
             self.eager_waiters[rank] -= eager
-            if rank == 0:
+            if top:
                 self._top_waited_at = asyncio.get_running_loop().time()
 
     def try_acquire(self, rank: int, excess: bool = False, idle: bool = False) -> bool:
