@@ -21,7 +21,7 @@ bucket each worker refreshes; ``streams/rendezvous.py``): one worker joining
 or leaving moves about 1/n of the lanes, so warm prefix caches stay where they
 are, and no worker owns more than ``load_factor`` times its share. A worker
 pulls only the lanes it ranks among the first ``depth`` (owner and backups):
-a class of 256 lanes costs each of 64 workers ~12 standing pulls, not 256.
+a class of 256 lanes costs each of 64 workers ~16 standing pulls (depth 4), not 256.
 
 Over-fetch: pulls stand on several lanes at once, so a worker can be handed
 more messages than it has slots. It keeps such a message (``in_progress``)

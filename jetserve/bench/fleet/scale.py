@@ -275,8 +275,13 @@ async def _mode(
         await driver.aclose()
         await asyncio.to_thread(fleet.stop)
     counts = [after[u] - before.get(u, 0) for u in after]
+    balance = _balance(counts)
+    # The replicas there all the measured run (not the one that joined and
+    # left, nor the one killed three quarters in): their shares compare alike.
+    steady = set(fleet.replica_urls)
+    balance["steady"] = _balance([after[u] - before.get(u, 0) for u in after if u in steady])
     shots = _measured(shots, warmup)
-    return summarize(mode, shots, duration), _balance(counts), shots, changes.log, kv_routes
+    return summarize(mode, shots, duration), balance, shots, changes.log, kv_routes
 
 
 async def scale(
