@@ -17,6 +17,12 @@ lowest tier among its owner and backups:
   took it and got hot in turn passes it on, and a lane whose pullers are all
   hot goes to the least hot of them.
 
+Tiers wait for evidence: while the pool's mean replica has started fewer
+than ``min_starts`` requests within the estimate's window (``mean * tau``),
+every replica is normal. A few requests tell nothing of a replica's share,
+and spreading on them only costs cache misses (a 4-replica fleet that has
+served 32 requests sent them back and forth between owner and backup).
+
 The slack is the noise of the rate estimate, not a fixed rate: a decaying
 average over ``tau_s`` seconds of a Poisson stream of r requests/s has a
 standard deviation of sqrt(r / (2 tau)), so one of those keeps a replica at
@@ -51,6 +57,7 @@ class BalanceRule:
     cold_factor: float = 0.3
     sigmas: float = 1.0  # the slack, in standard deviations of the estimate
     tau_s: float = RATE_TAU_S
+    min_starts: float = 10.0  # the pool's mean starts within tau before tiers apply
 
     def noise(self, mean: float) -> float:
         """The rate estimate's standard deviation at ``mean`` requests/s."""
@@ -61,8 +68,8 @@ class BalanceRule:
 
     def tier(self, mine: float, mean: float) -> Tier:
         """This replica's tier, its start rate ``mine`` against its pool's ``mean``."""
-        if mean <= 0.0:
-            return Tier.NORMAL  # an idle pool: nobody to balance against
+        if mean * self.tau_s < self.min_starts:
+            return Tier.NORMAL  # too few starts yet to tell a share from noise
         if mine > self.hot_line(mean):
             return Tier.HOT
         if mine < self.cold_factor * mean - self.sigmas * self.noise(mean):

@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--warmup",
         type=float,
-        default=60.0,
+        default=120.0,
         help="scale: seconds of the same load before the measured --duration "
-        "(the start rates the lane balance follows settle over a minute)",
+        "(the lane balance waits for ~10 starts a replica, then settles over a minute)",
     )
     f.add_argument("--seed", type=int, default=1)
     r = sub.add_parser(

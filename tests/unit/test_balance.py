@@ -27,6 +27,17 @@ def test_the_slack_is_the_estimates_noise_not_a_fixed_rate() -> None:
     assert rule.tier(5.0, 0.0) is Tier.NORMAL  # an idle pool: nothing to balance
 
 
+def test_tiers_wait_for_enough_starts() -> None:
+    rule = BalanceRule(tau_s=60.0, min_starts=10.0)
+    # A pool whose mean replica started 8 requests in the last minute: one
+    # that started 20 is not hot yet, one that started none not cold.
+    assert rule.tier(20 / 60, 8 / 60) is Tier.NORMAL
+    assert rule.tier(0.0, 8 / 60) is Tier.NORMAL
+    # At 12 it is evidence.
+    assert rule.tier(30 / 60, 12 / 60) is Tier.HOT
+    assert rule.tier(0.0, 12 / 60) is Tier.COLD
+
+
 def test_tiers_come_before_ranks() -> None:
     cold, normal, hot = 0.0, MEAN, 3 * MEAN
     # Normal: the owner first, then the backups in order; ranks past the

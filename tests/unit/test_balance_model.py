@@ -13,7 +13,8 @@ from jetserve.bench.fleet.balance_model import (
 )
 
 MEMBERS = bench_members()
-RATE, DURATION = 15.0, 300.0  # the bench's sizing: ~70 requests per replica
+# The bench's sizing: 2 minutes' warm-up, then 4 measured (~56 requests a replica).
+RATE, WARMUP, DURATION = 15.0, 120.0, 240.0
 
 
 def test_the_bench_members_are_the_fleets() -> None:
@@ -24,8 +25,8 @@ def test_the_bench_members_are_the_fleets() -> None:
 
 def test_tiers_spread_the_load_and_keep_the_prefixes() -> None:
     for seed in range(3):
-        out = simulate(tier_rule(), MEMBERS, RATE, DURATION, seed=seed)
-        assert out.requests > 60 * 64
+        out = simulate(tier_rule(), MEMBERS, RATE, DURATION, seed=seed, warmup=WARMUP)
+        assert out.requests > 50 * 64
         assert out.serving == out.replicas == 64
         assert out.busiest_over_mean <= 1.55
         assert out.hit_share_of_oracle >= 0.9
@@ -33,6 +34,8 @@ def test_tiers_spread_the_load_and_keep_the_prefixes() -> None:
 
 
 def test_the_old_rule_lets_an_owner_run_at_three_times_the_mean() -> None:
-    out = simulate(old_rule(depth=3), MEMBERS, RATE, DURATION, seed=0, tau_s=10.0, depth=3)
+    out = simulate(
+        old_rule(depth=3), MEMBERS, RATE, DURATION, seed=0, tau_s=10.0, depth=3, warmup=WARMUP
+    )
     assert out.busiest_over_mean > 2.5
     assert out.hit_share_of_oracle > 0.95

@@ -203,6 +203,10 @@ class LanePuller:
                     await sub._pending_queue.join()  # nats-py has no public drain for this
         return True
 
+    def pulled_at(self, lane: int) -> int | None:
+        """The priority of ``lane``'s newest pull (None: none made, or withdrawn)."""
+        return self._pulled_at[lane]
+
     @property
     def stale(self) -> bool:
         """Whether standing pulls may still carry the ranks of before a change."""
