@@ -32,6 +32,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from streams.balance import BALANCE, BalanceRule
 from streams.pools import adapter_pool
 from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, LaneOrder, assign
 from streams.tasks import stop_task
@@ -41,11 +42,6 @@ log = logging.getLogger(__name__)
 MEMBERS_BUCKET = "jetserve_workers"
 MAX_PRIORITY = 9  # the server's lowest priority level
 SHARED = ""  # the shared class subjects' pool: every member
-# Bounded load at run time: an owner starting more than this times its pool's
-# mean (plus a little, so an idle fleet's noise does not count) lets its lanes'
-# backups go first until it is back under (workers/inference/affinity.py).
-HOT_FACTOR = 1.25
-HOT_SLACK = 0.5  # requests per second
 
 
 class Adapter(msgspec.Struct, frozen=True, array_like=True):
@@ -236,17 +232,23 @@ class Membership:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._kv.delete(self.worker_id)
 
-    def hot(self, pool: str = SHARED) -> bool:
-        """Whether this worker starts well above its pool's mean: its lanes'
-        backups then go before it (bounded load while the load lasts, not only
-        in how many lanes it owns)."""
+    def mean_load(self, pool: str = SHARED) -> float | None:
+        """The pool's mean start rate, this worker's own rate as it is now and
+        the others' as last heard; None: no pool to balance against (alone)."""
         members = self.members if pool == SHARED else self.pools.get(pool, ())
         if len(members) < 2 or self.worker_id is None:
-            return False
-        mine = self._load()
-        mean = sum(self.loads.get(m, 0.0) for m in members if m != self.worker_id) + mine
-        mean /= len(members)
-        return mine > HOT_FACTOR * mean + HOT_SLACK
+            return None
+        others = sum(self.loads.get(m, 0.0) for m in members if m != self.worker_id)
+        return (others + self._load()) / len(members)
+
+    def pull_priority(self, rank: int, pool: str = SHARED, rule: BalanceRule = BALANCE) -> int:
+        """The priority of this worker's pulls on a lane it ranks ``rank``-th
+        (0: owns): its tier against the pool's mean first (streams/balance.py),
+        then the rank. Alone: the rank, in the normal tier."""
+        mean = self.mean_load(pool)
+        if mean is None:
+            return min(rule.priority(rank, 0.0, 0.0), MAX_PRIORITY)
+        return min(rule.priority(rank, self._load(), mean), MAX_PRIORITY)
 
     def set_engine(self, engine: str) -> None:
         """The engine's build changed (replaced behind its URL): said from the next beat."""

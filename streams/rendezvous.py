@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DEFAULT_DEPTH = 3
+DEFAULT_DEPTH = 4
 # 1.4 keeps a 256-lane class's cap at 6 from 60 to 66 members: moves near 1/n
 # there (docs/routing.md gives the measured moves across fleet sizes).
 DEFAULT_LOAD_FACTOR = 1.4

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate", type=float, default=12.0, help="req/s (affinity, failover, hedging, soak)"
     )
     f.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")
+    f.add_argument(
+        "--warmup",
+        type=float,
+        default=120.0,
+        help="scale: seconds of the same load before the measured --duration "
+        "(the lane balance waits for ~10 starts a replica, then settles over a minute)",
+    )
     f.add_argument("--seed", type=int, default=1)
     r = sub.add_parser(
         "run",

@@ -49,7 +49,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; choose from {SCENARIOS}")
     opts = Options(
         scenarios=wanted, out=Path(args.out), seed=args.seed, rate=args.rate,
-        duration=args.duration, replicas=args.replicas,
+        duration=args.duration, replicas=args.replicas, warmup=args.warmup,
     )  # fmt: skip
     results = asyncio.run(run_all(opts))
     # Scenarios not rerun keep their last results in the summary and plots.

@@ -100,7 +100,7 @@ def register(sub: Subparsers) -> None:
     w.add_argument(
         "--lane-depth",
         type=int,
-        default=3,
+        default=4,  # streams.rendezvous.DEFAULT_DEPTH (not imported: the CLI starts light)
         help="the workers each lane is pulled by: its owner and depth-1 backups (spill, failover)",
     )
     w.add_argument(

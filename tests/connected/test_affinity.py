@@ -96,8 +96,10 @@ async def test_shared_prefixes_stick_to_one_replica_and_fail_over(
         after = await group_run(0, range(10, 16))
         moved = await served_by(fleet, after)
         assert dead not in moved.values()
-        # The group has moved as a whole: to the next in its lane's order.
-        assert Counter(moved.values()).most_common(1)[0][1] >= 5, moved
+        # The group has moved to the next in its lane's order; a replica that
+        # took a whole group on top of its own is hot (streams/balance.py) and
+        # may pass some on to the next after it, but no further.
+        assert len(set(moved.values())) <= 2, moved
 
 
 async def test_a_saturated_owner_spills_over(make_fleet: Callable[..., Fleet]) -> None:

@@ -7,14 +7,8 @@ from typing import Any, cast
 
 import msgspec
 
-from streams.membership import (
-    HOT_FACTOR,
-    HOT_SLACK,
-    Adapter,
-    MemberInfo,
-    Membership,
-    member_info,
-)
+from streams.balance import BALANCE, HOT_PRIORITY
+from streams.membership import MAX_PRIORITY, Adapter, MemberInfo, Membership, member_info
 from streams.pools import adapter_pool
 from workers.inference.affinity import StartRate
 
@@ -35,24 +29,29 @@ def view(me: float, others: dict[str, float], deployment: str = "") -> Membershi
     return m
 
 
-def test_an_owner_well_above_its_pools_mean_is_hot() -> None:
-    # Three at 1 req/s and this one at 5: the mean is 2, 5 > 1.25 * 2 + 0.5.
-    assert view(5.0, {"w1": 1.0, "w2": 1.0, "w3": 1.0}).hot()
-    # Near the mean, or everyone idle: not hot.
-    assert not view(1.2, {"w1": 1.0, "w2": 1.0, "w3": 1.0}).hot()
-    assert not view(0.4, {"w1": 0.0, "w2": 0.0}).hot()  # the slack: idle noise
-    # Alone: nobody to let go first.
-    assert not view(50.0, {}).hot()
-    # A pool's mean is its own members'.
-    pooled = view(4.0, {"w1": 4.0}, deployment="dep-a")
-    pooled.pools["dep-b"] = ("w9",)
-    assert not pooled.hot("dep-a")
-    # The rule's edge: just past factor x mean + slack.
-    mean = 2.0
-    edge = HOT_FACTOR * mean + HOT_SLACK
-    others = {"w1": mean, "w2": mean}
-    assert not view(mean, others).hot()
-    assert view(3 * edge, {"w1": 0.0, "w2": 0.0}).hot()
+def test_a_worker_well_above_its_pools_mean_pulls_last() -> None:
+    # Three at 1 req/s and this one at 5: hot, its pulls behind every backup's.
+    assert view(5.0, {"w1": 1.0, "w2": 1.0, "w3": 1.0}).pull_priority(0) >= HOT_PRIORITY
+    # Near the mean: the owner first, a backup after it.
+    near = view(1.1, {"w1": 1.0, "w2": 1.0, "w3": 1.0})
+    assert near.pull_priority(0) < near.pull_priority(1) < HOT_PRIORITY
+    # Everyone idle, or alone whatever its load: the rank alone decides.
+    idle = view(0.0, {"w1": 0.0, "w2": 0.0})
+    alone = view(50.0, {})
+    assert [idle.pull_priority(r) for r in range(3)] == [3, 4, 5]
+    assert [alone.pull_priority(r) for r in range(3)] == [3, 4, 5]
+    assert alone.pull_priority(12) <= MAX_PRIORITY
+    # A pool's mean is its own members': two alike in dep-a, a busier one elsewhere.
+    pooled = view(4.0, {"w1": 4.0, "w9": 40.0}, deployment="dep-a")
+    pooled.pools = {"dep-a": ("w0", "w1"), "dep-b": ("w9",)}
+    assert pooled.mean_load("dep-a") == 4.0
+    assert pooled.pull_priority(0, "dep-a") < pooled.pull_priority(1, "dep-a") < HOT_PRIORITY
+
+
+def test_the_members_mean_counts_this_worker_as_it_is_now() -> None:
+    m = view(0.9, {"w1": 0.3, "w2": 0.3})
+    assert m.mean_load() == 0.5
+    assert m.pull_priority(0) == BALANCE.priority(0, 0.9, 0.5)
 
 
 def test_the_start_rate_is_a_decaying_average() -> None:

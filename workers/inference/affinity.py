@@ -21,7 +21,7 @@ bucket each worker refreshes; ``streams/rendezvous.py``): one worker joining
 or leaving moves about 1/n of the lanes, so warm prefix caches stay where they
 are, and no worker owns more than ``load_factor`` times its share. A worker
 pulls only the lanes it ranks among the first ``depth`` (owner and backups):
-a class of 256 lanes costs each of 64 workers ~12 standing pulls, not 256.
+a class of 256 lanes costs each of 64 workers ~16 standing pulls (depth 4), not 256.
 
 Over-fetch: pulls stand on several lanes at once, so a worker can be handed
 more messages than it has slots. It keeps such a message (``in_progress``)
@@ -45,6 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from streams.balance import HOT_PRIORITY, RATE_TAU_S
 from streams.consumer import idle_expiry, stop_interest
 from streams.definitions import PRIORITY_GROUP, Topology
 from streams.membership import SHARED, Membership
@@ -62,12 +63,11 @@ OWNER_BATCH = 4  # messages one pull may bring the lane's owner
 # subscriptions per process while a starting fleet's members were few (every
 # lane ranked), and their churn as members joined stalled the connections.
 INBOX_GROUPS = 16
-RATE_TAU_S = 10.0  # the smoothing of a worker's start rate (its load in the members)
 
 
 class StartRate:
     """Requests started per second, an exponentially decaying average: what a
-    worker tells the members as its load (streams/membership.py, ``hot``)."""
+    worker tells the members as its load (its tier, streams/balance.py)."""
 
     def __init__(self, tau_s: float = RATE_TAU_S) -> None:
         self._tau = tau_s
@@ -109,7 +109,6 @@ class LanePuller:
         self._cls = cls
         # SHARED: the class's own lanes; a deployment: that pool's lanes.
         self._pool = pool
-        self._depth = membership.depth
         self._token = pool_token(pool) if pool else ""
         self._rank = rank
         self._admission = admission
@@ -204,6 +203,10 @@ class LanePuller:
                     await sub._pending_queue.join()  # nats-py has no public drain for this
         return True
 
+    def pulled_at(self, lane: int) -> int | None:
+        """The priority of ``lane``'s newest pull (None: none made, or withdrawn)."""
+        return self._pulled_at[lane]
+
     @property
     def stale(self) -> bool:
         """Whether standing pulls may still carry the ranks of before a change."""
@@ -211,14 +214,14 @@ class LanePuller:
 
     def _priority(self, lane: int) -> int | None:
         """This worker's priority for ``lane`` now: None when it is not among the
-        lane's owner and backups; a hot owner's backups go first."""
-        priority = self._members.priority(self._lanes, lane, self._pool)
-        if priority == 0 and self._members.hot(self._pool):
-            # Starting well above the pool's mean: the backups go first while
-            # that lasts (a hot prefix warms a second replica instead of
-            # queueing on one); with no backup waiting, it still takes its lane.
-            return self._depth
-        return priority
+        lane's owner and backups; else its tier first (a hot worker's lanes go
+        to its backups, a cold backup goes first: streams/balance.py), then
+        its rank. A tier change reaches a lane at its next pull (within
+        ``poll_s`` on a busy lane): the rate it follows moves over a minute."""
+        rank = self._members.priority(self._lanes, lane, self._pool)
+        if rank is None:
+            return None
+        return self._members.pull_priority(rank, self._pool)
 
     def _reprioritize(self) -> None:
         """Ranks moved: marked here, looked at by the pull loop's next pass, so
@@ -286,8 +289,12 @@ class LanePuller:
             return
         inbox = await self._lane_inbox(lane)
         # The owner takes a burst on its lane (requests sharing a prefix often
-        # come together), as many as it has slots for; the others take one.
-        batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if priority == 0 else 1
+        # come together), as many as it has slots for, unless it is hot; the
+        # others take one.
+        owner = self._members.priority(self._lanes, lane, self._pool) == 0
+        batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if owner else 1
+        if priority >= HOT_PRIORITY:
+            batch = 1
         self._left[lane] = batch
         self._empty[lane] = 0 if self._brought[lane] else self._empty[lane] + 1
         self._brought[lane] = False

@@ -206,6 +206,14 @@ class Changes:
             )
 
 
+def _measured(shots: list[Shot], warmup: float) -> list[Shot]:
+    """The shots sent after the warm-up, their send times from its end."""
+    out = [s for s in shots if s.sent >= warmup]
+    for s in out:
+        s.sent -= warmup
+    return out
+
+
 async def _served_all(fleet: Fleet) -> dict[str, int]:
     urls = [*fleet.replica_urls, *(f"http://127.0.0.1:{p}" for p in fleet.extra_ports())]
     async with httpx.AsyncClient(timeout=10) as c:
@@ -238,6 +246,7 @@ async def _mode(
     make: MakeRequest,
     blocks: int,
     replicas: int = REPLICAS,
+    warmup: float = 0.0,
 ) -> tuple[Summary, dict[str, Any], list[Shot], list[dict[str, Any]], dict[str, float]]:
     fleet = await asyncio.to_thread(lambda: Fleet(_spec(replicas - 1, mode, blocks)).start())
     driver = Driver(fleet, seed, PATIENCE_S)
@@ -246,14 +255,19 @@ async def _mode(
         changes = Changes(fleet, await _single(fleet, blocks), blocks)
         await _until_members(fleet, replicas)
         await asyncio.sleep(2.0)  # lane ranks settle after the last replica joined
-        before = await _served_all(fleet)
-        t0 = time.monotonic()
+        before: dict[str, int] = {}
+        start = time.monotonic()
+        changing = mode in ("affinity", "kv_index", "events_only")
 
         async def during() -> None:
-            await changes.run(t0, duration)
+            # The same load runs through the warm-up; what is measured (served
+            # counts, shots, the changes' times) starts at its end.
+            await asyncio.sleep(max(0.0, start + warmup - time.monotonic()))
+            before.update(await _served_all(fleet))
+            if changing:
+                await changes.run(start + warmup, duration)
 
-        changing = mode in ("affinity", "kv_index", "events_only")
-        shots = await driver.run(rate, duration, make, during if changing else None)
+        shots = await driver.run(rate, warmup + duration, make, during)
         after = await _served_all(fleet)
         if mode == "kv_index":
             kv_routes = await _kv_routes(fleet)
@@ -261,7 +275,13 @@ async def _mode(
         await driver.aclose()
         await asyncio.to_thread(fleet.stop)
     counts = [after[u] - before.get(u, 0) for u in after]
-    return summarize(mode, shots, duration), _balance(counts), shots, changes.log, kv_routes
+    balance = _balance(counts)
+    # The replicas there all the measured run (not the one that joined and
+    # left, nor the one killed three quarters in): their shares compare alike.
+    steady = set(fleet.replica_urls)
+    balance["steady"] = _balance([after[u] - before.get(u, 0) for u in after if u in steady])
+    shots = _measured(shots, warmup)
+    return summarize(mode, shots, duration), balance, shots, changes.log, kv_routes
 
 
 async def scale(
@@ -274,6 +294,7 @@ async def scale(
     replicas: int = REPLICAS,
     modes: tuple[str, ...] = ("round_robin", "affinity"),
     name: str = "scale",
+    warmup: float = 0.0,
 ) -> dict[str, Any]:
     prompts = [system_prompt(g, words) for g in range(groups)]
     # Some prefixes are far more popular than others (Zipf-like, s = 0.6).
@@ -288,7 +309,7 @@ async def scale(
     kv_routes: dict[str, float] = {}
     for mode in modes:
         row, balance[mode], shots, log, routes = await _mode(
-            mode, seed, rate, duration, make, blocks, replicas
+            mode, seed, rate, duration, make, blocks, replicas, warmup
         )
         rows.append(row)
         kv_routes |= routes
@@ -296,7 +317,7 @@ async def scale(
         series_out[mode] = [[t, round(h, 3)] for t, h in series]
         if log and mode in ("affinity", "kv_index", "events_only"):
             by_mode[mode] = [c | _recovery(series, c["at_s"]) for c in log]
-    rows.append(await _oracle(seed, rate, duration, make))
+    rows.append(await _oracle(seed, rate, duration, make, warmup))
     hit = {r.name: r.prefix_hit_rate for r in rows}
     oracle = hit.get("oracle")
     extra: dict[str, Any] = {}
@@ -318,6 +339,7 @@ async def scale(
             "group_popularity": "1/(g+1)^0.6",
             "rate_rps": rate,
             "duration_s": duration,
+            "warmup_s": warmup,  # the same load before the measured duration
             "lanes": DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),
         },
         "balance": balance,
@@ -330,7 +352,9 @@ async def scale(
     }
 
 
-async def _oracle(seed: int, rate: float, duration: float, make: MakeRequest) -> Summary:
+async def _oracle(
+    seed: int, rate: float, duration: float, make: MakeRequest, warmup: float = 0.0
+) -> Summary:
     """The same trace on one engine that never evicts: the best hit share."""
     spec = FleetSpec(
         workers=1,
@@ -342,8 +366,8 @@ async def _oracle(seed: int, rate: float, duration: float, make: MakeRequest) ->
     fleet = await asyncio.to_thread(lambda: Fleet(spec).start())
     driver = Driver(fleet, seed, PATIENCE_S)
     try:
-        shots = await driver.run(rate, duration, make)
+        shots = await driver.run(rate, warmup + duration, make)
     finally:
         await driver.aclose()
         await asyncio.to_thread(fleet.stop)
-    return summarize("oracle", shots, duration)
+    return summarize("oracle", _measured(shots, warmup), duration)

@@ -327,6 +327,7 @@ class Options:
     gpu_blocks: int = 1024
     deadline_s: float = 4.0
     replicas: int = 0  # scale, kvindex: the fleet's replicas (0: 64, 16)
+    warmup: float = 0.0  # scale: seconds of load before the measured duration
 
 
 async def soak_run(opts: Options) -> dict[str, Any]:
@@ -341,8 +342,9 @@ async def scale_run(opts: Options) -> dict[str, Any]:
     # 256 groups of 300-word prompts: a replica's 1024 KV blocks hold a few of
     # them, the fleet's 64 x 1024 all of them.
     return await scale(
-        opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks, opts.replicas or 64
-    )
+        opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks, opts.replicas or 64,
+        warmup=opts.warmup,
+    )  # fmt: skip
 
 
 async def kvindex_run(opts: Options) -> dict[str, Any]:
