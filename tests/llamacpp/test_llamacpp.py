@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from jetserve.conformance.report import Status
 from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
 from tests.engine_corpus import real_engine_cases
+from tests.engine_fleet import stream_through_fleet
 from tests.engine_reports import save
 from tests.llamacpp.llamacppkit import CONTEXT, LlamaCppServer
 from workers.engines.base import Done
@@ -98,26 +98,12 @@ def test_one_request_through_a_fleet(llamacpp_server: LlamaCppServer) -> None:
     back: the streamed reply equals the server's own greedy answer."""
     body = chat(llamacpp_server, "Through the fleet, please.", max_tokens=24, temperature=0)
     direct = httpx.post(f"{llamacpp_server.url}/v1/chat/completions", json=body, timeout=30).json()
-    with Fleet(fleet_spec(llamacpp_server)) as fleet:
-        client = openai.OpenAI(
-            base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0
-        )
-        stream = client.chat.completions.create(
-            **body, stream=True, stream_options={"include_usage": True}
-        )
-        parts: list[str] = []
-        finish, usage = None, None
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                parts.append(choice.delta.content or "")
-                finish = choice.finish_reason or finish
-    assert "".join(parts) == direct["choices"][0]["message"]["content"]
-    assert finish == direct["choices"][0]["finish_reason"]
-    assert usage is not None
-    assert usage.completion_tokens == direct["usage"]["completion_tokens"]
-    assert usage.prompt_tokens > 0
+    got = stream_through_fleet(fleet_spec(llamacpp_server), body)
+    assert got.text == direct["choices"][0]["message"]["content"]
+    assert got.finish == direct["choices"][0]["finish_reason"]
+    assert got.usage is not None
+    assert got.usage.completion_tokens == direct["usage"]["completion_tokens"]
+    assert got.usage.prompt_tokens > 0
 
 
 def fleet_spec(server: LlamaCppServer) -> FleetSpec:

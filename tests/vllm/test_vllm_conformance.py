@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from jetserve.conformance.report import Status
@@ -25,6 +24,7 @@ from jetserve.conformance.runner import run_corpus
 from jetserve.fleet import Fleet, FleetSpec
 from tests.connected.test_choices import Choices, from_body, from_stream
 from tests.engine_corpus import real_engine_cases
+from tests.engine_fleet import stream_through_fleet
 from tests.engine_reports import save
 from tests.vllm.vllmkit import VllmServer
 from workers.engines.base import Delta, Done
@@ -254,26 +254,12 @@ def test_one_request_through_a_fleet(vllm_server: VllmServer) -> None:
     body = chat(vllm_server, "Through the fleet, please.", max_tokens=24, temperature=0)
     direct = httpx.post(f"{vllm_server.url}/v1/chat/completions", json=body, timeout=30).json()
     spec = FleetSpec(workers=1, engine_url=vllm_server.url, model=vllm_server.model)
-    with Fleet(spec) as fleet:
-        client = openai.OpenAI(
-            base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0
-        )
-        stream = client.chat.completions.create(
-            **body, stream=True, stream_options={"include_usage": True}
-        )
-        parts: list[str] = []
-        finish, usage = None, None
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                parts.append(choice.delta.content or "")
-                finish = choice.finish_reason or finish
-    assert "".join(parts) == direct["choices"][0]["message"]["content"]
-    assert finish == direct["choices"][0]["finish_reason"] == "length"
-    assert usage is not None
-    assert usage.prompt_tokens == direct["usage"]["prompt_tokens"]
-    assert usage.completion_tokens == direct["usage"]["completion_tokens"] == 24
+    got = stream_through_fleet(spec, body)
+    assert got.text == direct["choices"][0]["message"]["content"]
+    assert got.finish == direct["choices"][0]["finish_reason"] == "length"
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+    assert got.usage.completion_tokens == direct["usage"]["completion_tokens"] == 24
 
 
 def _close(relayed: Choices, direct: Choices) -> None:
