@@ -37,6 +37,7 @@ import websockets
 from jetserve.commands import up_demo
 from jetserve.fleet import Fleet, FleetSpec
 from tests.refusals import checked_fleet
+from tests.waits import until, until_sync
 
 pytestmark = pytest.mark.connected
 
@@ -644,10 +645,14 @@ async def test_agent_run_lost_stream_then_cancel(
     await page.open(up_demo.playground_link(fleet, approver_key))
     await page.call("Fetch.enable", patterns=[{"urlPattern": "*/events"}])
     await page.click("run-start")
-    end = time.monotonic() + 10
-    while not (paused := [e for e in page.events if e["method"] == "Fetch.requestPaused"]):
-        assert time.monotonic() < end, "the page asked for no events"
-        await asyncio.sleep(0.02)
+    paused: list[dict[str, Any]] = []
+
+    async def asked() -> bool:
+        nonlocal paused
+        paused = [e for e in page.events if e["method"] == "Fetch.requestPaused"]
+        return bool(paused)
+
+    await until(asked, "the page's request for events", every_s=0.02)
     body = {"error": {"message": "gone", "type": "invalid_request_error", "code": "run_not_found"}}
     await page.call(
         "Fetch.fulfillRequest",
@@ -700,10 +705,8 @@ async def test_agent_run_events_resume_after_a_gateway_restart(
     old = fleet.gateways[0]
     await asyncio.to_thread(old.kill)
     await asyncio.to_thread(fleet.start_gateway)  # the same port (SO_REUSEPORT), ready
-    end = time.monotonic() + 30
-    while len(events_requests(page, run_id)) < 2:  # the page's first retry waits 0.5 s
-        assert time.monotonic() < end, "the page did not reconnect"
-        await asyncio.sleep(0.05)
+    # The page's first retry waits 0.5 s.
+    await until_sync(lambda: len(events_requests(page, run_id)) >= 2, "the page to reconnect")
 
     await page.click("run-approve")
     await page.wait("document.getElementById('agent').dataset.status === 'completed'", limit_s=30)

@@ -9,7 +9,6 @@ The model's words are random, so the checks are about the wire; greedy decoding
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +23,7 @@ from tests.engine_corpus import real_engine_cases
 from tests.engine_fleet import stream_through_fleet
 from tests.engine_reports import save
 from tests.llamacpp.llamacppkit import CONTEXT, LlamaCppServer
+from tests.waits import until_sync
 from workers.engines.base import Done
 from workers.engines.llamacpp import LlamaCppAdapter
 from workers.errors import EngineRejected
@@ -148,10 +148,9 @@ async def test_cancel_through_a_fleet_stops_the_engine(
             r = await c.post(f"{url}/v1/chat/completions", json=short)
             next_s = time.monotonic() - t1
             assert r.status_code == 200
-            for _ in range(100):
-                if llamacpp_server.disconnects() > before:
-                    break
-                await asyncio.sleep(0.05)
+            await until_sync(
+                lambda: llamacpp_server.disconnects() > before, "the server to log the hang-up"
+            )
     print(
         f"\nllamacpp tier: 900 tokens take {full_s:.2f}s; after a hang-up at 5 tokens the "
         f"next request was answered in {next_s:.2f}s"

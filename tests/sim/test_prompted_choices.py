@@ -4,11 +4,10 @@ on each."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from tests.sim.simkit import SimHandle
+from tests.waits import until
 from workers.engines.base import Delta, Done, EngineAdapter, closing
 from workers.engines.tgi import TGIAdapter
 from workers.engines.triton import TritonAdapter
@@ -57,12 +56,14 @@ async def test_tgi_cancelling_n_aborts_every_request(fast: SimHandle) -> None:
         async for ev in events:
             if isinstance(ev, Delta) and ev.text:
                 break
-    end = time.monotonic() + 30  # generous: a loaded 2-core box
-    while True:
+    stats: dict[str, Any] = {}
+
+    async def all_aborted() -> bool:
+        nonlocal stats
         stats = await fast.stats()
-        if (stats["aborted"] - before == 3 and stats["running"] == 0) or time.monotonic() > end:
-            break
-        await asyncio.sleep(0.01)
+        return bool(stats["aborted"] - before == 3 and stats["running"] == 0)
+
+    await until(all_aborted, "the three choices' aborts", every_s=0.01)
     assert stats["aborted"] - before == 3
     assert stats["running"] == 0
 
