@@ -16,9 +16,10 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
+import msgspec
 
 from workers.errors import EngineRejected, EngineStreamBroken, EngineUnsupported
 
@@ -198,3 +199,26 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
                     yield data
     except httpx.TransportError as exc:
         raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
+
+
+class _Failing(Protocol):
+    @property
+    def error(self) -> str | None: ...
+
+
+E = TypeVar("E", bound=_Failing)
+
+
+async def sse_events(
+    response: httpx.Response, decoder: msgspec.json.Decoder[E]
+) -> AsyncIterator[E]:
+    """Each `data:` payload decoded; a malformed one, or one that carries the
+    engine's own ``error``, breaks the stream (TGI's and Triton's events both do)."""
+    async for data in sse_data(response):
+        try:
+            event = decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
+        if event.error is not None:
+            raise EngineStreamBroken(f"engine failed mid-stream: {event.error}")
+        yield event

@@ -266,13 +266,7 @@ class TGIAdapter(EngineAdapter):
             if req.echo:
                 yield Delta(req.echo, None, None, None, i)
             details: _Details | None = None
-            async for data in prompted.sse_data(response):
-                try:
-                    event = _event_decoder.decode(data)
-                except msgspec.DecodeError as exc:
-                    raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
-                if event.error is not None:
-                    raise EngineStreamBroken(f"engine failed mid-stream: {event.error}")
+            async for event in prompted.sse_events(response, _event_decoder):
                 if event.token is not None and not event.token.special:
                     delta = choice.push(event.token, event.top_tokens)
                     if delta is not None:

@@ -288,13 +288,7 @@ class TritonAdapter(EngineAdapter):
         prompt_tokens = 0
         completion_tokens = 0
         model = self.model
-        async for data in prompted.sse_data(response):
-            try:
-                chunk = _chunk_decoder.decode(data)
-            except msgspec.DecodeError as exc:
-                raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
-            if chunk.error is not None:
-                raise EngineStreamBroken(f"engine failed mid-stream: {chunk.error}")
+        async for chunk in prompted.sse_events(response, _chunk_decoder):
             model = chunk.model_name or model
             prompt_tokens = (_each(chunk.num_input_tokens) or [prompt_tokens])[0]
             completion_tokens += sum(_each(chunk.num_output_tokens))
