@@ -182,20 +182,27 @@ class Load:
         self.rng = random.Random(seed)
         self.outcomes: list[Outcome] = []
         self._stop = asyncio.Event()
+        self._tail_from: float | None = None
+        self._tail_left = 0
+        self._tail_done = asyncio.Event()
 
     async def run(
-        self, duration_s: float, fault_over: asyncio.Event | None = None, tail_s: float = 2.0
+        self, duration_s: float, fault_over: asyncio.Event | None = None, tail: int = 3
     ) -> list[Outcome]:
-        """Load for ``duration_s``; with ``fault_over``, also until ``tail_s``
-        after it is set (a fault that outlasts the load still gets requests sent
-        after it, to show the fleet recovered)."""
+        """Load for ``duration_s``; with ``fault_over``, also until ``tail``
+        requests sent after it is set have ended (a fault that outlasts the load
+        still gets requests sent after it, to show the fleet recovered). The
+        tail is counted, not timed: on a loaded box every user may still be
+        waiting out a request the fault stalled."""
         clients = [httpx.AsyncClient(timeout=self.timeout_s + 5) for _ in range(self.users)]
         try:
             users = [asyncio.create_task(self._user(c, u)) for u, c in enumerate(clients)]
             await asyncio.sleep(duration_s)
-            if fault_over is not None and not fault_over.is_set():
+            if fault_over is not None:
                 await fault_over.wait()
-                await asyncio.sleep(tail_s)
+                self._tail_from, self._tail_left = time.time(), tail
+                if tail > 0:
+                    await self._tail_done.wait()
             self._stop.set()
             await asyncio.gather(*users)
         finally:
@@ -215,6 +222,10 @@ class Load:
                 out.kind = "hung"
             out.ended_at = time.time()
             self.outcomes.append(out)
+            if self._tail_from is not None and out.sent_at >= self._tail_from:
+                self._tail_left -= 1
+                if self._tail_left <= 0:
+                    self._tail_done.set()
 
     def _url(self, index: int) -> str:
         urls = [
