@@ -48,6 +48,10 @@ class GatewayConfig:
     # The rollout guard (gateway/admin/rollout_guard.py): how often the gateway
     # holding its lease compares each canary's arms; 0: this gateway never does.
     rollout_guard_every_s: float = 2.0
+    # The queue-depth reader's election (gateway/inference/depth_share.py): how
+    # often the reader renews its lease and republishes; 0: no election, this
+    # gateway looks at the queues itself (one gateway, or a test of one).
+    depth_reader_renew_s: float = 2.0
     # The evidence watch (gateway/admin/evidence_watch.py), run by the same lease
     # holder: how often every route's evidence triggers are evaluated; 0: never.
     evidence_watch_every_s: float = 30.0

@@ -196,6 +196,18 @@ class GatewayMetrics:
             ["route", "kind"],
             registry=r,
         )
+        self.depth_reader = Gauge(
+            "jetserve_gateway_depth_reader",
+            "1 while this gateway is the fleet's elected queue-depth reader",
+            registry=r,
+        )
+        self.depth_looks = Counter(
+            "jetserve_gateway_depth_looks",
+            "Queue-depth looks this gateway took: read (it listed the consumers) "
+            "or heard (the elected reader published it)",
+            ["source"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
             "Work-queue lag per class (num_pending + num_ack_pending)",

@@ -24,6 +24,8 @@ from gateway.admin.rollout_guard import LEASE_KEY, RolloutGuard
 from gateway.config import GatewayConfig
 from gateway.inference.coalesce_fleet import FleetCoalescing
 from gateway.inference.deadletters import MaxDeliveriesWatch
+from gateway.inference.depth_share import LEASE_KEY as DEPTH_LEASE_KEY
+from gateway.inference.depth_share import DepthShare
 from gateway.inference.dispatch import Dispatcher
 from gateway.inference.fair_gate import FairGate
 from gateway.inference.hedge_budget import SharedHedgeBudget
@@ -175,8 +177,24 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         )
         # Route contracts: loaded before serving, then followed live.
         route_table = await _started(stack, RouteTable(await ensure_routes(js, cfg.topology)))
-        queue_watch = await _started(stack, QueueWatch(js, cfg.topology))
         metrics = GatewayMetrics(cfg.metrics_tenants)
+        queue_watch = QueueWatch(js, cfg.topology)
+        queue_watch.on_look = lambda source: metrics.depth_looks.labels(source).inc()
+        if cfg.depth_reader_renew_s > 0:
+            renew = cfg.depth_reader_renew_s
+
+            async def depth_lease() -> KvLease:
+                kv = await ensure_leases(js, cfg.topology.replicas)
+                return KvLease(kv, DEPTH_LEASE_KEY, cfg.gateway_id, ttl_s=3 * renew)
+
+            share = DepthShare(
+                nc, cfg.gateway_id, depth_lease, queue_watch.take_look, queue_watch.poke, renew
+            )
+            queue_watch.shared(share)
+            metrics.depth_reader.set_function(lambda: float(share.leading))
+        else:
+            metrics.depth_reader.set(1)  # it reads for itself
+        await _started(stack, queue_watch)
         fair_gate = None
         if cfg.fair:
             fair_gate = FairGate(

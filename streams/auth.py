@@ -239,6 +239,7 @@ def permissions(
         f"{PREFIX}.agentctl.>",
         f"{PREFIX}.dlq.>",
         ROLLOUT_EVENTS,
+        f"{PREFIX}.depth.>",  # the elected reader's queue depths (gateway/inference/depth_share.py)
         reply,  # a dead-lettered request's error frame
         live,
         f"{SERVICE_INBOX}.>",  # answers to services (checked: the caller's own inbox)
@@ -252,6 +253,7 @@ def permissions(
             live,
             f"{PREFIX}.resumed.>",
             KV_INDEX_SUBJECT,  # the fleet's KV index (--kv-index)
+            f"{PREFIX}.depth.>",
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>",
         ),
     )

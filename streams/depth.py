@@ -3,22 +3,31 @@
 A class's work sits on several consumers: its plain subject, its affinity lanes
 (hundreds of them), its excess and each deployment pool's. One ``CONSUMER.LIST`` request returns the
 numbers of up to 256 consumers, so a look at every class costs a request or
-three, not one ``consumer_info`` per lane."""
+three, not one ``consumer_info`` per lane.
+
+At fleet scale even that is one list per gateway per look: one gateway, elected
+by lease, reads and publishes each look on ``DEPTH_SUBJECT`` (a :class:`DepthLook`),
+and the others take it from there (gateway/inference/shedding.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 
 from streams.definitions import Topology
+from streams.subjects import PREFIX
 
 LIST_PAGE = 256  # the server's page of a consumer list (JSApiListLimit)
 
 
-@dataclass(frozen=True)
-class ClassDepth:
+# The elected reader's looks, and a follower's nudge that its own publish may
+# have ended an idle spell (the reader then looks at once, as for its own).
+DEPTH_SUBJECT = f"{PREFIX}.depth.look"
+DEPTH_POKE_SUBJECT = f"{PREFIX}.depth.poke"
+
+
+class ClassDepth(msgspec.Struct, frozen=True):
     pending: int = 0  # published, not yet handed to a worker
     ack_pending: int = 0  # handed to a worker, not yet acknowledged (its first token)
     delivered: int = 0  # deliveries so far, summed over the class's consumers
@@ -60,6 +69,17 @@ def class_depths(topo: Topology, infos: list[ConsumerInfo]) -> dict[str, ClassDe
         cls: ClassDepth(int(p), int(a), int(d), int(w), bool(f))
         for cls, (p, a, d, w, f) in sums.items()
     }
+
+
+class DepthLook(msgspec.Struct, frozen=True, tag="depth_look"):
+    """One look at every class, as the elected reader published it."""
+
+    reader: str  # the gateway that looked
+    classes: dict[str, ClassDepth] = {}
+
+
+LOOK_ENCODER = msgspec.json.Encoder()
+LOOK_DECODER = msgspec.json.Decoder(DepthLook)
 
 
 async def read_depths(js: JetStreamContext, topo: Topology) -> dict[str, ClassDepth]:

@@ -13,6 +13,9 @@ gateway relayed), is past its deadline (with a margin), the gateway answers
 in time but cannot finish only turns a 429 into a 504. Class priority is the
 workers' (interactive first), so a batch queue behind interactive work sees its
 rate fall and sheds first.
+
+In a fleet, one gateway looks for all (gateway/inference/depth_share.py): the
+watch of every other takes the looks it publishes.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import nats.errors
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError
 
+from gateway.inference.depth_share import DepthShare
 from streams.definitions import Topology
-from streams.depth import read_depths
+from streams.depth import ClassDepth, DepthLook, read_depths
 from streams.tasks import stop_task
 
 # Too little evidence to refuse anyone: a short queue drains whatever the rate.
@@ -81,17 +86,65 @@ class QueueWatch:
         self.loads: dict[str, ClassLoad] = {c.value: ClassLoad() for c in topology.classes}
         self._answers: dict[str, deque[float]] = {}
         self._task: asyncio.Task[None] | None = None
+        self.share: DepthShare | None = None
+        # Each look's source, "read" (this gateway listed the consumers) or
+        # "heard" (the fleet's reader published it): for the metrics.
+        self.on_look: Callable[[str], None] = lambda source: None
+
+    def shared(self, share: DepthShare) -> None:
+        """Look only while ``share`` elects this gateway; else take its looks."""
+        self.share = share
 
     async def start(self) -> None:
+        if self.share is not None:
+            await self.share.start()
         self._task = asyncio.create_task(self._run(), name="queue-watch")
 
     async def stop(self) -> None:
         if self._task is not None:
             await stop_task(self._task)
+        if self.share is not None:
+            await self.share.stop()
+
+    def take_look(self, look: DepthLook) -> None:
+        """Another gateway's look (it is the fleet's reader)."""
+        self.on_look("heard")
+        for cls, found in look.classes.items():
+            if cls in self.loads:
+                self._take(cls, found.pending, found.ack_pending, found.delivered)
+
+    def poke(self) -> None:
+        """A follower published after an idle spell: look now."""
+        self._published_at = time.monotonic()
+        self._poke.set()
+
+    def idle(self) -> bool:
+        return not any(load.depth or load.ack_pending for load in self.loads.values())
+
+    async def _follow(self) -> None:
+        """Until this gateway is elected: nudge the reader after a publish of
+        ours that ends an idle spell (the reader's looks keep the numbers)."""
+        share = self.share
+        assert share is not None
+        while not share.leading:
+            self._poke.clear()
+            led = asyncio.ensure_future(share.led.wait())
+            poked = asyncio.ensure_future(self._poke.wait())
+            try:
+                await asyncio.wait((led, poked), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                led.cancel()
+                poked.cancel()
+            if self._poke.is_set():
+                await share.poke(self.idle())
 
     async def _run(self) -> None:
         glance = False  # an idle look: the stream's count first
         while True:
+            if self.share is not None and not self.share.leading:
+                await self._follow()
+                glance = False
+                continue
             self._poke.clear()  # before looking: a publish during the look looks again
             if not (glance and await self._stream_empty()):
                 with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
@@ -99,7 +152,7 @@ class QueueWatch:
             glance = False
             # A publish may not have landed when we looked: busy for a while after one.
             recent = time.monotonic() - self._published_at < 2 * self._every
-            if recent or any(load.depth or load.ack_pending for load in self.loads.values()):
+            if recent or not self.idle():
                 await asyncio.sleep(self._every)
                 continue
             # Idle: each look lists every consumer (a few hundred lanes), so
@@ -124,11 +177,20 @@ class QueueWatch:
             info = await self._js.stream_info(self._topo.stream)
         except (nats.errors.Error, TimeoutError, APIError):
             return False
-        return not info.state.messages
+        empty = not info.state.messages
+        if empty and self.share is not None:
+            # Idle as the last look left it; the delivery counts stand.
+            idle = {c: ClassDepth(delivered=x.delivered, found=True) for c, x in self.loads.items()}
+            await self.share.publish(idle)
+        return empty
 
     async def _poll(self) -> None:
-        for cls, found in (await read_depths(self._js, self._topo)).items():
-            self._take(cls, found.pending, found.ack_pending, found.delivered)
+        found = await read_depths(self._js, self._topo)
+        self.on_look("read")
+        for cls, depth in found.items():
+            self._take(cls, depth.pending, depth.ack_pending, depth.delivered)
+        if self.share is not None:
+            await self.share.publish(found)
 
     def _take(self, cls: str, depth: int, acking: int, delivered: int) -> None:
         load = self.loads[cls]

@@ -263,6 +263,14 @@ def _routing(g: argparse.ArgumentParser) -> None:
         "canary's arms and rolls a failing one back (s); 0: never on this gateway",
     )
     b.add_argument(
+        "--depth-reader-renew",
+        type=float,
+        default=2.0,
+        help="one gateway of the fleet, elected by lease, reads the queue depths and "
+        "publishes them; it renews every this many seconds and a dead reader is "
+        "replaced within 3x (docs/routing.md); 0: this gateway reads them itself",
+    )
+    b.add_argument(
         "--evidence-watch-every",
         type=float,
         default=30.0,
@@ -360,6 +368,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         outbox_grace_s=args.outbox_grace,
         outbox_scan_s=args.outbox_scan,
         rollout_guard_every_s=args.rollout_guard_every,
+        depth_reader_renew_s=args.depth_reader_renew,
         evidence_watch_every_s=args.evidence_watch_every,
         idempotency_window_s=args.idempotency_window,
         coalesce=CoalescePolicy(enabled=args.coalesce),

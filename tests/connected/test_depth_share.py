@@ -1,0 +1,92 @@
+"""One queue-depth reader for the fleet (gateway/inference/depth_share.py),
+through real gateways on real NATS: one gateway lists the consumers and the
+others take its published looks; when the reader is SIGKILLed another is
+elected and the numbers keep following the queue."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from jetserve.fleet import Fleet
+from tests.scrape import metric_sum
+from tests.waits import until
+
+pytestmark = pytest.mark.connected
+
+LOOKS = "jetserve_gateway_depth_looks_total"
+
+
+async def scrape(url: str) -> str:
+    async with httpx.AsyncClient(timeout=5) as c:
+        return (await c.get(url)).text
+
+
+async def depth(url: str) -> float:
+    return metric_sum(await scrape(url), "jetserve_queue_depth", cls="interactive")
+
+
+async def send(client: httpx.AsyncClient, fleet: Fleet, base_url: str, n: int) -> list[int]:
+    """``n`` interactive requests through ``base_url``; their statuses once answered."""
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "60"}
+
+    async def one(i: int) -> int:
+        msg = {"role": "user", "content": f"queued {base_url} {i}"}
+        body = {"model": "sim-8b", "max_tokens": 4, "messages": [msg]}
+        try:
+            r = await client.post(f"{base_url}/v1/chat/completions", json=body, headers=headers)
+        except httpx.TransportError:
+            return 0  # its gateway was killed
+        return r.status_code
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_one_gateway_reads_the_depths_and_another_is_elected_when_it_dies(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=0, gateways=2)  # nothing consumes: requests wait
+    urls = fleet.gateway_metrics_urls
+    async with httpx.AsyncClient(timeout=90) as client:
+        first = asyncio.create_task(send(client, fleet, fleet.base_urls[1], 5))
+
+        async def both_see_five() -> bool:
+            return [await depth(u) for u in urls] == [5.0, 5.0]
+
+        await until(both_see_five, "both gateways see the 5 queued requests")
+        texts = [await scrape(u) for u in urls]
+        readers = [metric_sum(t, "jetserve_gateway_depth_reader") for t in texts]
+        assert sorted(readers) == [0.0, 1.0], readers
+        reader = readers.index(1.0)
+        follower = 1 - reader
+        # The follower never listed the consumers: every number it holds was heard.
+        assert metric_sum(texts[follower], LOOKS, source="read") == 0
+        assert metric_sum(texts[follower], LOOKS, source="heard") > 0
+        assert metric_sum(texts[reader], LOOKS, source="read") > 0
+
+        # The reader dies without a goodbye: its lease runs out, the follower
+        # is elected and follows the queue as it grows.
+        fleet.gateways[reader].signal(9)
+        survivor = urls[follower]
+
+        async def survivor_reads() -> bool:
+            return metric_sum(await scrape(survivor), "jetserve_gateway_depth_reader") == 1.0
+
+        await until(survivor_reads, "the survivor is elected")
+        second = asyncio.create_task(send(client, fleet, fleet.base_urls[follower], 3))
+
+        async def eight() -> bool:
+            # The dead gateway's requests keep their place in the queue.
+            return await depth(survivor) == 8.0
+
+        await until(eight, "the survivor reads the grown queue")
+        assert metric_sum(await scrape(survivor), LOOKS, source="read") > 0
+
+        # A worker arrives: the queue drains and the survivor's requests are answered.
+        await asyncio.to_thread(fleet.start_worker, wait=False)
+        assert await second == [200] * 3
+        answered = await first
+        assert answered == ([0] * 5 if reader == 1 else [200] * 5), answered
