@@ -1,7 +1,7 @@
 """The settlement outbox: a request's charge and ledger record, made durable in
 JetStream before either store is touched.
 
-A gateway that ends a request publishes one :class:`Settlement` on
+A gateway that ends a request publishes its :class:`Settlement` on
 ``jetserve.outbox.<gateway>`` (stream ``JETSERVE_OUTBOX``, file storage), then
 applies it (the budget hold reconciled in Redis, the record appended to the
 ledger) and deletes it. What it could not apply (Redis frozen, the ledger's
@@ -10,6 +10,10 @@ scanner applies what has been there longer than a grace period. Applying is
 idempotent by request id and writer (gateway/tenancy/accounting_lua.py, and the
 ledger's ``Nats-Msg-Id``), so a settlement applied twice charges once and
 records once (gateway/inference/settlements.py).
+
+Under load a gateway stores the settlements that wait for one store as one
+:class:`SettlementBatch` message (group commit): one publish and one delete per
+batch, not per request (docs/scale.md, "settlement batched").
 """
 
 from __future__ import annotations
@@ -53,16 +57,25 @@ class Settlement(msgspec.Struct, frozen=True, tag="settle", kw_only=True):
     actual_micros: int | None = None
 
 
+class SettlementBatch(msgspec.Struct, frozen=True, tag="settle_batch", kw_only=True):
+    """Settlements stored together; each is applied on its own (idempotently),
+    and the message is deleted once all of them are."""
+
+    settlements: list[Settlement]
+
+
 _enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder(Settlement)
+_dec = msgspec.json.Decoder(Settlement | SettlementBatch)
 
 
-def encode_settlement(s: Settlement) -> bytes:
+def encode_settlement(s: Settlement | SettlementBatch) -> bytes:
     return _enc.encode(s)
 
 
-def decode_settlement(data: bytes) -> Settlement:
-    return _dec.decode(data)
+def decode_settlements(data: bytes) -> list[Settlement]:
+    """The settlements of one outbox message (one, or a batch's)."""
+    found = _dec.decode(data)
+    return found.settlements if isinstance(found, SettlementBatch) else [found]
 
 
 @dataclass(frozen=True)
@@ -109,7 +122,7 @@ class Pending:
     """A settlement still in the outbox: its sequence and age by the server's clock."""
 
     seq: int
-    settlement: Settlement | None  # None: undecodable (dead-lettered by the caller)
+    settlements: list[Settlement] | None  # None: undecodable (dead-lettered by the caller)
     data: bytes
     subject: str
     stored_at: float
@@ -123,9 +136,22 @@ class Outbox:
     async def publish(self, gateway: str, s: Settlement, timeout_s: float = 2.0) -> int:
         """Store ``s``; its stream sequence. Raises the bus's errors."""
         msg_id = f"{s.record.tenant}:{s.record.request_id}:{s.writer}"
+        return await self._store(gateway, encode_settlement(s), msg_id, timeout_s)
+
+    async def publish_batch(
+        self, gateway: str, batch: SettlementBatch, msg_id: str, timeout_s: float = 2.0
+    ) -> int:
+        """Store ``batch`` as one message; ``msg_id`` makes a republish (our ack
+        lost) a duplicate. Raises the bus's errors."""
+        return await self._store(gateway, encode_settlement(batch), msg_id, timeout_s)
+
+    def fits(self, batch: SettlementBatch) -> bool:
+        return len(encode_settlement(batch)) <= self.topo.max_msg_size
+
+    async def _store(self, gateway: str, data: bytes, msg_id: str, timeout_s: float) -> int:
         ack = await self._js.publish(
             self.topo.subject(gateway),
-            encode_settlement(s),
+            data,
             timeout=timeout_s,
             stream=self.topo.stream,
             headers={Header.MSG_ID.value: msg_id},
@@ -173,7 +199,7 @@ class Outbox:
                         meta = msg.metadata
                         left = 0 if meta.num_pending == 0 else left - 1
                         try:
-                            s: Settlement | None = decode_settlement(msg.data)
+                            s: list[Settlement] | None = decode_settlements(msg.data)
                         except msgspec.DecodeError:
                             s = None
                         stored_at = meta.timestamp.timestamp()

@@ -3,6 +3,7 @@ and ledger record are made durable before either store is touched, and applied
 exactly once.
 
     settle:  publish to the outbox -> apply (Redis, then the ledger) -> delete
+             (under load, as a batch: one publish and one delete for many)
     scan:    what is still in the outbox after ``grace_s`` -> apply -> delete
     orphans: a hold past its expiry (its gateway died before settling) ->
              a settlement from the frames capture's evidence -> settle
@@ -23,6 +24,7 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -36,7 +38,7 @@ from gateway.tenancy.pricing import PriceBook
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
-from streams.outbox import Outbox, Settlement
+from streams.outbox import Outbox, Settlement, SettlementBatch
 from streams.request_ledger import LedgerRecord
 from streams.subjects import frames_filter
 from streams.wire import ErrorFrame, Final, Meta, Usage, decode_frame, decode_frames
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 _BUS_ERRORS = (nats.errors.Error, TimeoutError, OSError, APIError)
 SWEEP_WRITER = "sweep"
 SCAN_FAILURES_IN_A_ROW = 3  # a scan stops here: a store is down, not one settlement bad
+# Settlements in one outbox message at most (a record is ~0.5 KiB, a message 64).
+MAX_BATCH = 64
 
 
 class Settlements:
@@ -72,33 +76,81 @@ class Settlements:
         self.grace_s = grace_s  # how long the settling gateway has before a scanner steps in
         self._on_outcome = on_outcome  # counts inline, deferred, recovered, ...
         self._retrying: set[asyncio.Task[None]] = set()  # owned: awaited in aclose()
+        # Settlements waiting for the next group commit, and the task committing.
+        self._waiting: list[tuple[Settlement, asyncio.Future[None]]] = []
+        self._committer: asyncio.Task[None] | None = None  # owned: awaited in aclose()
 
     # -- the request path ------------------------------------------------------------
     async def settle(self, s: Settlement) -> None:
         """Make ``s`` durable, then apply it. Never raises: what cannot be applied
-        now stays in the outbox (or, with the bus down, is retried from here)."""
+        now stays in the outbox (or, with the bus down, is retried from here).
+
+        Group commit: while one batch is being stored and applied, the
+        settlements that arrive wait and go together in the next, as one outbox
+        message and one delete. Alone, a settlement goes at once, as itself."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((s, done))
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit(), name="settlements")
+        # Shielded: a caller that goes away does not take its books with it.
+        await asyncio.shield(done)
+
+    async def _commit(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
+            try:
+                await self._settle_batch([s for s, _ in batch])
+            except asyncio.CancelledError:
+                for _, done in batch:
+                    done.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 -- not swallowed: each caller raises it
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(exc)
+            else:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+
+    async def _settle_batch(self, batch: list[Settlement]) -> None:
         try:
-            seq = await self.outbox.publish(self.gateway_id, s)
+            seq = await self._store(batch)
         except _BUS_ERRORS as exc:
-            log.warning("outbox publish of %s failed (%r); retrying", s.record.request_id, exc)
-            self._on_outcome("outbox_retry")
-            task = asyncio.ensure_future(self._store_later(s))
+            log.warning("outbox publish of %d settlements failed (%r); retrying", len(batch), exc)
+            for _ in batch:
+                self._on_outcome("outbox_retry")
+            task = asyncio.ensure_future(self._store_later(batch))
             self._retrying.add(task)
             task.add_done_callback(self._retrying.discard)
             return
-        if await self._apply_logged(s):
-            self._on_outcome("inline")
+        applied = await asyncio.gather(*(self._apply_logged(s) for s in batch))
+        for ok in applied:
+            self._on_outcome("inline" if ok else "deferred")
+        if all(applied):
             await self._delete(seq)
-        else:
-            self._on_outcome("deferred")
 
-    async def _store_later(self, s: Settlement) -> None:
+    async def _store(self, batch: list[Settlement], msg_id: str | None = None) -> int:
+        """One outbox message for ``batch``: the settlement itself when alone (or
+        when a batch would not fit a message, the first; the rest follow)."""
+        if len(batch) > 1:
+            whole = SettlementBatch(settlements=batch)
+            if self.outbox.fits(whole):
+                # A republish of this batch (_store_later) reuses its id: stored once.
+                msg_id = msg_id or f"batch:{self.gateway_id}:{uuid.uuid4().hex}"
+                return await self.outbox.publish_batch(self.gateway_id, whole, msg_id)
+            for s in batch[1:]:
+                await self.outbox.publish(self.gateway_id, s)  # applied by a scanner
+        return await self.outbox.publish(self.gateway_id, batch[0])
+
+    async def _store_later(self, batch: list[Settlement]) -> None:
         """The bus was down: keep trying to store it (then a scanner applies it)."""
         delay = 0.25
+        msg_id = f"batch:{self.gateway_id}:{uuid.uuid4().hex}"
         while True:
             await asyncio.sleep(delay * random.uniform(1, 1.5))
             try:
-                await self.outbox.publish(self.gateway_id, s)
+                await self._store(batch, msg_id)
                 return
             except _BUS_ERRORS:
                 delay = min(delay * 2, 5.0)
@@ -144,12 +196,13 @@ class Settlements:
         async for p in self.outbox.pending():
             if p.stored_at > cutoff:
                 break  # oldest first: the rest is younger still
-            if p.settlement is None:
+            if p.settlements is None:
                 await dead_letter(self._js, p.subject, p.data, "undecodable settlement", p.seq)
                 await self._delete(p.seq)
                 continue
             try:
-                await self.apply(p.settlement)
+                for one in p.settlements:  # each idempotent: a batch's retry re-applies all
+                    await self.apply(one)
             except (GatewayError, LedgerWriteError):
                 # One that fails must not hold up the rest; several in a row: a
                 # store is down, stop (the next scan retries, from the oldest).
@@ -234,6 +287,8 @@ class Settlements:
 
     async def aclose(self, grace_s: float = 5.0) -> None:
         """Give stores that were down a moment; what is left the orphan sweep settles."""
+        if self._committer is not None:
+            await self._committer  # what was handed over is stored (or handed on)
         if self._retrying:
             await asyncio.wait(self._retrying, timeout=grace_s)
         left = list(self._retrying)

@@ -1,0 +1,134 @@
+"""Group commit of settlements (gateway/inference/settlements.py) on real NATS
+and Redis: settlements that arrive together are stored as one outbox message
+and deleted with one delete, each charged and recorded once; a batch a frozen
+Redis could not apply waits whole in the outbox and a scan applies all of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as redis
+from nats.aio.client import Client
+
+from gateway.inference.settlements import Settlements
+from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.limits import Scope
+from gateway.tenancy.pricing import PriceBook
+from gateway.tenancy.records import RecordHead
+from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
+from jetserve.services import Service
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.outbox import DEFAULT_OUTBOX, Outbox, Settlement, decode_settlements, ensure_outbox
+from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
+from streams.wire import Usage
+from tests.waits import until
+
+pytestmark = pytest.mark.connected
+
+SCOPE = Scope("demo", "demo", "k1")
+
+
+@pytest.fixture
+async def nc(nats_server: Service) -> AsyncIterator[Client]:
+    url = f"nats://127.0.0.1:{nats_server.port}"
+    client = await connect(url, "test-settlements", nats_server.bus_auth())
+    js = client.jetstream()
+    await ensure_ledger(js, DEFAULT_LEDGER)
+    await ensure_outbox(js, DEFAULT_OUTBOX)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def rds(redis_server: Service) -> AsyncIterator[redis.Redis]:
+    # A short socket timeout: a frozen Redis fails the settlement, not the test.
+    client = redis.Redis.from_url(redis_server.redis_url(), socket_timeout=0.5)
+    yield client
+    await client.aclose()
+
+
+def settlement(request_id: str, charge: int) -> Settlement:
+    head = RecordHead(SCOPE, request_id, "chat", "interactive", "sim-8b", time.time(), "v1", "gw1")
+    record = head.settled(
+        policy="admitted",
+        attempts=1,
+        usage=Usage(3, 5),
+        charge_micros=charge,
+        reserved_micros=1000,
+        outcome="stop",
+        status=200,
+        duration_ms=1.0,
+    )
+    return Settlement(record=record, writer="gw1", actual_micros=charge)
+
+
+async def recorded(nc: Client) -> dict[str, int]:
+    """Every ledger record of the tenant: request id -> charge (once each)."""
+    out: dict[str, int] = {}
+    async for r in LedgerReader(nc.jetstream()).query(SCOPE.tenant):
+        assert r.request_id not in out, f"{r.request_id} recorded twice"
+        out[r.request_id] = r.charge_micros
+    return out
+
+
+async def stored(nc: Client) -> tuple[int, int]:
+    """(messages the outbox ever stored, messages it holds now)."""
+    state = (await nc.jetstream().stream_info(DEFAULT_OUTBOX.stream)).state
+    return int(state.last_seq), int(state.messages)
+
+
+async def test_settlements_that_arrive_together_are_one_outbox_message(
+    nc: Client, rds: redis.Redis, redis_server: Service
+) -> None:
+    js = nc.jetstream()
+    acct = Accountant(rds, timeout_s=0.5)
+    books = Settlements(
+        js,
+        Outbox(js),
+        acct,
+        LedgerWriter(js, attempts=2, backoff_s=0.05),
+        "gw1",
+        DEFAULT_TOPOLOGY,
+        PriceBook(),
+        grace_s=0.0,
+    )
+    want = {f"batch-{i:02d}": 100 + i for i in range(20)}
+    for rid in want:
+        await acct.reserve(SCOPE, rid, 1000, 10)
+
+    # 20 at once: the first commit takes all of them (they were all waiting
+    # before the committer ran): one message stored, and deleted.
+    await asyncio.gather(*(books.settle(settlement(rid, c)) for rid, c in want.items()))
+    assert await stored(nc) == (1, 0)
+    assert await recorded(nc) == want
+    for rid, charge in want.items():
+        assert await acct.settle(rid, 0, "gw1") == (True, charge)  # a repeat: the charge applied
+
+    # Redis frozen: 5 settle together, none can be applied; their one message
+    # stays in the outbox, whole.
+    later = {f"frozen-{i}": 200 + i for i in range(5)}
+    for rid in later:
+        await acct.reserve(SCOPE, rid, 1000, 10)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        await asyncio.gather(*(books.settle(settlement(rid, c)) for rid, c in later.items()))
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert await stored(nc) == (2, 1)
+    msg = await js.get_msg(DEFAULT_OUTBOX.stream, 2)
+    assert {s.record.request_id for s in decode_settlements(msg.data or b"")} == set(later)
+
+    # Thawed: a scan applies the whole batch, once, and deletes it.
+    async def scanned() -> bool:
+        await books.scan()
+        return (await stored(nc))[1] == 0
+
+    await until(scanned, "a scan to apply the frozen batch")
+    assert await recorded(nc) == {**want, **later}
+    await books.aclose()
