@@ -74,6 +74,8 @@ class FleetSpec:
     # 256 (docs/routing.md); a fleet on one machine needs far fewer, and each
     # file-backed lane consumer costs nats-server ~10 ms to stop (512: 5 s).
     lanes: int = 32
+    # One work-queue stream per class (gateway --class-streams; docs/scale.md).
+    class_streams: bool = False
     # Engines publish vLLM's KV cache events (sim --kv-events-config) and their
     # workers follow them (worker --kv-events): the fleet's KV index is fed; a
     # gateway routes by it with ``--kv-index`` in ``gateway_args``.
@@ -467,6 +469,7 @@ class Fleet:
             *self._context_args(),
             "--lanes",
             str(self.spec.lanes),
+            *(["--class-streams"] if self.spec.class_streams else []),
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,
@@ -598,10 +601,10 @@ class Fleet:
 
     def wait_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the interactive consumer: workers are live."""
-        consumer = DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE)
-        probe = pulling(
-            self.nats_url, DEFAULT_TOPOLOGY.stream, consumer, n, timeout, self.bus_auth()
-        )
+        topo = DEFAULT_TOPOLOGY.split(self.spec.class_streams)
+        consumer = topo.consumer_name(RequestClass.INTERACTIVE)
+        stream = topo.stream_of(RequestClass.INTERACTIVE)
+        probe = pulling(self.nats_url, stream, consumer, n, timeout, self.bus_auth())
         if not run_sync(probe):
             raise ServiceError(f"{n} workers not pulling after {timeout}s; see {self.workdir}")
 

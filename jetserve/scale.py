@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 from streams.connect import OPEN, BusAuth
 from streams.definitions import Topology
 from streams.depth import ClassDepth, read_depths
+from streams.provision import recorded_stream
 
 HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance
 FORMULA = (
@@ -198,7 +199,7 @@ async def lags_from_nats(
     try:
         js = nc.jetstream(timeout=3)
         try:
-            stream = await js.stream_info(topo.stream)
+            stream = await recorded_stream(js, topo)  # one stream, or one per class
         except NotFoundError:
             raise ScaleError(f"stream {topo.stream} not found at {url}") from None
         # One consumer list for every class: its plain subject, its lanes (as
@@ -234,13 +235,16 @@ def lags_from_jsz(
     for acc in doc.get("account_details") or []:
         if acc.get("name") != account:
             continue
-        for stream in acc.get("stream_detail") or []:
-            if stream.get("name") != topo.stream:
-                continue
-            consumers = {c.get("name"): c for c in stream.get("consumer_detail") or []}
-            last = int((stream.get("state") or {}).get("last_seq") or 0)
+        streams = {s.get("name"): s for s in acc.get("stream_detail") or []}
+        split = topo.split(True)
+        if topo.stream not in streams and split.request_streams[0] in streams:
+            topo = split  # one stream per class (gateway --class-streams)
+        if topo.stream_of(classes[0] if classes else topo.classes[0]) in streams:
             out = []
             for cls in classes:
+                stream = streams.get(topo.stream_of(cls)) or {}
+                consumers = {c.get("name"): c for c in stream.get("consumer_detail") or []}
+                last = int((stream.get("state") or {}).get("last_seq") or 0)
                 name = topo.consumer_name(cls)
                 c = consumers.get(name)
                 if c is None:

@@ -140,6 +140,12 @@ def _marks(bucket: str, *, write: bool = False, watch: bool = False) -> list[str
     return [*subjects, f"$KV.{bucket}.>"] if write else subjects
 
 
+def _request_streams(topo: Topology) -> tuple[str, ...]:
+    """The work-queue streams of either layout (one stream, or one per class):
+    credentials are made before a gateway picks the layout."""
+    return (topo.split(False).stream, *topo.split(True).request_streams)
+
+
 def permissions(
     role: Role,
     tenant: str | None = None,
@@ -165,9 +171,9 @@ def permissions(
     if role is Role.WORKER:
         return Permissions(
             publish=(
-                *_stream(topo.stream, _READ_STREAM),
+                *(x for q in _request_streams(topo) for x in _stream(q, _READ_STREAM)),
                 *_stream(topo.frames_stream, ("INFO",)),
-                *_consumers(topo.stream, manage=False),
+                *(x for q in _request_streams(topo) for x in _consumers(q, manage=False)),
                 *_kv(MEMBERS_BUCKET, own=True),
                 *_marks(CANCELS_BUCKET, watch=True),  # cancels sent before it listened
                 *_marks(FAILURES_BUCKET, write=True),  # attempts that really failed
@@ -185,8 +191,9 @@ def permissions(
     if role is Role.AGENT:
         return Permissions(
             publish=(
-                *_stream(topo.stream, _READ_STREAM),
-                f"$JS.API.STREAM.MSG.DELETE.{topo.stream}",  # cancel a queued model call
+                *(x for q in _request_streams(topo) for x in _stream(q, _READ_STREAM)),
+                # Cancel a queued model call.
+                *(f"$JS.API.STREAM.MSG.DELETE.{q}" for q in _request_streams(topo)),
                 *_stream(topo.frames_stream, _READ_STREAM),
                 *_consumers(topo.frames_stream, manage=True),  # resume a model call
                 *_stream(agent.stream, _OWN_STREAM),
@@ -214,7 +221,8 @@ def permissions(
         )
     # The gateway: the control plane. It provisions the request-path streams,
     # publishes requests, reads replies and answers services on their inboxes.
-    owned = [topo.stream, topo.frames_stream, topo.dlq_stream, ledger.stream, agent.stream]
+    owned = [*_request_streams(topo), topo.frames_stream, topo.dlq_stream, ledger.stream]
+    owned.append(agent.stream)
     owned += [agent.events_stream, outbox.stream]
     publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
     publish += [s for name in owned for s in _consumers(name, manage=True)]
@@ -225,7 +233,8 @@ def permissions(
     publish += _kv(MEMBERS_BUCKET, own=False)  # which deployment pools have live workers
     publish += _marks(CANCELS_BUCKET, write=True)  # a cancel's durable mark
     publish += ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
-    publish.append(f"$JS.API.STREAM.MSG.DELETE.{topo.stream}")  # cancelled or dead-lettered
+    # Cancelled or dead-lettered.
+    publish += [f"$JS.API.STREAM.MSG.DELETE.{q}" for q in _request_streams(topo)]
     publish.append(f"$JS.API.STREAM.MSG.DELETE.{outbox.stream}")  # a settlement applied
     publish += [
         f"{PREFIX}.req.>",

@@ -38,6 +38,8 @@ PRIORITY_GROUP = "jetserve"
 # The work-queue stream's metadata key of a class's lane count.
 LANE_METADATA = "jetserve_lanes_"
 POOL_LANES_METADATA = "jetserve_pool_lanes"
+# Recorded by each stream of a fleet with one work-queue stream per class.
+CLASS_STREAMS_METADATA = "jetserve_class_streams"
 LEGACY_LANES = 16
 
 
@@ -99,6 +101,32 @@ class Topology:
     # Lanes per lane class in each deployment pool (streams/pools.py): a pool
     # holds a few of the fleet's replicas, so fewer lanes spread them.
     pool_lanes: int = 64
+    # One work-queue stream per request class (``<stream>_<CLASS>``), each with
+    # its own leader and its own write rate, instead of ``stream`` for all:
+    # one stream holds ~8k msgs/s (docs/scale.md, "several request streams").
+    class_streams: bool = False
+
+    def stream_of(self, cls: RequestClass | str) -> str:
+        """The work-queue stream that holds ``cls``'s requests (every subject
+        of the class: plain, lanes, excess and pools)."""
+        if not self.class_streams:
+            return self.stream
+        return f"{self.stream}_{RequestClass(cls).value.upper()}"
+
+    @property
+    def request_streams(self) -> tuple[str, ...]:
+        """Every work-queue stream (one, or one per class)."""
+        return tuple(dict.fromkeys(self.stream_of(c) for c in self.classes))
+
+    def stream_of_consumer(self, name: str) -> str:
+        """The stream of a work-queue consumer, by its name."""
+        cls, _ = self.consumer_class(name)
+        if cls is None:
+            raise ValueError(f"not a work-queue consumer: {name!r}")
+        return self.stream_of(cls)
+
+    def split(self, class_streams: bool) -> Topology:
+        return replace(self, class_streams=class_streams)
 
     @property
     def lane_classes(self) -> tuple[RequestClass, ...]:
@@ -114,7 +142,8 @@ class Topology:
         """The lane counts, as the stream records them: every gateway and worker
         reads them there (:meth:`with_stream_lanes`), so none can disagree."""
         counts = {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
-        return {**counts, POOL_LANES_METADATA: str(self.pool_lanes)}
+        split = {CLASS_STREAMS_METADATA: "1"} if self.class_streams else {}
+        return {**counts, POOL_LANES_METADATA: str(self.pool_lanes), **split}
 
     def with_stream_lanes(self, metadata: dict[str, str] | None) -> Topology:
         """This topology with the lane counts the stream records (a stream
@@ -124,22 +153,39 @@ class Topology:
             (c, int(found.get(f"{LANE_METADATA}{c.value}", LEGACY_LANES))) for c in LANE_CLASSES
         )
         pool_lanes = int(found.get(POOL_LANES_METADATA, self.pool_lanes))
-        return replace(self, class_lanes=counts, pool_lanes=pool_lanes)
+        split = found.get(CLASS_STREAMS_METADATA) == "1"
+        return replace(self, class_lanes=counts, pool_lanes=pool_lanes, class_streams=split)
 
     @property
     def excess_classes(self) -> tuple[RequestClass, ...]:
         return tuple(c for c in self.classes if c in SHARE_CLASSES)
 
-    def stream_config(self) -> StreamConfig:
+    def stream_config(self, name: str | None = None) -> StreamConfig:
+        """The config of work-queue stream ``name`` (default: the one stream,
+        or the first class's)."""
+        name = name or self.request_streams[0]
+        classes = [c for c in self.classes if self.stream_of(c) == name]
+        if not classes:
+            raise ValueError(f"not a work-queue stream of this topology: {name!r}")
         lim = self.limits
+        subjects = [request_subject(c) for c in classes]
+        subjects += [lane_wildcard(c) for c in classes if c in self.lane_classes]
+        subjects += [
+            excess_subject(c)
+            for c in classes
+            if c in self.excess_classes and c not in self.lane_classes
+        ]
+        if self.class_streams:
+            # Deployment pools (streams/pools.py), this class's subjects of each.
+            (cls,) = classes
+            subjects += [f"{POOL_SPACE}.*.{cls.value}", f"{POOL_SPACE}.*.{cls.value}.*"]
+        else:
+            subjects.append(f"{POOL_SPACE}.>")
         return StreamConfig(
-            name=self.stream,
+            name=name,
             # Exactly the served class subjects: a publish to anything else fails
             # fast (no responders) instead of being stored and never consumed.
-            subjects=[request_subject(c) for c in self.classes]
-            + [lane_wildcard(c) for c in self.lane_classes]
-            + [excess_subject(c) for c in self.excess_classes if c not in self.lane_classes]
-            + [f"{POOL_SPACE}.>"],  # deployment pools (streams/pools.py)
+            subjects=subjects,
             retention=RetentionPolicy.WORK_QUEUE,
             discard=DiscardPolicy.NEW,
             storage=StorageType.FILE,

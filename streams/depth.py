@@ -83,4 +83,7 @@ LOOK_DECODER = msgspec.json.Decoder(DepthLook)
 
 
 async def read_depths(js: JetStreamContext, topo: Topology) -> dict[str, ClassDepth]:
-    return class_depths(topo, await consumer_infos(js, topo.stream))
+    infos: list[ConsumerInfo] = []
+    for stream in topo.request_streams:  # one, or one per class
+        infos += await consumer_infos(js, stream)
+    return class_depths(topo, infos)

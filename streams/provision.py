@@ -62,12 +62,23 @@ async def ensure_routes(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY)
                 raise ProvisioningError(f"cannot create bucket {want.bucket}: {exc}") from exc
 
 
+async def recorded_stream(js: JetStreamContext, topo: Topology) -> Any:
+    """The info of the fleet's first work-queue stream, whichever layout it has
+    (one stream, or one per class); NotFoundError when there is none yet."""
+    for layout in (topo, topo.split(not topo.class_streams)):
+        try:
+            return await js.stream_info(layout.request_streams[0])
+        except NotFoundError:
+            continue
+    raise NotFoundError(description=f"no {topo.stream} stream, in either layout")
+
+
 async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
-    """``topo`` with the lane counts an existing work-queue stream records: they
-    win over any configured count (a gateway configured otherwise would publish
-    to lanes the workers do not pull), and a difference is logged."""
+    """``topo`` with the lane counts and stream layout an existing work-queue
+    stream records: they win over any configured (a gateway configured otherwise
+    would publish to lanes the workers do not pull), and a difference is logged."""
     try:
-        info = await js.stream_info(topo.stream)
+        info = await recorded_stream(js, topo)
     except NotFoundError:
         return topo
     recorded = topo.with_stream_lanes(info.config.metadata)
@@ -76,11 +87,17 @@ async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
             log.warning(
                 "%s records %d lanes for %s, not the configured %d: keeping the stream's "
                 "(docs/routing.md, changing the lane count)",
-                topo.stream,
+                info.config.name,
                 recorded.lanes_of(cls),
                 cls.value,
                 topo.lanes_of(cls),
             )
+    if recorded.class_streams != topo.class_streams:
+        log.warning(
+            "the fleet has %s, not what this process was configured with: keeping the "
+            "fleet's (docs/scale.md, several request streams)",
+            "a work-queue stream per class" if recorded.class_streams else "one work-queue stream",
+        )
     return recorded
 
 
@@ -100,26 +117,25 @@ def _current(info: ConsumerInfo | None, want: dict[str, Any]) -> bool:
 
 async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> Topology:
     """Create or update the request path's streams and consumers; returns the
-    topology as provisioned (an existing stream's lane counts kept)."""
+    topology as provisioned (an existing stream's lane counts and layout kept)."""
     topo = await recorded_lanes(js, topo)
-    await ensure_stream(js, topo.stream_config())
+    for name in topo.request_streams:
+        await ensure_stream(js, topo.stream_config(name))
     await ensure_stream(js, topo.frames_config())
     await ensure_stream(js, topo.dlq_config())
     await ensure_routes(js, topo)
     for cls in topo.classes:
         # Creating a durable with a config is create-or-update on nats-server >= 2.10.
-        await js.add_consumer(topo.stream, topo.consumer_config(cls))
+        await js.add_consumer(topo.stream_of(cls), topo.consumer_config(cls))
     for cls in topo.excess_classes:
-        await js.add_consumer(topo.stream, topo.consumer_config(cls, excess=True))
+        await js.add_consumer(topo.stream_of(cls), topo.consumer_config(cls, excess=True))
     # Hundreds of lane consumers: create only those missing or changed, a few
     # requests at a time.
-    have = {i.name: i for i in await consumer_infos(js, topo.stream)}
-    wants = [
-        topo.lane_consumer_config(cls, lane)
-        for cls in topo.lane_classes
-        for lane in range(topo.lanes_of(cls))
-    ]
-    await _create_missing(js, topo.stream, wants, have)
+    for cls in topo.lane_classes:
+        stream = topo.stream_of(cls)
+        have = {i.name: i for i in await consumer_infos(js, stream)}
+        wants = [topo.lane_consumer_config(cls, lane) for lane in range(topo.lanes_of(cls))]
+        await _create_missing(js, stream, wants, have)
     return topo
 
 
@@ -128,13 +144,15 @@ async def ensure_pool(js: JetStreamContext, topo: Topology, deployment: str) -> 
     (streams/pools.py); its pool token. ``topo`` as provisioned (pool lanes)."""
     token = pool_token(deployment)
     wants = pool_consumer_configs(topo, token)
-    have = {i.name: i for i in await consumer_infos(js, topo.stream)}
-    # Lanes first, the plain consumers after: a worker takes the plain ones'
-    # presence as the pool's (workers/inference/pool_source.py).
-    lanes = [w for w in wants if "priority_groups" in w]
-    await _create_missing(js, topo.stream, lanes, have)
-    for plain in (w for w in wants if w not in lanes):  # in order: the last one says "ready"
-        await _create_missing(js, topo.stream, [plain], have)
+    for stream in topo.request_streams:
+        mine = [w for w in wants if topo.stream_of_consumer(w["durable_name"]) == stream]
+        have = {i.name: i for i in await consumer_infos(js, stream)}
+        # Lanes first, the plain consumers after: a worker takes the plain ones'
+        # presence as the pool's (workers/inference/pool_source.py).
+        lanes = [w for w in mine if "priority_groups" in w]
+        await _create_missing(js, stream, lanes, have)
+        for plain in (w for w in mine if w not in lanes):  # in order: the last says "ready"
+            await _create_missing(js, stream, [plain], have)
     return token
 
 
@@ -185,12 +203,19 @@ async def await_topology(
     end = loop.time() + within_s
     while True:
         try:
-            info = await js.stream_info(topo.stream)
+            info = await recorded_stream(js, topo)
             found = topo.with_stream_lanes(info.config.metadata)
             if not consumers:
                 return found
-            names = {n for cls in found.classes for n in found.consumer_names(cls)}
-            missing = names - {i.name for i in await consumer_infos(js, found.stream)}
+            missing = set()
+            for stream in found.request_streams:
+                names = {
+                    n
+                    for cls in found.classes
+                    if found.stream_of(cls) == stream
+                    for n in found.consumer_names(cls)
+                }
+                missing |= names - {i.name for i in await consumer_infos(js, stream)}
             if not missing:
                 return found
             raise NotFoundError(description=f"{len(missing)} consumers, e.g. {min(missing)}")

@@ -53,17 +53,19 @@ class MaxDeliveriesWatch:
         self._js = js
         self._topo = topo
         self._metrics = metrics
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         self.handled = 0
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(
-            advisory_subject(self._topo.stream), QUEUE_GROUP, cb=self._on_advisory
-        )
+        for stream in self._topo.request_streams:  # one, or one per class
+            sub = await self._nc.subscribe(
+                advisory_subject(stream), QUEUE_GROUP, cb=self._on_advisory
+            )
+            self._subs.append(sub)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        for sub in self._subs:
+            await sub.unsubscribe()
 
     async def _on_advisory(self, msg: Msg) -> None:
         try:

@@ -357,9 +357,14 @@ class Dispatcher:
             return None
 
     async def cancel(
-        self, request_id: str, reason: str, *seqs: int | None, keep_attempt: int = 0
+        self,
+        request_id: str,
+        reason: str,
+        *seqs: int | None,
+        keep_attempt: int = 0,
+        cls: str | None = None,
     ) -> None:
-        await self.client.cancel(request_id, reason, *seqs, keep_attempt=keep_attempt)
+        await self.client.cancel(request_id, reason, *seqs, keep_attempt=keep_attempt, cls=cls)
 
 
 async def _unsubscribe(subs: tuple[Subscription, ...]) -> None:
@@ -445,7 +450,9 @@ class FrameStream(FrameReader):
             hedge_won = attempt >= HEDGE_ATTEMPT_BASE
             loser_seq = self.stream_seq if hedge_won else self.hedge_seq
             self._d.on_hedge(self.req.cls, "won" if hedge_won else "lost")
-            await self._d.cancel(self.req.id, "hedge_lost", loser_seq, keep_attempt=attempt)
+            await self._d.cancel(
+                self.req.id, "hedge_lost", loser_seq, keep_attempt=attempt, cls=self.req.cls
+            )
 
     async def recover(self, attempt: int, after: int, through: int) -> list[Token] | None:
         return await self._d.recover(self.req.tenant, self.req.id, attempt, after, through)
@@ -456,7 +463,9 @@ class FrameStream(FrameReader):
             if self.started:
                 await self._d.cancel(self.req.id, reason)
             else:
-                await self._d.cancel(self.req.id, reason, self.stream_seq, self.hedge_seq)
+                await self._d.cancel(
+                    self.req.id, reason, self.stream_seq, self.hedge_seq, cls=self.req.cls
+                )
 
     def close(self) -> None:
         if self.hedge_task is not None:

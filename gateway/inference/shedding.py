@@ -174,10 +174,13 @@ class QueueWatch:
         """The work queue holds no message (none waiting, none unacked): every
         class's numbers are zero as they stand. False when it cannot be read."""
         try:
-            info = await self._js.stream_info(self._topo.stream)
+            counts = [
+                (await self._js.stream_info(name)).state.messages
+                for name in self._topo.request_streams
+            ]
         except (nats.errors.Error, TimeoutError, APIError):
             return False
-        empty = not info.state.messages
+        empty = not any(counts)
         if empty and self.share is not None:
             # Idle as the last look left it; the delivery counts stand.
             idle = {c: ClassDepth(delivered=x.delivered, found=True) for c, x in self.loads.items()}

@@ -72,6 +72,13 @@ def register(sub: Subparsers) -> None:
         "(repeatable); recorded in the stream when it is first provisioned, which then wins",
     )
     g.add_argument(
+        "--class-streams",
+        action="store_true",
+        help="one work-queue stream per request class (JETSERVE_REQ_<CLASS>), each with its "
+        "own leader, instead of one for all (docs/scale.md); recorded when the streams are "
+        "first provisioned, which then wins; workers and executors follow it",
+    )
+    g.add_argument(
         "--reuse-port",
         action="store_true",
         help="bind the public port with SO_REUSEPORT: several gateway processes share it",
@@ -348,7 +355,9 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         resume_grace_s=args.resume_grace,
         max_buffered_frames=args.max_buffered_frames,
         otel_exporter=args.otel_exporter,
-        topology=lane_topology(Topology(replicas=args.replicas), args.lanes),
+        topology=lane_topology(
+            Topology(replicas=args.replicas, class_streams=args.class_streams), args.lanes
+        ),
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=split_csv(args.metrics_tenants),

@@ -103,10 +103,16 @@ class InferenceClient:
             raise BusUnavailableError(repr(exc)) from exc
 
     async def cancel(
-        self, request_id: str, reason: str, *seqs: int | None, keep_attempt: int = 0
+        self,
+        request_id: str,
+        reason: str,
+        *seqs: int | None,
+        keep_attempt: int = 0,
+        cls: str | None = None,
     ) -> None:
         """Tell the worker to stop (all attempts but ``keep_attempt``). With the
-        bus down the worker's deadline ends the work instead."""
+        bus down the worker's deadline ends the work instead. ``seqs``: the
+        request's messages in its class's (``cls``) work-queue stream."""
         note = encode(Cancel(request_id, reason, keep_attempt))
         # At once for a worker that listens; then the durable mark, then again:
         # a worker subscribes before it reads the mark, so it hears the second
@@ -122,7 +128,8 @@ class InferenceClient:
             # Not picked up yet? Then no worker hears the cancel: remove the
             # message itself (a no-op if a worker already holds it).
             with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
-                await self._js.delete_msg(self.topology.stream, seq)
+                stream = self.topology.stream_of(cls) if cls else self.topology.stream
+                await self._js.delete_msg(stream, seq)
 
     async def follow(
         self, tenant: str, request_id: str, cb: Callable[[Msg], Awaitable[None]]

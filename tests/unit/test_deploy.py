@@ -1106,6 +1106,47 @@ def test_jsz_is_read_as_keda_reads_it() -> None:
     assert jsz_url("https://nats:8222/", "A").startswith("https://nats:8222/jsz?acc=A&")
 
 
+def test_jsz_of_a_fleet_with_a_stream_per_class() -> None:
+    """`--class-streams`: each class's consumer is read from its own stream, and
+    a consumer missing there reads as that stream's last sequence."""
+    split = DEFAULT_TOPOLOGY.split(True)
+    streams = [
+        {
+            "name": split.stream_of("interactive"),
+            "state": {"last_seq": 40},
+            "consumer_detail": [
+                {"name": "workers-interactive", "num_pending": 4, "num_ack_pending": 1}
+            ],
+        },
+        {"name": split.stream_of("batch"), "state": {"last_seq": 12}, "consumer_detail": []},
+    ]
+    doc = {"account_details": [{"name": "$G", "stream_detail": streams}]}
+    interactive, batch = lags_from_jsz(doc, "$G", DEFAULT_TOPOLOGY, ("interactive", "batch"))
+    assert (interactive.lag, interactive.found) == (5, True)
+    assert (batch.found, batch.lag) == (False, 12)
+
+
+def test_class_streams_split_every_subject_by_class() -> None:
+    """Each class stream takes exactly its class's subjects (plain, lanes,
+    excess, pools): no subject is stored by two streams, none by no stream."""
+    split = DEFAULT_TOPOLOGY.split(True)
+    assert DEFAULT_TOPOLOGY.request_streams == (DEFAULT_TOPOLOGY.stream,)
+    assert len(split.request_streams) == len(RequestClass)
+    subjects = [s for n in split.request_streams for s in split.stream_config(n).subjects or []]
+    assert len(subjects) == len(set(subjects))
+    for name in split.request_streams:
+        (cls,) = (c for c in RequestClass if split.stream_of(c) == name)
+        cfg = split.stream_config(name)
+        assert all(f".{cls.value}" in s for s in cfg.subjects or []), cfg.subjects
+        assert cfg.metadata is not None
+        assert cfg.metadata["jetserve_class_streams"] == "1"
+        for consumer in split.consumer_names(cls):
+            assert split.stream_of_consumer(consumer) == name
+    assert DEFAULT_TOPOLOGY.with_stream_lanes(split.lane_metadata()).class_streams
+    with pytest.raises(ValueError, match="not a work-queue stream"):
+        split.stream_config(DEFAULT_TOPOLOGY.stream)
+
+
 def test_scale_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert jetserve_cli.main(["scale", "--min-replicas", "chat=1"]) == 2
     assert "unknown class 'chat'" in capsys.readouterr().err

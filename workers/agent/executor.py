@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -115,7 +116,8 @@ class Executor:
         try:
             js = self._js = nc.jetstream()
             # The inference queue (its model calls, class "agent"): the stream only.
-            await await_topology(js, cfg.topology, consumers=False)
+            topo = await await_topology(js, cfg.topology, consumers=False)
+            self.cfg = cfg = dataclasses.replace(cfg, topology=topo)  # the fleet's layout
             store = self._store = await patiently(
                 lambda: RunStore.open(nc, cfg.agent, executor=True)
             )

@@ -43,10 +43,11 @@ class PoolSource:
 
     async def run(self) -> None:
         # The gateway makes a pool's lanes first and its plain consumers last.
-        last = pool_consumer_name(self._token, self._topo.classes[-1])
+        last_cls = self._topo.classes[-1]
+        last = pool_consumer_name(self._token, last_cls)
         while True:
             try:
-                await self._js.consumer_info(self._topo.stream, last)
+                await self._js.consumer_info(self._topo.stream_of(last_cls), last)
                 break
             except (NotFoundError, nats.errors.Error, TimeoutError):
                 await asyncio.sleep(self._every)

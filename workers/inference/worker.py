@@ -277,7 +277,7 @@ class Worker:
         more = cfg.embed_batch_max - 1 if cls is RequestClass.EMBED else 0
         brief = rank > 0 or excess
         poll = cfg.poll_s / 4 if brief else cfg.poll_s
-        sub = await js.pull_subscribe_bind(durable, cfg.topology.stream)
+        sub = await js.pull_subscribe_bind(durable, cfg.topology.stream_of(cls))
         return PullLoop(
             sub,
             self.consumer.start,
