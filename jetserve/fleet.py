@@ -74,6 +74,8 @@ class FleetSpec:
     # 256 (docs/routing.md); a fleet on one machine needs far fewer, and each
     # file-backed lane consumer costs nats-server ~10 ms to stop (512: 5 s).
     lanes: int = 32
+    # Capture streams of the reply frames (gateway --frames-partitions, docs/scale.md).
+    frames_partitions: int = 1
     # Engines publish vLLM's KV cache events (sim --kv-events-config) and their
     # workers follow them (worker --kv-events): the fleet's KV index is fed; a
     # gateway routes by it with ``--kv-index`` in ``gateway_args``.
@@ -467,6 +469,8 @@ class Fleet:
             *self._context_args(),
             "--lanes",
             str(self.spec.lanes),
+            "--frames-partitions",
+            str(self.spec.frames_partitions),
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,

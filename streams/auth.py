@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from streams.agent_topology import DEFAULT_AGENT, AgentTopology
-from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.definitions import (
+    DEFAULT_TOPOLOGY,
+    MAX_FRAMES_PARTITIONS,
+    Topology,
+    frames_stream_names,
+)
 from streams.evidence import EVIDENCE_BUCKET
 from streams.ids import is_safe_id
 from streams.leases import LEASES_BUCKET
@@ -140,6 +145,13 @@ def _marks(bucket: str, *, write: bool = False, watch: bool = False) -> list[str
     return [*subjects, f"$KV.{bucket}.>"] if write else subjects
 
 
+def frames_streams(topo: Topology) -> list[str]:
+    """Every capture stream a fleet of ``topo``'s names may run: the single one
+    and each partition's up to the most there may be. The count is the fleet's
+    (recorded in its work-queue stream), so the credentials do not depend on it."""
+    return [topo.frames_stream, *frames_stream_names(topo.frames_stream, MAX_FRAMES_PARTITIONS)]
+
+
 def permissions(
     role: Role,
     tenant: str | None = None,
@@ -152,6 +164,7 @@ def permissions(
     inbox = f"{inbox_prefix(role, tenant)}.>"
     reply = f"{PREFIX}.reply.>"
     live = f"{LIVE}.>"  # the reply subjects' live twins (workers/inference/relay.py)
+    frames = frames_streams(topo)
     if role is Role.ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if role is Role.SERVICE:
@@ -166,7 +179,7 @@ def permissions(
         return Permissions(
             publish=(
                 *_stream(topo.stream, _READ_STREAM),
-                *_stream(topo.frames_stream, ("INFO",)),
+                *(s for name in frames for s in _stream(name, ("INFO",))),
                 *_consumers(topo.stream, manage=False),
                 *_kv(MEMBERS_BUCKET, own=True),
                 *_marks(CANCELS_BUCKET, watch=True),  # cancels sent before it listened
@@ -187,8 +200,9 @@ def permissions(
             publish=(
                 *_stream(topo.stream, _READ_STREAM),
                 f"$JS.API.STREAM.MSG.DELETE.{topo.stream}",  # cancel a queued model call
-                *_stream(topo.frames_stream, _READ_STREAM),
-                *_consumers(topo.frames_stream, manage=True),  # resume a model call
+                *(s for name in frames for s in _stream(name, _READ_STREAM)),
+                # Resume a model call.
+                *(s for name in frames for s in _consumers(name, manage=True)),
                 *_stream(agent.stream, _OWN_STREAM),
                 *_stream(agent.events_stream, _OWN_STREAM),
                 *_consumers(agent.stream, manage=True),
@@ -214,7 +228,7 @@ def permissions(
         )
     # The gateway: the control plane. It provisions the request-path streams,
     # publishes requests, reads replies and answers services on their inboxes.
-    owned = [topo.stream, topo.frames_stream, topo.dlq_stream, ledger.stream, agent.stream]
+    owned = [topo.stream, *frames, topo.dlq_stream, ledger.stream, agent.stream]
     owned += [agent.events_stream, outbox.stream]
     publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
     publish += [s for name in owned for s in _consumers(name, manage=True)]

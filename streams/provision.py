@@ -63,9 +63,10 @@ async def ensure_routes(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY)
 
 
 async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
-    """``topo`` with the lane counts an existing work-queue stream records: they
-    win over any configured count (a gateway configured otherwise would publish
-    to lanes the workers do not pull), and a difference is logged."""
+    """``topo`` with the lane counts and frames partitions an existing work-queue
+    stream records: they win over any configured count (a gateway configured
+    otherwise would publish to lanes the workers do not pull, or resume from a
+    capture stream its peers' requests are not in), and a difference is logged."""
     try:
         info = await js.stream_info(topo.stream)
     except NotFoundError:
@@ -81,6 +82,14 @@ async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
                 cls.value,
                 topo.lanes_of(cls),
             )
+    if recorded.frames_partitions != topo.frames_partitions:
+        log.warning(
+            "%s records %d frames partitions, not the configured %d: keeping the stream's "
+            "(docs/reliability.md, resuming a stream)",
+            topo.stream,
+            recorded.frames_partitions,
+            topo.frames_partitions,
+        )
     return recorded
 
 
@@ -103,7 +112,8 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     topology as provisioned (an existing stream's lane counts kept)."""
     topo = await recorded_lanes(js, topo)
     await ensure_stream(js, topo.stream_config())
-    await ensure_stream(js, topo.frames_config())
+    for frames in topo.frames_configs():
+        await ensure_stream(js, frames)
     await ensure_stream(js, topo.dlq_config())
     await ensure_routes(js, topo)
     for cls in topo.classes:

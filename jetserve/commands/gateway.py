@@ -29,6 +29,16 @@ log = logging.getLogger(__name__)
 KEY_SECRET_ENV = "JETSERVE_KEY_SECRET"
 
 
+def frames_topology(args: argparse.Namespace) -> Topology:
+    """The topology of ``--replicas`` and ``--frames-partitions``."""
+    from streams.definitions import Topology
+
+    try:
+        return Topology(replicas=args.replicas, frames_partitions=args.frames_partitions)
+    except ValueError as exc:
+        raise SystemExit(f"--frames-partitions: {exc}") from None
+
+
 def lane_topology(topo: Topology, specs: list[str]) -> Topology:
     """``topo`` with ``--lanes`` applied: ``N`` for every lane class, ``CLASS=N`` for one."""
     import dataclasses
@@ -70,6 +80,15 @@ def register(sub: Subparsers) -> None:
         metavar="N|CLASS=N",
         help="prefix-affinity lanes per lane class (default 256), or one class's "
         "(repeatable); recorded in the stream when it is first provisioned, which then wins",
+    )
+    g.add_argument(
+        "--frames-partitions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="capture streams of the reply frames, 1..16: a request's "
+        "by a hash of its id (docs/scale.md); recorded in the stream when it is first "
+        "provisioned, which then wins",
     )
     g.add_argument(
         "--reuse-port",
@@ -323,7 +342,6 @@ def key_secret(args: argparse.Namespace) -> bytes:
 def config(args: argparse.Namespace) -> GatewayConfig:
     from gateway.config import GatewayConfig
     from gateway.tenancy.pricing import PriceBook, parse_price
-    from streams.definitions import Topology
     from streams.routes import CoalescePolicy, RoutingPolicy
     from streams.secrets import read_secret
 
@@ -348,7 +366,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         resume_grace_s=args.resume_grace,
         max_buffered_frames=args.max_buffered_frames,
         otel_exporter=args.otel_exporter,
-        topology=lane_topology(Topology(replicas=args.replicas), args.lanes),
+        topology=lane_topology(frames_topology(args), args.lanes),
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=split_csv(args.metrics_tenants),

@@ -115,7 +115,10 @@ class Executor:
         try:
             js = self._js = nc.jetstream()
             # The inference queue (its model calls, class "agent"): the stream only.
-            await await_topology(js, cfg.topology, consumers=False)
+            # Its frames partitions are the fleet's, whatever this executor's config says.
+            topo = await await_topology(js, cfg.topology, consumers=False)
+            if topo.frames_partitions != cfg.topology.frames_partitions:
+                log.info("frames capture in %d partitions (the fleet's)", topo.frames_partitions)
             store = self._store = await patiently(
                 lambda: RunStore.open(nc, cfg.agent, executor=True)
             )
@@ -126,7 +129,7 @@ class Executor:
                 nc=nc,
                 metrics=ToolMetrics(self.metrics.registry),
             )
-            models = ModelClient(nc, js, cfg.executor_id, cfg.topology, cfg.heartbeat_timeout_s)
+            models = ModelClient(nc, js, cfg.executor_id, topo, cfg.heartbeat_timeout_s)
             self._stepper = Stepper(
                 cfg, store, self.registry, dispatcher, models, self.crash, self.metrics, nc
             )
