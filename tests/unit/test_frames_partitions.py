@@ -60,7 +60,7 @@ def _matches(pattern: str, subject: str) -> bool:
 def test_each_partition_stream_captures_exactly_its_requests() -> None:
     topo = Topology(frames_partitions=4)
     assert topo.frames_streams == tuple(f"JETSERVE_FRAMES_{n}" for n in range(4))
-    filters = [c.subjects for c in topo.frames_configs()]
+    filters = [c.subjects or [] for c in topo.frames_configs()]
     assert [c.name for c in topo.frames_configs()] == list(topo.frames_streams)
     for rid in IDS:
         reply = reply_subject("acme", "gw1", rid, 4)
