@@ -76,6 +76,8 @@ class FleetSpec:
     lanes: int = 32
     # One work-queue stream per class (gateway --class-streams; docs/scale.md).
     class_streams: bool = False
+    # Capture streams of the reply frames (gateway --frames-partitions, docs/scale.md).
+    frames_partitions: int = 1
     # Engines publish vLLM's KV cache events (sim --kv-events-config) and their
     # workers follow them (worker --kv-events): the fleet's KV index is fed; a
     # gateway routes by it with ``--kv-index`` in ``gateway_args``.
@@ -470,6 +472,8 @@ class Fleet:
             "--lanes",
             str(self.spec.lanes),
             *(["--class-streams"] if self.spec.class_streams else []),
+            "--frames-partitions",
+            str(self.spec.frames_partitions),
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from streams.agent_topology import DEFAULT_AGENT, AgentTopology
-from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.definitions import (
+    DEFAULT_TOPOLOGY,
+    MAX_FRAMES_PARTITIONS,
+    Topology,
+    frames_stream_names,
+)
 from streams.evidence import EVIDENCE_BUCKET
 from streams.ids import is_safe_id
 from streams.leases import LEASES_BUCKET
@@ -146,6 +151,13 @@ def _request_streams(topo: Topology) -> tuple[str, ...]:
     return (topo.split(False).stream, *topo.split(True).request_streams)
 
 
+def frames_streams(topo: Topology) -> list[str]:
+    """Every capture stream a fleet of ``topo``'s names may run: the single one
+    and each partition's up to the most there may be. The count is the fleet's
+    (recorded in its work-queue stream), so the credentials do not depend on it."""
+    return [topo.frames_stream, *frames_stream_names(topo.frames_stream, MAX_FRAMES_PARTITIONS)]
+
+
 def permissions(
     role: Role,
     tenant: str | None = None,
@@ -158,6 +170,7 @@ def permissions(
     inbox = f"{inbox_prefix(role, tenant)}.>"
     reply = f"{PREFIX}.reply.>"
     live = f"{LIVE}.>"  # the reply subjects' live twins (workers/inference/relay.py)
+    frames = frames_streams(topo)
     if role is Role.ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if role is Role.SERVICE:
@@ -172,7 +185,7 @@ def permissions(
         return Permissions(
             publish=(
                 *(x for q in _request_streams(topo) for x in _stream(q, _READ_STREAM)),
-                *_stream(topo.frames_stream, ("INFO",)),
+                *(s for name in frames for s in _stream(name, ("INFO",))),
                 *(x for q in _request_streams(topo) for x in _consumers(q, manage=False)),
                 *_kv(MEMBERS_BUCKET, own=True),
                 *_marks(CANCELS_BUCKET, watch=True),  # cancels sent before it listened
@@ -194,8 +207,9 @@ def permissions(
                 *(x for q in _request_streams(topo) for x in _stream(q, _READ_STREAM)),
                 # Cancel a queued model call.
                 *(f"$JS.API.STREAM.MSG.DELETE.{q}" for q in _request_streams(topo)),
-                *_stream(topo.frames_stream, _READ_STREAM),
-                *_consumers(topo.frames_stream, manage=True),  # resume a model call
+                *(s for name in frames for s in _stream(name, _READ_STREAM)),
+                # Resume a model call.
+                *(s for name in frames for s in _consumers(name, manage=True)),
                 *_stream(agent.stream, _OWN_STREAM),
                 *_stream(agent.events_stream, _OWN_STREAM),
                 *_consumers(agent.stream, manage=True),
@@ -221,8 +235,7 @@ def permissions(
         )
     # The gateway: the control plane. It provisions the request-path streams,
     # publishes requests, reads replies and answers services on their inboxes.
-    owned = [*_request_streams(topo), topo.frames_stream, topo.dlq_stream, ledger.stream]
-    owned.append(agent.stream)
+    owned = [*_request_streams(topo), *frames, topo.dlq_stream, ledger.stream, agent.stream]
     owned += [agent.events_stream, outbox.stream]
     publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
     publish += [s for name in owned for s in _consumers(name, manage=True)]

@@ -26,6 +26,8 @@ from streams.subjects import (
     SHARE_CLASSES,
     RequestClass,
     excess_subject,
+    frames_capture_subject,
+    frames_partition,
     lane_subject,
     lane_wildcard,
     request_subject,
@@ -41,6 +43,11 @@ POOL_LANES_METADATA = "jetserve_pool_lanes"
 # Recorded by each stream of a fleet with one work-queue stream per class.
 CLASS_STREAMS_METADATA = "jetserve_class_streams"
 LEGACY_LANES = 16
+# ... and of the frames capture's partition count (absent: one stream, as before).
+FRAMES_PARTITIONS_METADATA = "jetserve_frames_partitions"
+# The most frames partitions: the credentials name every partition stream up to
+# it (streams/auth.py), so they need no knowledge of a fleet's count.
+MAX_FRAMES_PARTITIONS = 16
 
 
 @dataclass(frozen=True)
@@ -74,11 +81,26 @@ class Limits:
 
 @dataclass(frozen=True)
 class FramesLimits:
-    """The short-lived capture of every reply frame, for resumable streams."""
+    """The short-lived capture of every reply frame, for resumable streams.
+    The bounds are each capture stream's: P partitions hold P times the bytes."""
 
     max_age_s: float = 600.0  # how long after a frame a client may still resume
     max_bytes: int = 512 << 20
     max_msg_size: int = 1 << 20
+
+    def window_s(self, bytes_per_request: float, rps: float, partitions: int = 1) -> float:
+        """How long a stream stays resumable at ``rps``: ``max_age_s`` unless the
+        byte bounds of the ``partitions`` streams fill first (oldest out). The
+        hash spreads requests evenly, so P streams hold P times the bytes."""
+        held = self.max_bytes * partitions
+        return min(self.max_age_s, held / max(bytes_per_request * rps, 1e-9))
+
+
+def frames_stream_names(base: str, partitions: int) -> tuple[str, ...]:
+    """The capture streams of ``partitions`` partitions: ``base`` alone for one."""
+    if partitions <= 1:
+        return (base,)
+    return tuple(f"{base}_{n}" for n in range(partitions))
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,27 @@ class Topology:
     def split(self, class_streams: bool) -> Topology:
         return replace(self, class_streams=class_streams)
 
+    # Capture streams of the reply frames (1: ``frames_stream`` alone; P > 1:
+    # ``<frames_stream>_0`` .. ``_P-1``, a request's by a hash of its id, named
+    # in its reply subject: streams/subjects.py). Recorded in the work-queue
+    # stream like the lanes, so every gateway and executor uses the fleet's.
+    frames_partitions: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.frames_partitions <= MAX_FRAMES_PARTITIONS:
+            raise ValueError(
+                f"frames_partitions: 1..{MAX_FRAMES_PARTITIONS}, not {self.frames_partitions}"
+            )
+
+    @property
+    def frames_streams(self) -> tuple[str, ...]:
+        """The capture streams, partition by partition."""
+        return frames_stream_names(self.frames_stream, self.frames_partitions)
+
+    def frames_stream_of(self, request_id: str) -> str:
+        """The capture stream that holds ``request_id``'s frames."""
+        return self.frames_streams[frames_partition(request_id, self.frames_partitions)]
+
     @property
     def lane_classes(self) -> tuple[RequestClass, ...]:
         return tuple(c for c in self.classes if c in LANE_CLASSES and self.lanes_of(c))
@@ -139,22 +182,36 @@ class Topology:
         return dict(self.class_lanes).get(RequestClass(cls), self.lanes)
 
     def lane_metadata(self) -> dict[str, str]:
-        """The lane counts, as the stream records them: every gateway and worker
-        reads them there (:meth:`with_stream_lanes`), so none can disagree."""
+        """The lane counts and the frames partitions, as the stream records them:
+        every gateway, worker and executor reads them there
+        (:meth:`with_stream_lanes`), so none can disagree."""
         counts = {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
         split = {CLASS_STREAMS_METADATA: "1"} if self.class_streams else {}
-        return {**counts, POOL_LANES_METADATA: str(self.pool_lanes), **split}
+        return {
+            **counts,
+            POOL_LANES_METADATA: str(self.pool_lanes),
+            FRAMES_PARTITIONS_METADATA: str(self.frames_partitions),
+            **split,
+        }
 
     def with_stream_lanes(self, metadata: dict[str, str] | None) -> Topology:
-        """This topology with the lane counts the stream records (a stream
-        provisioned before lanes were recorded had 16)."""
+        """This topology with the lane counts and frames partitions the stream
+        records (a stream provisioned before lanes were recorded had 16; before
+        partitions were, one capture stream)."""
         found = metadata or {}
         counts = tuple(
             (c, int(found.get(f"{LANE_METADATA}{c.value}", LEGACY_LANES))) for c in LANE_CLASSES
         )
         pool_lanes = int(found.get(POOL_LANES_METADATA, self.pool_lanes))
+        partitions = int(found.get(FRAMES_PARTITIONS_METADATA, 1))
         split = found.get(CLASS_STREAMS_METADATA) == "1"
-        return replace(self, class_lanes=counts, pool_lanes=pool_lanes, class_streams=split)
+        return replace(
+            self,
+            class_lanes=counts,
+            pool_lanes=pool_lanes,
+            frames_partitions=partitions,
+            class_streams=split,
+        )
 
     @property
     def excess_classes(self) -> tuple[RequestClass, ...]:
@@ -199,13 +256,17 @@ class Topology:
             metadata=self.lane_metadata(),
         )
 
-    def frames_config(self) -> StreamConfig:
+    def frames_configs(self) -> list[StreamConfig]:
+        """Every capture stream, partition by partition."""
+        return [self.frames_config(n) for n in range(self.frames_partitions)]
+
+    def frames_config(self, partition: int = 0) -> StreamConfig:
         lim = self.frames
         # Memory storage: frames are hot and short-lived; losing them on a server
         # restart only loses the ability to resume, never accepted work.
         return StreamConfig(
-            name=self.frames_stream,
-            subjects=[f"{PREFIX}.reply.>"],
+            name=self.frames_streams[partition],
+            subjects=[frames_capture_subject(partition, self.frames_partitions)],
             retention=RetentionPolicy.LIMITS,
             discard=DiscardPolicy.OLD,
             storage=StorageType.MEMORY,

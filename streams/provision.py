@@ -74,9 +74,10 @@ async def recorded_stream(js: JetStreamContext, topo: Topology) -> Any:
 
 
 async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
-    """``topo`` with the lane counts and stream layout an existing work-queue
-    stream records: they win over any configured (a gateway configured otherwise
-    would publish to lanes the workers do not pull), and a difference is logged."""
+    """``topo`` with the lane counts, frames partitions and stream layout an
+    existing work-queue stream records: they win over any configured (a gateway
+    configured otherwise would publish to lanes the workers do not pull, or resume
+    from a capture stream its peers' requests are not in), and a difference is logged."""
     try:
         info = await recorded_stream(js, topo)
     except NotFoundError:
@@ -97,6 +98,14 @@ async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
             "the fleet has %s, not what this process was configured with: keeping the "
             "fleet's (docs/scale.md, several request streams)",
             "a work-queue stream per class" if recorded.class_streams else "one work-queue stream",
+        )
+    if recorded.frames_partitions != topo.frames_partitions:
+        log.warning(
+            "%s records %d frames partitions, not the configured %d: keeping the stream's "
+            "(docs/reliability.md, resuming a stream)",
+            info.config.name,
+            recorded.frames_partitions,
+            topo.frames_partitions,
         )
     return recorded
 
@@ -121,7 +130,8 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     topo = await recorded_lanes(js, topo)
     for name in topo.request_streams:
         await ensure_stream(js, topo.stream_config(name))
-    await ensure_stream(js, topo.frames_config())
+    for frames in topo.frames_configs():
+        await ensure_stream(js, frames)
     await ensure_stream(js, topo.dlq_config())
     await ensure_routes(js, topo)
     for cls in topo.classes:

@@ -6,6 +6,7 @@ the NATS-native ingress have their own (core NATS) subject spaces.
 
 from __future__ import annotations
 
+import zlib
 from enum import StrEnum
 
 PREFIX = "jetserve"
@@ -24,15 +25,51 @@ def request_subject(cls: RequestClass | str) -> str:
     return f"{PREFIX}.req.{RequestClass(cls).value}"
 
 
-def reply_subject(tenant: str, gateway_id: str, request_id: str) -> str:
+# The frames capture may be split into several streams (``Topology.frames_partitions``),
+# each capturing one partition. The partition of a request is a stable hash of its
+# id, computed by whoever builds its reply subject (a gateway, an agent executor)
+# and carried there as a token right after the tenant's, so a tenant-scoped filter
+# (``jetserve.reply.<tenant>.>``) stays tenant-scoped, workers need not know the
+# count, and each stream selects its token without overlapping another. One
+# partition (the default) keeps the subject without the token, as fleets before.
+
+
+def frames_partition(request_id: str, partitions: int) -> int:
+    """The frames partition of a request: crc32 of its id, the same in every process."""
+    return zlib.crc32(request_id.encode()) % partitions if partitions > 1 else 0
+
+
+def partition_token(partition: int) -> str:
+    return f"p{partition}"
+
+
+def _scope(tenant: str, request_id: str, partitions: int) -> str:
+    """``<tenant>`` or ``<tenant>.p<N>``: the head of one request's reply subject."""
+    if partitions <= 1:
+        return tenant
+    return f"{tenant}.{partition_token(frames_partition(request_id, partitions))}"
+
+
+def _any_scope(partitions: int) -> str:
+    return "*" if partitions <= 1 else "*.*"
+
+
+def reply_subject(tenant: str, gateway_id: str, request_id: str, partitions: int = 1) -> str:
     """Where a worker sends frames for one request. The frames stream captures them
     for resumption; the tenant token makes a resume tenant-scoped by construction."""
-    return f"{PREFIX}.reply.{tenant}.{gateway_id}.{request_id}"
+    return f"{PREFIX}.reply.{_scope(tenant, request_id, partitions)}.{gateway_id}.{request_id}"
 
 
-def reply_wildcard(gateway_id: str) -> str:
+def reply_wildcard(gateway_id: str, partitions: int = 1) -> str:
     """One gateway's subscription for all its requests' frames."""
-    return f"{PREFIX}.reply.*.{gateway_id}.*"
+    return f"{PREFIX}.reply.{_any_scope(partitions)}.{gateway_id}.*"
+
+
+def frames_capture_subject(partition: int, partitions: int) -> str:
+    """What the capture stream of ``partition`` stores."""
+    if partitions <= 1:
+        return f"{PREFIX}.reply.>"
+    return f"{PREFIX}.reply.*.{partition_token(partition)}.*.*"
 
 
 # Token frames and heartbeats go live on a twin of the reply subject that the
@@ -47,17 +84,17 @@ def live_subject(reply: str) -> str:
     return LIVE + "." + reply[len(head) :] if reply.startswith(head) else reply
 
 
-def live_wildcard(gateway_id: str) -> str:
-    return f"{LIVE}.*.{gateway_id}.*"
+def live_wildcard(gateway_id: str, partitions: int = 1) -> str:
+    return f"{LIVE}.{_any_scope(partitions)}.{gateway_id}.*"
 
 
-def live_filter(tenant: str, request_id: str) -> str:
-    return f"{LIVE}.{tenant}.*.{request_id}"
+def live_filter(tenant: str, request_id: str, partitions: int = 1) -> str:
+    return f"{LIVE}.{_scope(tenant, request_id, partitions)}.*.{request_id}"
 
 
-def frames_filter(tenant: str, request_id: str) -> str:
+def frames_filter(tenant: str, request_id: str, partitions: int = 1) -> str:
     """One request's captured frames, whichever gateway accepted it."""
-    return f"{PREFIX}.reply.{tenant}.*.{request_id}"
+    return f"{PREFIX}.reply.{_scope(tenant, request_id, partitions)}.*.{request_id}"
 
 
 # The fleet-wide KV index (streams/kv_index.py): workers publish what their

@@ -138,11 +138,13 @@ class Dispatcher:
         self.cancelled_while_queueing = 0
 
     def reply_for(self, tenant: str, request_id: str) -> str:
-        return reply_subject(tenant, self.gateway_id, request_id)
+        return reply_subject(tenant, self.gateway_id, request_id, self.topology.frames_partitions)
 
     async def start(self) -> None:
         # Live frames only: the reply subject itself is the capture's (batched).
-        self._sub = await self._nc.subscribe(live_wildcard(self.gateway_id), cb=self._on_frame)
+        self._sub = await self._nc.subscribe(
+            live_wildcard(self.gateway_id, self.topology.frames_partitions), cb=self._on_frame
+        )
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -299,7 +301,8 @@ class Dispatcher:
         tenant and id (unknown, expired, or another tenant's). ``follower``: for
         coalescing across replicas, a :class:`FollowedStream`, and no resume announced
         (the request's own client is still there)."""
-        subject = frames_filter(tenant, request_id)
+        partitions = self.topology.frames_partitions
+        subject = frames_filter(tenant, request_id, partitions)
         queue = FrameBuffer(self.max_buffered)
         # The capture (batched, from its head frame) and the live frames (tokens
         # at engine speed, heartbeats), merged in order, each frame once.
@@ -309,7 +312,7 @@ class Dispatcher:
             self._enqueue(merged, msg, request_id)
 
         try:
-            head = await self._capture_head(subject)
+            head = await self._capture_head(self.topology.frames_stream_of(request_id), subject)
             if head is None:
                 return None
             if not isinstance(head, Meta):
@@ -319,7 +322,7 @@ class Dispatcher:
                     f"The stream '{request_id}' is past the resume window: the start of "
                     "its capture is no longer held."
                 )
-            live = await self._nc.subscribe(live_filter(tenant, request_id), cb=on_msg)
+            live = await self._nc.subscribe(live_filter(tenant, request_id, partitions), cb=on_msg)
             sub = await self.client.follow(tenant, request_id, on_msg)
         except (nats.errors.Error, TimeoutError, APIError) as exc:
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
@@ -342,13 +345,11 @@ class Dispatcher:
                 await self._nc.publish(resumed_subject(request_id), b"")
         return stream
 
-    async def _capture_head(self, subject: str) -> Frame | Tokens | None:
+    async def _capture_head(self, stream: str, subject: str) -> Frame | Tokens | None:
         """The first captured message of one request (None: nothing captured,
         or not decodable)."""
         try:
-            head = await self._js.get_msg(
-                self.topology.frames_stream, seq=1, subject=subject, next=True
-            )
+            head = await self._js.get_msg(stream, seq=1, subject=subject, next=True)
         except NotFoundError:
             return None
         try:

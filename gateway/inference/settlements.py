@@ -235,7 +235,9 @@ class Settlements:
 
     async def orphan(self, tenant: str, request_id: str) -> Settlement | None:
         """What the frames capture shows of a request nobody settled."""
-        stream, subject = self._topology.frames_stream, frames_filter(tenant, request_id)
+        topo = self._topology
+        stream = topo.frames_stream_of(request_id)
+        subject = frames_filter(tenant, request_id, topo.frames_partitions)
         try:
             head = await self._js.get_msg(stream, seq=1, subject=subject, next=True)
             last = await self._js.get_msg(stream, subject=subject)

@@ -29,6 +29,20 @@ log = logging.getLogger(__name__)
 KEY_SECRET_ENV = "JETSERVE_KEY_SECRET"
 
 
+def frames_topology(args: argparse.Namespace) -> Topology:
+    """The topology of ``--replicas``, ``--frames-partitions`` and ``--class-streams``."""
+    from streams.definitions import Topology
+
+    try:
+        return Topology(
+            replicas=args.replicas,
+            frames_partitions=args.frames_partitions,
+            class_streams=args.class_streams,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--frames-partitions: {exc}") from None
+
+
 def lane_topology(topo: Topology, specs: list[str]) -> Topology:
     """``topo`` with ``--lanes`` applied: ``N`` for every lane class, ``CLASS=N`` for one."""
     import dataclasses
@@ -77,6 +91,15 @@ def register(sub: Subparsers) -> None:
         help="one work-queue stream per request class (JETSERVE_REQ_<CLASS>), each with its "
         "own leader, instead of one for all (docs/scale.md); recorded when the streams are "
         "first provisioned, which then wins; workers and executors follow it",
+    )
+    g.add_argument(
+        "--frames-partitions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="capture streams of the reply frames, 1..16: a request's "
+        "by a hash of its id (docs/scale.md); recorded in the stream when it is first "
+        "provisioned, which then wins",
     )
     g.add_argument(
         "--reuse-port",
@@ -330,7 +353,6 @@ def key_secret(args: argparse.Namespace) -> bytes:
 def config(args: argparse.Namespace) -> GatewayConfig:
     from gateway.config import GatewayConfig
     from gateway.tenancy.pricing import PriceBook, parse_price
-    from streams.definitions import Topology
     from streams.routes import CoalescePolicy, RoutingPolicy
     from streams.secrets import read_secret
 
@@ -355,9 +377,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         resume_grace_s=args.resume_grace,
         max_buffered_frames=args.max_buffered_frames,
         otel_exporter=args.otel_exporter,
-        topology=lane_topology(
-            Topology(replicas=args.replicas, class_streams=args.class_streams), args.lanes
-        ),
+        topology=lane_topology(frames_topology(args), args.lanes),
         prices=PriceBook(args.price_version, dict(parse_price(p) for p in args.price)),
         admin_host=args.admin_host,
         metrics_tenants=split_csv(args.metrics_tenants),

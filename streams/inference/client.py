@@ -137,8 +137,8 @@ class InferenceClient:
         """An ordered consumer on one request's captured frames, from the start.
         Raises the bus's own errors (nats.errors.Error, TimeoutError, APIError)."""
         return await self._js.subscribe(
-            frames_filter(tenant, request_id),
-            stream=self.topology.frames_stream,
+            frames_filter(tenant, request_id, self.topology.frames_partitions),
+            stream=self.topology.frames_stream_of(request_id),
             cb=cb,
             ordered_consumer=True,
         )

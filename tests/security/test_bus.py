@@ -113,6 +113,9 @@ FORBIDDEN = [
     (Role.SERVICE, "subscription", "jetserve.run.acme.>"),
     (Role.SERVICE, "subscription", "jetserve.api.>"),
     (Role.SERVICE, "publish", f"$JS.API.CONSUMER.CREATE.{TOPO.frames_stream}"),
+    # ... nor a partition of the capture (docs/scale.md: a fleet may run several).
+    (Role.SERVICE, "subscription", "jetserve.reply.acme.p1.*.*"),
+    (Role.SERVICE, "publish", f"$JS.API.CONSUMER.CREATE.{TOPO.frames_stream}_1"),
     (Role.SERVICE, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
     (Role.SERVICE, "publish", f"$KV.{ROUTES_BUCKET}.sim-8b"),
     # A worker: the routes bucket, the NATS-native API, other streams and consumers.

@@ -116,8 +116,11 @@ class Executor:
         try:
             js = self._js = nc.jetstream()
             # The inference queue (its model calls, class "agent"): the stream only.
+            # Its layout and frames partitions are the fleet's, whatever its config says.
             topo = await await_topology(js, cfg.topology, consumers=False)
-            self.cfg = cfg = dataclasses.replace(cfg, topology=topo)  # the fleet's layout
+            if topo.frames_partitions != cfg.topology.frames_partitions:
+                log.info("frames capture in %d partitions (the fleet's)", topo.frames_partitions)
+            self.cfg = cfg = dataclasses.replace(cfg, topology=topo)
             store = self._store = await patiently(
                 lambda: RunStore.open(nc, cfg.agent, executor=True)
             )
@@ -128,7 +131,7 @@ class Executor:
                 nc=nc,
                 metrics=ToolMetrics(self.metrics.registry),
             )
-            models = ModelClient(nc, js, cfg.executor_id, cfg.topology, cfg.heartbeat_timeout_s)
+            models = ModelClient(nc, js, cfg.executor_id, topo, cfg.heartbeat_timeout_s)
             self._stepper = Stepper(
                 cfg, store, self.registry, dispatcher, models, self.crash, self.metrics, nc
             )

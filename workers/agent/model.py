@@ -2,7 +2,8 @@
 other request (class ``agent``): an :class:`InferenceRequest` on
 ``jetserve.req.agent``, frames back on a reply subject.
 
-The frames are read from the frames capture (``JETSERVE_FRAMES``, an ordered
+The frames are read from the frames capture (``JETSERVE_FRAMES``, or the
+partition stream of the request id: streams/subjects.py; an ordered
 consumer from the start), not from a live subscription: an executor that takes
 over a step whose owner died mid-call re-publishes the same request id (the
 work queue's ``Nats-Msg-Id`` dedupe makes that a no-op when the first publish
@@ -76,6 +77,7 @@ class ModelClient:
     ) -> None:
         self._nc = nc
         self._client = InferenceClient(nc, js, topology)
+        self._partitions = topology.frames_partitions
         self._id = executor_id
         self._heartbeat_timeout = heartbeat_timeout_s
 
@@ -86,7 +88,7 @@ class ModelClient:
             cls=RequestClass.AGENT.value,
             model=run.model,
             body=body,
-            reply=reply_subject(run.tenant, self._id, call.request_id),
+            reply=reply_subject(run.tenant, self._id, call.request_id, self._partitions),
             deadline=run.deadline,
             tenant=run.tenant,
             key_id=run.key_id,
@@ -112,7 +114,9 @@ class ModelClient:
 
         # Live and from the capture: either alone can lose every frame of a
         # short answer while a NATS node dies (streams.inference.frames.InOrder).
-        live = await self._nc.subscribe(live_filter(run.tenant, call.request_id), cb=on_frame)
+        live = await self._nc.subscribe(
+            live_filter(run.tenant, call.request_id, self._partitions), cb=on_frame
+        )
         try:
             sub = await self._client.follow(run.tenant, call.request_id, on_frame)
         except BaseException:

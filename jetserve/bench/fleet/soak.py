@@ -16,7 +16,8 @@ answers two questions:
 It also reports the frames capture (``JETSERVE_FRAMES``, workers/inference/
 relay.py): its bytes and messages per request at the end of the run, and the
 resume window they give at the run's rate and at 10x and 100x it (the capture
-keeps 10 minutes within 512 MB: the window is the shorter of the two).
+keeps 10 minutes within 512 MB a partition stream: the window is the shorter of
+the two).
 """
 
 from __future__ import annotations
@@ -181,25 +182,29 @@ def _flatness(samples: list[dict[str, Any]], duration: float) -> dict[str, Any]:
 
 
 def resume_window(
-    captured_bytes: int, captured_messages: int, requests: int, rate: float
+    captured_bytes: int, captured_messages: int, requests: int, rate: float, partitions: int = 1
 ) -> dict[str, Any]:
     """The frames capture per request, and the window it gives at a rate: the
-    capture keeps ``max_age`` unless ``max_bytes`` fills first (oldest out)."""
+    capture keeps ``max_age`` unless ``max_bytes`` (per partition stream) fills
+    first (oldest out)."""
     limits = DEFAULT_TOPOLOGY.frames
     per = captured_bytes / max(requests, 1)
 
     def window(rps: float) -> float:
-        return round(min(limits.max_age_s, limits.max_bytes / max(per * rps, 1e-9)), 1)
+        return round(limits.window_s(per, rps, partitions), 1)
 
     return {
         "requests": requests,
         "bytes_per_request": round(per),
         "messages_per_request": round(captured_messages / max(requests, 1), 2),
         "max_bytes": limits.max_bytes,
+        "partitions": partitions,
         "max_age_s": limits.max_age_s,
         "window_s": {f"{m * rate:g} req/s": window(m * rate) for m in (1, 10, 100)},
         # The rate at which the bytes bound, not the age, starts to decide.
-        "full_age_up_to_rps": round(limits.max_bytes / max(per * limits.max_age_s, 1e-9), 1),
+        "full_age_up_to_rps": round(
+            limits.max_bytes * partitions / max(per * limits.max_age_s, 1e-9), 1
+        ),
     }
 
 
@@ -218,9 +223,13 @@ async def _bus_counts(fleet: Fleet) -> dict[str, Any]:
         ]
     nc = await fleet.connect()
     try:
-        info = await nc.jetstream().stream_info("JETSERVE_DLQ")
+        js = nc.jetstream()
+        info = await js.stream_info("JETSERVE_DLQ")
         dead = info.state.messages
-        frames = await nc.jetstream().stream_info(DEFAULT_TOPOLOGY.frames_stream)
+        # Every capture stream, as many as the fleet records (docs/scale.md).
+        req = await js.stream_info(DEFAULT_TOPOLOGY.stream)
+        topo = DEFAULT_TOPOLOGY.with_stream_lanes(req.config.metadata)
+        frames = [(await js.stream_info(name)).state for name in topo.frames_streams]
     finally:
         await nc.close()
     lane: Counter[str] = Counter()
@@ -233,8 +242,9 @@ async def _bus_counts(fleet: Fleet) -> dict[str, Any]:
     return {
         "max_deliveries_exceeded": int(rejected.get('{reason="max_deliveries_exceeded"}', 0)),
         "dead_letters": dead,
-        "capture_bytes": frames.state.bytes,
-        "capture_messages": frames.state.messages,
+        "capture_partitions": len(frames),
+        "capture_bytes": sum(s.bytes for s in frames),
+        "capture_messages": sum(s.messages for s in frames),
         "acks_unconfirmed": int(unconfirmed),
         "lane_events": dict(lane),
     }
@@ -269,7 +279,11 @@ async def soak(rate: float, duration: float, seed: int) -> dict[str, Any]:
             s.outcome = "failed"
     done = [s for s in shots if s.outcome != "cancelled"]
     capture = resume_window(
-        counts.pop("capture_bytes"), counts.pop("capture_messages"), len(shots), rate
+        counts.pop("capture_bytes"),
+        counts.pop("capture_messages"),
+        len(shots),
+        rate,
+        counts.pop("capture_partitions"),
     )
     row = summarize("soak", done, duration, cancelled=len(shots) - len(done), **counts)
     return {
