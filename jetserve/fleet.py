@@ -76,6 +76,7 @@ class FleetSpec:
     lanes: int = 32
     # One work-queue stream per class (gateway --class-streams; docs/scale.md).
     class_streams: bool = False
+    lane_shards: int = 1  # gateway --lane-shards (with class_streams)
     # Capture streams of the reply frames (gateway --frames-partitions, docs/scale.md).
     frames_partitions: int = 1
     # Engines publish vLLM's KV cache events (sim --kv-events-config) and their
@@ -472,6 +473,8 @@ class Fleet:
             "--lanes",
             str(self.spec.lanes),
             *(["--class-streams"] if self.spec.class_streams else []),
+            "--lane-shards",
+            str(self.spec.lane_shards),
             "--frames-partitions",
             str(self.spec.frames_partitions),
             *self._replica_args,
@@ -605,7 +608,7 @@ class Fleet:
 
     def wait_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until n pull requests wait on the interactive consumer: workers are live."""
-        topo = DEFAULT_TOPOLOGY.split(self.spec.class_streams)
+        topo = DEFAULT_TOPOLOGY.split(self.spec.class_streams, self.spec.lane_shards)
         consumer = topo.consumer_name(RequestClass.INTERACTIVE)
         stream = topo.stream_of(RequestClass.INTERACTIVE)
         probe = pulling(self.nats_url, stream, consumer, n, timeout, self.bus_auth())

@@ -25,6 +25,7 @@ from streams.agent_topology import DEFAULT_AGENT, AgentTopology
 from streams.definitions import (
     DEFAULT_TOPOLOGY,
     MAX_FRAMES_PARTITIONS,
+    MAX_LANE_SHARDS,
     Topology,
     frames_stream_names,
 )
@@ -146,9 +147,10 @@ def _marks(bucket: str, *, write: bool = False, watch: bool = False) -> list[str
 
 
 def _request_streams(topo: Topology) -> tuple[str, ...]:
-    """The work-queue streams of either layout (one stream, or one per class):
-    credentials are made before a gateway picks the layout."""
-    return (topo.split(False).stream, *topo.split(True).request_streams)
+    """The work-queue streams of any layout (one stream, one per class, and
+    every lane shard there may be): credentials are made before a gateway picks."""
+    split = topo.split(True, MAX_LANE_SHARDS)
+    return (topo.split(False).stream, *split.request_streams)
 
 
 def frames_streams(topo: Topology) -> list[str]:

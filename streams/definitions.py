@@ -30,6 +30,7 @@ from streams.subjects import (
     frames_partition,
     lane_subject,
     lane_wildcard,
+    pool_lane_subject,
     request_subject,
 )
 
@@ -42,6 +43,8 @@ LANE_METADATA = "jetserve_lanes_"
 POOL_LANES_METADATA = "jetserve_pool_lanes"
 # Recorded by each stream of a fleet with one work-queue stream per class.
 CLASS_STREAMS_METADATA = "jetserve_class_streams"
+LANE_SHARDS_METADATA = "jetserve_lane_shards"
+MAX_LANE_SHARDS = 8
 LEGACY_LANES = 16
 # ... and of the frames capture's partition count (absent: one stream, as before).
 FRAMES_PARTITIONS_METADATA = "jetserve_frames_partitions"
@@ -127,28 +130,46 @@ class Topology:
     # its own leader and its own write rate, instead of ``stream`` for all:
     # one stream holds ~8k msgs/s (docs/scale.md, "several request streams").
     class_streams: bool = False
+    # With ``class_streams``: each lane class's stream split in this many by
+    # lane (lane ``n`` in shard ``n % lane_shards``; shard 0 also holds the
+    # plain, excess and pool subjects), so one busy class is not one stream's
+    # write rate either (docs/scale.md: interactive by hash of the lane).
+    lane_shards: int = 1
 
     def stream_of(self, cls: RequestClass | str) -> str:
-        """The work-queue stream that holds ``cls``'s requests (every subject
-        of the class: plain, lanes, excess and pools)."""
+        """The work-queue stream that holds ``cls``'s plain, excess and pool
+        subjects (with one shard: every subject of the class)."""
         if not self.class_streams:
             return self.stream
         return f"{self.stream}_{RequestClass(cls).value.upper()}"
 
+    def shards_of(self, cls: RequestClass | str) -> int:
+        if self.class_streams and RequestClass(cls) in self.lane_classes:
+            return self.lane_shards
+        return 1
+
+    def stream_of_lane(self, cls: RequestClass | str, lane: int) -> str:
+        """The stream of lane ``lane`` of ``cls`` (a shared or a pool's lane)."""
+        shard = lane % self.shards_of(cls)
+        return self.stream_of(cls) if shard == 0 else f"{self.stream_of(cls)}_{shard}"
+
     @property
     def request_streams(self) -> tuple[str, ...]:
-        """Every work-queue stream (one, or one per class)."""
-        return tuple(dict.fromkeys(self.stream_of(c) for c in self.classes))
+        """Every work-queue stream (one, one per class, or per class and shard)."""
+        names = (self.stream_of_lane(c, k) for c in self.classes for k in range(self.shards_of(c)))
+        return tuple(dict.fromkeys(names))
 
     def stream_of_consumer(self, name: str) -> str:
         """The stream of a work-queue consumer, by its name."""
-        cls, _ = self.consumer_class(name)
+        cls, lane = self.consumer_class(name)
         if cls is None:
             raise ValueError(f"not a work-queue consumer: {name!r}")
+        if lane:
+            return self.stream_of_lane(cls, int(name.rsplit("-l", 1)[1]))
         return self.stream_of(cls)
 
-    def split(self, class_streams: bool) -> Topology:
-        return replace(self, class_streams=class_streams)
+    def split(self, class_streams: bool, lane_shards: int = 1) -> Topology:
+        return replace(self, class_streams=class_streams, lane_shards=lane_shards)
 
     # Capture streams of the reply frames (1: ``frames_stream`` alone; P > 1:
     # ``<frames_stream>_0`` .. ``_P-1``, a request's by a hash of its id, named
@@ -157,6 +178,10 @@ class Topology:
     frames_partitions: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.lane_shards <= MAX_LANE_SHARDS:
+            raise ValueError(f"lane_shards: 1..{MAX_LANE_SHARDS}, not {self.lane_shards}")
+        if self.lane_shards > 1 and not self.class_streams:
+            raise ValueError("lane shards split class streams: they need class_streams")
         if not 1 <= self.frames_partitions <= MAX_FRAMES_PARTITIONS:
             raise ValueError(
                 f"frames_partitions: 1..{MAX_FRAMES_PARTITIONS}, not {self.frames_partitions}"
@@ -187,6 +212,8 @@ class Topology:
         (:meth:`with_stream_lanes`), so none can disagree."""
         counts = {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
         split = {CLASS_STREAMS_METADATA: "1"} if self.class_streams else {}
+        if self.lane_shards > 1:
+            split[LANE_SHARDS_METADATA] = str(self.lane_shards)
         return {
             **counts,
             POOL_LANES_METADATA: str(self.pool_lanes),
@@ -211,6 +238,7 @@ class Topology:
             pool_lanes=pool_lanes,
             frames_partitions=partitions,
             class_streams=split,
+            lane_shards=int(found.get(LANE_SHARDS_METADATA, 1)) if split else 1,
         )
 
     @property
@@ -221,23 +249,28 @@ class Topology:
         """The config of work-queue stream ``name`` (default: the one stream,
         or the first class's)."""
         name = name or self.request_streams[0]
-        classes = [c for c in self.classes if self.stream_of(c) == name]
-        if not classes:
-            raise ValueError(f"not a work-queue stream of this topology: {name!r}")
-        lim = self.limits
-        subjects = [request_subject(c) for c in classes]
-        subjects += [lane_wildcard(c) for c in classes if c in self.lane_classes]
-        subjects += [
-            excess_subject(c)
-            for c in classes
-            if c in self.excess_classes and c not in self.lane_classes
+        shards = [
+            (c, k)
+            for c in self.classes
+            for k in range(self.shards_of(c))
+            if self.stream_of_lane(c, k) == name
         ]
+        if not shards:
+            raise ValueError(f"not a work-queue stream of this topology: {name!r}")
         if self.class_streams:
-            # Deployment pools (streams/pools.py), this class's subjects of each.
-            (cls,) = classes
-            subjects += [f"{POOL_SPACE}.*.{cls.value}", f"{POOL_SPACE}.*.{cls.value}.*"]
+            ((cls, shard),) = shards
+            subjects = self._class_subjects(cls, shard)
         else:
-            subjects.append(f"{POOL_SPACE}.>")
+            classes = [c for c, _ in shards]
+            subjects = [request_subject(c) for c in classes]
+            subjects += [lane_wildcard(c) for c in classes if c in self.lane_classes]
+            subjects += [
+                excess_subject(c)
+                for c in classes
+                if c in self.excess_classes and c not in self.lane_classes
+            ]
+            subjects.append(f"{POOL_SPACE}.>")  # deployment pools (streams/pools.py)
+        lim = self.limits
         return StreamConfig(
             name=name,
             # Exactly the served class subjects: a publish to anything else fails
@@ -255,6 +288,23 @@ class Topology:
             num_replicas=self.replicas,
             metadata=self.lane_metadata(),
         )
+
+    def _class_subjects(self, cls: RequestClass, shard: int) -> list[str]:
+        """Shard ``shard`` of ``cls``'s stream: its lanes (shared and every
+        pool's), and in shard 0 the plain, excess and pool subjects."""
+        n = self.shards_of(cls)
+        if n == 1:
+            out = [request_subject(cls), f"{POOL_SPACE}.*.{cls.value}"]
+            if cls in self.lane_classes:
+                out.append(lane_wildcard(cls))  # its lanes and its excess
+            elif cls in self.excess_classes:
+                out.append(excess_subject(cls))
+            return [*out, f"{POOL_SPACE}.*.{cls.value}.*"]
+        out = [request_subject(cls), excess_subject(cls)] if shard == 0 else []
+        out += [f"{POOL_SPACE}.*.{cls.value}"] if shard == 0 else []
+        out += [lane_subject(cls, n_) for n_ in range(shard, self.lanes_of(cls), n)]
+        out += [pool_lane_subject("*", cls, n_) for n_ in range(shard, self.pool_lanes, n)]
+        return out
 
     def frames_configs(self) -> list[StreamConfig]:
         """Every capture stream, partition by partition."""

@@ -141,11 +141,16 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
         await js.add_consumer(topo.stream_of(cls), topo.consumer_config(cls, excess=True))
     # Hundreds of lane consumers: create only those missing or changed, a few
     # requests at a time.
-    for cls in topo.lane_classes:
-        stream = topo.stream_of(cls)
-        have = {i.name: i for i in await consumer_infos(js, stream)}
-        wants = [topo.lane_consumer_config(cls, lane) for lane in range(topo.lanes_of(cls))]
-        await _create_missing(js, stream, wants, have)
+    wants = [
+        topo.lane_consumer_config(cls, lane)
+        for cls in topo.lane_classes
+        for lane in range(topo.lanes_of(cls))
+    ]
+    for stream in topo.request_streams:
+        mine = [w for w in wants if topo.stream_of_consumer(w["durable_name"]) == stream]
+        if mine:
+            have = {i.name: i for i in await consumer_infos(js, stream)}
+            await _create_missing(js, stream, mine, have)
     return topo
 
 
@@ -218,14 +223,10 @@ async def await_topology(
             if not consumers:
                 return found
             missing = set()
+            names = {n for cls in found.classes for n in found.consumer_names(cls)}
             for stream in found.request_streams:
-                names = {
-                    n
-                    for cls in found.classes
-                    if found.stream_of(cls) == stream
-                    for n in found.consumer_names(cls)
-                }
-                missing |= names - {i.name for i in await consumer_infos(js, stream)}
+                mine = {n for n in names if found.stream_of_consumer(n) == stream}
+                missing |= mine - {i.name for i in await consumer_infos(js, stream)}
             if not missing:
                 return found
             raise NotFoundError(description=f"{len(missing)} consumers, e.g. {min(missing)}")

@@ -52,7 +52,7 @@ from streams.errors import (
     RequestTooLargeError,
     StreamInterruptedError,
 )
-from streams.inference.client import InferenceClient
+from streams.inference.client import InferenceClient, QueuedAt
 from streams.inference.frames import (
     MAX_BUFFERED_FRAMES,
     Event,
@@ -222,7 +222,9 @@ class Dispatcher:
         except PublishError as exc:
             self._queues.pop(req.id, None)
             raise publish_failure(exc) from exc
-        stream = FrameStream(self, req, queue, duplicate=bool(ack.duplicate), seq=ack.seq)
+        stream = FrameStream(
+            self, req, queue, duplicate=bool(ack.duplicate), queued=(ack.stream, ack.seq)
+        )
         if hedge is not None and not stream.duplicate:
             self.hedger.admit(req.cls, hedge)
             delay = self.hedger.delay(req.cls, hedge)
@@ -278,7 +280,7 @@ class Dispatcher:
         except PublishError:
             self.on_hedge(req.cls, "failed")
             return  # the original still runs: a hedge is an extra, never a must
-        stream.hedge_seq = ack.seq
+        stream.hedge_queued = (ack.stream, ack.seq)
         stream.copies = 2
         self.on_hedge(req.cls, "sent")
 
@@ -358,14 +360,9 @@ class Dispatcher:
             return None
 
     async def cancel(
-        self,
-        request_id: str,
-        reason: str,
-        *seqs: int | None,
-        keep_attempt: int = 0,
-        cls: str | None = None,
+        self, request_id: str, reason: str, *queued: QueuedAt | None, keep_attempt: int = 0
     ) -> None:
-        await self.client.cancel(request_id, reason, *seqs, keep_attempt=keep_attempt, cls=cls)
+        await self.client.cancel(request_id, reason, *queued, keep_attempt=keep_attempt)
 
 
 async def _unsubscribe(subs: tuple[Subscription, ...]) -> None:
@@ -403,7 +400,7 @@ class FrameStream(FrameReader):
         queue: FrameBuffer,
         *,
         duplicate: bool,
-        seq: int | None = None,
+        queued: QueuedAt | None = None,
         meta: Meta | None = None,
         subs: tuple[Subscription, ...] = (),
     ) -> None:
@@ -411,14 +408,14 @@ class FrameStream(FrameReader):
         self._d = dispatcher
         self.meta = meta
         self._subs = subs  # a resumed stream's own subscriptions
-        self.stream_seq = seq  # the request message's sequence in the work queue
+        self.queued = queued  # the request message's stream and sequence in the work queue
         self.req = req
         self.duplicate = duplicate
         self.submitted_at = time.monotonic()
         # Hedging: the timer that may send a second copy, and that copy's queue
         # sequence (``copies``, counted by FrameReader, is how many may answer).
         self.hedge_task: asyncio.Task[None] | None = None
-        self.hedge_seq: int | None = None
+        self.hedge_queued: QueuedAt | None = None
 
     async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
         """The next token, final or error frame. Raises TimeoutError only when
@@ -445,15 +442,13 @@ class FrameStream(FrameReader):
         self._d.hedger.observe(self.req.cls, self.first_token_at - self.submitted_at)
         if self.hedge_task is not None:
             self.hedge_task.cancel()
-        if self.hedge_seq is not None:
+        if self.hedge_queued is not None:
             # A hedge race: the winner keeps going, the loser stops (or, still
             # queued, is removed).
             hedge_won = attempt >= HEDGE_ATTEMPT_BASE
-            loser_seq = self.stream_seq if hedge_won else self.hedge_seq
+            loser = self.queued if hedge_won else self.hedge_queued
             self._d.on_hedge(self.req.cls, "won" if hedge_won else "lost")
-            await self._d.cancel(
-                self.req.id, "hedge_lost", loser_seq, keep_attempt=attempt, cls=self.req.cls
-            )
+            await self._d.cancel(self.req.id, "hedge_lost", loser, keep_attempt=attempt)
 
     async def recover(self, attempt: int, after: int, through: int) -> list[Token] | None:
         return await self._d.recover(self.req.tenant, self.req.id, attempt, after, through)
@@ -464,9 +459,7 @@ class FrameStream(FrameReader):
             if self.started:
                 await self._d.cancel(self.req.id, reason)
             else:
-                await self._d.cancel(
-                    self.req.id, reason, self.stream_seq, self.hedge_seq, cls=self.req.cls
-                )
+                await self._d.cancel(self.req.id, reason, self.queued, self.hedge_queued)
 
     def close(self) -> None:
         if self.hedge_task is not None:

@@ -37,10 +37,11 @@ def frames_topology(args: argparse.Namespace) -> Topology:
         return Topology(
             replicas=args.replicas,
             frames_partitions=args.frames_partitions,
-            class_streams=args.class_streams,
+            class_streams=args.class_streams or args.lane_shards > 1,
+            lane_shards=args.lane_shards,
         )
     except ValueError as exc:
-        raise SystemExit(f"--frames-partitions: {exc}") from None
+        raise SystemExit(f"--frames-partitions, --lane-shards: {exc}") from None
 
 
 def lane_topology(topo: Topology, specs: list[str]) -> Topology:
@@ -91,6 +92,14 @@ def register(sub: Subparsers) -> None:
         help="one work-queue stream per request class (JETSERVE_REQ_<CLASS>), each with its "
         "own leader, instead of one for all (docs/scale.md); recorded when the streams are "
         "first provisioned, which then wins; workers and executors follow it",
+    )
+    g.add_argument(
+        "--lane-shards",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --class-streams (implied): each lane class's stream split in N (1..8) by "
+        "lane, so one busy class is not one stream's write rate (docs/scale.md)",
     )
     g.add_argument(
         "--frames-partitions",

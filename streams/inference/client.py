@@ -55,6 +55,11 @@ def request_headers(req: InferenceRequest, msg_id: str | None = None) -> dict[st
     return headers
 
 
+# Where a published request was stored: its work-queue stream and sequence
+# (from the publish's ack: with several request streams, the server's choice).
+QueuedAt = tuple[str, int]
+
+
 class InferenceClient:
     def __init__(self, nc: Client, js: JetStreamContext, topology: Topology) -> None:
         self._nc = nc
@@ -103,16 +108,12 @@ class InferenceClient:
             raise BusUnavailableError(repr(exc)) from exc
 
     async def cancel(
-        self,
-        request_id: str,
-        reason: str,
-        *seqs: int | None,
-        keep_attempt: int = 0,
-        cls: str | None = None,
+        self, request_id: str, reason: str, *queued: QueuedAt | None, keep_attempt: int = 0
     ) -> None:
         """Tell the worker to stop (all attempts but ``keep_attempt``). With the
-        bus down the worker's deadline ends the work instead. ``seqs``: the
-        request's messages in its class's (``cls``) work-queue stream."""
+        bus down the worker's deadline ends the work instead. ``queued``: where
+        the request's messages were stored (stream, sequence), as their
+        publishes' acks said."""
         note = encode(Cancel(request_id, reason, keep_attempt))
         # At once for a worker that listens; then the durable mark, then again:
         # a worker subscribes before it reads the mark, so it hears the second
@@ -122,14 +123,13 @@ class InferenceClient:
         if await self._marks.mark(request_id, note):
             with contextlib.suppress(nats.errors.Error):
                 await self._nc.publish(cancel_subject(request_id), note)
-        for seq in seqs:
-            if seq is None:
+        for at in queued:
+            if at is None:
                 continue
             # Not picked up yet? Then no worker hears the cancel: remove the
             # message itself (a no-op if a worker already holds it).
             with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
-                stream = self.topology.stream_of(cls) if cls else self.topology.stream
-                await self._js.delete_msg(stream, seq)
+                await self._js.delete_msg(*at)
 
     async def follow(
         self, tenant: str, request_id: str, cb: Callable[[Msg], Awaitable[None]]

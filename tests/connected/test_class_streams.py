@@ -1,7 +1,8 @@
 """One work-queue stream per request class (``gateway --class-streams``,
-docs/scale.md) through real processes: each class's requests are stored in its
-own stream, the queue depths and `jetserve scale` read all of them, workers
-and a deployment pool follow the fleet's layout without being told, and every
+docs/scale.md), and each lane class's stream split by lane (``--lane-shards``),
+through real processes: each class's requests are stored in its own streams,
+the queue depths and `jetserve scale` read all of them, workers and a
+deployment pool follow the fleet's layout without being told, and every
 request is answered."""
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
-SPLIT = DEFAULT_TOPOLOGY.split(True)
-QUEUED = {RequestClass.INTERACTIVE: 3, RequestClass.BATCH: 2}
+QUEUED = {RequestClass.INTERACTIVE: 8, RequestClass.BATCH: 2}
+# A long system prompt sends a request to a prefix-affinity lane; 8 of them
+# spread over the lanes (and so over the shards).
+SYSTEM = "You are the assistant of a large shop; answer briefly and politely. " * 8
 
 
 async def call(c: httpx.AsyncClient, fleet: Fleet, cls: RequestClass, i: int, model: str) -> int:
-    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": f"{i}"}]}
+    messages = [
+        {"role": "system", "content": f"{i} {SYSTEM}"},
+        {"role": "user", "content": f"{i}"},
+    ]
+    body = {"model": model, "max_tokens": 4, "messages": messages}
     headers = {
         "Authorization": f"Bearer {fleet.api_key}",
         "X-Jetserve-Class": cls.value,
@@ -40,16 +47,25 @@ async def call(c: httpx.AsyncClient, fleet: Fleet, cls: RequestClass, i: int, mo
     return r.status_code
 
 
-async def test_each_class_has_its_own_stream_and_everything_is_served(
-    make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("shards", [1, 2])
+async def test_each_class_has_its_own_streams_and_everything_is_served(
+    make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch, shards: int
 ) -> None:
-    fleet = make_fleet(workers=0, class_streams=True, sim_args=["--alias", "r-pooled"])
+    fleet = make_fleet(
+        workers=0, class_streams=True, lane_shards=shards, sim_args=["--alias", "r-pooled"]
+    )
+    split = DEFAULT_TOPOLOGY.split(True, shards)
+
+    def streams_of(cls: RequestClass) -> list[str]:
+        return [n for n in split.request_streams if n.startswith(split.stream_of(cls))]
+
     nc = await fleet.connect()
     js = nc.jetstream()
     try:
         with pytest.raises(NotFoundError):
             await js.stream_info(DEFAULT_TOPOLOGY.stream)  # no shared stream
-        for name in SPLIT.request_streams:
+        assert len(streams_of(RequestClass.INTERACTIVE)) == shards
+        for name in split.request_streams:
             info = await js.stream_info(name)
             assert info.config.metadata is not None
             assert info.config.metadata["jetserve_class_streams"] == "1"
@@ -61,14 +77,17 @@ async def test_each_class_has_its_own_stream_and_everything_is_served(
                 for i in range(n)
             ]
 
-            async def stored() -> bool:
-                counts = {
-                    cls: (await js.stream_info(SPLIT.stream_of(cls))).state.messages
-                    for cls in QUEUED
-                }
-                return counts == QUEUED
+            async def per_stream() -> dict[str, int]:
+                return {n: (await js.stream_info(n)).state.messages for n in split.request_streams}
 
-            await until(stored, "each class's requests in its own stream")
+            async def stored() -> bool:
+                counts = await per_stream()
+                return {cls: sum(counts[n] for n in streams_of(cls)) for cls in QUEUED} == QUEUED
+
+            await until(stored, "each class's requests in its own streams")
+            # Every shard of a sharded class took some of the 8 lanes' requests.
+            counts = await per_stream()
+            assert all(counts[n] for n in streams_of(RequestClass.INTERACTIVE)), counts
 
             async def depths() -> bool:
                 text = (await c.get(fleet.gateway_metrics_urls[0])).text
@@ -114,7 +133,7 @@ async def test_each_class_has_its_own_stream_and_everything_is_served(
                 return await call(c, fleet, RequestClass.INTERACTIVE, 9, "r-pooled") == 200
 
             await until(pooled, "a routed request served by the pool's worker")
-            names = {i.name for i in await js.consumers_info(SPLIT.stream_of("interactive"))}
+            names = {i.name for i in await js.consumers_info(split.stream_of("interactive"))}
             assert any(n.startswith("pool-") for n in names), sorted(names)[:5]
     finally:
         await nc.close()

@@ -97,10 +97,12 @@ async def test_hedges_stay_under_the_cap_across_three_gateways(
         # 300 quick requests earn 30 hedges; a replica's own bank would hold 10 of
         # them each (30 in all), the fleet's holds 10.
         await asyncio.gather(*(ask(i, auth) for i in range(300)))
-        assert _hedges_sent(fleet) == 0
+        # None is late by design, but a loaded box can make one so (it spends from
+        # the bank, which refills to at most its cap): count the burst's alone.
+        before = _hedges_sent(fleet)
         # 30 requests whose first token is 1.5 s late, all at once: each wants a hedge.
         slow = {**auth, "X-Sim-Fault": "stall:1500"}
         await asyncio.gather(*(ask(i, slow) for i in range(30)))
-    sent = _hedges_sent(fleet)
+    sent = _hedges_sent(fleet) - before
     # The bank (10) plus what the burst itself earned (30 x 0.1), fleet-wide.
     assert 1 <= sent <= BANK_CAP + 3, sent

@@ -68,6 +68,7 @@ from sim import cli as sim_cli
 from streams.auth import Role
 from streams.connect import SEED_ENV
 from streams.definitions import DEFAULT_TOPOLOGY
+from streams.pools import pool_consumer_configs
 from streams.subjects import RequestClass
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) parses the manifests")
@@ -1126,25 +1127,47 @@ def test_jsz_of_a_fleet_with_a_stream_per_class() -> None:
     assert (batch.found, batch.lag) == (False, 12)
 
 
-def test_class_streams_split_every_subject_by_class() -> None:
-    """Each class stream takes exactly its class's subjects (plain, lanes,
-    excess, pools): no subject is stored by two streams, none by no stream."""
-    split = DEFAULT_TOPOLOGY.split(True)
+@pytest.mark.parametrize("shards", [1, 4])
+def test_class_streams_split_every_subject_by_class(shards: int) -> None:
+    """Each class stream (and lane shard) takes exactly its share of the
+    subjects (plain, lanes, excess, pools): no subject is stored by two streams,
+    and every consumer's filter is stored by the stream it lives in."""
+    split = DEFAULT_TOPOLOGY.split(True, shards)
     assert DEFAULT_TOPOLOGY.request_streams == (DEFAULT_TOPOLOGY.stream,)
-    assert len(split.request_streams) == len(RequestClass)
-    subjects = [s for n in split.request_streams for s in split.stream_config(n).subjects or []]
+    assert len(split.request_streams) == len(RequestClass) + 2 * (shards - 1)
+    configs = {n: split.stream_config(n) for n in split.request_streams}
+    subjects = [s for cfg in configs.values() for s in cfg.subjects or []]
     assert len(subjects) == len(set(subjects))
-    for name in split.request_streams:
-        (cls,) = (c for c in RequestClass if split.stream_of(c) == name)
-        cfg = split.stream_config(name)
-        assert all(f".{cls.value}" in s for s in cfg.subjects or []), cfg.subjects
+    for name, cfg in configs.items():
+        assert all(".interactive" in s for s in cfg.subjects or []) == ("INTERACTIVE" in name)
         assert cfg.metadata is not None
         assert cfg.metadata["jetserve_class_streams"] == "1"
-        for consumer in split.consumer_names(cls):
-            assert split.stream_of_consumer(consumer) == name
-    assert DEFAULT_TOPOLOGY.with_stream_lanes(split.lane_metadata()).class_streams
+    pool = pool_consumer_configs(split, "tok")
+    lanes = [split.lane_consumer_config(c, n) for c in split.lane_classes for n in range(256)]
+    for want in [*lanes, *pool]:
+        stream = configs[split.stream_of_consumer(want["durable_name"])]
+        assert covers(stream.subjects or [], want["filter_subject"]), want
+    for cls in RequestClass:
+        plain = split.consumer_config(cls).filter_subject or ""
+        assert covers(configs[split.stream_of(cls)].subjects or [], plain)
+    recorded = DEFAULT_TOPOLOGY.with_stream_lanes(split.lane_metadata())
+    assert (recorded.class_streams, recorded.lane_shards) == (True, shards)
     with pytest.raises(ValueError, match="not a work-queue stream"):
         split.stream_config(DEFAULT_TOPOLOGY.stream)
+    with pytest.raises(ValueError, match="need class_streams"):
+        DEFAULT_TOPOLOGY.split(False, 2)
+
+
+def covers(subjects: list[str], subject: str) -> bool:
+    """Whether a stream with ``subjects`` stores ``subject`` (NATS wildcards)."""
+
+    def match(pattern: str) -> bool:
+        p, s = pattern.split("."), subject.split(".")
+        if p[-1] == ">":
+            return len(s) >= len(p) and all(a in ("*", b) for a, b in zip(p[:-1], s, strict=False))
+        return len(p) == len(s) and all(a in ("*", b) for a, b in zip(p, s, strict=True))
+
+    return any(match(x) for x in subjects)
 
 
 def test_scale_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -309,7 +309,8 @@ class LanePuller:
             consumer = pool_lane_consumer_name(self._token, self._cls, lane)
         else:
             consumer = self._topo.lane_consumer_name(self._cls, lane)
-        subject = f"$JS.API.CONSUMER.MSG.NEXT.{self._topo.stream_of(self._cls)}.{consumer}"
+        stream = self._topo.stream_of_lane(self._cls, lane)
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._current[lane] += 1
         self._pulled_at[lane] = priority
         reply = f"{inbox}.{self._current[lane]}"
