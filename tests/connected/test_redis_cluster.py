@@ -5,11 +5,13 @@ orgs spread over the primaries, and the hold sweep finds every org's holds
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from itertools import count
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
@@ -22,8 +24,10 @@ from gateway.tenancy.accounting_keys import REGISTRY_MARGIN_S, REGISTRY_REFRESH_
 from gateway.tenancy.idempotency import IdempotencyStore
 from gateway.tenancy.keys import Tenancy
 from gateway.tenancy.tickets import TicketStore
+from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import Service
 from streams.redis_client import open_redis
+from tests.waits import until
 from tools import ToolContext
 from workers.agent.demo_tools import DemoBank
 
@@ -244,3 +248,55 @@ async def test_the_demo_bank_on_the_cluster(redis_cluster: list[Service]) -> Non
         assert (await bank.balance({"account": "alice"}, ctx))["balance"] == 5
     finally:
         await client.aclose()
+
+
+async def test_requests_through_a_fleet_on_a_redis_cluster() -> None:
+    """A gateway started with --redis-cluster: keys authenticate, a request is
+    charged in its org's slot, and another org's spent budget refuses."""
+    spec = FleetSpec(workers=1, profile="fast", redis_nodes=3)
+    with Fleet(spec) as fleet, fleet.admin() as admin:
+        # A second tenant in an org of its own, with no budget left.
+        admin.create_tenant("broke", org="broke-org")
+        broke = admin.create_key("broke", "k")["api_key"]
+        admin.set_limits("tenant", "broke", budget_micros=0, period="total")
+
+        def chat(key: str) -> httpx.Response:
+            body = {
+                "model": "sim-8b",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            return httpx.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=30,
+            )
+
+        ok = await asyncio.to_thread(chat, fleet.api_key)
+        assert ok.status_code == 200, ok.text
+        refused = await asyncio.to_thread(chat, broke)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "budget_exceeded"
+
+        async def charged() -> bool:
+            view = await asyncio.to_thread(admin.get_limits, "tenant", fleet.spec.tenant)
+            return bool(view["spent_micros"] > 0 and view["reserved_micros"] == 0)
+
+        await until(charged, "the request charged and its hold settled on the cluster")
+        client = open_redis(fleet.redis_url, cluster=True)
+        try:
+            assert isinstance(client, aioredis.RedisCluster)
+            acct = Accountant(client)
+            await client.initialize()
+            tenant = fleet.spec.tenant  # its own org
+            spent, reserved = await acct.spend("tenant", tenant, org=tenant)
+            assert spent > 0
+            assert reserved == 0
+            limits = await acct.get_limits("tenant", "broke", org="broke-org")
+            assert limits.budget_micros == 0
+            assert key_slot(acct.keys.index(tenant).encode()) != key_slot(
+                acct.keys.index("broke-org").encode()
+            )
+        finally:
+            await client.aclose()
