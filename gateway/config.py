@@ -18,6 +18,8 @@ class GatewayConfig:
     # The gateway's own credentials (jetserve/credentials.py); OPEN only with --insecure.
     nats_auth: BusAuth = OPEN
     redis_password: str | None = None
+    # ``redis_url`` names one node of a Redis Cluster (streams/redis_client.py).
+    redis_cluster: bool = False
     models: tuple[str, ...] = ("sim-8b",)
     embedding_models: tuple[str, ...] = ()  # listed by /v1/models only when served
     gateway_id: str = field(default_factory=lambda: f"gw{uuid.uuid4().hex[:10]}")

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-import redis.asyncio as redis
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -51,6 +50,7 @@ from streams.evidence import bind_evidence, ensure_evidence
 from streams.leases import KvLease, ensure_leases
 from streams.outbox import DEFAULT_OUTBOX, Outbox, ensure_outbox
 from streams.provision import ensure_routes, ensure_topology
+from streams.redis_client import RedisClient, open_redis
 from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
 from streams.tasks import stop_task
 
@@ -62,7 +62,7 @@ class Runtime:
     cfg: GatewayConfig
     nc: Client
     js: JetStreamContext
-    redis: redis.Redis
+    redis: RedisClient
     gateway: InferenceService
     ledger_reader: LedgerReader
     runs: RunsService | None = None
@@ -113,7 +113,7 @@ async def _started(stack: contextlib.AsyncExitStack, service: S) -> S:
 
 async def _connected(
     stack: contextlib.AsyncExitStack, cfg: GatewayConfig
-) -> tuple[Client, redis.Redis]:
+) -> tuple[Client, RedisClient]:
     nc = await connect(cfg.nats_url, f"gateway-{cfg.gateway_id}", cfg.nats_auth)
 
     async def drain() -> None:
@@ -121,16 +121,7 @@ async def _connected(
             await asyncio.wait_for(nc.drain(), 5)
 
     stack.push_async_callback(drain)
-    # A bounded pool: bursts queue for a connection instead of opening thousands.
-    pool = redis.BlockingConnectionPool.from_url(
-        cfg.redis_url,
-        password=cfg.redis_password,
-        max_connections=64,
-        timeout=2.0,
-        socket_timeout=2.0,
-        socket_connect_timeout=2.0,
-    )
-    rds = redis.Redis(connection_pool=pool)
+    rds = open_redis(cfg.redis_url, password=cfg.redis_password, cluster=cfg.redis_cluster)
     stack.push_async_callback(rds.aclose)
     return nc, rds
 

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from jetserve.commands import (
+    accounting,
     agent,
     bench,
     conformance,
@@ -31,7 +32,7 @@ from streams.logs import configure
 # In `jetserve --help` order.
 GROUPS = (
     gateway, worker, agent, sim, tenants, keys, limits, ledger, routes, scale, up, bench,
-    conformance, credentials,
+    conformance, credentials, accounting,
 )  # fmt: skip
 
 

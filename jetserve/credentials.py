@@ -53,6 +53,9 @@ REDIS_USERS = (
 )
 # Data commands only: no CONFIG, FLUSHALL, KEYS, DEBUG, ACL, MODULE (``@dangerous``).
 _REDIS_COMMANDS = "-@all +@read +@write +@keyspace +@scripting +@connection +@transaction"
+# ``CLUSTER SLOTS`` (read-only: which node serves which slots) lets a cluster
+# client find the primaries (streams/redis_client.py); no other CLUSTER command.
+_REDIS_CLUSTER_COMMANDS = "+cluster|slots"
 
 
 def _nkey_seed() -> bytes:
@@ -236,6 +239,10 @@ def redis_acl(creds: Credentials) -> str:
     for user in REDIS_USERS:
         digest = hashlib.sha256(creds.redis_password(user.name).encode()).hexdigest()
         patterns = " ".join(f"~{k}" for k in user.keys)
-        commands = "+@all" if user.name == "admin" else f"{_REDIS_COMMANDS} -@dangerous"
+        commands = (
+            "+@all"
+            if user.name == "admin"
+            else f"{_REDIS_COMMANDS} -@dangerous {_REDIS_CLUSTER_COMMANDS}"
+        )
         lines.append(f"user {user.name} on #{digest} resetchannels {patterns} {commands}")
     return "\n".join(lines) + "\n"

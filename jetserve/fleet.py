@@ -36,6 +36,7 @@ from jetserve.services import (
     start_nats,
     start_nats_cluster,
     start_redis,
+    start_redis_cluster,
     wait_port,
 )
 from streams.agent_topology import DEFAULT_AGENT
@@ -101,6 +102,9 @@ class FleetSpec:
     # policy (always, or a duration) and Redis's appendfsync, as deploy/ runs them.
     nats_sync: str = NATS_SYNC_DEFAULT
     redis_appendfsync: str = REDIS_APPENDFSYNC_DEFAULT
+    # Above 1: a Redis Cluster of that many primaries (at least 3); the gateways
+    # and agents run with --redis-cluster, seeded from the first node.
+    redis_nodes: int = 1
 
 
 def kv_events_args(port: int) -> list[str]:
@@ -165,7 +169,8 @@ class Fleet:
         self.workdir = Path(tempfile.mkdtemp(prefix="jetserve-fleet-"))
         self.nats: Service | None = None
         self.nats_nodes: list[Service] = []  # all nodes (one unless a cluster)
-        self.redis: Service | None = None
+        self.redis: Service | None = None  # the first (or only) node
+        self.redis_nodes: list[Service] = []
         self.sim: Proc | None = None
         self.worker_sims: list[Proc | None] = []  # engine_per_worker: each worker's own
         self.extra_sims: list[Proc] = []  # engines started apart (start_engine)
@@ -218,6 +223,10 @@ class Fleet:
         if self.creds is None:
             return f"redis://127.0.0.1:{self.redis.port}/0"
         return f"redis://admin:{self.creds.redis_password('admin')}@127.0.0.1:{self.redis.port}/0"
+
+    @property
+    def _redis_flags(self) -> list[str]:
+        return ["--redis-cluster"] if self.spec.redis_nodes > 1 else []
 
     def redis_url_of(self, user: str) -> str:
         """Redis as one ACL user, without its password (that travels in the env)."""
@@ -342,9 +351,20 @@ class Fleet:
                     start_nats(self.workdir / "nats", auth_conf=conf, sync=self.spec.nats_sync)
                 ]
                 self.nats = self.nats_nodes[0]
-            self.redis = start_redis(
-                self.workdir / "redis", acl=acl, appendfsync=self.spec.redis_appendfsync
-            )
+            if self.spec.redis_nodes > 1:
+                self.redis_nodes = start_redis_cluster(
+                    self.workdir / "redis",
+                    self.spec.redis_nodes,
+                    self.creds,
+                    self.spec.redis_appendfsync,
+                )
+            else:
+                self.redis_nodes = [
+                    start_redis(
+                        self.workdir / "redis", acl=acl, appendfsync=self.spec.redis_appendfsync
+                    )
+                ]
+            self.redis = self.redis_nodes[0]
             # One at a time: a port picked for the next process must not be one a
             # process still starting has not bound yet.
             if self.spec.sim_replicas:
@@ -456,6 +476,7 @@ class Fleet:
             self.nats_url,
             "--redis",
             self.redis_url_of("gateway"),
+            *self._redis_flags,
             "--port",
             str(port),
             *(["--reuse-port"] if shared else []),
@@ -583,6 +604,7 @@ class Fleet:
             self.nats_url,
             "--redis",
             self.redis_url_of("agent"),
+            *self._redis_flags,
             "--demo-tools",
             "--executor-id",
             f"agent{n}-{int(time.time() * 1000) % 100000}",
@@ -636,7 +658,7 @@ class Fleet:
         stop_together([*self.agents, *self.workers], 10.0)
         engines = (self.sim, *self.worker_sims, *self.extra_sims)
         stop_together([p for p in (*self.gateways, *engines) if p], 10.0)
-        stop_together([s for s in (self.redis, *self.nats_nodes) if s is not None], 5.0)
+        stop_together([*self.redis_nodes, *self.nats_nodes], 5.0)
 
     def __enter__(self) -> Fleet:
         return self.start()

@@ -235,10 +235,12 @@ def start_redis(
     port: int | None = None,
     acl: Path | None = None,
     appendfsync: str = REDIS_APPENDFSYNC_DEFAULT,
+    extra: list[str] | None = None,
 ) -> Service:
     """One redis-server with its append-only file in ``workdir``; ``acl`` = its
     ACL file (one user per role, the default user off); without it anyone who
-    reaches the port reads every key. ``appendfsync``: always, everysec or no."""
+    reaches the port reads every key. ``appendfsync``: always, everysec or no.
+    ``extra``: more flags (a cluster node's)."""
     if appendfsync not in REDIS_APPENDFSYNC:
         raise ValueError(f"appendfsync must be one of {REDIS_APPENDFSYNC}: got {appendfsync!r}")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="jetserve-redis-"))
@@ -263,6 +265,7 @@ def start_redis(
         "--protected-mode",
         "yes",
         *(["--aclfile", str(acl)] if acl is not None else []),
+        *(extra or []),
     ]
     log_path = workdir / "redis.log"
     proc = _spawn(args, log_path)
@@ -278,6 +281,61 @@ def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     return env
+
+
+def start_redis_cluster(
+    workdir: Path,
+    size: int = 3,
+    creds: Credentials | None = None,
+    appendfsync: str = REDIS_APPENDFSYNC_DEFAULT,
+    timeout: float = 30.0,
+) -> list[Service]:
+    """A Redis Cluster of ``size`` primaries (no replicas) on loopback, every slot
+    assigned, returned once each node reports ``cluster_state:ok``. ``creds``:
+    the deployment's ACL file on every node; the cluster is joined as its admin."""
+    nodes: list[Service] = []
+    try:
+        for i in range(size):
+            bus = free_port()
+            flags = ["--cluster-enabled", "yes", "--cluster-port", str(bus)]
+            flags += ["--cluster-config-file", str(workdir / f"r{i}" / "nodes.conf")]
+            acl = creds.redis_acl if creds is not None else None
+            node = start_redis(workdir / f"r{i}", acl=acl, appendfsync=appendfsync, extra=flags)
+            node.creds = creds
+            nodes.append(node)
+        auth = [] if creds is None else ["--user", "admin", "--pass", creds.redis_password("admin")]
+        create = [shutil.which("redis-cli") or "redis-cli", *auth, "--cluster", "create"]
+        create += [f"127.0.0.1:{n.port}" for n in nodes]
+        create += ["--cluster-replicas", "0", "--cluster-yes"]
+        done = subprocess.run(create, capture_output=True, timeout=timeout, check=False)
+        if done.returncode != 0:
+            raise ServiceError(
+                f"redis-cli --cluster create failed: {done.stdout!r} {done.stderr!r}"
+            )
+        for node in nodes:
+            _wait_cluster_ok(node, timeout)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+def _wait_cluster_ok(node: Service, timeout: float) -> None:
+    """Poll CLUSTER INFO until the node sees every slot served."""
+    import redis
+
+    client = redis.Redis.from_url(node.redis_url("admin"), decode_responses=True)
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            # redis-py parses the reply into a dict of its fields.
+            if client.cluster("INFO").get("cluster_state") == "ok":
+                return
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise ServiceError(f"redis node {node.port}: cluster state not ok after {timeout}s")
 
 
 def start_nats_cluster(

@@ -11,7 +11,7 @@ import pytest
 
 from jetserve.credentials import generate
 from jetserve.fleet import Fleet, FleetSpec
-from jetserve.services import Service, start_nats, start_redis
+from jetserve.services import Service, start_nats, start_redis, start_redis_cluster
 from tests.refusals import assert_no_refusals
 
 _DESELECTED = pytest.StashKey[dict[str, int]]()
@@ -97,6 +97,17 @@ def redis_server(tmp_path: Path) -> Iterator[Service]:
     svc.creds = creds
     yield svc
     svc.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Service]]:
+    """A Redis Cluster of 3 primaries with one ACL user per role, every slot
+    assigned (``node.redis_url(user)`` of any node seeds a cluster client)."""
+    workdir = tmp_path_factory.mktemp("redis-cluster")
+    nodes = start_redis_cluster(workdir, 3, creds=generate(workdir / "creds"))
+    yield nodes
+    for node in nodes:
+        node.stop()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unava
 from gateway.runtime import Runtime
 from gateway.tenancy.accounting import Accountant, LimitSpec
 from gateway.tenancy.keys import KeyRecord, Scopes, Tenancy
-from gateway.tenancy.limits import SHADOW_TENANT
+from gateway.tenancy.limits import SHADOW_TENANT, Scope
 from streams.request_ledger import InvalidTenantError, encode_record
 
 T = TypeVar("T")
@@ -140,8 +140,8 @@ async def list_tenants(request: Request) -> Response:
 async def show_tenant(request: Request) -> Response:
     tenancy, accountant = _tenancy(request), _accountant(request)
     tenant = await tenancy.get_tenant(request.path_params["tenant"])
-    limits = await accountant.get_limits("tenant", tenant.id)
-    spent, reserved = await accountant.spend("tenant", tenant.id)
+    limits = await accountant.get_limits("tenant", tenant.id, org=tenant.org)
+    spent, reserved = await accountant.spend("tenant", tenant.id, org=tenant.org)
     keys = await tenancy.list_keys(tenant.id)
     return web.json_response(
         {
@@ -188,33 +188,39 @@ def _level_of(request: Request) -> tuple[Level, str]:
     return level, request.path_params["ident"]
 
 
+async def _org_of(request: Request, level: Level, ident: str, *, writing: bool) -> str:
+    """The org whose accounting slot holds ``level``/``ident``. A tenant or key
+    that does not exist is a 404, and so is an org being written: limits for it
+    would silently never apply. The operator tenant of shadow copies is built
+    in: its own org and key."""
+    tenancy = _tenancy(request)
+    if ident == SHADOW_TENANT:
+        return SHADOW_TENANT
+    if level == "tenant":
+        return (await tenancy.get_tenant(ident)).org
+    if level == "org":
+        return (await tenancy.get_org(ident)).id if writing else ident
+    return Scope.of(await tenancy.get_key(ident)).org
+
+
 async def put_limits(request: Request) -> Response:
     level, ident = _level_of(request)
-    tenancy = _tenancy(request)
-    # Limits for an id that does not exist would silently never apply. The
-    # operator tenant of shadow copies is built in (its org and key too).
-    if ident == SHADOW_TENANT:
-        pass
-    elif level == "tenant":
-        await tenancy.get_tenant(ident)
-    elif level == "org":
-        await tenancy.get_org(ident)
-    else:
-        await tenancy.get_key(ident)
+    org = await _org_of(request, level, ident, writing=True)
     body = _decode(await request.body(), Limits)
     try:
         spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm, body.weight)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
-    await _accountant(request).set_limits(level, ident, spec)
+    await _accountant(request).set_limits(level, ident, spec, org=org)
     return web.json_response(_limits_view(spec))
 
 
 async def get_limits(request: Request) -> Response:
     level, ident = _level_of(request)
+    org = await _org_of(request, level, ident, writing=False)
     accountant = _accountant(request)
-    spec = await accountant.get_limits(level, ident)
-    spent, reserved = await accountant.spend(level, ident)
+    spec = await accountant.get_limits(level, ident, org=org)
+    spent, reserved = await accountant.spend(level, ident, org=org)
     return web.json_response(
         {**_limits_view(spec), "spent_micros": spent, "reserved_micros": reserved}
     )

@@ -247,7 +247,7 @@ class _Group:
         fleet = self.owner.fleet
         if self.fleet is None or fleet is None:
             return True
-        return await fleet.pay(self.execution_id, leads=self.fleet == "lead")
+        return await fleet.pay(self.key, self.execution_id, leads=self.fleet == "lead")
 
     async def pump(self) -> None:
         upstream = self.upstream

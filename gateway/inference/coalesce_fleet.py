@@ -1,7 +1,7 @@
 """Coalescing across gateway replicas (issue 15: fleet-wide caps): identical
 temperature-0 requests that land on different replicas share one execution.
 
-One Redis hash per coalescing key (``jetserve:coalesce:<scope>/<digest>``, the
+One Redis hash per coalescing key (``jetserve:coalesce:{<scope>/<digest>}``, the
 key of gateway/inference/coalesce.py) names the execution in flight: its
 request id, its tenant, its deadline, and ``n``, the number of replicas whose
 group follows it. The replica that claims the key publishes and leads; a
@@ -18,7 +18,7 @@ Guarantees:
   member leaves takes its group out of ``n``; the one that takes ``n`` to 0
   cancels the execution. Until then the others keep reading it.
 - **Charged once,** by the leader while it reads to the end, as on one replica.
-  ``jetserve:coalesce:paid:<request id>`` holds the charge's state: ``lead``
+  ``jetserve:coalesce:{<key>}:paid:<request id>`` holds the charge's state: ``lead``
   from the claim; ``open`` when the leader's group leaves others reading; then
   the first follower group's payer to settle takes it (``done``). A group that
   leaves while others follow pays nothing. A leader's replica that dies keeps
@@ -36,8 +36,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as redis
 from redis.exceptions import RedisError
+
+from streams.redis_client import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +94,15 @@ return 0
 """
 
 
+# Both keys of a claim are tagged with the coalescing key (a Redis Cluster hash
+# tag: ``<scope>/<digest>`` never holds a brace), so a script names one slot and
+# different requests spread over the primaries by their digest.
 def hash_key(key: str) -> str:
-    return f"jetserve:coalesce:{key}"
+    return f"jetserve:coalesce:{{{key}}}"
 
 
-def paid_key(request_id: str) -> str:
-    return f"jetserve:coalesce:paid:{request_id}"
+def paid_key(key: str, request_id: str) -> str:
+    return f"jetserve:coalesce:{{{key}}}:paid:{request_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,7 @@ class Claim:
 
 
 class FleetCoalescing:
-    def __init__(self, rds: redis.Redis) -> None:
+    def __init__(self, rds: RedisClient) -> None:
         self._claim = rds.register_script(_CLAIM)
         self._leave = rds.register_script(_LEAVE)
         self._end = rds.register_script(_END)
@@ -123,7 +127,7 @@ class FleetCoalescing:
         ttl_ms = max(1000, int((deadline - time.time()) * 1000)) + GRACE_MS
         try:
             reply = await self._claim(
-                keys=[hash_key(key), paid_key(request_id)],
+                keys=[hash_key(key), paid_key(key, request_id)],
                 args=[request_id, tenant, repr(deadline), ttl_ms, earliest, PAID_TTL_S],
             )
         except (RedisError, OSError) as exc:
@@ -139,7 +143,7 @@ class FleetCoalescing:
         try:
             return int(
                 await self._leave(
-                    keys=[hash_key(key), paid_key(request_id)], args=[request_id, int(leads)]
+                    keys=[hash_key(key), paid_key(key, request_id)], args=[request_id, int(leads)]
                 )
             )
         except (RedisError, OSError) as exc:
@@ -154,12 +158,12 @@ class FleetCoalescing:
             # finished capture, which is still the right answer.
             log.warning("coalescing registry unreachable on end (%r)", exc)
 
-    async def pay(self, request_id: str, *, leads: bool) -> bool:
+    async def pay(self, key: str, request_id: str, *, leads: bool) -> bool:
         """Whether this group's payer is the one member, fleet-wide, that pays: the
         leader's, unless it left others reading; then the first of theirs to settle."""
         try:
             state = "lead" if leads else "open"
-            return bool(await self._pay(keys=[paid_key(request_id)], args=[state]))
+            return bool(await self._pay(keys=[paid_key(key, request_id)], args=[state]))
         except (RedisError, OSError) as exc:
             log.warning("coalescing payer unknown (%r): the leader pays", exc)
             return leads

@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import redis.asyncio as redis
 from redis.exceptions import RedisError
 
+from streams.redis_client import RedisClient
 from streams.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def bank_key(cls: str) -> str:
 
 
 class SharedHedgeBudget:
-    def __init__(self, rds: redis.Redis, flush_s: float = FLUSH_S) -> None:
+    def __init__(self, rds: RedisClient, flush_s: float = FLUSH_S) -> None:
         self._rds = rds
         self._flush_s = flush_s
         self._earned: dict[str, float] = {}  # not yet added to the bank

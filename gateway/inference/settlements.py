@@ -168,7 +168,7 @@ class Settlements:
         record = s.record
         if s.actual_micros is not None:
             state, charge = await self._accountant.settle_as(
-                record.request_id, s.actual_micros, s.writer
+                record.request_id, s.actual_micros, s.writer, org=record.org or record.tenant
             )
             if state == "other":
                 return  # another writer settled it first, and recorded it
@@ -220,15 +220,18 @@ class Settlements:
     async def sweep(self) -> int:
         """Settle holds past their expiry from the frames capture; how many."""
         swept = 0
-        for request_id, tenant in await self._accountant.expired():
-            s = await self.orphan(tenant, request_id)
+        for hold in await self._accountant.expired():
+            s = await self.orphan(hold.tenant, hold.request_id)
             if s is None:
                 # Never announced (its gateway died before queueing it, or an
                 # agent run's hold): it never ran; give the hold back.
-                await self._accountant.settle(request_id, 0, SWEEP_WRITER)
+                await self._accountant.settle(hold.request_id, 0, SWEEP_WRITER, org=hold.org)
                 self._on_outcome("released")
             else:
-                await self.settle(s)
+                # Settled in the org it was held in (its keys' hash tag), which
+                # the index it was found in names even where the capture does not.
+                record = msgspec.structs.replace(s.record, org=hold.org)
+                await self.settle(msgspec.structs.replace(s, record=record))
                 self._on_outcome("orphan")
             swept += 1
         return swept

@@ -112,7 +112,9 @@ class RunSettler:
         spent = Spend()
         for r in tree:
             spent = spent.plus(r.spent)
-        settled, charge = await self._accountant.settle(root.id, spent.cost_micros)
+        settled, charge = await self._accountant.settle(
+            root.id, spent.cost_micros, org=root.org or root.tenant
+        )
         if not settled:
             return None  # another replica (or a retry of ours) did it and wrote the record
         head = RecordHead(

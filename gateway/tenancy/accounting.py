@@ -9,14 +9,10 @@ Money is integer micro-USD everywhere (1 USD = 1_000_000); Redis never holds a f
 amount. Every request has a :class:`Scope` ``(org, tenant, key_id)``; limits are set
 per level (``org``, ``tenant``, ``key``) with :class:`LimitSpec`.
 
-Redis keys (``P`` = the ``prefix``, default ``jetserve:acct:``)::
-
-    P limits:<level>:<ident>             hash  budget, period, rpm, tpm (absent = unlimited)
-    P spend:<level>:<bucket>:<ident>     hash  spent, reserved (micro-USD integers)
-    P gcra:<rpm|tpm>:<level>:<ident>     string the GCRA theoretical arrival time (µs)
-    P resv:<request_id>                  hash  one live reservation: amounts and counters
-    P done:<request_id>                  string the charge of a settled request (short-lived)
-    P resv-expiry                        zset  request_id by hold expiry (µs), for sweeping
+Redis keys: gateway/tenancy/accounting_keys.py. Each is tagged with the request's
+org (``jetserve:acct:{<org>}:...``), so one request's scripts name keys of one
+Redis Cluster hash slot; limits, spend and holds of a tenant or key are therefore
+addressed with their org (``org=``), and settling names the org it reserved in.
 
 ``bucket`` is the UTC day ``YYYYMMDD``, the UTC month ``YYYYMM`` or ``total``. It is
 computed from ``clock()`` here, not by the script (scripts stay deterministic and a
@@ -77,7 +73,9 @@ Abandoned holds. A reservation carries a hold expiry (``hold_s``, default 30 min
 past the gateway's longest deadline). :meth:`Accountant.sweep_expired` releases
 holds past it, so a gateway that died between reserve and reconcile does not keep
 budget reserved forever; run it periodically from one or more replicas (it is safe
-to run concurrently). The reservation hash itself expires in Redis a day after the
+to run concurrently). Each org keeps its own expiry index; the sweep finds them
+through the registry of orgs with holds (accounting_keys.py says why that stays
+complete under concurrent reserves). The reservation hash itself expires in Redis a day after the
 hold, only to bound memory if nothing sweeps.
 """
 
@@ -88,12 +86,19 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from gateway.errors import AccountingUnavailable
+from gateway.tenancy.accounting_keys import (
+    DEFAULT_PREFIX,
+    PRUNE_LUA,
+    REGISTRY_MARGIN_S,
+    REGISTRY_REFRESH_S,
+    AccountingKeys,
+)
 from gateway.tenancy.accounting_lua import RECONCILE_LUA, RESERVE_LUA, as_str, reservation_of
 from gateway.tenancy.limits import (
     KINDS,
@@ -110,10 +115,12 @@ from gateway.tenancy.limits import (
     is_int,
     period_buckets,
 )
+from streams.redis_client import RedisClient
 
 # The Accountant's types, importable from here with it.
 __all__ = [
     "Accountant",
+    "ExpiredHold",
     "Level",
     "LimitKind",
     "LimitSpec",
@@ -133,6 +140,15 @@ _RESV_GRACE_S = 86_400.0
 _SETTLE_STATES = {1: "applied", 2: "repeat", 3: "other", 0: "none"}
 
 
+@dataclass(frozen=True, slots=True)
+class ExpiredHold:
+    """A hold past its expiry (its holder died, or is cut off)."""
+
+    org: str
+    tenant: str
+    request_id: str
+
+
 class Accountant:
     """Reserve, reconcile and inspect budgets and rate limits in Redis.
 
@@ -145,9 +161,9 @@ class Accountant:
 
     def __init__(
         self,
-        redis: redis.Redis,
+        redis: RedisClient,
         *,
-        prefix: str = "jetserve:acct:",
+        prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
         burst_s: float = 6.0,
         hold_s: float = 1800.0,
@@ -157,7 +173,10 @@ class Accountant:
         if burst_s < 0 or hold_s <= 0 or settled_ttl_s <= 0:
             raise ValueError("burst_s must be >= 0, hold_s and settled_ttl_s > 0")
         self._redis = redis
-        self._prefix = prefix
+        self.keys = AccountingKeys(prefix)
+        # org -> this process's clock when it last registered the org as one
+        # that holds (accounting_keys.py): registered again past the refresh.
+        self._registered: dict[str, float] = {}
         self._clock = clock
         self.burst_s = burst_s
         self.hold_s = hold_s
@@ -167,27 +186,23 @@ class Accountant:
         # SCRIPT LOAD and EVALSHA again.
         self._reserve = redis.register_script(RESERVE_LUA)
         self._reconcile = redis.register_script(RECONCILE_LUA)
+        self._prune = redis.register_script(PRUNE_LUA)
 
     # keys
 
-    def _limits_key(self, level: Level, ident: str) -> str:
-        return f"{self._prefix}limits:{level}:{ident}"
-
-    def _spend_key(self, level: Level, bucket: str, ident: str) -> str:
-        return f"{self._prefix}spend:{level}:{bucket}:{ident}"
-
-    def _gcra_key(self, kind: LimitKind, level: Level, ident: str) -> str:
-        return f"{self._prefix}gcra:{kind}:{level}:{ident}"
-
-    def _resv_key(self, request_id: str) -> str:
-        return f"{self._prefix}resv:{request_id}"
-
-    def _done_key(self, request_id: str) -> str:
-        return f"{self._prefix}done:{request_id}"
-
-    @property
-    def _index_key(self) -> str:
-        return f"{self._prefix}resv-expiry"
+    def _org_of(self, level: Level, ident: str, org: str | None) -> str:
+        """The org whose slot holds ``level``/``ident``: an org is its own; a
+        tenant's or key's must be named (its limits live beside its org's)."""
+        check_level(level)
+        _check_ident(ident)
+        if level == "org":
+            if org is not None and org != ident:
+                raise ValueError(f"org limits of {ident!r} named with another org {org!r}")
+            return ident
+        if org is None:
+            raise ValueError(f"the {level} {ident!r} needs its org (org=...)")
+        _check_ident(org)
+        return org
 
     @contextlib.asynccontextmanager
     async def _store(self, what: str) -> AsyncIterator[None]:
@@ -203,9 +218,10 @@ class Accountant:
 
     # limits
 
-    async def set_limits(self, level: Level, ident: str, spec: LimitSpec) -> None:
-        check_level(level)
-        _check_ident(ident)
+    async def set_limits(
+        self, level: Level, ident: str, spec: LimitSpec, *, org: str | None = None
+    ) -> None:
+        org = self._org_of(level, ident, org)
         fields: dict[str, str] = {"period": spec.period}
         for name, value in (
             ("budget", spec.budget_micros),
@@ -215,7 +231,7 @@ class Accountant:
         ):
             if value is not None:
                 fields[name] = repr(float(value)) if name == "weight" else str(value)
-        key = self._limits_key(level, ident)
+        key = self.keys.limits(org, level, ident)
         # MULTI/EXEC: a reserve never sees the old fields half-replaced.
         async with (
             self._store("set_limits"),
@@ -225,11 +241,11 @@ class Accountant:
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
             await pipe.execute()
 
-    async def get_limits(self, level: Level, ident: str) -> LimitSpec:
-        check_level(level)
+    async def get_limits(self, level: Level, ident: str, *, org: str | None = None) -> LimitSpec:
+        org = self._org_of(level, ident, org)
         async with self._store("get_limits"):
             raw = await self._redis.hmget(
-                self._limits_key(level, ident), ["budget", "period", "rpm", "tpm", "weight"]
+                self.keys.limits(org, level, ident), ["budget", "period", "rpm", "tpm", "weight"]
             )
         budget, period, rpm, tpm, weight = (_opt_str(v) for v in raw)
         return LimitSpec(
@@ -263,19 +279,33 @@ class Accountant:
             raise ValueError("hold_s must be positive")
         now = self._clock()
         async with self._store("reserve"):
+            await self._register(scope.org, now)
             reply = await self._reserve(
                 keys=self._reserve_keys(scope, request_id, now),
                 args=self._reserve_args(scope, request_id, cost_micros, tokens, hold, now),
             )
         return reservation_of(reply, scope, request_id, cost_micros, now)
 
+    async def _register(self, org: str, now: float) -> None:
+        """Name ``org`` in the registry of orgs with holds before holding for it
+        (again once the refresh has passed), so the sweep finds its index."""
+        last = self._registered.get(org)
+        if last is not None and 0 <= now - last < REGISTRY_REFRESH_S:
+            return
+        await self._redis.zadd(self.keys.registry, {org: int(now * 1_000_000)}, gt=True)
+        if len(self._registered) > 100_000:
+            self._registered.clear()
+        self._registered[org] = now
+
     def _reserve_keys(self, scope: Scope, request_id: str, now: float) -> list[str]:
-        """The reserve script's KEYS, in its order (gateway/tenancy/accounting_lua.py)."""
+        """The reserve script's KEYS, in its order (gateway/tenancy/accounting_lua.py);
+        all in the org's hash slot."""
         buckets = period_buckets(now)
-        keys: list[str] = [self._limits_key(lv, scope.ident(lv)) for lv in LEVELS]
-        keys += [self._spend_key(lv, buckets[p], scope.ident(lv)) for lv in LEVELS for p in PERIODS]
-        keys += [self._gcra_key(k, lv, scope.ident(lv)) for lv in LEVELS for k in KINDS]
-        keys += [self._resv_key(request_id), self._done_key(request_id), self._index_key]
+        k, org = self.keys, scope.org
+        keys: list[str] = [k.limits(org, lv, scope.ident(lv)) for lv in LEVELS]
+        keys += [k.spend(org, lv, buckets[p], scope.ident(lv)) for lv in LEVELS for p in PERIODS]
+        keys += [k.gcra(org, kind, lv, scope.ident(lv)) for lv in LEVELS for kind in KINDS]
+        keys += [k.resv(org, request_id), k.done(org, request_id), k.index(org)]
         return keys
 
     def _reserve_args(
@@ -297,21 +327,21 @@ class Accountant:
             _COUNTER_TTL_S["month"],
         ]
 
-    async def reconcile(self, request_id: str, actual_micros: int) -> int:
+    async def reconcile(self, request_id: str, actual_micros: int, *, org: str) -> int:
         """Turn the hold into the actual charge at every level, atomically; return the
         charge (``actual_micros``, charged in full even above the hold). A request
         that holds nothing (already reconciled, released, swept, never reserved)
         returns 0 and changes nothing."""
-        return (await self.settle(request_id, actual_micros))[1]
+        return (await self.settle(request_id, actual_micros, org=org))[1]
 
     async def settle(
-        self, request_id: str, actual_micros: int, writer: str = ""
+        self, request_id: str, actual_micros: int, writer: str = "", *, org: str
     ) -> tuple[bool, int]:
-        state, charge = await self.settle_as(request_id, actual_micros, writer)
+        state, charge = await self.settle_as(request_id, actual_micros, writer, org=org)
         return state in ("applied", "repeat"), charge
 
     async def settle_as(
-        self, request_id: str, actual_micros: int, writer: str = ""
+        self, request_id: str, actual_micros: int, writer: str = "", *, org: str
     ) -> tuple[str, int]:
         """:meth:`reconcile`, also telling whether this call settled the hold
         (False: someone else did, or there was none). Whoever settles a request
@@ -321,10 +351,13 @@ class Accountant:
         ``writer`` names the settlement (gateway/inference/settlements.py): a
         settlement applied again by the same writer (its reply was lost, or it
         was redelivered from the outbox) answers ``(True, the charge it applied)``
-        and changes nothing, so its ledger record can still be written."""
+        and changes nothing, so its ledger record can still be written.
+
+        ``org`` is the org the request was reserved in (its keys' hash tag)."""
         _check_ident(request_id)
+        _check_ident(org)
         _check_amount("actual_micros", actual_micros)
-        resv = self._resv_key(request_id)
+        resv = self.keys.resv(org, request_id)
         async with self._store("reconcile"):
             # The counters a reservation charged are in its hash; they are read first
             # so the script can be given every key it touches. The script re-checks
@@ -335,8 +368,8 @@ class Accountant:
                 state, charged = await self._reconcile(
                     keys=[
                         resv,
-                        self._done_key(request_id),
-                        self._index_key,
+                        self.keys.done(org, request_id),
+                        self.keys.index(org),
                         # No hash (settled already): the script reads only the
                         # marker; the reservation's own key stands in for the
                         # counters (a key the gateway's Redis user may name).
@@ -354,58 +387,72 @@ class Accountant:
                     return name, int(charged) if name in ("applied", "repeat") else 0
         raise AccountingUnavailable(f"Reservation {request_id} kept changing; not reconciled")
 
-    async def expired(self, limit: int = 1000) -> list[tuple[str, str]]:
+    async def expired(self, limit: int = 1000) -> list[ExpiredHold]:
         """Up to ``limit`` holds past their expiry (their holder died, or is cut
-        off): ``(request_id, tenant)``, for the caller to settle from evidence."""
-        now_us = int(self._clock() * 1_000_000)
-        async with self._store("sweep"):
-            due: Sequence[Any] = await self._redis.zrangebyscore(
-                self._index_key, "-inf", now_us, start=0, num=limit
-            )
-            out: list[tuple[str, str]] = []
-            for raw in due:
-                request_id = as_str(raw)
-                tenant = await self._redis.hget(self._resv_key(request_id), "tenant")
-                if tenant is None:  # reconciled meanwhile, or dropped by Redis
-                    await self._redis.zrem(self._index_key, request_id)
-                else:
-                    out.append((request_id, as_str(tenant)))
+        off), over every org, for the caller to settle from evidence."""
+        now = self._clock()
+        now_us = int(now * 1_000_000)
+        out: list[ExpiredHold] = []
+        for org in await self._orgs_with_holds(now):
+            index = self.keys.index(org)
+            # One timeout per org: a sweep over many orgs is not one operation.
+            async with self._store("sweep"):
+                due: Sequence[Any] = await self._redis.zrangebyscore(
+                    index, "-inf", now_us, start=0, num=limit - len(out)
+                )
+                for raw in due:
+                    request_id = as_str(raw)
+                    tenant = await self._redis.hget(self.keys.resv(org, request_id), "tenant")
+                    if tenant is None:  # reconciled meanwhile, or dropped by Redis
+                        await self._redis.zrem(index, request_id)
+                    else:
+                        out.append(ExpiredHold(org, as_str(tenant), request_id))
+            if len(out) >= limit:
+                break
         return out
 
-    async def release(self, request_id: str) -> None:
-        """Give the whole hold back (the request failed before costing anything)."""
-        await self.reconcile(request_id, 0)
+    async def _orgs_with_holds(self, now: float) -> list[str]:
+        """Every org in the registry; those long unregistered with no holds are
+        dropped from it on the way (accounting_keys.py: why that is safe)."""
+        # The cutoff is taken before any index is read: a reserve that lands
+        # after that read registered after the cutoff, so its org stays.
+        cutoff_us = int((now - REGISTRY_REFRESH_S - REGISTRY_MARGIN_S) * 1_000_000)
+        registry = self.keys.registry
+        async with self._store("sweep"):
+            entries: Sequence[Any] = await self._redis.zrange(registry, 0, -1, withscores=True)
+        orgs: list[str] = []
+        for raw, score in entries:
+            org = as_str(raw)
+            if score < cutoff_us:
+                async with self._store("sweep"):
+                    if not await self._redis.zcard(self.keys.index(org)):
+                        await self._prune(keys=[registry], args=[org, cutoff_us])
+                        continue
+            orgs.append(org)
+        return orgs
 
-    async def spend(self, level: Level, ident: str) -> tuple[int, int]:
+    async def release(self, request_id: str, *, org: str) -> None:
+        """Give the whole hold back (the request failed before costing anything)."""
+        await self.reconcile(request_id, 0, org=org)
+
+    async def spend(self, level: Level, ident: str, *, org: str | None = None) -> tuple[int, int]:
         """``(spent, reserved)`` in micro-USD for the current period of ``level``."""
-        spec = await self.get_limits(level, ident)
+        org = self._org_of(level, ident, org)
+        spec = await self.get_limits(level, ident, org=org)
         bucket = period_buckets(self._clock())[spec.period]
         async with self._store("spend"):
             spent, reserved = await self._redis.hmget(
-                self._spend_key(level, bucket, ident), ["spent", "reserved"]
+                self.keys.spend(org, level, bucket, ident), ["spent", "reserved"]
             )
         return int(spent or 0), int(reserved or 0)
 
     async def sweep_expired(self, limit: int = 1000) -> int:
         """Release up to ``limit`` holds past their expiry (their holder died);
         return how many were released. Safe to run from several replicas at once."""
-        now_us = int(self._clock() * 1_000_000)
-        async with self._store("sweep"):
-            due: Sequence[Any] = await self._redis.zrangebyscore(
-                self._index_key, "-inf", now_us, start=0, num=limit
-            )
         released = 0
-        for raw in due:
-            request_id = as_str(raw)
-            async with self._store("sweep"):
-                exists = await self._redis.exists(self._resv_key(request_id))
-            if exists:
-                await self.release(request_id)
-                released += 1
-            else:
-                # Reconciled meanwhile, or dropped by Redis; just forget it.
-                async with self._store("sweep"):
-                    await self._redis.zrem(self._index_key, request_id)
+        for hold in await self.expired(limit):
+            state, _ = await self.settle_as(hold.request_id, 0, org=hold.org)
+            released += state == "applied"
         return released
 
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from gateway.errors import BadRequest, GatewayError, Timeout, Unavailable
+from streams.redis_client import RedisClient
 
 PREFIX = "jetserve:idem:"
 HEADER = "idempotency-key"
@@ -66,7 +66,7 @@ def key_hash(tenant: str, idempotency_key: str) -> str:
 
 
 class IdempotencyStore:
-    def __init__(self, client: redis.Redis, ttl_s: float = 600.0, poll_s: float = 0.05) -> None:
+    def __init__(self, client: RedisClient, ttl_s: float = 600.0, poll_s: float = 0.05) -> None:
         self._redis = client
         self.ttl_s = ttl_s
         self._poll = poll_s

@@ -13,6 +13,12 @@ may use ("*" = any), and the actions it may take (:data:`ACTIONS`; by default
 Lookups are cached per gateway for ``ttl`` seconds (single flight under a
 burst), so a revoked key stops working on every replica within that time. No
 Redis evidence -> the caller fails closed (503).
+
+Redis Cluster. Each record is its own key, hashed to its own slot, and no
+operation here needs two of them at once: writes that touch several are made in
+an order whose every prefix is harmless (a key's record before its id's pointer
+and its tenant's list), and a transaction WATCHes and writes one key. So the same
+code runs on one Redis and on a cluster.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
-import redis.asyncio as redis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, WatchError
 
 from gateway.errors import AuthenticationFailed, BadRequest, NotFound, PermissionDenied, Unavailable
 from streams.ids import is_safe_id
+from streams.redis_client import RedisClient
 
 P = "jetserve:"
 ANY = ("*",)
@@ -143,13 +149,18 @@ def _unavailable(exc: BaseException) -> Unavailable:
     return Unavailable("Key store unavailable; refusing to serve unauthenticated.")
 
 
+# A transactional pipeline of either client (redis.asyncio's or its cluster's).
+Pipeline = Any
+
+
 async def _optimistic(
-    client: redis.Redis, watch: str, body: Callable[[Pipeline], Awaitable[bool]]
+    client: RedisClient, watch: str, body: Callable[[Pipeline], Awaitable[bool]]
 ) -> None:
     """Run ``body`` under WATCH ``watch`` (it reads, calls ``multi()`` and queues
-    writes; False: nothing to write), again while another writer moved it. Past
-    a few rounds the WatchError (a RedisError) reaches the caller as a store
-    failure: contention that long is not worth spinning on."""
+    writes of ``watch`` alone: one cluster slot; False: nothing to write), again
+    while another writer moved it. Past a few rounds the WatchError (a
+    RedisError) reaches the caller as a store failure: contention that long is
+    not worth spinning on."""
     async with client.pipeline(transaction=True) as pipe:
         for _ in range(_WATCH_ROUNDS):
             try:
@@ -166,11 +177,11 @@ async def _optimistic(
 
 def _begin(pipe: Pipeline) -> None:
     """End the WATCHed reads: what follows is queued for EXEC."""
-    pipe.multi()  # type: ignore[no-untyped-call]
+    pipe.multi()
 
 
 class Tenancy:
-    def __init__(self, client: redis.Redis, ttl: float = 1.0, *, key_secret: bytes) -> None:
+    def __init__(self, client: RedisClient, ttl: float = 1.0, *, key_secret: bytes) -> None:
         if not key_secret:
             raise ValueError("Tenancy needs the key secret (GatewayConfig.key_secret)")
         self._redis = client
@@ -212,7 +223,11 @@ class Tenancy:
 
     async def list_tenants(self) -> list[Tenant]:
         ids = sorted(_s(m) for m in await self._redis.smembers(f"{P}tenants"))
-        raws = await self._redis.mget([f"{P}tenant:{i}" for i in ids]) if ids else []
+        # One GET per tenant, pipelined: on a cluster they are in many slots.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.get(f"{P}tenant:{i}")
+            raws = await pipe.execute() if ids else []
         return [_tenant_dec.decode(r) for r in raws if r]
 
     # -- keys ----------------------------------------------------------------
@@ -242,11 +257,12 @@ class Tenancy:
             prefix=key[:8],
         )
         digest = hash_key(key, self._secret)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(f"{P}apikey:{digest}", _enc.encode(record))
-            pipe.set(f"{P}keyid:{record.key_id}", digest)
-            pipe.sadd(f"{P}tenantkeys:{t.id}", record.key_id)
-            await pipe.execute()
+        # Three keys, three slots on a cluster: in this order, a failure half-way
+        # leaves a record nobody was given (a retry makes a new one), never a
+        # listed key id without its record.
+        await self._redis.set(f"{P}apikey:{digest}", _enc.encode(record))
+        await self._redis.set(f"{P}keyid:{record.key_id}", digest)
+        await self._redis.sadd(f"{P}tenantkeys:{t.id}", record.key_id)
         return key, record
 
     async def _record_by_id(self, key_id: str) -> tuple[str, KeyRecord]:
@@ -264,23 +280,35 @@ class Tenancy:
         return [(await self._record_by_id(i))[1] for i in ids]
 
     async def revoke_key(self, key_id: str) -> KeyRecord:
-        # Under WATCH of the key's pointer: a legacy key upgraded meanwhile moves
-        # its record, and the revocation must land where the record now is.
+        # The record is revoked under WATCH of its own key (one slot). A legacy
+        # key upgraded meanwhile moves its record and repoints its id: the
+        # pointer is read again after the write, and the revocation follows it.
+        for _ in range(_WATCH_ROUNDS):
+            digest = await self._redis.get(f"{P}keyid:{key_id}")
+            if digest is None:
+                raise NotFound(f"Key '{key_id}' not found.", code="not_found")
+            revoked = await self._revoke_record(_s(digest))
+            if await self._redis.get(f"{P}keyid:{key_id}") == digest:
+                if revoked is None:
+                    raise NotFound(f"Key '{key_id}' not found.", code="not_found")
+                return revoked
+        raise WatchError(f"key {key_id} kept moving under {_WATCH_ROUNDS} revocations")
+
+    async def _revoke_record(self, digest: str) -> KeyRecord | None:
         revoked: KeyRecord | None = None
+        record_key = f"{P}apikey:{digest}"
 
         async def write(pipe: Pipeline) -> bool:
             nonlocal revoked
-            digest = await pipe.get(f"{P}keyid:{key_id}")
-            raw = await pipe.get(f"{P}apikey:{_s(digest)}") if digest else None
-            if digest is None or raw is None:
-                raise NotFound(f"Key '{key_id}' not found.", code="not_found")
+            raw = await pipe.get(record_key)
+            if raw is None:
+                return False
             revoked = msgspec.structs.replace(_key_dec.decode(raw), revoked=True)
             _begin(pipe)
-            pipe.set(f"{P}apikey:{_s(digest)}", _enc.encode(revoked))
+            pipe.set(record_key, _enc.encode(revoked))
             return True
 
-        await _optimistic(self._redis, f"{P}keyid:{key_id}", write)
-        assert revoked is not None
+        await _optimistic(self._redis, record_key, write)
         return revoked
 
     async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
@@ -346,12 +374,15 @@ class Tenancy:
             raw = await pipe.get(f"{P}apikey:{legacy}")
             if raw is None:
                 # Gone after a retry: another replica moved it first.
-                moved = await pipe.get(f"{P}apikey:{digest}") if tries > 1 else None
+                moved = await self._redis.get(f"{P}apikey:{digest}") if tries > 1 else None
                 return False
             moved = raw
+            # Copied first, then the old entry deleted under WATCH (one slot each
+            # on a cluster): a revocation of the old entry meanwhile fails the
+            # delete, and the next round copies the revoked record over.
+            await self._redis.set(f"{P}apikey:{digest}", raw)
+            await self._redis.set(f"{P}keyid:{_key_dec.decode(raw).key_id}", digest)
             _begin(pipe)
-            pipe.set(f"{P}apikey:{digest}", raw)
-            pipe.set(f"{P}keyid:{_key_dec.decode(raw).key_id}", digest)
             pipe.delete(f"{P}apikey:{legacy}")
             return True
 

@@ -15,10 +15,10 @@ import hashlib
 import re
 import secrets
 
-import redis.asyncio as redis
 from redis.exceptions import RedisError
 
 from gateway.errors import Unavailable
+from streams.redis_client import RedisClient
 
 PREFIX = "jetserve:wsticket:"
 TICKET_PREFIX = "wst-"  # tells a ticket from an API key in a bearer subprotocol
@@ -41,7 +41,7 @@ def _xor_pad(ticket: str, data: bytes) -> bytes:
 
 
 class TicketStore:
-    def __init__(self, client: redis.Redis, ttl_s: int = 30) -> None:
+    def __init__(self, client: RedisClient, ttl_s: int = 30) -> None:
         self._redis = client
         self.ttl_s = ttl_s
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from jetserve.commands.common import (
     DEFAULT_NATS,
     DEFAULT_REDIS,
+    REDIS_CLUSTER_HELP,
     REPLICAS_HELP,
     add_bus_args,
     bus_auth,
@@ -18,9 +19,8 @@ from jetserve.commands.common import (
 )
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
-
     from jetserve.commands.common import Subparsers
+    from streams.redis_client import RedisClient
     from tools import Registry, Tool
     from workers.agent import CrashPoints
 
@@ -32,6 +32,7 @@ def register(sub: Subparsers) -> None:
     a.add_argument("--nats", default=DEFAULT_NATS)
     add_bus_args(a)
     a.add_argument("--redis", default=DEFAULT_REDIS, help="the demo tools' bank")
+    a.add_argument("--redis-cluster", action="store_true", help=REDIS_CLUSTER_HELP)
     a.add_argument("--executor-id", default="")
     a.add_argument("--concurrency", type=int, default=64, help="steps in flight")
     a.add_argument("--lease", type=float, default=5.0, help="run lease (s), renewed at 1/3")
@@ -77,11 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    import redis.asyncio
-
     from streams.agent_topology import AgentTopology
     from streams.auth import Role
     from streams.definitions import Topology
+    from streams.redis_client import open_redis
     from streams.tasks import install_task_dump
     from tools import Registry
     from workers.agent import CrashPoints, Executor, ExecutorConfig, parse_crash_specs
@@ -90,7 +90,9 @@ async def _run(args: argparse.Namespace) -> int:
     registry = Registry()
     client = None
     if args.demo_tools:  # the bank's own Redis ACL user ("agent": demobank:* only)
-        client = redis.asyncio.Redis.from_url(args.redis, password=redis_password(args, "agent"))
+        client = open_redis(
+            args.redis, password=redis_password(args, "agent"), cluster=args.redis_cluster
+        )
     if client is not None:
         _register_demo_tools(registry, client, crash)
     for spec in args.tools_module:
@@ -135,7 +137,7 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _register_demo_tools(registry: Registry, client: Redis, crash: CrashPoints) -> None:
+def _register_demo_tools(registry: Registry, client: RedisClient, crash: CrashPoints) -> None:
     """The demo tools, their bank in Redis, each able to crash at a step point."""
     from tools import ToolContext
     from workers.agent.demo_tools import DemoBank, demo_tools

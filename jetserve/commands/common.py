@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 DEFAULT_NATS = os.environ.get("JETSERVE_NATS_URL", "nats://127.0.0.1:4222")
 DEFAULT_REDIS = os.environ.get("JETSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_CLUSTER_HELP = (
+    "--redis names one node of a Redis Cluster: the client finds the others and "
+    "routes by hash slot (same ACL user and password)"
+)
 DEFAULT_ADMIN = os.environ.get("JETSERVE_ADMIN_URL", "http://127.0.0.1:8081")
 OTEL_EXPORTER = os.environ.get("JETSERVE_OTEL_EXPORTER") or None
 OTEL_HELP = "export spans: otlp+http://HOST:4318 or file:///PATH (needs the otel extra)"

@@ -12,6 +12,7 @@ from jetserve.commands.common import (
     DEFAULT_REDIS,
     OTEL_EXPORTER,
     OTEL_HELP,
+    REDIS_CLUSTER_HELP,
     REPLICAS_HELP,
     add_bus_args,
     bus_auth,
@@ -74,6 +75,7 @@ def register(sub: Subparsers) -> None:
     g.add_argument("--nats", default=DEFAULT_NATS)
     add_bus_args(g)
     g.add_argument("--redis", default=DEFAULT_REDIS)
+    g.add_argument("--redis-cluster", action="store_true", help=REDIS_CLUSTER_HELP)
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--otel-exporter", default=OTEL_EXPORTER, help=OTEL_HELP)
     g.add_argument("--replicas", type=int, default=1, help=REPLICAS_HELP)
@@ -375,6 +377,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         redis_url=args.redis,
         nats_auth=bus_auth(args, Role.GATEWAY),
         redis_password=redis_password(args, "gateway"),
+        redis_cluster=args.redis_cluster,
         models=split_csv(args.models),
         embedding_models=split_csv(args.embedding_models),
         context_lengths=dict(args.context_length),

@@ -29,6 +29,7 @@ from gateway.errors import (
     Unavailable,
 )
 from gateway.tenancy.accounting import Accountant, LimitSpec, Scope, period_buckets
+from gateway.tenancy.accounting_keys import AccountingKeys
 from jetserve.services import Service, start_redis
 
 pytestmark = pytest.mark.connected
@@ -139,7 +140,10 @@ async def main():
         print(json.dumps({"admitted": admitted, "rejected": res.count(None)}), flush=True)
         await loop.run_in_executor(None, sys.stdin.readline)
         charges = await asyncio.gather(
-            *(accts[n % len(accts)].reconcile(rid, (n * 7919) % (c + 1)) for n, rid, c in admitted)
+            *(
+                accts[n % len(accts)].reconcile(rid, (n * 7919) % (c + 1), org="o")
+                for n, rid, c in admitted
+            )
         )
         print(json.dumps({"charges": charges}), flush=True)
     else:
@@ -236,7 +240,7 @@ async def test_budget_holds_under_1000_concurrent_reserves_from_three_processes(
     acct = Accountant(rds, prefix=prefix)  # the children's clock: real time
     cost = 12_345
     budget = 100 * cost  # exactly 100 worst-case requests
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=budget, period="total"))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=budget, period="total"), org="o")
     ids = [[n, f"req-{n}"] for n in range(1000)]
     await children.start(
         [
@@ -260,20 +264,20 @@ async def test_budget_holds_under_1000_concurrent_reserves_from_three_processes(
     rejected = sum(r["rejected"] for r in reserved)
     print(f"\nbudget: admitted {admitted}, rejected {rejected} of 1000 (3 processes x 4 pools)")
     assert (admitted, rejected) == (100, 900)
-    assert await acct.spend("tenant", "t") == (0, budget)
+    assert await acct.spend("tenant", "t", org="o") == (0, budget)
     assert await acct.spend("org", "o") == (0, budget)  # org has no budget: still counted
 
     await children.send("reconcile")
     charged = [json.loads(line)["charges"] for line in await children.lines()]
     total = sum(sum(c) for c in charged)
     assert all(0 <= c <= cost for cs in charged for c in cs)  # actual <= hold
-    assert await acct.spend("tenant", "t") == (total, 0)
+    assert await acct.spend("tenant", "t", org="o") == (total, 0)
     assert await acct.spend("org", "o") == (total, 0)
     for p in range(3):
-        assert await acct.spend("key", f"k{p}") == (sum(charged[p]), 0)
+        assert await acct.spend("key", f"k{p}", org="o") == (sum(charged[p]), 0)
     assert total <= budget
     # Everything was reconciled: no live reservation is left in the sweep index.
-    assert await rds.zcard(prefix + "resv-expiry") == 0
+    assert await rds.zcard(AccountingKeys(prefix).index("o")) == 0
 
 
 async def test_budget_holds_under_concurrency_from_separate_pools(
@@ -291,7 +295,7 @@ async def test_budget_holds_under_concurrency_from_separate_pools(
     ]
     try:
         accts = [Accountant(c, prefix=prefix) for c in clients]
-        await accts[0].set_limits("key", "k", LimitSpec(budget_micros=100 * 999))
+        await accts[0].set_limits("key", "k", LimitSpec(budget_micros=100 * 999), org="o")
 
         async def one(n: int) -> int | BudgetExceeded:
             try:
@@ -304,7 +308,7 @@ async def test_budget_holds_under_concurrency_from_separate_pools(
         refused = [g for g in got if isinstance(g, BudgetExceeded)]
         assert len(got) - len(refused) == 100
         assert {e.level for e in refused} == {"key"}
-        assert await accts[1].spend("key", "k") == (0, 100 * 999)
+        assert await accts[1].spend("key", "k", org="o") == (0, 100 * 999)
     finally:
         for c in clients:
             await c.aclose(close_connection_pool=True)
@@ -330,13 +334,13 @@ async def test_org_budget_caps_two_tenants_together(acct: Accountant) -> None:
         (10_000, 10_000, 1_000)
     }
     assert await acct.spend("org", "o") == (0, 10_000)
-    assert await acct.spend("tenant", "t1") == (0, 5_000)
-    assert await acct.spend("tenant", "t2") == (0, 5_000)
+    assert await acct.spend("tenant", "t1", org="o") == (0, 5_000)
+    assert await acct.spend("tenant", "t2", org="o") == (0, 5_000)
 
 
 async def test_key_budget_caps_a_key_below_its_tenant(acct: Accountant) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=10_000))
-    await acct.set_limits("key", "k1", LimitSpec(budget_micros=3_000))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=10_000), org="o")
+    await acct.set_limits("key", "k1", LimitSpec(budget_micros=3_000), org="o")
 
     async def fill(key: str, tag: str) -> tuple[int, str]:
         n = 0
@@ -349,20 +353,20 @@ async def test_key_budget_caps_a_key_below_its_tenant(acct: Accountant) -> None:
 
     assert await fill("k1", "a") == (3, "key")
     assert await fill("k2", "b") == (7, "tenant")  # the tenant's remainder, not more
-    assert await acct.spend("key", "k1") == (0, 3_000)
-    assert await acct.spend("tenant", "t") == (0, 10_000)
+    assert await acct.spend("key", "k1", org="o") == (0, 3_000)
+    assert await acct.spend("tenant", "t", org="o") == (0, 10_000)
 
 
 # -- idempotency, reconcile, release -----------------------------------------------
 
 
 async def test_reserve_is_idempotent_per_request_id(acct: Accountant) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=5_000, rpm=1000))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=5_000, rpm=1000), org="o")
     scope = Scope("o", "t", "k")
     got = await asyncio.gather(*(acct.reserve(scope, "same", 4_000, 10) for _ in range(20)))
     assert sum(not r.replayed for r in got) == 1
     assert {(r.cost_micros, r.tokens, r.created_at) for r in got} == {(4_000, 10, T0)}
-    assert await acct.spend("tenant", "t") == (0, 4_000)
+    assert await acct.spend("tenant", "t", org="o") == (0, 4_000)
     # A replay is returned even though a second charge would break the budget.
     again = await acct.reserve(scope, "same", 4_000, 10)
     assert again.replayed
@@ -373,19 +377,19 @@ async def test_reserve_is_idempotent_per_request_id(acct: Accountant) -> None:
 async def test_reconcile_is_idempotent_and_reserve_after_it_holds_nothing(
     acct: Accountant,
 ) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=5_000))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=5_000), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "r", 4_000, 10)
-    charges = await asyncio.gather(*(acct.reconcile("r", 2_500) for _ in range(10)))
+    charges = await asyncio.gather(*(acct.reconcile("r", 2_500, org="o") for _ in range(10)))
     assert sorted(charges) == [0] * 9 + [2_500]
-    assert await acct.reconcile("r", 2_500) == 0
-    assert await acct.spend("tenant", "t") == (2_500, 0)
+    assert await acct.reconcile("r", 2_500, org="o") == 0
+    assert await acct.spend("tenant", "t", org="o") == (2_500, 0)
     settled = await acct.reserve(scope, "r", 4_000, 10)
     assert settled.settled
     assert settled.charged_micros == 2_500
     assert settled.cost_micros == 0
-    assert await acct.spend("tenant", "t") == (2_500, 0)
-    assert await acct.reconcile("never-reserved", 1_000) == 0
+    assert await acct.spend("tenant", "t", org="o") == (2_500, 0)
+    assert await acct.reconcile("never-reserved", 1_000, org="o") == 0
 
 
 async def test_a_settlement_applied_again_by_its_writer_answers_its_charge(
@@ -396,32 +400,35 @@ async def test_a_settlement_applied_again_by_its_writer_answers_its_charge(
     changes; another writer of the same request is told it was settled."""
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "w", 4_000, 10)
-    assert await acct.settle_as("w", 1_500, "gw1/admitted") == ("applied", 1_500)
-    assert await acct.settle_as("w", 1_500, "gw1/admitted") == ("repeat", 1_500)
-    assert await acct.settle_as("w", 9_999, "gw2/resumed") == ("other", 0)
-    assert await acct.settle_as("w", 1_500, "") == ("other", 0)  # anonymous: never a repeat
-    assert await acct.settle_as("never-held", 1_500, "gw1/admitted") == ("none", 0)
-    assert await acct.spend("tenant", "t") == (1_500, 0)
+    assert await acct.settle_as("w", 1_500, "gw1/admitted", org="o") == ("applied", 1_500)
+    assert await acct.settle_as("w", 1_500, "gw1/admitted", org="o") == ("repeat", 1_500)
+    assert await acct.settle_as("w", 9_999, "gw2/resumed", org="o") == ("other", 0)
+    assert await acct.settle_as("w", 1_500, "", org="o") == (
+        "other",
+        0,
+    )  # anonymous: never a repeat
+    assert await acct.settle_as("never-held", 1_500, "gw1/admitted", org="o") == ("none", 0)
+    assert await acct.spend("tenant", "t", org="o") == (1_500, 0)
     assert (await acct.reserve(scope, "w", 4_000, 10)).charged_micros == 1_500
 
 
 async def test_release_on_failure_returns_the_hold(acct: Accountant) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "a", 1_000, 1)
     with pytest.raises(BudgetExceeded):
         await acct.reserve(scope, "b", 1, 1)
-    await acct.release("a")
-    assert await acct.spend("tenant", "t") == (0, 0)
+    await acct.release("a", org="o")
+    assert await acct.spend("tenant", "t", org="o") == (0, 0)
     assert (await acct.reserve(scope, "b", 1_000, 1)).cost_micros == 1_000
 
 
 async def test_actual_above_the_hold_is_charged_in_full(acct: Accountant) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_200))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_200), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "a", 1_000, 1)
-    assert await acct.reconcile("a", 1_500) == 1_500
-    assert await acct.spend("tenant", "t") == (1_500, 0)
+    assert await acct.reconcile("a", 1_500, org="o") == 1_500
+    assert await acct.spend("tenant", "t", org="o") == (1_500, 0)
     with pytest.raises(BudgetExceeded):  # overspent: even a free request is refused
         await acct.reserve(scope, "b", 0, 1)
 
@@ -429,8 +436,8 @@ async def test_actual_above_the_hold_is_charged_in_full(acct: Accountant) -> Non
 async def test_a_refused_reserve_changes_nothing(
     acct: Accountant, rds: redis.Redis, prefix: str
 ) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000, rpm=60))
-    await acct.set_limits("key", "k", LimitSpec(tpm=600))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000, rpm=60), org="o")
+    await acct.set_limits("key", "k", LimitSpec(tpm=600), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "a", 600, 100)
     before = await snapshot(rds, prefix)
@@ -447,43 +454,43 @@ async def test_a_reservation_is_charged_in_the_period_it_was_made(
     acct: Accountant, clock: Clock
 ) -> None:
     clock.now = 1_700_006_399.0  # 2023-11-14T23:59:59Z
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000, period="day"))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000, period="day"), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "late", 1_000, 1)
     assert period_buckets(clock.now)["day"] == "20231114"
     clock.now += 2  # the next UTC day: a fresh budget
     assert period_buckets(clock.now)["day"] == "20231115"
-    assert await acct.spend("tenant", "t") == (0, 0)
+    assert await acct.spend("tenant", "t", org="o") == (0, 0)
     await acct.reserve(scope, "early", 1_000, 1)
-    assert await acct.reconcile("late", 700) == 700
-    assert await acct.spend("tenant", "t") == (0, 1_000)  # "late" went to the 14th
+    assert await acct.reconcile("late", 700, org="o") == 700
+    assert await acct.spend("tenant", "t", org="o") == (0, 1_000)  # "late" went to the 14th
     clock.now -= 2
-    assert await acct.spend("tenant", "t") == (700, 0)
+    assert await acct.spend("tenant", "t", org="o") == (700, 0)
 
 
 async def test_sweep_releases_abandoned_holds(acct: Accountant, clock: Clock) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=3_000))
+    await acct.set_limits("tenant", "t", LimitSpec(budget_micros=3_000), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "dead", 1_000, 1, hold_s=10)
     await acct.reserve(scope, "alive", 1_000, 1, hold_s=100)
     await acct.reserve(scope, "done", 1_000, 1, hold_s=10)
-    await acct.reconcile("done", 400)
+    await acct.reconcile("done", 400, org="o")
     clock.now += 9
     assert await acct.sweep_expired() == 0
     clock.now += 2
     assert await acct.sweep_expired() == 1
-    assert await acct.spend("tenant", "t") == (400, 1_000)
-    assert await acct.reconcile("dead", 500) == 0  # its holder came back too late
-    assert await acct.reconcile("alive", 500) == 500
+    assert await acct.spend("tenant", "t", org="o") == (400, 1_000)
+    assert await acct.reconcile("dead", 500, org="o") == 0  # its holder came back too late
+    assert await acct.reconcile("alive", 500, org="o") == 500
 
 
 async def test_limits_round_trip_and_validation(acct: Accountant) -> None:
     assert await acct.get_limits("org", "nobody") == LimitSpec()
     spec = LimitSpec(budget_micros=5, period="day", rpm=7, tpm=9)
-    await acct.set_limits("key", "k", spec)
-    assert await acct.get_limits("key", "k") == spec
-    await acct.set_limits("key", "k", LimitSpec(rpm=3))
-    assert await acct.get_limits("key", "k") == LimitSpec(rpm=3)
+    await acct.set_limits("key", "k", spec, org="o")
+    assert await acct.get_limits("key", "k", org="o") == spec
+    await acct.set_limits("key", "k", LimitSpec(rpm=3), org="o")
+    assert await acct.get_limits("key", "k", org="o") == LimitSpec(rpm=3)
     for bad in ({"rpm": 0}, {"tpm": -1}, {"budget_micros": -1}, {"period": "week"}):
         with pytest.raises(ValueError, match=f"^{next(iter(bad))} must be"):
             LimitSpec(**bad)
@@ -514,7 +521,7 @@ def test_errors_render_as_openai_errors() -> None:
 async def test_rpm_over_a_simulated_clock(acct: Accountant, clock: Clock) -> None:
     """rpm=60 (T = 1 s), burst 6 s: an attempt every 0.125 s for 60 s admits
     floor((60 + 6) / 1) = 66, and retry_after is exact."""
-    await acct.set_limits("tenant", "t", LimitSpec(rpm=60))
+    await acct.set_limits("tenant", "t", LimitSpec(rpm=60), org="o")
     scope = Scope("o", "t", "k")
     for n in range(6):  # the burst, one attempt per tick
         clock.now = T0 + n * 0.125
@@ -533,7 +540,7 @@ async def test_rpm_over_a_simulated_clock(acct: Accountant, clock: Clock) -> Non
     admitted = 0
     waits: list[tuple[int, float]] = []
     other = Scope("o", "t2", "k2")
-    await acct.set_limits("tenant", "t2", LimitSpec(rpm=60))
+    await acct.set_limits("tenant", "t2", LimitSpec(rpm=60), org="o")
     for j in range(481):  # T0 .. T0 + 60 s inclusive
         clock.now = T0 + 100 + j * 0.125
         try:
@@ -549,8 +556,8 @@ async def test_rpm_over_a_simulated_clock(acct: Accountant, clock: Clock) -> Non
 
 
 async def test_key_and_tenant_rpm_report_the_binding_limit(acct: Accountant, clock: Clock) -> None:
-    await acct.set_limits("tenant", "t", LimitSpec(rpm=60))
-    await acct.set_limits("key", "slow", LimitSpec(rpm=6))  # T = 10 s > burst: 1 at a time
+    await acct.set_limits("tenant", "t", LimitSpec(rpm=60), org="o")
+    await acct.set_limits("key", "slow", LimitSpec(rpm=6), org="o")  # T = 10 s > burst: 1 at a time
     await acct.reserve(Scope("o", "t", "slow"), "a", 0, 1)
     with pytest.raises(RateLimited) as err:
         await acct.reserve(Scope("o", "t", "slow"), "b", 0, 1)
@@ -562,7 +569,7 @@ async def test_key_and_tenant_rpm_report_the_binding_limit(acct: Accountant, clo
 
 async def test_tpm_counts_worst_case_tokens(acct: Accountant, clock: Clock) -> None:
     """tpm=6000: 10 ms per token, burst 6 s = 600 tokens."""
-    await acct.set_limits("key", "k", LimitSpec(tpm=6000))
+    await acct.set_limits("key", "k", LimitSpec(tpm=6000), org="o")
     scope = Scope("o", "t", "k")
     await acct.reserve(scope, "a", 0, 500)  # TAT = T0 + 5 s
     with pytest.raises(RateLimited) as err:
@@ -591,7 +598,7 @@ async def test_rpm_holds_within_5_percent_across_three_processes(
     """Three processes x 8 workers offer load far above rpm=12000 (200/s) for 4 s."""
     acct = Accountant(rds, prefix=prefix)
     rpm, burst_s, duration = 12_000, 1.0, 4.0
-    await acct.set_limits("tenant", "t", LimitSpec(rpm=rpm))
+    await acct.set_limits("tenant", "t", LimitSpec(rpm=rpm), org="o")
     await children.start(
         [
             {
@@ -650,15 +657,15 @@ async def test_redis_down_fails_closed_and_recovers_after_restart(
     try:
         acct = Accountant(client, prefix="down:", timeout_s=0.5)
         scope = Scope("o", "t", "k")
-        await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000))
+        await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000), org="o")
         await acct.reserve(scope, "a", 100, 1)
 
         redis_server.stop()
         calls: list[Callable[[], Any]] = [
             lambda: acct.reserve(scope, "b", 100, 1),
-            lambda: acct.reconcile("a", 50),
-            lambda: acct.spend("tenant", "t"),
-            lambda: acct.set_limits("tenant", "t", LimitSpec()),
+            lambda: acct.reconcile("a", 50, org="o"),
+            lambda: acct.spend("tenant", "t", org="o"),
+            lambda: acct.set_limits("tenant", "t", LimitSpec(), org="o"),
         ]
         for call in calls:
             started = time.monotonic()
@@ -668,14 +675,14 @@ async def test_redis_down_fails_closed_and_recovers_after_restart(
             assert time.monotonic() - started < 3.0
 
         redis_server.restart()  # its append-only file brings the data back; no scripts loaded
-        await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000))
+        await acct.set_limits("tenant", "t", LimitSpec(budget_micros=1_000), org="o")
         r = await acct.reserve(scope, "b", 600, 1)  # NOSCRIPT -> loaded again
         assert r.cost_micros == 600
         assert not r.replayed
         with pytest.raises(BudgetExceeded):
             await acct.reserve(scope, "c", 600, 1)
-        assert await acct.reconcile("b", 600) == 600
-        assert await acct.spend("tenant", "t") == (600, 100)  # "a" is still held
+        assert await acct.reconcile("b", 600, org="o") == 600
+        assert await acct.spend("tenant", "t", org="o") == (600, 100)  # "a" is still held
     finally:
         await client.aclose()
 
@@ -688,10 +695,16 @@ async def test_a_repeat_settlement_under_the_gateways_redis_user(redis_server: S
     try:
         acct = Accountant(rds)
         await acct.reserve(Scope("o", "t", "k"), "acl-repeat", 4_000, 10)
-        assert await acct.settle_as("acl-repeat", 1_500, "gw1/admitted") == ("applied", 1_500)
-        assert await acct.settle_as("acl-repeat", 1_500, "gw1/admitted") == ("repeat", 1_500)
-        assert await acct.settle_as("acl-repeat", 1_500, "sweep") == ("other", 0)
-        assert await acct.settle_as("acl-never", 1_500, "gw1/admitted") == ("none", 0)
+        assert await acct.settle_as("acl-repeat", 1_500, "gw1/admitted", org="o") == (
+            "applied",
+            1_500,
+        )
+        assert await acct.settle_as("acl-repeat", 1_500, "gw1/admitted", org="o") == (
+            "repeat",
+            1_500,
+        )
+        assert await acct.settle_as("acl-repeat", 1_500, "sweep", org="o") == ("other", 0)
+        assert await acct.settle_as("acl-never", 1_500, "gw1/admitted", org="o") == ("none", 0)
     finally:
         await rds.aclose()
 
@@ -700,13 +713,13 @@ async def test_a_reservation_carries_its_tenants_share_weight(acct: Accountant) 
     scope = Scope("org-w", "tenant-w", "key-w")
     first = await acct.reserve(scope, "req-w1", 10, 10)
     assert first.weight == 1.0  # no weight set: 1
-    await acct.set_limits("tenant", "tenant-w", LimitSpec(weight=2.5))
-    assert (await acct.get_limits("tenant", "tenant-w")).weight == 2.5
+    await acct.set_limits("tenant", "tenant-w", LimitSpec(weight=2.5), org="org-w")
+    assert (await acct.get_limits("tenant", "tenant-w", org="org-w")).weight == 2.5
     assert (await acct.reserve(scope, "req-w2", 10, 10)).weight == 2.5
     # A repeated reserve of a held id answers with the weight too.
     assert (await acct.reserve(scope, "req-w2", 10, 10)).weight == 2.5
     # A key's or an org's weight is not the tenant's.
-    await acct.set_limits("key", "key-w", LimitSpec(weight=9.0))
+    await acct.set_limits("key", "key-w", LimitSpec(weight=9.0), org="org-w")
     assert (await acct.reserve(scope, "req-w3", 10, 10)).weight == 2.5
     with pytest.raises(ValueError, match="weight"):
         LimitSpec(weight=0.0)

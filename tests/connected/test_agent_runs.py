@@ -102,7 +102,7 @@ def wait(
 def bank_effects(fleet: Fleet, run_id: str) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(fleet.redis_url)
     try:
-        log = [json.loads(e) for e in client.lrange("demobank:log", 0, -1)]
+        log = [json.loads(e) for e in client.lrange("demobank:{bank}:log", 0, -1)]
     finally:
         client.close()
     return [e for e in log if e["key"].startswith(f"{run_id}/")]

@@ -39,10 +39,10 @@ async def test_one_leads_the_others_follow_and_the_leader_pays(
         claim = await r.claim(key, f"own-{id(r)}", "tenant-a", deadline, deadline - 1)
         assert (claim.kind, claim.request_id, claim.tenant) == ("follow", "lead-1", "tenant-a")
     # The leader reads to the end: it pays, the followers do not, and it pays once.
-    assert not await b.pay("lead-1", leads=False)
-    assert await a.pay("lead-1", leads=True)
-    assert not await a.pay("lead-1", leads=True)
-    assert not await c.pay("lead-1", leads=False)
+    assert not await b.pay(key, "lead-1", leads=False)
+    assert await a.pay(key, "lead-1", leads=True)
+    assert not await a.pay(key, "lead-1", leads=True)
+    assert not await c.pay(key, "lead-1", leads=False)
     await a.end(key, "lead-1")
     # Ended: the next identical request leads a new execution.
     assert (await b.claim(key, "lead-2", "tenant-a", deadline, deadline - 1)).kind == "lead"
@@ -57,11 +57,11 @@ async def test_the_leader_leaving_opens_the_charge_and_the_last_out_stops(
     await b.claim(key, "b-1", "tenant-a", deadline, deadline - 1)
     await c.claim(key, "c-1", "tenant-a", deadline, deadline - 1)
     assert await a.leave(key, "lead-1", leads=True) == 2  # others read on: no stop
-    assert not await a.pay("lead-1", leads=True)  # the charge moved to them
+    assert not await a.pay(key, "lead-1", leads=True)  # the charge moved to them
     assert await b.leave(key, "lead-1", leads=False) == 1
     assert await c.leave(key, "lead-1", leads=False) == 0  # the last one out stops it
-    assert await c.pay("lead-1", leads=False)  # and pays for what ran
-    assert not await b.pay("lead-1", leads=False)
+    assert await c.pay(key, "lead-1", leads=False)  # and pays for what ran
+    assert not await b.pay(key, "lead-1", leads=False)
     assert await c.leave(key, "lead-1", leads=False) == -1  # gone: nothing to stop twice
 
 
@@ -90,7 +90,7 @@ async def test_no_redis_means_each_replica_its_own_and_the_leader_pays(
             "unshared"
         )
         assert await registry.leave(key, "lead-1", leads=True) is None  # never a stop
-        assert await registry.pay("lead-1", leads=True)
-        assert not await registry.pay("lead-1", leads=False)
+        assert await registry.pay(key, "lead-1", leads=True)
+        assert not await registry.pay(key, "lead-1", leads=False)
     finally:
         await client.aclose()

@@ -203,8 +203,8 @@ async def bank_books(fleet: Fleet) -> tuple[list[dict[str, Any]], list[str]]:
     """The demo bank's own books: every applied effect, and every repeat attempt."""
     bank = aioredis.Redis.from_url(fleet.redis_url)
     try:
-        log = [json.loads(e) for e in await bank.lrange("demobank:log", 0, -1)]
-        raw = await bank.lrange("demobank:repeats", 0, -1)
+        log = [json.loads(e) for e in await bank.lrange("demobank:{bank}:log", 0, -1)]
+        raw = await bank.lrange("demobank:{bank}:repeats", 0, -1)
         repeats = [k.decode() if isinstance(k, bytes) else str(k) for k in raw]
     finally:
         await bank.aclose()

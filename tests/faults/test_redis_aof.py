@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 
 from gateway.errors import AccountingUnavailable
 from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.accounting_keys import AccountingKeys
 from jetserve.commands.admin_client import AdminClient
 from jetserve.fleet import Fleet
 from tests.faults.harness import Load, check, outbox_size, references
@@ -66,7 +67,8 @@ async def tenant_spend(fleet: Fleet, tenant: str, limit_s: float = 0.0) -> tuple
     try:
         while True:
             try:
-                return await Accountant(client).spend("tenant", tenant)
+                # The fleet's tenant is its own org (created without one).
+                return await Accountant(client).spend("tenant", tenant, org=tenant)
             except AccountingUnavailable:
                 if time.monotonic() - t0 > limit_s:
                     raise
@@ -82,9 +84,10 @@ async def remaining_holds(fleet: Fleet, tenant: str) -> dict[str, int]:
     client = aioredis.from_url(fleet.redis_url, decode_responses=True)
     try:
         holds: dict[str, int] = {}
-        for raw in await client.zrange("jetserve:acct:resv-expiry", 0, -1):
+        keys = AccountingKeys()  # the fleet's tenant is its own org
+        for raw in await client.zrange(keys.index(tenant), 0, -1):
             request_id = str(raw)
-            cost, owner = await client.hmget(f"jetserve:acct:resv:{request_id}", ["cost", "tenant"])
+            cost, owner = await client.hmget(keys.resv(tenant, request_id), ["cost", "tenant"])
             if cost is not None:
                 assert owner == tenant, (request_id, owner)
                 holds[request_id] = int(cost)

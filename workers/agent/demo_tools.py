@@ -20,12 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import redis.asyncio as redis
 
+from streams.redis_client import RedisClient
 from tools import InProcess, Outcome, Tier, Tool, ToolContext, ToolFailure
 
 Hook = Callable[[str, ToolContext], None]
-PREFIX = "demobank:"  # its own Redis ACL user may touch only these keys
+# Its own Redis ACL user may touch only ``demobank:*``. The script names four keys
+# of the bank: one hash tag, one Redis Cluster slot.
+PREFIX = "demobank:{bank}:"
 MAX_AMOUNT = 1_000_000
 
 # One atomic step: apply once per key (else log the repeat), move the balances.
@@ -80,7 +82,7 @@ def _no_hook(point: str, ctx: ToolContext) -> None:
 
 
 class DemoBank:
-    def __init__(self, client: redis.Redis, *, hook: Hook = _no_hook, prefix: str = PREFIX) -> None:
+    def __init__(self, client: RedisClient, *, hook: Hook = _no_hook, prefix: str = PREFIX) -> None:
         self._redis = client
         self._hook = hook
         self.prefix = prefix
