@@ -13,7 +13,6 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-import nats
 from nats.aio.client import Client
 
 from streams.auth import Role, inbox_prefix
@@ -84,6 +83,26 @@ class BusAuth:
 OPEN = BusAuth(None, "_INBOX")  # an insecure bus, for code paths that say so
 
 
+class _Client(Client):
+    """nats-py's client, with its PONG handling fixed.
+
+    Each ``flush()`` queues a future for its PING's PONG; a flush cancelled
+    (its task stopped) or timed out leaves that future cancelled in the queue,
+    and when the PONG arrives nats-py sets a result on it: InvalidStateError,
+    which ends the connection's read loop for good: every later flush times
+    out and nothing more is received (a worker's shutdown took 5 s for it;
+    nats-io/nats.py#624 is the same flaw in the flusher). The PONG still
+    answers that PING, so it is consumed, and nobody is told."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
+
 async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
     async def on_error(exc: Exception) -> None:
         log.warning("nats %s: %s", name, exc)
@@ -97,13 +116,15 @@ async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
 
     # A comma-separated list names the nodes of a cluster; any one will do.
     servers = [u.strip() for u in url.split(",") if u.strip()]
-    return await nats.connect(
+    nc = _Client()
+    await nc.connect(
         servers,
         name=name,
         max_reconnect_attempts=-1,  # ride out a nats-server restart
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=0.5,  # type: ignore[arg-type]  # annotated int; a sleep, float is fine
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         **auth.options(),
     )
+    return nc

@@ -85,7 +85,7 @@ def nats_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Serv
     svc = start_nats(auth_conf=creds.nats_conf)
     svc.creds = creds
     yield svc
-    svc.stop()
+    svc.kill()  # its store is this test's temp dir: a clean stop writes it out for nobody
     assert_no_refusals(request, svc.violations())
 
 

@@ -108,7 +108,10 @@ async def test_settlements_that_arrive_together_are_one_outbox_message(
     assert await stored(nc) == (1, 0)
     assert await recorded(nc) == want
     for rid, charge in want.items():
-        assert await acct.settle(rid, 0, "gw1") == (True, charge)  # a repeat: the charge applied
+        assert await acct.settle(rid, 0, "gw1", org=SCOPE.org) == (
+            True,
+            charge,
+        )  # a repeat: the charge applied
 
     # Redis frozen: 5 settle together, none can be applied; their one message
     # stays in the outbox, whole.
