@@ -29,6 +29,7 @@ from streams.definitions import (
     Topology,
     frames_stream_names,
 )
+from streams.depth import DEPTH_SUBJECT
 from streams.evidence import EVIDENCE_BUCKET
 from streams.ids import is_safe_id
 from streams.leases import LEASES_BUCKET
@@ -201,7 +202,8 @@ def permissions(
                 f"{POOL_SPACE}.>",
                 KV_INDEX_SUBJECT,  # what its engine's KV cache holds (streams/kv_index.py)
             ),
-            subscribe=(inbox, f"{PREFIX}.cancel.>"),
+            # The fleet depth reader's looks: pending counts without asking the server.
+            subscribe=(inbox, f"{PREFIX}.cancel.>", DEPTH_SUBJECT),
         )
     if role is Role.AGENT:
         return Permissions(

@@ -164,11 +164,17 @@ class PullLoop:
         rest_s: float | None = None,
         peek: bool = False,
         scarce: Callable[[], bool] = lambda: False,
+        known_pending: Callable[[], int | None] = lambda: None,
+        on_peek: Callable[[str], None] = lambda source: None,
     ) -> None:
         self._sub = sub
         self._rest = rest_s
         self._peek = peek
         self._scarce = scarce  # whether a slot taken now would be the last free one
+        # The consumer's pending count as the fleet's depth reader last saw it
+        # (streams/depth.py LookFollower); None: ask the server.
+        self._known_pending = known_pending
+        self._on_peek = on_peek  # "look" or "server": where a peek's answer came from
         self._start = start
         self._slots = slots
         self._batch = batch
@@ -228,6 +234,11 @@ class PullLoop:
 
     async def _pending(self) -> bool:
         """Whether the consumer has messages for us (True when it cannot say)."""
+        known = self._known_pending()
+        if known is not None:
+            self._on_peek("look")
+            return known > 0
+        self._on_peek("server")
         try:
             info = await self._sub.consumer_info()
         except (nats.errors.Error, TimeoutError) as exc:

@@ -7,16 +7,30 @@ three, not one ``consumer_info`` per lane.
 
 At fleet scale even that is one list per gateway per look: one gateway, elected
 by lease, reads and publishes each look on ``DEPTH_SUBJECT`` (a :class:`DepthLook`),
-and the others take it from there (gateway/inference/shedding.py)."""
+and the others take it from there (gateway/inference/shedding.py). Workers take
+from it too: each non-lane consumer's pending count, which their pullers would
+otherwise ask the server for (``CONSUMER.INFO``) before taking a slot
+(:class:`LookFollower`, streams/consumer.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
 import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 
 from streams.definitions import Topology
 from streams.subjects import PREFIX
+
+log = logging.getLogger(__name__)
 
 LIST_PAGE = 256  # the server's page of a consumer list (JSApiListLimit)
 
@@ -76,14 +90,75 @@ class DepthLook(msgspec.Struct, frozen=True, tag="depth_look"):
 
     reader: str  # the gateway that looked
     classes: dict[str, ClassDepth] = {}
+    at: float = 0.0  # unix time of the look (a heartbeat republishes it unchanged)
+    # num_pending of every non-lane consumer (plain, excess, pools' plain) that
+    # has any: what a worker's pending peek asks (absent: 0).
+    plain: dict[str, int] = {}
 
 
 LOOK_ENCODER = msgspec.json.Encoder()
 LOOK_DECODER = msgspec.json.Decoder(DepthLook)
 
 
-async def read_depths(js: JetStreamContext, topo: Topology) -> dict[str, ClassDepth]:
+async def _all_infos(js: JetStreamContext, topo: Topology) -> list[ConsumerInfo]:
     infos: list[ConsumerInfo] = []
-    for stream in topo.request_streams:  # one, or one per class
+    for stream in topo.request_streams:  # one, one per class, or per shard
         infos += await consumer_infos(js, stream)
-    return class_depths(topo, infos)
+    return infos
+
+
+async def read_depths(js: JetStreamContext, topo: Topology) -> dict[str, ClassDepth]:
+    return class_depths(topo, await _all_infos(js, topo))
+
+
+async def read_look(js: JetStreamContext, topo: Topology, reader: str) -> DepthLook:
+    """One look at every work-queue consumer: the class sums and the non-lane
+    consumers' pending counts."""
+    infos = await _all_infos(js, topo)
+    plain = {
+        i.name: int(i.num_pending)
+        for i in infos
+        if i.num_pending and not topo.is_lane_consumer(i.name)
+    }
+    return DepthLook(reader, class_depths(topo, infos), time.time(), plain)
+
+
+class LookFollower:
+    """A worker's copy of the fleet reader's latest look: a consumer's pending
+    count without a ``CONSUMER.INFO`` (the pending peeks, streams/consumer.py).
+    A look older than ``fresh_s`` (the reader idle, gone, or a clock apart) says
+    nothing: the caller asks the server."""
+
+    def __init__(
+        self, nc: Client, fresh_s: float = 1.5, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._nc = nc
+        self.fresh_s = fresh_s
+        self._clock = clock
+        self._look: DepthLook | None = None
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(DEPTH_SUBJECT, cb=self._heard)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+
+    async def _heard(self, msg: Msg) -> None:
+        try:
+            look = LOOK_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("undecodable depth look dropped")
+            return
+        if self._look is None or look.at >= self._look.at:
+            self._look = look
+
+    def pending(self, consumer: str) -> int | None:
+        """``consumer``'s pending count as of the latest fresh look; None: no
+        fresh look (ask the server)."""
+        look = self._look
+        if look is None or self._clock() - look.at > self.fresh_s:
+            return None
+        return look.plain.get(consumer, 0)

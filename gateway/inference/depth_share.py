@@ -36,7 +36,6 @@ from streams.depth import (
     DEPTH_SUBJECT,
     LOOK_DECODER,
     LOOK_ENCODER,
-    ClassDepth,
     DepthLook,
 )
 from streams.leases import KvLease
@@ -96,9 +95,9 @@ class DepthShare:
             await self._lease.release()  # a follower takes over at its next try
         self._set_leading(False)
 
-    async def publish(self, classes: dict[str, ClassDepth]) -> None:
+    async def publish(self, look: DepthLook) -> None:
         """The reader's look, for the followers (best effort: core NATS)."""
-        self._last = DepthLook(reader=self.reader_id, classes=classes)
+        self._last = look
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(DEPTH_SUBJECT, LOOK_ENCODER.encode(self._last))
 
@@ -124,7 +123,7 @@ class DepthShare:
             self._lease = await self._make_lease()
         self._set_leading(await self._lease.hold())
         if self.leading and self._last is not None:
-            await self.publish(self._last.classes)  # the heartbeat
+            await self.publish(self._last)  # the heartbeat (its time unchanged)
 
     def _set_leading(self, leading: bool) -> None:
         if leading != self.leading:

@@ -35,7 +35,7 @@ from nats.js.errors import APIError
 
 from gateway.inference.depth_share import DepthShare
 from streams.definitions import Topology
-from streams.depth import ClassDepth, DepthLook, read_depths
+from streams.depth import ClassDepth, DepthLook, read_look
 from streams.tasks import stop_task
 
 # Too little evidence to refuse anyone: a short queue drains whatever the rate.
@@ -184,16 +184,17 @@ class QueueWatch:
         if empty and self.share is not None:
             # Idle as the last look left it; the delivery counts stand.
             idle = {c: ClassDepth(delivered=x.delivered, found=True) for c, x in self.loads.items()}
-            await self.share.publish(idle)
+            await self.share.publish(DepthLook(self.share.reader_id, idle, time.time()))
         return empty
 
     async def _poll(self) -> None:
-        found = await read_depths(self._js, self._topo)
+        reader = self.share.reader_id if self.share is not None else ""
+        look = await read_look(self._js, self._topo, reader)
         self.on_look("read")
-        for cls, depth in found.items():
+        for cls, depth in look.classes.items():
             self._take(cls, depth.pending, depth.ack_pending, depth.delivered)
         if self.share is not None:
-            await self.share.publish(found)
+            await self.share.publish(look)
 
     def _take(self, cls: str, depth: int, acking: int, delivered: int) -> None:
         load = self.loads[cls]

@@ -90,3 +90,49 @@ async def test_one_gateway_reads_the_depths_and_another_is_elected_when_it_dies(
         assert await second == [200] * 3
         answered = await first
         assert answered == ([0] * 5 if reader == 1 else [200] * 5), answered
+
+
+async def test_a_busy_workers_peeks_are_answered_from_the_looks(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A lower class's puller on a busy worker asks, before taking a slot,
+    whether its consumer holds work: from the reader's looks, not the server."""
+    fleet = make_fleet(workers=1)
+    worker_metrics = f"http://127.0.0.1:{fleet.worker_metrics_ports[0]}/metrics"
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "60"}
+    async with httpx.AsyncClient(timeout=90) as client:
+        # A batch request first: the batch puller has polled and found its queue
+        # empty, so while the worker is busy it peeks before pulling again.
+        body = {"model": "sim-8b", "max_tokens": 2, "messages": [{"role": "user", "content": "b"}]}
+        r = await client.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers={**headers, "X-Jetserve-Class": "batch"},
+        )
+        assert r.status_code == 200, r.text
+
+        # Interactive requests whose first token is 3 s late keep it busy.
+        stalled = asyncio.gather(
+            *(
+                client.post(
+                    f"{fleet.base_url}/v1/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": f"i{i}"}]},
+                    headers={**headers, "X-Sim-Fault": "stall:3000"},
+                )
+                for i in range(3)
+            )
+        )
+
+        async def peeked_from_looks() -> bool:
+            text = await scrape(worker_metrics)
+            return metric_sum(text, "jetserve_worker_pending_peeks_total", source="look") > 0
+
+        await until(peeked_from_looks, "a peek answered from the reader's look")
+        # Batch work arriving while it is busy is seen in the looks and served.
+        r = await client.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers={**headers, "X-Jetserve-Class": "batch"},
+        )
+        assert r.status_code == 200, r.text
+        assert [x.status_code for x in await stalled] == [200] * 3

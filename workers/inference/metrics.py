@@ -53,6 +53,13 @@ class WorkerMetrics:
             ["event"],
             registry=r,
         )
+        self.pending_peeks = Counter(
+            "jetserve_worker_pending_peeks",
+            "A lower class's puller asking whether its consumer holds work before taking "
+            "a slot, by where the answer came from: the fleet's depth look, or the server",
+            ["source"],
+            registry=r,
+        )
         self.kv_keys = Gauge(
             "jetserve_worker_kv_index_keys",
             "Prefix keys the engine holds, as told to the fleet's KV index (--kv-events)",

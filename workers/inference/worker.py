@@ -34,6 +34,7 @@ from streams.connect import OPEN, BusAuth, connect
 from streams.consumer import PullConsumer, PullLoop, Source
 from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
+from streams.depth import LookFollower
 from streams.headers import Header
 from streams.logs import log_event
 from streams.marks import CancelMarks, FailureCounts
@@ -157,6 +158,7 @@ class Worker:
         self._failures: FailureCounts | None = None
         self._acks: set[asyncio.Task[bool]] = set()  # confirmations still running
         self.kv: KvReporter | None = None  # the engine's KV events, when followed
+        self.looks: LookFollower | None = None  # the fleet depth reader's looks
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -174,6 +176,8 @@ class Worker:
                 log.warning("failure counts not ready (%r): tried again on use", exc)
             self._cancels = CancelWatch(nc, CancelMarks(js, topo), topo.limits.max_age_s)
             await self._cancels.start()
+            self.looks = LookFollower(nc)
+            await self.looks.start()
             await self._observe_engine()
             dep = cfg.deployment.name if cfg.deployment else ""
             for rank, cls in enumerate(cfg.classes):
@@ -292,6 +296,10 @@ class Worker:
             # A lower class's empty queue takes no slot under load, nor the last free one.
             peek=rank > 0 and not excess,
             scarce=lambda: self.admission.free_slots() <= 1,
+            # From the fleet's depth reader's looks while they are fresh: one
+            # CONSUMER.INFO less per peek (docs/scale.md, the depth reader).
+            known_pending=lambda: self.looks.pending(durable) if self.looks else None,
+            on_peek=lambda source: self.metrics.pending_peeks.labels(source).inc(),
         )
 
     def _lane_pullers(self, pool: str) -> list[LanePuller]:
