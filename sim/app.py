@@ -217,7 +217,7 @@ async def _embed_slot(sim: Simulator, rec: RequestRecord, delay: float) -> None:
 @_api
 async def models(request: Request) -> Response:
     sim = _sim(request)
-    loras = set(sim.cfg.loras)
+    loras = set(sim.loras)
     cards = [
         out.ModelCard(
             id=name,
@@ -229,6 +229,34 @@ async def models(request: Request) -> Response:
         for name in sim.served_models
     ]
     return _json(out.ModelList(data=cards))
+
+
+class LoraLoad(msgspec.Struct, frozen=True):
+    lora_name: str
+    lora_path: str = ""  # vLLM loads the weights from here; the simulator has none
+
+
+@_api
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's run-time LoRA loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): the
+    adapter is served, and listed in /v1/models, from now on."""
+    sim = _sim(request)
+    name = decode(await request.body(), LoraLoad).lora_name
+    if not name or name in sim.served_models:
+        raise BadRequest(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    sim.loras.append(name)
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+
+@_api
+async def unload_lora_adapter(request: Request) -> Response:
+    sim = _sim(request)
+    name = decode(await request.body(), LoraLoad).lora_name
+    if name not in sim.loras:
+        raise NotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
+    sim.loras.remove(name)
+    text = f"Success: LoRA adapter '{name}' removed successfully."
+    return Response(text, media_type="text/plain")
 
 
 @_api
@@ -300,6 +328,8 @@ ROUTES: tuple[BaseRoute, ...] = (
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

@@ -27,7 +27,9 @@ class Simulator:
     def __init__(self, cfg: SimConfig, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.model
-        self.served_models = (cfg.model, *cfg.aliases, *cfg.loras)
+        # LoRA adapters: those it starts with, and those loaded or unloaded at
+        # run time (vLLM's /v1/load_lora_adapter, sim/app.py).
+        self.loras: list[str] = list(cfg.loras)
         self.profile = cfg.base_profile
         self.max_num_seqs = cfg.eff_max_num_seqs
         self.max_model_len = cfg.eff_max_model_len
@@ -88,10 +90,14 @@ class Simulator:
     def text_seed(self, model: str | None) -> int:
         """The seed of ``model``'s natural text: the base's, or for a LoRA adapter
         one derived from its name (the same every run, never the base's)."""
-        if not model or model not in self.cfg.loras:
+        if not model or model not in self.loras:
             return self.cfg.seed
         digest = hashlib.blake2b(f"lora/{self.cfg.seed}/{model}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "big")
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        return (self.cfg.model, *self.cfg.aliases, *self.loras)
 
     @staticmethod
     def request_id(headers: Any) -> str:

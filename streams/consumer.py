@@ -346,13 +346,31 @@ class PullConsumer:
         self._sources: list[Source] = []
         self._handlers: set[asyncio.Task[None]] = set()  # owned: awaited by _drain
         self._stopping = asyncio.Event()
+        # While running: the task group the pulls run in, and each source's task.
+        self._group: asyncio.TaskGroup | None = None
+        self._pulls: dict[Source, asyncio.Task[None]] = {}
 
     @property
     def inflight(self) -> int:
         return len(self._handlers)
 
     def add(self, source: Source) -> None:
+        """A source to pull from; one added while running starts at once (a
+        LoRA adapter its engine loaded: its pool, workers/inference/worker.py)."""
         self._sources.append(source)
+        if self._group is not None and not self._stopping.is_set():
+            self._pulls[source] = self._group.create_task(source.run())
+
+    async def remove(self, source: Source) -> None:
+        """Stop pulling from ``source`` and hand back what it holds unstarted;
+        what it started is served (the handlers are not this source's)."""
+        if source not in self._sources:
+            return
+        self._sources.remove(source)
+        task = self._pulls.pop(source, None)
+        if task is not None:
+            await stop_task(task)
+        await source.hand_back()
 
     def start(self, msg: Msg) -> None:
         """Handle one message in a task of its own (its slot is already held)."""
@@ -373,10 +391,13 @@ class PullConsumer:
         """Serve until :meth:`shutdown`; returns once drained."""
         try:
             async with asyncio.TaskGroup() as tg:
-                pulls = [tg.create_task(source.run()) for source in self._sources]
+                self._group = tg
+                self._pulls = {source: tg.create_task(source.run()) for source in self._sources}
                 await self._stopping.wait()
-                await asyncio.gather(*(stop_task(task) for task in pulls))
+                self._group = None
+                await asyncio.gather(*(stop_task(task) for task in self._pulls.values()))
         finally:
+            self._group = None
             await asyncio.gather(*(source.hand_back() for source in self._sources))
             await self._drain()
 

@@ -250,6 +250,16 @@ class Membership:
             return min(rule.priority(rank, 0.0, 0.0), MAX_PRIORITY)
         return min(rule.priority(rank, self._load(), mean), MAX_PRIORITY)
 
+    @property
+    def mine(self) -> MemberInfo:
+        return self._mine
+
+    def set_served(self, models: tuple[str, ...], adapters: tuple[Adapter, ...]) -> None:
+        """The engine's models or adapters changed (a LoRA adapter loaded or
+        unloaded at run time): said from the next beat, which every member and
+        gateway sees (they derive the pools from it)."""
+        self._mine = msgspec.structs.replace(self._mine, models=models, adapters=adapters)
+
     def set_engine(self, engine: str) -> None:
         """The engine's build changed (replaced behind its URL): said from the next beat."""
         self._mine = msgspec.structs.replace(self._mine, engine=engine)

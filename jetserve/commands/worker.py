@@ -267,18 +267,10 @@ async def engine_models(engine_url: str) -> list[dict[str, object]] | None:
 
 
 def served(cards: list[dict[str, object]] | None) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
-    """The base model ids and the LoRA adapters (vLLM lists one with ``parent``,
-    its base model) in an engine's /v1/models cards."""
-    from streams.membership import Adapter
+    """The base model ids and the LoRA adapters in an engine's /v1/models cards."""
+    from workers.engines.served import parse_cards
 
-    models, adapters = [], []
-    for card in cards or ():
-        name, parent = str(card["id"]), card.get("parent")
-        if parent and parent != name:
-            adapters.append(Adapter(name, str(parent)))
-        else:
-            models.append(name)
-    return tuple(models), tuple(adapters)
+    return parse_cards(cards)
 
 
 async def deployment(

@@ -153,3 +153,40 @@ async def test_a_route_lists_adapters(fleet: Fleet) -> None:
         ("r-lora", "sim-8b", ADAPTER)
     }
     assert {r["worker"].split("-")[0] for r in routed} == {"worker0"}
+
+
+async def test_an_adapter_loaded_at_run_time_is_served_without_a_restart(fleet: Fleet) -> None:
+    """vLLM loads and unloads LoRA adapters while it runs (/v1/load_lora_adapter):
+    the worker in front of it follows, its pool is pulled (or no longer), and the
+    gateway lists and routes (or refuses) the adapter, with nothing restarted."""
+    engine = f"http://127.0.0.1:{fleet.worker_sim_ports[1]}"  # worker 1: the base model only
+    hot = {"lora_name": "hot-lora", "lora_path": "/adapters/hot-lora"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(f"{engine}/v1/load_lora_adapter", json=hot)
+        assert r.status_code == 200, r.text
+
+        async def hot_listed() -> bool:
+            return (await listed(c, fleet)).get("hot-lora", {}).get("parent") == "sim-8b"
+
+        await until(hot_listed, "the gateway listing the adapter loaded at run time")
+
+        async def hot_served() -> bool:
+            return (await chat(c, fleet, "hot-lora")).status_code == 200
+
+        await until(hot_served, "the adapter's pool pulled by the worker that now holds it")
+        replies = await asyncio.gather(*(chat(c, fleet, "hot-lora") for _ in range(4)))
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        records = ledger(fleet)
+        workers = {records[r.headers["x-request-id"]]["worker"].split("-")[0] for r in replies}
+        assert workers == {"worker1"}
+
+        r = await c.post(f"{engine}/v1/unload_lora_adapter", json={"lora_name": "hot-lora"})
+        assert r.status_code == 200, r.text
+
+        async def hot_gone() -> bool:
+            return "hot-lora" not in await listed(c, fleet)
+
+        await until(hot_gone, "the gateway dropping the unloaded adapter")
+        gone = await chat(c, fleet, "hot-lora")
+        assert gone.status_code == 404, gone.text
+        assert gone.json()["error"]["code"] == "model_not_found"

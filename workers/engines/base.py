@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from streams.wire import Op, Usage
+from workers.engines.served import Served
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,11 @@ class EngineAdapter(abc.ABC):
         a change fires the route evidence's ``engine_version_changed``); "": it
         does not say."""
         return ""
+
+    async def served(self) -> Served | None:
+        """The base models and LoRA adapters the engine serves now (its
+        ``/v1/models``); None: it cannot say (no such listing, or unreachable)."""
+        return None
 
     async def batches_embeddings(self) -> bool | None:
         """Whether the engine runs concurrent embedding calls together by itself

@@ -27,6 +27,7 @@ from workers.engines.http import (
     scrape,
 )
 from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
+from workers.engines.served import Served, read_served
 from workers.engines.translation import STRUCTURED_OUTPUTS, FieldStatus, Translated
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
@@ -286,6 +287,9 @@ class OpenAIAdapter(EngineAdapter):
 
     async def version(self) -> str:
         return await read_version(self._client, "/version", "vllm")
+
+    async def served(self) -> Served | None:
+        return await read_served(self._client)
 
     async def batches_embeddings(self) -> bool | None:
         """vLLM schedules concurrent pooling requests into one forward pass; the

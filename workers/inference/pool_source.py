@@ -57,5 +57,10 @@ class PoolSource:
             for source in self._sources:
                 tg.create_task(source.run())
 
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """Its pullers, once the pool exists."""
+        return tuple(self._sources)
+
     async def hand_back(self) -> None:
         await asyncio.gather(*(source.hand_back() for source in self._sources))

@@ -159,6 +159,7 @@ class Worker:
         self._acks: set[asyncio.Task[bool]] = set()  # confirmations still running
         self.kv: KvReporter | None = None  # the engine's KV events, when followed
         self.looks: LookFollower | None = None  # the fleet depth reader's looks
+        self._adapter_pools: dict[str, PoolSource] = {}  # adapter pool -> its puller
 
     async def run(self) -> None:
         """Serve until :meth:`shutdown`, then drain."""
@@ -207,7 +208,10 @@ class Worker:
                 # One pool per adapter it holds: requests for one go only there.
                 for adapter in cfg.adapters:
                     pool = adapter_pool(dep, adapter.name)
-                    self.consumer.add(PoolSource(js, topo, pool, self._pool_sources))
+                    source = self._adapter_pools[pool] = PoolSource(
+                        js, topo, pool, self._pool_sources
+                    )
+                    self.consumer.add(source)
             self.metrics.lane_members.set_function(lambda: len(members.members))
             self.metrics.lane_stale_pullers.set_function(
                 lambda: sum(lane.stale for lane in self.lanes)
@@ -360,11 +364,39 @@ class Worker:
                 self.engine_version = await self.engine.version() or self.engine_version
                 if self._members is not None:
                     self._members.set_engine(self.engine_version)
+                await self._follow_served()
         m = self.metrics
         m.engine_up.set(1 if self.engine_up else 0)
         m.engine_waiting.set(load.waiting or 0)
         m.engine_kv_usage.set(load.kv_usage or 0)
         m.kv_headroom.set(self.admission.headroom())
+
+    async def _follow_served(self) -> None:
+        """Follow the LoRA adapters the engine serves now (vLLM loads and unloads
+        them at run time): advertise them, and pull the pool of each one added,
+        stop pulling the pool of each one gone."""
+        members, dep = self._members, self.cfg.deployment
+        found = await self.engine.served()
+        if found is None or members is None:
+            return
+        models, adapters = found
+        if (models, adapters) == (members.mine.models, members.mine.adapters):
+            return
+        members.set_served(models, adapters)
+        self._event("adapters_changed", None, "", adapters=[a.name for a in adapters])
+        if dep is None:
+            return
+        js = self._js
+        assert js is not None
+        want = {adapter_pool(dep.name, a.name) for a in adapters}
+        for pool in sorted(want - self._adapter_pools.keys()):
+            source = PoolSource(js, self.cfg.topology, pool, self._pool_sources)
+            self._adapter_pools[pool] = source
+            self.consumer.add(source)
+        for pool in sorted(self._adapter_pools.keys() - want):
+            gone = self._adapter_pools.pop(pool)
+            await self.consumer.remove(gone)
+            self.lanes = [lane for lane in self.lanes if lane not in gone.sources]
 
     @property
     def connected(self) -> bool:
