@@ -10,8 +10,6 @@ JETSERVE_LLAMACPP_PEERS  the dir `bench/peers/llamacpp.sh install` fills (venv +
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from tests.llamacpp.llamacppkit import (
     LlamaCppServer,
     ready,
 )
-from tests.vllm.vllmkit import stop, tail, tree_rss_mb
+from tests.vllm.vllmkit import peer_process, tree_rss_mb
 
 
 @pytest.fixture(scope="session")
@@ -50,26 +48,16 @@ def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaC
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("llamacpp") / "llamacpp.log"
-    t0 = time.monotonic()
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            ["bash", str(SERVE), "serve", str(port), "--n_ctx", str(CONTEXT)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "JETSERVE_LLAMACPP_PEERS": peers},
-        )
-    try:
-        while not ready(url):
-            if proc.poll() is not None:
-                pytest.fail(f"llama.cpp exited ({proc.returncode}):\n{tail(log)}")
-            if time.monotonic() - t0 > STARTUP_S:
-                pytest.fail(f"llama.cpp not ready after {STARTUP_S:.0f}s:\n{tail(log)}")
-            time.sleep(0.2)
-        startup = time.monotonic() - t0
+    with peer_process(
+        ["bash", str(SERVE), "serve", str(port), "--n_ctx", str(CONTEXT)],
+        env={**os.environ, "JETSERVE_LLAMACPP_PEERS": peers},
+        log=log,
+        ready=lambda: ready(url),
+        name="llama.cpp",
+        startup_s=STARTUP_S,
+        poll_s=0.2,
+    ) as (proc, startup):
         server = LlamaCppServer(url, model, startup, tree_rss_mb(proc.pid), log)
         rss = server.rss_mb
         print(f"\nllamacpp tier: llama.cpp ({model}) up in {startup:.1f}s, RSS {rss:.0f} MB")
         yield server
-    finally:
-        stop(proc)

@@ -10,15 +10,13 @@ JETSERVE_VLLM_PEERS     the dir `bench/peers/vllm.sh install` fills (venv + tiny
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from jetserve.services import free_port
-from tests.vllm.vllmkit import SERVE, STARTUP_S, VllmServer, healthy, stop, tail, tree_rss_mb
+from tests.vllm.vllmkit import SERVE, STARTUP_S, VllmServer, healthy, peer_process, tree_rss_mb
 
 
 @pytest.fixture(scope="session")
@@ -49,29 +47,17 @@ def _serve(
     stopped, with EngineCore and its workers, at the end."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tmp.mktemp("vllm") / f"vllm-{command}.log"
-    t0 = time.monotonic()
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            ["bash", str(SERVE), command, str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: EngineCore and workers stop with it
-            env={**os.environ, "JETSERVE_VLLM_PEERS": peers},
-        )
-    try:
-        while not healthy(url):
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited ({proc.returncode}):\n{tail(log)}")
-            if time.monotonic() - t0 > STARTUP_S:
-                pytest.fail(f"vLLM not healthy after {STARTUP_S:.0f}s:\n{tail(log)}")
-            time.sleep(0.5)
-        startup = time.monotonic() - t0
+    with peer_process(
+        ["bash", str(SERVE), command, str(port)],
+        env={**os.environ, "JETSERVE_VLLM_PEERS": peers},
+        log=tmp.mktemp("vllm") / f"vllm-{command}.log",
+        ready=lambda: healthy(url),
+        name="vLLM",
+        startup_s=STARTUP_S,
+    ) as (proc, startup):
         server = VllmServer(url, model, startup, tree_rss_mb(proc.pid))
         print(f"\nvllm tier: vLLM ({model}) up in {startup:.1f}s, RSS {server.rss_mb:.0f} MB")
         yield server
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="session")

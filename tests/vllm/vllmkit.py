@@ -8,10 +8,13 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "bench" / "peers" / "vllm.sh"
@@ -64,3 +67,35 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     # Spawned EngineCore / worker processes left behind by an unclean exit.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def peer_process(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    log: Path,
+    ready: Callable[[], bool],
+    name: str,
+    startup_s: float,
+    poll_s: float = 0.5,
+) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """A real engine (``argv``, in its own process group, output to ``log``)
+    until ``ready``: (the process, seconds it took). Polled on its readiness,
+    failing the tier with the log's tail if it exits or outlasts ``startup_s``;
+    the whole group is stopped at the end."""
+    t0 = time.monotonic()
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    try:
+        while not ready():
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited ({proc.returncode}):\n{tail(log)}")
+            if time.monotonic() - t0 > startup_s:
+                pytest.fail(f"{name} not ready after {startup_s:.0f}s:\n{tail(log)}")
+            time.sleep(poll_s)  # a poll on its readiness, not a wait for time to pass
+        yield proc, time.monotonic() - t0
+    finally:
+        stop(proc)
