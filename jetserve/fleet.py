@@ -493,11 +493,14 @@ class Fleet:
             *self._context_args(),
             "--lanes",
             str(self.spec.lanes),
+            # Only when set: a baseline checkout's gateway may not know them.
             *(["--class-streams"] if self.spec.class_streams else []),
-            "--lane-shards",
-            str(self.spec.lane_shards),
-            "--frames-partitions",
-            str(self.spec.frames_partitions),
+            *(["--lane-shards", str(self.spec.lane_shards)] if self.spec.lane_shards > 1 else []),
+            *(
+                ["--frames-partitions", str(self.spec.frames_partitions)]
+                if self.spec.frames_partitions > 1
+                else []
+            ),
             *self._replica_args,
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,

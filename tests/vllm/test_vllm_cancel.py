@@ -40,6 +40,11 @@ HANG_UP_S = (0.0, 0.5)
 # An uncancelled wave must outlast the window by this much: a hang-up comes late on a
 # loaded machine (up to 1.4 s measured with two busy loops beside the fleet).
 MARGIN_S = 1.0
+# From a client's hang-up to vLLM's abort through the fleet: the gateway sees the
+# disconnect, publishes the cancel, the worker closes its engine stream (measured:
+# the worker's `cancelled` within 6 ms of the gateway's `ended`, vLLM idle 10-40 ms
+# later); generous, so a stream is judged only where a miss would be a miss.
+CANCEL_S = 0.5
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -68,8 +73,8 @@ def story(model: str, i: int) -> dict[str, object]:
     }
 
 
-async def uncancelled_wave_s(url: str, model: str) -> float:
-    """How long the shortest of a wave of streams takes when nobody hangs up
+async def uncancelled_s(url: str, model: str, n: int) -> float:
+    """How long the shortest of ``n`` streams at once takes when nobody hangs up
     (vLLM directly: the fleet only adds to it)."""
 
     async def one(c: httpx.AsyncClient, i: int) -> float:
@@ -79,7 +84,7 @@ async def uncancelled_wave_s(url: str, model: str) -> float:
         return time.monotonic() - t0
 
     async with httpx.AsyncClient(timeout=60) as c:
-        return min(await asyncio.gather(*(one(c, -1 - i) for i in range(WAVE))))
+        return min(await asyncio.gather(*(one(c, -1 - i) for i in range(n))))
 
 
 async def hang_up_at(
@@ -110,7 +115,10 @@ async def hang_up_at(
 async def test_hang_ups_at_random_moments_stop_vllm(vllm_server: VllmServer) -> None:
     url = vllm_server.url
     await idle(url)
-    whole_s = await uncancelled_wave_s(url, vllm_server.model)
+    whole_s = await uncancelled_s(url, vllm_server.model, WAVE)
+    # A stream whose wave-mates were cancelled runs alone, faster: the soonest any
+    # stream can end by itself.
+    alone_s = await uncancelled_s(url, vllm_server.model, 1)
     assert whole_s > HANG_UP_S[1] + MARGIN_S, (
         f"{WAVE} streams of {MAX_TOKENS} tokens end in {whole_s:.2f}s uncancelled: too short "
         f"for hang-ups drawn within {HANG_UP_S[1]}s (finished streams would count as run on)"
@@ -136,9 +144,27 @@ async def test_hang_ups_at_random_moments_stop_vllm(vllm_server: VllmServer) -> 
         generated = metric(url, "vllm:generation_tokens_total") - generated
     read = sum(chunks for chunks, _ in results)
     late = max(late for _, late in results)
+    # A stream whose client hung up so late (its loop starved on a loaded machine)
+    # that vLLM could have finished it by itself before the cancel arrived says
+    # nothing: only the others are judged. vLLM's counter is per server, not per
+    # stream, so the bound is on the count: every stream that ran on must be one
+    # of those that could not be judged.
+    unjudged = sum(
+        1
+        for (_, slack), at in zip(results, moments, strict=True)
+        if at + slack + CANCEL_S >= alone_s
+    )
     print(
         f"\nvllm tier: {STREAMS} streams hung up at random moments: {kept:.0f} ran on to "
-        f"max_tokens ({MAX_TOKENS}; {WAVE} uncancelled take {whole_s:.2f}s); {generated:.0f} "
-        f"tokens generated in all, {read} content chunks read; hang-ups late by up to {late:.2f}s"
+        f"max_tokens ({MAX_TOKENS}; {WAVE} uncancelled take {whole_s:.2f}s, one alone "
+        f"{alone_s:.2f}s); {generated:.0f} "
+        f"tokens generated in all, {read} content chunks read; hang-ups late by up to "
+        f"{late:.2f}s, {unjudged} of them too late to judge"
     )
-    assert kept == 0, f"{kept:.0f} of {STREAMS} ran on; hang-ups late by up to {late:.2f}s"
+    assert unjudged <= STREAMS // 2, (
+        f"{unjudged} of {STREAMS} hang-ups came too late to judge (up to {late:.2f}s): the "
+        "machine is too loaded for this check"
+    )
+    assert kept <= unjudged, (
+        f"{kept:.0f} of {STREAMS} ran on, only {unjudged} of them hung up too late to judge"
+    )
