@@ -140,13 +140,14 @@ class Outbox:
 
     async def publish_batch(
         self, gateway: str, batch: SettlementBatch, msg_id: str, timeout_s: float = 2.0
-    ) -> int:
-        """Store ``batch`` as one message; ``msg_id`` makes a republish (our ack
+    ) -> int | None:
+        """Store ``batch`` as one message; its sequence, or None when it is too
+        big for one (nothing stored). ``msg_id`` makes a republish (our ack
         lost) a duplicate. Raises the bus's errors."""
-        return await self._store(gateway, encode_settlement(batch), msg_id, timeout_s)
-
-    def fits(self, batch: SettlementBatch) -> bool:
-        return len(encode_settlement(batch)) <= self.topo.max_msg_size
+        data = encode_settlement(batch)
+        if len(data) > self.topo.max_msg_size:
+            return None
+        return await self._store(gateway, data, msg_id, timeout_s)
 
     async def _store(self, gateway: str, data: bytes, msg_id: str, timeout_s: float) -> int:
         ack = await self._js.publish(

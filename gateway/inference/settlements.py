@@ -134,11 +134,12 @@ class Settlements:
         """One outbox message for ``batch``: the settlement itself when alone (or
         when a batch would not fit a message, the first; the rest follow)."""
         if len(batch) > 1:
+            # A republish of this batch (_store_later) reuses its id: stored once.
+            msg_id = msg_id or f"batch:{self.gateway_id}:{uuid.uuid4().hex}"
             whole = SettlementBatch(settlements=batch)
-            if self.outbox.fits(whole):
-                # A republish of this batch (_store_later) reuses its id: stored once.
-                msg_id = msg_id or f"batch:{self.gateway_id}:{uuid.uuid4().hex}"
-                return await self.outbox.publish_batch(self.gateway_id, whole, msg_id)
+            seq = await self.outbox.publish_batch(self.gateway_id, whole, msg_id)
+            if seq is not None:
+                return seq
             for s in batch[1:]:
                 await self.outbox.publish(self.gateway_id, s)  # applied by a scanner
         return await self.outbox.publish(self.gateway_id, batch[0])

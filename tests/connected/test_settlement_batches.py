@@ -24,7 +24,14 @@ from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
 from jetserve.services import Service
 from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
-from streams.outbox import DEFAULT_OUTBOX, Outbox, Settlement, decode_settlements, ensure_outbox
+from streams.outbox import (
+    DEFAULT_OUTBOX,
+    Outbox,
+    OutboxTopology,
+    Settlement,
+    decode_settlements,
+    ensure_outbox,
+)
 from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
 from streams.wire import Usage
 from tests.waits import until
@@ -134,4 +141,36 @@ async def test_settlements_that_arrive_together_are_one_outbox_message(
 
     await until(scanned, "a scan to apply the frozen batch")
     assert await recorded(nc) == {**want, **later}
+    await books.aclose()
+
+
+async def test_a_batch_too_big_for_one_message_is_stored_one_by_one(
+    nc: Client, rds: redis.Redis
+) -> None:
+    """A batch over the outbox's message size goes as single settlements: each
+    applied once, the extra messages cleared by a scan."""
+    js = nc.jetstream()
+    small = OutboxTopology(
+        stream="JETSERVE_OUTBOX_SMALL", subject_prefix="jetserve.outboxsmall", max_msg_size=2048
+    )
+    await ensure_outbox(js, small)
+    acct = Accountant(rds, timeout_s=0.5)
+    books = Settlements(
+        js, Outbox(js, small), acct, LedgerWriter(js, attempts=2, backoff_s=0.05), "gw1",
+        DEFAULT_TOPOLOGY, PriceBook(), grace_s=0.0,
+    )  # fmt: skip
+    want = {f"big-{i}": 300 + i for i in range(6)}  # ~0.6 KiB each: over 2 KiB together
+    for rid in want:
+        await acct.reserve(SCOPE, rid, 1000, 10)
+    await asyncio.gather(*(books.settle(settlement(rid, c)) for rid, c in want.items()))
+    state = (await js.stream_info(small.stream)).state
+    assert state.last_seq == len(want)  # one message each
+    assert await recorded(nc) == want
+
+    async def cleared() -> bool:
+        await books.scan()
+        return (await js.stream_info(small.stream)).state.messages == 0
+
+    await until(cleared, "a scan to clear the single settlements")
+    assert await recorded(nc) == want  # applied again by the scan: still once each
     await books.aclose()
