@@ -100,6 +100,15 @@ LOOK_ENCODER = msgspec.json.Encoder()
 LOOK_DECODER = msgspec.json.Decoder(DepthLook)
 
 
+def decode_look(data: bytes) -> DepthLook | None:
+    """A published look; None (logged) when it cannot be read."""
+    try:
+        return LOOK_DECODER.decode(data)
+    except msgspec.DecodeError:
+        log.warning("undecodable depth look dropped")
+        return None
+
+
 async def _all_infos(js: JetStreamContext, topo: Topology) -> list[ConsumerInfo]:
     infos: list[ConsumerInfo] = []
     for stream in topo.request_streams:  # one, one per class, or per shard
@@ -147,10 +156,8 @@ class LookFollower:
                 await self._sub.unsubscribe()
 
     async def _heard(self, msg: Msg) -> None:
-        try:
-            look = LOOK_DECODER.decode(msg.data)
-        except msgspec.DecodeError:
-            log.warning("undecodable depth look dropped")
+        look = decode_look(msg.data)
+        if look is None:
             return
         if self._look is None or look.at >= self._look.at:
             self._look = look

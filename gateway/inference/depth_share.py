@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -34,9 +33,9 @@ from nats.js.errors import APIError
 from streams.depth import (
     DEPTH_POKE_SUBJECT,
     DEPTH_SUBJECT,
-    LOOK_DECODER,
     LOOK_ENCODER,
     DepthLook,
+    decode_look,
 )
 from streams.leases import KvLease
 from streams.tasks import stop_task
@@ -138,12 +137,8 @@ class DepthShare:
             self.led.clear()
 
     async def _heard(self, msg: Msg) -> None:
-        try:
-            look = LOOK_DECODER.decode(msg.data)
-        except msgspec.DecodeError:
-            log.warning("undecodable depth look dropped")
-            return
-        if look.reader == self.reader_id:
+        look = decode_look(msg.data)
+        if look is None or look.reader == self.reader_id:
             return
         # Heard while leading: a renewal of ours was late and another took the
         # lease; our next renewal fails and settles it. Both are true looks.
