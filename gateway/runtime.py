@@ -40,6 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.runs.service import RunsService
 from gateway.runs.settle import RunSettler
 from gateway.tenancy.accounting import Accountant
+from gateway.tenancy.accounting_migrate import check_tagged
 from gateway.tenancy.idempotency import IdempotencyStore
 from gateway.tenancy.keys import Tenancy
 from gateway.tenancy.request_ledger import LedgerReader, LedgerWriter
@@ -146,6 +147,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
     check_windows(cfg)
     async with contextlib.AsyncExitStack() as stack:
         nc, rds = await _connected(stack, cfg)
+        await check_tagged(rds)  # fail closed on accounting keys from before the {org} tags
         js = nc.jetstream()
         # The lane counts are the stream's: every gateway and worker uses them.
         cfg = dataclasses.replace(cfg, topology=await ensure_topology(js, cfg.topology))

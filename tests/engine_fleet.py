@@ -22,10 +22,12 @@ class Relayed:
 def stream_through_fleet(spec: FleetSpec, body: dict[str, Any]) -> Relayed:
     """SDK -> gateway -> NATS -> worker -> the real engine and back, streamed with
     usage: what the client read (the real-engine tiers' one fleet request)."""
-    with Fleet(spec) as fleet:
-        client = openai.OpenAI(
+    with (
+        Fleet(spec) as fleet,
+        openai.OpenAI(
             base_url=f"{fleet.base_url}/v1", api_key=fleet.api_key, max_retries=0
-        )
+        ) as client,
+    ):
         stream = client.chat.completions.create(
             **body, stream=True, stream_options={"include_usage": True}
         )

@@ -17,6 +17,10 @@ find nothing: no limits (unlimited), counters from zero, live holds never swept.
   then hold again, and is swept.
 
 Renaming keeps each key's TTL. Idempotent: a second run finds nothing to move.
+
+A gateway fails closed until it has run (:func:`check_tagged`): untagged limits
+read as none, that is unlimited. The first gateway on a store with no untagged
+keys, or this migration, marks the store as tagged (``LAYOUT_KEY``).
 A Redis Cluster is migrated by running this on the single Redis first, then
 importing into the cluster (``redis-cli --cluster import``).
 """
@@ -34,8 +38,32 @@ import redis.asyncio as redis
 from gateway.tenancy.accounting_keys import DEFAULT_PREFIX, AccountingKeys
 from gateway.tenancy.accounting_lua import as_str
 from gateway.tenancy.limits import KINDS, LEVELS, SHADOW_TENANT, Level, LimitKind
+from streams.errors import ProvisioningError
+from streams.redis_client import RedisClient
 
 TENANCY = "jetserve:"  # gateway/tenancy/keys.py's prefix
+LAYOUT = "tagged"  # the value of the layout key once every accounting key has its {org}
+_UNTAGGED = ("limits", "spend", "gcra", "resv")  # the kinds a pre-tag gateway wrote
+
+
+def layout_key(prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{prefix}layout"
+
+
+async def check_tagged(client: RedisClient, prefix: str = DEFAULT_PREFIX) -> None:
+    """Refuse to serve on accounting data written before the ``{org}`` tags: this
+    version would read its limits as none (unlimited) and its counters from zero.
+    A store without any is marked tagged (the scan runs once per store)."""
+    if as_str(await client.get(layout_key(prefix)) or b"") == LAYOUT:
+        return
+    for kind in _UNTAGGED:
+        async for key in client.scan_iter(match=f"{prefix}{kind}:*", count=1000):
+            raise ProvisioningError(
+                f"accounting keys written before the {{org}} hash tags (e.g. {as_str(key)}): "
+                "stop every gateway and run `jetserve accounting tag-keys` "
+                "(docs/operations.md#redis-cluster); serving now would read no limits"
+            )
+    await client.set(layout_key(prefix), LAYOUT)
 
 
 @dataclass
@@ -102,6 +130,7 @@ async def tag_untagged_keys(client: redis.Redis, prefix: str = DEFAULT_PREFIX) -
         await client.zadd(keys.registry, {org: now_us}, gt=True)
         moved.holds += 1
     await client.delete(f"{prefix}resv-expiry")
+    await client.set(layout_key(prefix), LAYOUT)  # what it could not place is reported
     return moved
 
 

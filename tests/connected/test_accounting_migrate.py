@@ -8,9 +8,10 @@ import redis.asyncio as aioredis
 
 from gateway.errors import BudgetExceeded
 from gateway.tenancy.accounting import Accountant, LimitSpec, Scope
-from gateway.tenancy.accounting_migrate import tag_untagged_keys
+from gateway.tenancy.accounting_migrate import check_tagged, layout_key, tag_untagged_keys
 from gateway.tenancy.keys import Tenancy
 from jetserve.services import Service
+from streams.errors import ProvisioningError
 
 pytestmark = pytest.mark.connected
 
@@ -65,5 +66,29 @@ async def test_untagged_limits_counters_and_holds_are_moved(redis_server: Servic
         # And the moved budget binds: 4000 left of 5000.
         with pytest.raises(BudgetExceeded):
             await acct.reserve(Scope("o1", "t1", kid), "r2", 4001, 1)
+    finally:
+        await client.aclose()
+
+
+async def test_a_gateway_refuses_untagged_accounting_until_they_are_moved(
+    redis_server: Service,
+) -> None:
+    """Fail closed: on untagged limits a gateway of this version would read none
+    (unlimited); it refuses to start until `jetserve accounting tag-keys` ran."""
+    client = aioredis.from_url(redis_server.redis_url("admin"))
+    try:
+        await check_tagged(client)  # a fresh store: marked tagged at once
+        assert await client.get(layout_key()) == b"tagged"
+        await client.delete(layout_key())
+        tenancy = Tenancy(client, key_secret=b"s" * 32)
+        await tenancy.create_tenant("t9", "o9")
+        await client.hset(f"{P}limits:tenant:t9", mapping={"budget": 5, "period": "total"})
+        with pytest.raises(ProvisioningError, match="jetserve accounting tag-keys"):
+            await check_tagged(client)
+        assert await client.get(layout_key()) is None
+        await tag_untagged_keys(client)
+        await check_tagged(client)  # moved: the gateway may start
+        acct = Accountant(client)
+        assert await acct.get_limits("tenant", "t9", org="o9") == LimitSpec(5, "total")
     finally:
         await client.aclose()

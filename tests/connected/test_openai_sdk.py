@@ -3,6 +3,8 @@ nats-server + redis-server + simulator + gateway + 2 workers, all processes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
@@ -18,10 +20,22 @@ MESSAGES: list[ChatCompletionMessageParam] = [
 ]
 
 
+_clients: list[openai.OpenAI] = []  # closed after each test (autouse fixture below)
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    # A client left to the collector closes its sockets whenever it runs: a
+    # ResourceWarning in some later test (it was in test_tenancy's budget race).
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
 def client(fleet: Fleet, key: str | None = None) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{fleet.base_url}/v1", api_key=key or fleet.api_key, max_retries=0
-    )
+    c = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key=key or fleet.api_key, max_retries=0)
+    _clients.append(c)
+    return c
 
 
 def engine_text(fleet: Fleet, body: dict[str, object]) -> dict[str, object]:
