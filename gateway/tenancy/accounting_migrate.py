@@ -27,10 +27,11 @@ importing into the cluster (``redis-cli --cluster import``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import redis.asyncio as redis
@@ -57,13 +58,23 @@ async def check_tagged(client: RedisClient, prefix: str = DEFAULT_PREFIX) -> Non
     if as_str(await client.get(layout_key(prefix)) or b"") == LAYOUT:
         return
     for kind in _UNTAGGED:
-        async for key in client.scan_iter(match=f"{prefix}{kind}:*", count=1000):
+        key = await _first_key(client, f"{prefix}{kind}:*")
+        if key is not None:
             raise ProvisioningError(
-                f"accounting keys written before the {{org}} hash tags (e.g. {as_str(key)}): "
+                f"accounting keys written before the {{org}} hash tags (e.g. {key}): "
                 "stop every gateway and run `jetserve accounting tag-keys` "
                 "(docs/operations.md#redis-cluster); serving now would read no limits"
             )
     await client.set(layout_key(prefix), LAYOUT)
+
+
+async def _first_key(client: RedisClient, pattern: str) -> str | None:
+    # The scan is closed here, not left suspended for the collector to finalise.
+    scan = cast(AsyncGenerator[Any, None], client.scan_iter(match=pattern, count=1000))
+    async with contextlib.aclosing(scan) as keys:
+        async for key in keys:
+            return as_str(key)
+    return None
 
 
 @dataclass
