@@ -22,7 +22,7 @@ from sim.clock import Clock
 from sim.completions import new_job, start
 from sim.config import SimConfig
 from sim.dialects import dialect_routes
-from sim.embeddings import embed, normalize, to_base64
+from sim.embeddings import as_float32, embed, normalize, to_base64
 from sim.faults import Fault, FaultKind
 from sim.inbound import (
     ApiError,
@@ -122,8 +122,9 @@ async def completions(request: Request) -> Response:
 
 def _embedding_tokens(sim: Simulator, req: EmbeddingRequest) -> list[list[int]]:
     """Each input's token ids, checked the way vLLM checks them."""
-    if req.encoding_format not in ("float", "base64"):
-        raise BadRequest("encoding_format must be float or base64", "encoding_format")
+    if req.encoding_format not in sim.cfg.embedding_encodings:
+        taken = " or ".join(sim.cfg.embedding_encodings)
+        raise BadRequest(f"encoding_format must be {taken}", "encoding_format")
     dim = sim.cfg.embedding_dim
     if req.dimensions is not None and not 1 <= req.dimensions <= dim:
         raise BadRequest(f"dimensions must be in [1, {dim}]", "dimensions")
@@ -151,6 +152,7 @@ def _embedding_payload(
         vec = embed(ids, dim, sim.cfg.seed)
         if req.dimensions is not None and req.dimensions < dim:
             vec = normalize(vec[: req.dimensions])  # Matryoshka-style truncation
+        vec = as_float32(vec)
         value: list[float] | str = to_base64(vec) if req.encoding_format == "base64" else vec
         data.append(out.EmbeddingData(index=i, embedding=value))
     total = sum(len(t) for t in token_lists)

@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--embedding-dim", type=int, default=384)
     p.add_argument(
+        "--embedding-encodings",
+        default="float,base64",
+        help="encoding_format values /v1/embeddings takes (float: as an engine without base64)",
+    )
+    p.add_argument(
         "--engine-version",
         default="0.0.0+jetserve.sim",
         help="the version /version and /info report (a new engine build, to the workers)",
@@ -178,6 +183,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         block_size=ns.block_size,
         max_model_len=ns.max_model_len,
         embedding_dim=ns.embedding_dim,
+        embedding_encodings=tuple(e for e in ns.embedding_encodings.split(",") if e),
         engine_version=ns.engine_version,
         fault_rates=dict(ns.fault_rate),
         scripts_path=ns.scripts,

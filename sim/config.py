@@ -26,6 +26,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 16
     max_model_len: int | None = None
     embedding_dim: int = 384
+    # The embeddings encodings taken: some OpenAI-compatible engines answer
+    # ``encoding_format: base64`` with a 400 (a worker then asks for floats).
+    embedding_encodings: tuple[str, ...] = ("float", "base64")
     # What /version (and TGI's /info) report: a new engine build to a worker.
     engine_version: str = "0.0.0+jetserve.sim"
     # fault spec ("429", "drop:3", "slow:50", ...) -> probability per request; sum <= 1
@@ -49,6 +52,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.embedding_encodings or set(self.embedding_encodings) - {"float", "base64"}:
+            raise ValueError(
+                f"embedding encodings are float and base64: {self.embedding_encodings}"
+            )
         clash = set(self.loras) & {self.model, *self.aliases}
         if clash or len(set(self.loras)) != len(self.loras):
             raise ValueError(

@@ -24,6 +24,12 @@ def normalize(vec: list[float]) -> list[float]:
     return [x / norm for x in vec]
 
 
+def as_float32(vec: Sequence[float]) -> list[float]:
+    """The values a float32 engine holds (vLLM's pooler output): what its float
+    answer prints and its base64 answer packs, the same numbers."""
+    return array("f", vec).tolist()
+
+
 def to_base64(vec: Sequence[float]) -> str:
     """OpenAI's base64 format: little-endian float32."""
     return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import msgspec
 
 from streams.kv_index import PrefixKey
+from streams.vectors import Vector
 
 Op = Literal["chat", "completion", "embedding"]
 
@@ -83,6 +84,9 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     # an adapter pool (streams.pools.adapter_pool), and a fallback goes to the
     # next candidate's pool of the same adapter.
     adapter: str = ""
+    # The sender reads packed float32 vectors in ``Final.embeddings``
+    # (streams/vectors.py); a sender that does not say so gets floats.
+    packed_vectors: bool = False
 
 
 HEDGE_ATTEMPT_BASE = 100
@@ -121,7 +125,8 @@ class Final(msgspec.Struct, frozen=True, tag="final", omit_defaults=True):
     usage: Usage
     model: str = ""
     worker: str = ""
-    embeddings: list[list[float]] | None = None  # op == "embedding"
+    # op == "embedding": floats, or float32 bytes where the request has packed_vectors
+    embeddings: list[Vector] | None = None
     attempt: int = 1  # delivery number of the request message (1 = first try)
     ttft_ms: float = 0.0
     engine_ms: float = 0.0

@@ -7,7 +7,6 @@ does not know pass through untouched to the engine (as vLLM accepts them).
 from __future__ import annotations
 
 import base64
-import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.errors import BadRequest
+from streams.vectors import Vector, floats, packed
 from streams.wire import Usage
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -385,19 +385,17 @@ def completion_response(
     }
 
 
-def _base64_floats(vector: list[float]) -> str:
-    """OpenAI's base64 encoding: little-endian float32 (what the SDK asks for by default)."""
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-
-
 def embeddings_response(
-    model: str, vectors: list[list[float]], usage: Usage, encoding: str = "float"
+    model: str, vectors: list[Vector], usage: Usage, encoding: str = "float"
 ) -> dict[str, Any]:
+    # base64 is OpenAI's: little-endian float32 (what its SDK asks for by default).
     data: list[dict[str, Any]] = [
         {
             "object": "embedding",
             "index": i,
-            "embedding": _base64_floats(v) if encoding == "base64" else v,
+            "embedding": (
+                base64.b64encode(packed(v)).decode() if encoding == "base64" else floats(v)
+            ),
         }
         for i, v in enumerate(vectors)
     ]

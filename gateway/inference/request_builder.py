@@ -100,6 +100,7 @@ def build_request(
         created=now,
         headers=forwarded,
         adapter=adapter,
+        packed_vectors=op == "embedding",
         **_route_fields(route),
     )
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from jetserve.services import free_port, wait_port
+from streams.vectors import floats
 from tests.waits import until
 from workers.engines.base import Delta, Done, closing
 from workers.engines.openai import OpenAIAdapter
@@ -25,11 +26,10 @@ pytestmark = pytest.mark.connected
 CHAT = {"model": "sim-8b", "messages": [{"role": "user", "content": "say something"}]}
 
 
-@pytest.fixture(scope="module")
-def sim_url() -> Iterator[str]:
+def _sim(*extra: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sim", "--profile", "fast", "--port", str(port)],
+        [sys.executable, "-m", "sim", "--profile", "fast", "--port", str(port), *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -39,6 +39,17 @@ def sim_url() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def sim_url() -> Iterator[str]:
+    yield from _sim()
+
+
+@pytest.fixture(scope="module")
+def floats_only_url() -> Iterator[str]:
+    """An engine that refuses ``encoding_format: base64`` (some OpenAI-compatible ones do)."""
+    yield from _sim("--embedding-encodings", "float")
 
 
 @pytest.fixture
@@ -172,3 +183,33 @@ async def test_the_engine_poll_says_down_when_nothing_listens() -> None:
     async with OpenAIAdapter(f"http://127.0.0.1:{free_port()}") as gone:
         assert not await gone.healthy()
         assert (await gone.load()).num_gpu_blocks is None
+
+
+async def test_embeddings_come_packed_and_unpack_to_the_engines_floats(
+    adapter: OpenAIAdapter, sim_url: str
+) -> None:
+    body = {"model": "sim-embed", "input": ["one text", "and another, longer text"]}
+    got = await adapter.embed(body, "packed-1", {})
+    assert all(isinstance(v, bytes) and len(v) == 4 * 384 for v in got.vectors)
+    async with httpx.AsyncClient(timeout=10) as c:
+        direct = (await c.post(f"{sim_url}/v1/embeddings", json=body)).json()
+    assert [floats(v) for v in got.vectors] == [d["embedding"] for d in direct["data"]]
+
+
+async def test_an_engine_without_base64_is_asked_for_floats(floats_only_url: str) -> None:
+    """The adapter asks for floats once the engine refused base64, and from then on."""
+    url = floats_only_url
+    body = {"model": "sim-embed", "input": ["floats only"]}
+    async with httpx.AsyncClient(timeout=10) as c:
+        refused = await c.post(f"{url}/v1/embeddings", json={**body, "encoding_format": "base64"})
+        assert refused.status_code == 400
+        direct = (await c.post(f"{url}/v1/embeddings", json=body)).json()
+    async with OpenAIAdapter(url) as a:
+        for i in range(2):
+            got = await a.embed(body, f"floats-{i}", {})
+            assert got.vectors == [direct["data"][0]["embedding"]]
+            assert await record(url, f"floats-{i}") != {}  # served, as floats
+    # A refusal that is not about the encoding is the caller's.
+    async with OpenAIAdapter(url) as a:
+        with pytest.raises(EngineError):
+            await a.embed({"model": "no-such-model", "input": "x"}, "bad", {})

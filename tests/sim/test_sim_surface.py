@@ -215,7 +215,7 @@ async def test_embeddings_deterministic_unit_vectors(fast: SimHandle) -> None:
     assert len(a["data"]) == 2
     v0, v1 = (d["embedding"] for d in a["data"])
     assert len(v0) == 384
-    assert math.isclose(math.fsum(x * x for x in v0), 1.0, rel_tol=1e-9)
+    assert math.isclose(math.fsum(x * x for x in v0), 1.0, rel_tol=1e-6)  # float32 values
     assert v0 == b["data"][0]["embedding"]
     assert v0 != v1
     assert a["usage"]["prompt_tokens"] == 4 == a["usage"]["total_tokens"]

@@ -146,7 +146,7 @@ async def test_token_id_inputs_and_different_params_do_not_mix(start: Start) -> 
     for one, batched in zip(singles, got, strict=True):
         assert batched.vectors == one.vectors
         assert batched.usage == one.usage
-    assert len(got[3].vectors[0]) == 16
+    assert len(got[3].vectors[0]) == 16 * 4  # packed float32
 
 
 async def test_batch_failure_fails_every_member_with_the_same_error(start: Start) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import struct
+from array import array
+
 import msgspec
 import pytest
 
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass, reply_subject, request_subject
+from streams.vectors import check_packed, floats, packed
 from streams.wire import (
     Cancel,
     ErrorFrame,
@@ -44,6 +48,7 @@ def test_request_round_trip() -> None:
         Token(2, "", [{"index": 0, "id": "c"}], "tool_calls", attempt=2),
         Heartbeat(3, 1.5),
         Final(4, "stop", Usage(10, 3, 8), model="m", embeddings=[[0.1, 0.2]]),
+        Final(4, "stop", Usage(2), embeddings=[packed([0.5, -1.25]), packed([3.0])]),
         ErrorFrame(1, "engine_rate_limited", "slow down", True, 429),
     ],
 )
@@ -73,3 +78,17 @@ def test_subjects_do_not_overlap_between_consumers() -> None:
     assert cfg.discard.value == "new"
     assert cfg.duplicate_window
     assert cfg.duplicate_window > 0
+
+
+def test_packed_vectors_widen_to_the_float32_values() -> None:
+    values = [0.1, -2.5, 1e-30, 3.4e38]
+    as_f32 = array("f", values).tolist()  # what a float32 engine holds
+    data = packed(values)
+    assert len(data) == 16
+    assert floats(data) == as_f32
+    assert packed(floats(data)) == data  # exact both ways once float32
+    assert floats(as_f32) is as_f32  # floats are carried as they came
+    assert data == struct.pack("<4f", *values)  # little-endian, as OpenAI's base64
+    assert check_packed(data) is data
+    with pytest.raises(ValueError, match="float32"):
+        check_packed(data[:-1])

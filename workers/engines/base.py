@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
+from streams.vectors import Vector
 from streams.wire import Op, Usage
 from workers.engines.served import Served
 
@@ -39,7 +40,7 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Embeddings:
-    vectors: list[list[float]]
+    vectors: list[Vector]  # floats, or packed float32 (streams/vectors.py)
     usage: Usage
     model: str = ""
 

@@ -8,6 +8,8 @@ and lets the worker emit heartbeats and frames as tokens arrive.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from streams.vectors import Vector, check_packed
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import (
@@ -74,8 +77,16 @@ class _Chunk(msgspec.Struct):
 
 
 class _EmbeddingItem(msgspec.Struct):
-    embedding: list[float]
+    embedding: list[float] | str  # str: base64 of little-endian float32
     index: int = 0
+
+    def vector(self) -> Vector:
+        if isinstance(self.embedding, list):
+            return self.embedding  # the engine ignored encoding_format: kept as it came
+        try:
+            return check_packed(base64.b64decode(self.embedding, validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise EngineError(f"malformed base64 embedding: {exc}") from exc
 
 
 class _EmbeddingResponse(msgspec.Struct):
@@ -161,6 +172,9 @@ class OpenAIAdapter(EngineAdapter):
                 max_connections=max_connections,
                 connect_timeout=connect_timeout,
             )
+        # Vectors are asked for packed (streams/vectors.py); False once the engine
+        # refused the encoding_format, so it is asked for floats from then on.
+        self._packed: bool | None = None
 
     async def aclose(self) -> None:
         if self._lean is not None:
@@ -239,9 +253,23 @@ class OpenAIAdapter(EngineAdapter):
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
     ) -> Embeddings:
         hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
-        # Floats on the wire between us; the ingress re-encodes for its client.
-        payload = {**body, "encoding_format": "float"}
-        content = _encoder.encode(payload)
+        if self._packed is not False:
+            try:
+                found = await self._embed(body, hdrs, "base64")
+            except EngineRejected as exc:
+                if self._packed or "encoding_format" not in str(exc):
+                    raise
+                self._packed = False  # an engine that takes floats only
+            else:
+                self._packed = True
+                return found
+        return await self._embed(body, hdrs, "float")
+
+    async def _embed(
+        self, body: Mapping[str, Any], hdrs: Mapping[str, str], encoding: str
+    ) -> Embeddings:
+        # The engine's encoding, not the client's: the ingress encodes for its client.
+        content = _encoder.encode({**body, "encoding_format": encoding})
         if self._lean is not None:
             # httpx's send path was ~40% of an embedding worker's CPU, on a box
             # where the engine wants every core (issue 17).
@@ -258,7 +286,7 @@ class OpenAIAdapter(EngineAdapter):
             parsed = _embedding_decoder.decode(data)
         except msgspec.DecodeError as exc:
             raise EngineError(f"malformed embeddings response: {exc}") from exc
-        vectors = [item.embedding for item in sorted(parsed.data, key=lambda d: d.index)]
+        vectors = [item.vector() for item in sorted(parsed.data, key=lambda d: d.index)]
         usage = parsed.usage.to_wire() if parsed.usage else Usage()
         return Embeddings(vectors, usage, parsed.model)
 

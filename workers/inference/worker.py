@@ -46,6 +46,7 @@ from streams.routes import Deployment
 from streams.subjects import RequestClass, class_of, excess_subject, pool_of, pool_subject
 from streams.tasks import stop_task
 from streams.tracing import Tracer
+from streams.vectors import floats
 from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
@@ -576,7 +577,12 @@ class Worker:
                         model=result.model or req.model,
                         worker=self.cfg.worker_id,
                         deployment=self._deployment,
-                        embeddings=result.vectors,
+                        # Packed float32 to a gateway that reads them (streams/vectors.py).
+                        embeddings=(
+                            result.vectors
+                            if req.packed_vectors
+                            else [floats(v) for v in result.vectors]
+                        ),
                         engine_ms=(time.monotonic() - started_at) * 1000,
                     )
                     self._observe_done(req, started_at, 0.0, result.usage)
