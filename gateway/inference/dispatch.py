@@ -432,6 +432,10 @@ class FrameStream(FrameReader):
                 "Part of this response was lost in transit; it was ended."
             ) from None
         except StreamInterruptedError:
+            # Silent is not dead: a worker starved of CPU or cut off from the bus
+            # may still be generating. The client is told it failed, so the
+            # engine is told to stop (a dead worker's cancel costs nothing).
+            await self.cancel("stream_interrupted")
             raise StreamInterrupted(self.silence_message) from None
         except DeadlineExceededError:
             raise Timeout("The request did not complete before its deadline.") from None

@@ -257,3 +257,53 @@ def test_oversized_request_is_413(fleet: Fleet) -> None:
     r = httpx.post(f"{fleet.base_url}/v1/chat/completions", json=chat, headers=auth(fleet))
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_silent_stream_given_up_on_is_cancelled_in_the_engine(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A worker that goes quiet mid-stream (here frozen by SIGSTOP, as a worker
+    starved of CPU or cut off from the bus) ends the client's stream with
+    ``stream_interrupted``, and the gateway cancels it: once the worker runs
+    again it stops the engine, rather than generate for nobody to the end."""
+    fleet = make_fleet(workers=1, gateway_args=["--heartbeat-timeout", "1"])
+    body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    worker = fleet.workers[0]
+    error, stopped = None, False
+    async with (
+        httpx.AsyncClient(timeout=30) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers=auth(fleet, **{"X-Sim-Fault": "slow:20"}),  # 40 s uncancelled
+        ) as r,
+    ):
+        assert r.status_code == 200
+        request_id = r.headers["x-request-id"]
+        try:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = msgspec.json.decode(line[6:])
+                if "error" in payload:
+                    error = payload["error"]
+                    break
+                if not stopped and payload["choices"]:
+                    worker.signal(signal.SIGSTOP)  # after its first token
+                    stopped = True
+        finally:
+            worker.signal(signal.SIGCONT)
+    assert stopped
+    assert error is not None
+    assert error["code"] == "stream_interrupted", error
+    rec: dict[str, object] = {}
+
+    async def ended() -> bool:
+        nonlocal rec
+        rec = await sim_record(fleet, request_id)
+        return rec.get("status") in ("aborted", "finished")
+
+    await wait_for(ended, 60.0, step=0.1)
+    assert rec["status"] == "aborted", rec  # not run on to max_tokens
+    assert int(rec["generated_tokens"]) < 2000  # type: ignore[call-overload]
