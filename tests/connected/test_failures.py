@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import msgspec
@@ -47,6 +48,25 @@ async def wait_for(pred: Callable[[], Awaitable[object]], limit: float, step: fl
             return
         await asyncio.sleep(step)
     raise AssertionError("condition not met in time")
+
+
+async def error_after_first_token(
+    r: httpx.Response, on_first: Callable[[], None]
+) -> dict[str, Any] | None:
+    """Read a chat stream: ``on_first()`` at its first content token, then the
+    error event that ends it (None: it ended without one)."""
+    first = True
+    async for line in r.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        payload = msgspec.json.decode(line[6:])
+        if "error" in payload:
+            error: dict[str, Any] = payload["error"]
+            return error
+        if first and payload["choices"] and payload["choices"][0]["delta"].get("content"):
+            first = False
+            on_first()
+    return None
 
 
 async def test_client_disconnect_stops_engine_within_100ms(fleet: Fleet) -> None:
@@ -128,23 +148,15 @@ async def test_worker_killed_after_first_token_interrupts_stream(
         ) as r,
     ):
         assert r.status_code == 200
-        killed_at = None
-        error = None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            payload = msgspec.json.decode(line[6:])
-            if "error" in payload:
-                error = payload["error"]
-                break
-            if (
-                killed_at is None
-                and payload["choices"]
-                and payload["choices"][0]["delta"].get("content")
-            ):
-                fleet.workers[0].signal(signal.SIGKILL)
-                killed_at = time.monotonic()
-    assert killed_at is not None
+        killed: list[float] = []
+
+        def kill() -> None:
+            fleet.workers[0].signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+        error = await error_after_first_token(r, kill)
+    assert killed
+    killed_at = killed[0]
     assert error is not None
     assert error["code"] == "stream_interrupted"
     assert time.monotonic() - killed_at < 10.0
@@ -269,7 +281,12 @@ async def test_a_silent_stream_given_up_on_is_cancelled_in_the_engine(
     fleet = make_fleet(workers=1, gateway_args=["--heartbeat-timeout", "1"])
     body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
     worker = fleet.workers[0]
-    error, stopped = None, False
+    stopped: list[bool] = []
+
+    def freeze() -> None:
+        worker.signal(signal.SIGSTOP)
+        stopped.append(True)
+
     async with (
         httpx.AsyncClient(timeout=30) as c,
         c.stream(
@@ -282,16 +299,7 @@ async def test_a_silent_stream_given_up_on_is_cancelled_in_the_engine(
         assert r.status_code == 200
         request_id = r.headers["x-request-id"]
         try:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = msgspec.json.decode(line[6:])
-                if "error" in payload:
-                    error = payload["error"]
-                    break
-                if not stopped and payload["choices"]:
-                    worker.signal(signal.SIGSTOP)  # after its first token
-                    stopped = True
+            error = await error_after_first_token(r, freeze)
         finally:
             worker.signal(signal.SIGCONT)
     assert stopped
