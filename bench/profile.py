@@ -60,14 +60,25 @@ def summarize(raw: Path, top: int = 50) -> tuple[int, Shares, Shares]:
     return total, share(inclusive), share(own)
 
 
-async def load(url: str, key: str, clients: int, seconds: float, stream: bool) -> int:
-    body = {
+def request_of(stream: bool, inputs: int) -> tuple[str, dict[str, object]]:
+    """The path and body each client sends: a 16-token chat completion, or
+    (``inputs`` > 0) an embeddings request of that many inputs."""
+    if inputs:
+        texts = [f"profile me, input {i} of {inputs}" for i in range(inputs)]
+        return "/v1/embeddings", {"model": "sim-embed", "input": texts}
+    return "/v1/chat/completions", {
         "model": "sim-8b",
         "messages": [{"role": "user", "content": "profile me"}],
         "max_tokens": 16,
         "stream": stream,
         "ignore_eos": True,
     }
+
+
+async def load(
+    url: str, key: str, clients: int, seconds: float, stream: bool, inputs: int = 0
+) -> int:
+    path, body = request_of(stream, inputs)
     done = 0
     end = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -77,7 +88,7 @@ async def load(url: str, key: str, clients: int, seconds: float, stream: bool) -
         async def one_client() -> None:
             nonlocal done
             while time.monotonic() < end:
-                r = await c.post("/v1/chat/completions", json=body)
+                r = await c.post(path, json=body)
                 r.raise_for_status()
                 done += 1
 
@@ -90,6 +101,13 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--stream", action="store_true")
+    p.add_argument(
+        "--embeddings",
+        type=int,
+        default=0,
+        metavar="INPUTS",
+        help="send embeddings requests of this many inputs instead of chat",
+    )
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -99,7 +117,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(FleetSpec(workers=1, profile="fast")).start()
     try:
-        asyncio.run(load(fleet.base_url, fleet.api_key, args.clients, 2.0, args.stream))  # warm
+        warm = load(fleet.base_url, fleet.api_key, args.clients, 2.0, args.stream, args.embeddings)
+        asyncio.run(warm)
         procs = {"gateway": fleet.gateways[0].proc.pid, "worker": fleet.workers[0].proc.pid}
         record = [spy, "record", "-d", str(int(args.seconds)), "-r", "250", "-f", "raw"]
         spies = [
@@ -111,20 +130,26 @@ def main() -> int:
             for name, pid in procs.items()
         ]
         key = fleet.api_key
-        done = asyncio.run(load(fleet.base_url, key, args.clients, args.seconds, args.stream))
+        done = asyncio.run(
+            load(fleet.base_url, key, args.clients, args.seconds, args.stream, args.embeddings)
+        )
         for s in spies:
             s.wait()
     finally:
         fleet.stop()
     kind = "streamed" if args.stream else "non-streamed"
+    what = f"{kind} 16-token chat completions"
+    if args.embeddings:
+        what = f"embeddings requests of {args.embeddings} input(s)"
     lines = [
         "# Profile: where the CPU goes",
         "",
         f"py-spy, {args.seconds:g} s at 250 Hz, {args.clients} closed-loop clients sending "
-        f"16-token {kind} chat completions through one gateway and one worker (fast "
+        f"{what} through one gateway and one worker (fast "
         f"simulator); {done} requests in the window (the profiler slows what it samples). "
         f"Reproduce: `.venv/bin/python bench/profile.py --seconds {args.seconds:g} "
-        f"--clients {args.clients}{' --stream' if args.stream else ''}`.",
+        f"--clients {args.clients}{' --stream' if args.stream else ''}"
+        f"{f' --embeddings {args.embeddings}' if args.embeddings else ''}`.",
         "",
         "Shares are of the samples in which the process was running Python (idle "
         "excluded). Inclusive: the function or anything it called; self: the function's own code.",

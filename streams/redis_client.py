@@ -50,4 +50,6 @@ def open_redis(
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
     )
-    return redis.Redis(connection_pool=pool)
+    # from_pool: the client owns the pool, so aclose() closes its connections too
+    # (Redis(connection_pool=...) leaves them open, for whoever made the pool).
+    return redis.Redis.from_pool(pool)
