@@ -440,7 +440,11 @@ class Fleet:
             *extra,
         )
         if wait:
-            wait_port(port, 20.0, sim.proc)
+            try:
+                wait_port(port, 20.0, sim.proc)
+            except BaseException:
+                sim.kill()  # not held by the fleet yet: its stop() would leave it running
+                raise
         return sim
 
     def start_engine(self, *sim_args: str) -> str:
