@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -50,6 +51,24 @@ async def wait_for(pred: Callable[[], Awaitable[object]], limit: float, step: fl
     raise AssertionError("condition not met in time")
 
 
+@contextlib.asynccontextmanager
+async def chat_stream(
+    fleet: Fleet, body: dict[str, object], fault: str, http_timeout_s: float = 30
+) -> AsyncIterator[httpx.Response]:
+    """A streamed chat completion through the fleet with a simulator fault, opened (200)."""
+    async with (
+        httpx.AsyncClient(timeout=http_timeout_s) as c,
+        c.stream(
+            "POST",
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body,
+            headers=auth(fleet, **{"X-Sim-Fault": fault}),
+        ) as r,
+    ):
+        assert r.status_code == 200
+        yield r
+
+
 async def error_after_first_token(
     r: httpx.Response, on_first: Callable[[], None]
 ) -> dict[str, Any] | None:
@@ -71,16 +90,7 @@ async def error_after_first_token(
 
 async def test_client_disconnect_stops_engine_within_100ms(fleet: Fleet) -> None:
     body = {**CHAT, "stream": True, "max_tokens": 2000}
-    async with (
-        httpx.AsyncClient(timeout=10) as c,
-        c.stream(
-            "POST",
-            f"{fleet.base_url}/v1/chat/completions",
-            json=body,
-            headers=auth(fleet, **{"X-Sim-Fault": "slow:20"}),
-        ) as r,
-    ):
-        assert r.status_code == 200
+    async with chat_stream(fleet, body, "slow:20", http_timeout_s=10) as r:
         request_id = r.headers["x-request-id"]
         lines = r.aiter_lines()
         seen = 0
@@ -138,16 +148,7 @@ async def test_worker_killed_after_first_token_interrupts_stream(
 ) -> None:
     fleet = make_fleet(workers=1)
     body = {**CHAT, "stream": True, "max_tokens": 100}
-    async with (
-        httpx.AsyncClient(timeout=30) as c,
-        c.stream(
-            "POST",
-            f"{fleet.base_url}/v1/chat/completions",
-            json=body,
-            headers=auth(fleet, **{"X-Sim-Fault": "stall"}),
-        ) as r,
-    ):
-        assert r.status_code == 200
+    async with chat_stream(fleet, body, "stall") as r:
         killed: list[float] = []
 
         def kill() -> None:
@@ -287,16 +288,7 @@ async def test_a_silent_stream_given_up_on_is_cancelled_in_the_engine(
         worker.signal(signal.SIGSTOP)
         stopped.append(True)
 
-    async with (
-        httpx.AsyncClient(timeout=30) as c,
-        c.stream(
-            "POST",
-            f"{fleet.base_url}/v1/chat/completions",
-            json=body,
-            headers=auth(fleet, **{"X-Sim-Fault": "slow:20"}),  # 40 s uncancelled
-        ) as r,
-    ):
-        assert r.status_code == 200
+    async with chat_stream(fleet, body, "slow:20") as r:  # 40 s uncancelled
         request_id = r.headers["x-request-id"]
         try:
             error = await error_after_first_token(r, freeze)
