@@ -18,6 +18,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from streams.rendezvous import DEFAULT_LOAD_FACTOR
 from streams.routes import ROUTES_BUCKET, ROUTES_HISTORY
 from streams.subjects import (
     LANE_CLASSES,
@@ -46,6 +47,9 @@ CLASS_STREAMS_METADATA = "jetserve_class_streams"
 LANE_SHARDS_METADATA = "jetserve_lane_shards"
 MAX_LANE_SHARDS = 8
 LEGACY_LANES = 16
+# ... and of the lane load factor (absent: the default, as before it was recorded).
+LANE_LOAD_FACTOR_METADATA = "jetserve_lane_load_factor"
+MAX_LANE_LOAD_FACTOR = 4.0
 # ... and of the frames capture's partition count (absent: one stream, as before).
 FRAMES_PARTITIONS_METADATA = "jetserve_frames_partitions"
 # The most frames partitions: the credentials name every partition stream up to
@@ -126,6 +130,10 @@ class Topology:
     # Lanes per lane class in each deployment pool (streams/pools.py): a pool
     # holds a few of the fleet's replicas, so fewer lanes spread them.
     pool_lanes: int = 64
+    # No worker owns more than this times its share of a class's lanes
+    # (streams/rendezvous.py). Recorded with the lane counts: every worker and
+    # gateway must compute the same owners, so none takes it from its own flags.
+    lane_load_factor: float = DEFAULT_LOAD_FACTOR
     # One work-queue stream per request class (``<stream>_<CLASS>``), each with
     # its own leader and its own write rate, instead of ``stream`` for all:
     # one stream holds ~8k msgs/s (docs/scale.md, "several request streams").
@@ -186,6 +194,10 @@ class Topology:
             raise ValueError(
                 f"frames_partitions: 1..{MAX_FRAMES_PARTITIONS}, not {self.frames_partitions}"
             )
+        if not 1.0 <= self.lane_load_factor <= MAX_LANE_LOAD_FACTOR:
+            raise ValueError(
+                f"lane_load_factor: 1..{MAX_LANE_LOAD_FACTOR:g}, not {self.lane_load_factor}"
+            )
 
     @property
     def frames_streams(self) -> tuple[str, ...]:
@@ -217,6 +229,7 @@ class Topology:
         return {
             **counts,
             POOL_LANES_METADATA: str(self.pool_lanes),
+            LANE_LOAD_FACTOR_METADATA: repr(self.lane_load_factor),
             FRAMES_PARTITIONS_METADATA: str(self.frames_partitions),
             **split,
         }
@@ -230,12 +243,14 @@ class Topology:
             (c, int(found.get(f"{LANE_METADATA}{c.value}", LEGACY_LANES))) for c in LANE_CLASSES
         )
         pool_lanes = int(found.get(POOL_LANES_METADATA, self.pool_lanes))
+        load_factor = float(found.get(LANE_LOAD_FACTOR_METADATA, DEFAULT_LOAD_FACTOR))
         partitions = int(found.get(FRAMES_PARTITIONS_METADATA, 1))
         split = found.get(CLASS_STREAMS_METADATA) == "1"
         return replace(
             self,
             class_lanes=counts,
             pool_lanes=pool_lanes,
+            lane_load_factor=load_factor,
             frames_partitions=partitions,
             class_streams=split,
             lane_shards=int(found.get(LANE_SHARDS_METADATA, 1)) if split else 1,

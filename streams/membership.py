@@ -122,7 +122,7 @@ class Membership:
         self._replicas = replicas
         self._every = every_s
         self.depth = depth  # the workers that pull each lane: owner and backups
-        self._load_factor = load_factor
+        self.load_factor = load_factor
         # (pool, lane count) -> the order, for the current members.
         self._orders: dict[tuple[str, int], LaneOrder] = {}
         self._kv: KeyValue | None = None
@@ -281,7 +281,7 @@ class Membership:
         if order is None:
             members = self.members if pool == SHARED else self.pools.get(pool, ())
             order = self._orders[(pool, lanes)] = assign(
-                members, lanes, self.depth, self._load_factor
+                members, lanes, self.depth, self.load_factor
             )
         return order
 
@@ -293,10 +293,12 @@ class Membership:
         return None if rank is None else min(rank, MAX_PRIORITY)
 
 
-async def follow_members(js: JetStreamContext, replicas: int) -> Membership | None:
+async def follow_members(
+    js: JetStreamContext, replicas: int, load_factor: float = DEFAULT_LOAD_FACTOR
+) -> Membership | None:
     """A read-only view of the members (a gateway's), or None while no worker
-    has made the bucket yet."""
-    view = Membership(js, None, replicas)
+    has made the bucket yet. ``load_factor``: the fleet's (its stream records it)."""
+    view = Membership(js, None, replicas, load_factor=load_factor)
     try:
         await view.start()
     except BucketNotFoundError:

@@ -99,6 +99,14 @@ async def recorded_lanes(js: JetStreamContext, topo: Topology) -> Topology:
             "fleet's (docs/scale.md, several request streams)",
             "a work-queue stream per class" if recorded.class_streams else "one work-queue stream",
         )
+    if recorded.lane_load_factor != topo.lane_load_factor:
+        log.warning(
+            "%s records lane load factor %g, not the configured %g: keeping the stream's "
+            "(docs/routing.md, lane ownership)",
+            info.config.name,
+            recorded.lane_load_factor,
+            topo.lane_load_factor,
+        )
     if recorded.frames_partitions != topo.frames_partitions:
         log.warning(
             "%s records %d frames partitions, not the configured %d: keeping the stream's "

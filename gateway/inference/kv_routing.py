@@ -91,7 +91,9 @@ class KvRouting:
     async def _follow(self) -> None:
         while True:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                view = await follow_members(self._js, self._topo.replicas)
+                view = await follow_members(
+                    self._js, self._topo.replicas, self._topo.lane_load_factor
+                )
                 if view is not None:
                     self._members = view
                     view.changed.append(self._members_changed)
@@ -125,13 +127,13 @@ class KvRouting:
                 continue
             now = members.members
             for lanes in list(self._owned):
-                owned = await asyncio.to_thread(self._owned_lanes, now, lanes, members.depth)
+                owned = await asyncio.to_thread(self._owned_lanes, now, lanes, members)
                 self._owned[lanes] = (now, owned)
 
     @staticmethod
-    def _owned_lanes(members: tuple[str, ...], lanes: int, depth: int) -> dict[str, list[int]]:
+    def _owned_lanes(now: tuple[str, ...], lanes: int, view: Membership) -> dict[str, list[int]]:
         owned: dict[str, list[int]] = {}
-        for lane, ranked in enumerate(assign(members, lanes, depth).orders):
+        for lane, ranked in enumerate(assign(now, lanes, view.depth, view.load_factor).orders):
             if ranked:
                 owned.setdefault(ranked[0], []).append(lane)
         return owned
@@ -141,7 +143,7 @@ class KvRouting:
         of a lane count otherwise asks for it and is hashed meanwhile)."""
         if self._members is not None:
             now = self._members.members
-            self._owned[lanes] = (now, self._owned_lanes(now, lanes, self._members.depth))
+            self._owned[lanes] = (now, self._owned_lanes(now, lanes, self._members))
 
     def lane(self, lanes: int, keys: Sequence[PrefixKey], hash_lane: int) -> int:
         """The lane for a request with ``keys`` whose prefix hashes to ``hash_lane``."""

@@ -95,7 +95,9 @@ class PoolView:
     async def _follow(self) -> None:
         while True:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                view = await follow_members(self._js, self._topo.replicas)
+                view = await follow_members(
+                    self._js, self._topo.replicas, self._topo.lane_load_factor
+                )
                 if view is not None:
                     self._members = view
                     await view.run()  # until stopped; a bus error looks again

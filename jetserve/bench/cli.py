@@ -82,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="scale: seconds of the same load before the measured --duration "
         "(the lane balance waits for ~10 starts a replica, then settles over a minute)",
     )
+    f.add_argument(
+        "--lanes",
+        type=int,
+        default=0,
+        help="scale and kvindex: interactive lanes (0: the product's default, 256)",
+    )
+    f.add_argument(
+        "--lane-load-factor",
+        type=float,
+        default=0.0,
+        help="scale and kvindex: the gateway's --lane-load-factor (0: the default, 1.4)",
+    )
     f.add_argument("--seed", type=int, default=1)
     r = sub.add_parser(
         "run",

@@ -50,6 +50,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     opts = Options(
         scenarios=wanted, out=Path(args.out), seed=args.seed, rate=args.rate,
         duration=args.duration, replicas=args.replicas, warmup=args.warmup,
+        lanes=args.lanes, lane_load_factor=args.lane_load_factor,
     )  # fmt: skip
     results = asyncio.run(run_all(opts))
     # Scenarios not rerun keep their last results in the summary and plots.

@@ -31,7 +31,8 @@ KEY_SECRET_ENV = "JETSERVE_KEY_SECRET"
 
 
 def frames_topology(args: argparse.Namespace) -> Topology:
-    """The topology of ``--replicas``, ``--frames-partitions`` and ``--class-streams``."""
+    """The topology of ``--replicas``, ``--frames-partitions``, ``--class-streams``
+    and ``--lane-load-factor``."""
     from streams.definitions import Topology
 
     try:
@@ -40,9 +41,10 @@ def frames_topology(args: argparse.Namespace) -> Topology:
             frames_partitions=args.frames_partitions,
             class_streams=args.class_streams or args.lane_shards > 1,
             lane_shards=args.lane_shards,
+            lane_load_factor=args.lane_load_factor,
         )
     except ValueError as exc:
-        raise SystemExit(f"--frames-partitions, --lane-shards: {exc}") from None
+        raise SystemExit(f"--frames-partitions, --lane-shards, --lane-load-factor: {exc}") from None
 
 
 def lane_topology(topo: Topology, specs: list[str]) -> Topology:
@@ -87,6 +89,15 @@ def register(sub: Subparsers) -> None:
         metavar="N|CLASS=N",
         help="prefix-affinity lanes per lane class (default 256), or one class's "
         "(repeatable); recorded in the stream when it is first provisioned, which then wins",
+    )
+    g.add_argument(
+        "--lane-load-factor",
+        type=float,
+        default=1.4,  # streams.rendezvous.DEFAULT_LOAD_FACTOR (the CLI starts light)
+        metavar="F",
+        help="no worker owns more than F times its share of a class's lanes (1..4); "
+        "recorded in the stream when it is first provisioned, which then wins: every "
+        "worker and gateway computes the same owners (docs/routing.md)",
     )
     g.add_argument(
         "--class-streams",

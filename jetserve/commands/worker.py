@@ -103,12 +103,6 @@ def register(sub: Subparsers) -> None:
         default=4,  # streams.rendezvous.DEFAULT_DEPTH (not imported: the CLI starts light)
         help="the workers each lane is pulled by: its owner and depth-1 backups (spill, failover)",
     )
-    w.add_argument(
-        "--lane-load-factor",
-        type=float,
-        default=1.4,
-        help="no worker owns more than this times its share of a class's lanes",
-    )
     w.add_argument("--target-util", type=float, default=0.9, help="KV cache target utilisation")
     w.add_argument("--heartbeat", type=float, default=1.0)
     w.add_argument("--worker-id", default="")
@@ -242,7 +236,6 @@ async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConf
         tokenizer=args.tokenizer,
         topology=Topology(replicas=args.replicas),
         lane_depth=args.lane_depth,
-        lane_load_factor=args.lane_load_factor,
         deployment=await deployment(args, engine_url, cards),
         models=models,
         adapters=adapters,

@@ -12,7 +12,11 @@ import httpx
 import msgspec
 import pytest
 
+from gateway.inference.lanes import LaneRouter
 from jetserve.fleet import Fleet
+from streams.definitions import Topology
+from streams.rendezvous import assign
+from streams.routes import RoutingPolicy
 from tests.prompts import chat
 from tests.scrape import metric_sum
 from tests.waits import until
@@ -113,3 +117,31 @@ async def test_a_saturated_owner_spills_over(make_fleet: Callable[..., Fleet]) -
         )
     workers = await served_by(fleet, list(ids))
     assert len(set(workers.values())) >= 2, workers
+
+
+async def test_every_worker_owns_lanes_by_the_load_factor_the_stream_records(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The gateway provisions ``--lane-load-factor 1.0``; the workers are told
+    nothing and take it from the stream. With these ids, lanes 0 and 14 have
+    other owners at 1.0 than at the default 1.4 (the cap binds), so a worker
+    computing with its own default would serve them elsewhere."""
+    fleet = make_fleet(workers=3, worker_id_suffix="lf", gateway_args=["--lane-load-factor", "1.0"])
+    await settled(fleet)
+    ids = [w.args[w.args.index("--worker-id") + 1] for w in fleet.workers]
+    at_1, at_default = assign(ids, fleet.spec.lanes, load_factor=1.0), assign(ids, fleet.spec.lanes)
+    router = LaneRouter(Topology(lanes=fleet.spec.lanes))
+
+    def lane(group: int) -> int:
+        subject = router.subject("chat", "interactive", fleet.spec.tenant, chat(group, 0),
+                                 RoutingPolicy())  # fmt: skip
+        return int(subject.rsplit(".l", 1)[1])
+
+    differ = [n for n in range(fleet.spec.lanes) if at_1.owner(n) != at_default.owner(n)]
+    assert differ == [0, 14]  # the ids are fixed: so is the assignment
+    groups = [next(g for g in range(1000) if lane(g) == n) for n in differ]
+    async with httpx.AsyncClient(timeout=30) as client:
+        # One at a time: each owner has room, and no replica is hot (streams/balance.py).
+        asked = [await ask(client, fleet, g, 0) for g in groups]
+    workers = await served_by(fleet, asked)
+    assert [workers[rid] for rid in asked] == [at_1.owner(n) for n in differ]

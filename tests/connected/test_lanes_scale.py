@@ -96,12 +96,15 @@ async def test_one_consumer_list_reads_every_lane(nats_server: Service) -> None:
     admin = await connect(url, "adm", nats_server.bus_auth(Role.GATEWAY))
     try:
         js = admin.jetstream()
-        topo = await ensure_topology(js, Topology())
+        topo = await ensure_topology(js, Topology(lane_load_factor=1.3))
         assert topo.lanes_of(RequestClass.INTERACTIVE) == 256
         assert len(topo.consumer_names(RequestClass.INTERACTIVE)) == 258  # plain, lanes, excess
-        # Workers read the lane counts from the stream, whatever they were told.
+        # Workers read the lane counts and load factor from the stream, whatever
+        # they were told; a gateway configured otherwise keeps the stream's.
         seen = await await_topology(js, Topology(lanes=16))
         assert seen.lanes_of(RequestClass.BATCH) == 256
+        assert seen.lane_load_factor == 1.3
+        assert (await ensure_topology(js, Topology(lane_load_factor=2.0))).lane_load_factor == 1.3
 
         sent = {
             request_subject("interactive"): 2,

@@ -41,7 +41,7 @@ from streams.marks import CancelMarks, FailureCounts
 from streams.membership import SHARED, Adapter, Membership
 from streams.pools import adapter_pool, pool_consumer_name, pool_token
 from streams.provision import await_topology
-from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR
+from streams.rendezvous import DEFAULT_DEPTH
 from streams.routes import Deployment
 from streams.subjects import RequestClass, class_of, excess_subject, pool_of, pool_subject
 from streams.tasks import stop_task
@@ -116,7 +116,6 @@ class WorkerConfig:
     # Lane ownership (streams/rendezvous.py): the workers that pull each lane,
     # and how far above its share of lanes one may own.
     lane_depth: int = DEFAULT_DEPTH
-    lane_load_factor: float = DEFAULT_LOAD_FACTOR
     # The engine's KV cache events (vLLM's --kv-events-config ZMQ PUB endpoint,
     # e.g. tcp://127.0.0.1:5557): followed and published to the fleet's KV index
     # (workers/inference/kv_reporter.py); None: not followed.
@@ -192,7 +191,7 @@ class Worker:
                 cfg.worker_id,
                 topo.replicas,
                 depth=cfg.lane_depth,
-                load_factor=cfg.lane_load_factor,
+                load_factor=topo.lane_load_factor,
                 deployment=dep,
                 load=self.starts.value,
                 models=cfg.models,

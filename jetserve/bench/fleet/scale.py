@@ -32,7 +32,7 @@ import asyncio
 import random
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -59,7 +59,23 @@ WINDOW_S = 2.0  # the hit-share time series, per window of send times
 PATIENCE_S = 60.0
 
 
-def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
+@dataclass(frozen=True)
+class Lanes:
+    """The interactive class's lanes and the gateway's ``--lane-load-factor``."""
+
+    count: int = DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE)  # the product's 256
+    load_factor: float = DEFAULT_TOPOLOGY.lane_load_factor
+
+    def moved(self, before: list[str], after: list[str]) -> float | None:
+        """The share of lanes whose owner moved; None when a look found no
+        members (on a loaded machine every heartbeat can miss the bucket's 4 s TTL)."""
+        if not before or not after:
+            return None
+        old, new = (assign(m, self.count, load_factor=self.load_factor) for m in (before, after))
+        return round(old.moved(new), 4)
+
+
+def _spec(replicas: int, mode: str, blocks: int, lanes: Lanes) -> FleetSpec:
     kv = mode == "kv_index"  # hash lanes with the KV index on top
     # events_only: hash lanes, the engines publishing and the workers following
     # their KV events (the index's cost without its routing).
@@ -73,11 +89,14 @@ def _spec(replicas: int, mode: str, blocks: int) -> FleetSpec:
         replicas_per_sim=PER_SIM,
         engines_per_worker=PER_WORKER,
         sim_args=["--num-gpu-blocks", str(blocks)],
-        gateway_args=["--routing", "affinity", "--kv-index"] if kv else ["--routing", mode],
+        gateway_args=[
+            *(["--routing", "affinity", "--kv-index"] if kv else ["--routing", mode]),
+            *("--lane-load-factor", str(lanes.load_factor)),
+        ],
         kv_events=events,
         # The same worker ids in every arm: the same lanes move at each change.
         worker_id_suffix="bench",
-        lanes=DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),  # the product's 256
+        lanes=lanes.count,
     )
 
 
@@ -163,15 +182,6 @@ async def _until_members(fleet: Fleet, want: int) -> list[str]:
         await asyncio.sleep(0.25)
 
 
-def _moved(before: list[str], after: list[str]) -> float | None:
-    """The share of lanes whose owner moved; None when a look found no members
-    (on a loaded machine every heartbeat can miss the bucket's 4 s TTL)."""
-    if not before or not after:
-        return None
-    lanes = DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE)
-    return round(assign(before, lanes).moved(assign(after, lanes)), 4)
-
-
 async def _single(fleet: Fleet, blocks: int) -> Proc:
     """One more replica of one engine: its own simulator and worker process."""
     url = await asyncio.to_thread(fleet.start_engine, "--num-gpu-blocks", str(blocks))
@@ -183,8 +193,8 @@ class Changes:
     a single-engine replica starts, then it is SIGKILLed, then the one the
     fleet started with is."""
 
-    def __init__(self, fleet: Fleet, first: Proc, blocks: int) -> None:
-        self.fleet, self.singles, self.blocks = fleet, [first], blocks
+    def __init__(self, fleet: Fleet, first: Proc, blocks: int, lanes: Lanes) -> None:
+        self.fleet, self.singles, self.blocks, self.lanes = fleet, [first], blocks, lanes
         self.log: list[dict[str, Any]] = []
 
     async def run(self, t0: float, duration: float) -> None:
@@ -201,7 +211,7 @@ class Changes:
                 {
                     "change": f"{len(before)} -> {len(after)}",
                     "at_s": round(at, 1),
-                    "lanes_moved": _moved(before, after),
+                    "lanes_moved": self.lanes.moved(before, after),
                 }
             )
 
@@ -247,12 +257,14 @@ async def _mode(
     blocks: int,
     replicas: int = REPLICAS,
     warmup: float = 0.0,
+    lanes: Lanes = Lanes(),
 ) -> tuple[Summary, dict[str, Any], list[Shot], list[dict[str, Any]], dict[str, float]]:
-    fleet = await asyncio.to_thread(lambda: Fleet(_spec(replicas - 1, mode, blocks)).start())
+    spec = _spec(replicas - 1, mode, blocks, lanes)
+    fleet = await asyncio.to_thread(lambda: Fleet(spec).start())
     driver = Driver(fleet, seed, PATIENCE_S)
     kv_routes: dict[str, float] = {}
     try:
-        changes = Changes(fleet, await _single(fleet, blocks), blocks)
+        changes = Changes(fleet, await _single(fleet, blocks), blocks, lanes)
         await _until_members(fleet, replicas)
         await asyncio.sleep(2.0)  # lane ranks settle after the last replica joined
         before: dict[str, int] = {}
@@ -295,6 +307,7 @@ async def scale(
     modes: tuple[str, ...] = ("round_robin", "affinity"),
     name: str = "scale",
     warmup: float = 0.0,
+    lanes: Lanes = Lanes(),
 ) -> dict[str, Any]:
     prompts = [system_prompt(g, words) for g in range(groups)]
     # Some prefixes are far more popular than others (Zipf-like, s = 0.6).
@@ -309,7 +322,7 @@ async def scale(
     kv_routes: dict[str, float] = {}
     for mode in modes:
         row, balance[mode], shots, log, routes = await _mode(
-            mode, seed, rate, duration, make, blocks, replicas, warmup
+            mode, seed, rate, duration, make, blocks, replicas, warmup, lanes
         )
         rows.append(row)
         kv_routes |= routes
@@ -340,7 +353,8 @@ async def scale(
             "rate_rps": rate,
             "duration_s": duration,
             "warmup_s": warmup,  # the same load before the measured duration
-            "lanes": DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),
+            "lanes": lanes.count,
+            "lane_load_factor": lanes.load_factor,
         },
         "balance": balance,
         "hit_share_of_oracle": {

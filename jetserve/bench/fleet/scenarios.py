@@ -57,9 +57,11 @@ from jetserve.bench.fleet.client import (
 )
 from jetserve.bench.fleet.fairness import fairness
 from jetserve.bench.fleet.rollout import rollout
-from jetserve.bench.fleet.scale import scale
+from jetserve.bench.fleet.scale import Lanes, scale
 from jetserve.bench.fleet.soak import soak
 from jetserve.fleet import Fleet, FleetSpec
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.subjects import RequestClass
 from workers.inference.admission import AdmissionConfig
 
 SCENARIOS = (
@@ -328,6 +330,8 @@ class Options:
     deadline_s: float = 4.0
     replicas: int = 0  # scale, kvindex: the fleet's replicas (0: 64, 16)
     warmup: float = 0.0  # scale: seconds of load before the measured duration
+    lanes: int = 0  # scale, kvindex: interactive lanes (0: the product's default)
+    lane_load_factor: float = 0.0  # scale, kvindex: 0: the product's default
 
 
 async def soak_run(opts: Options) -> dict[str, Any]:
@@ -338,12 +342,19 @@ async def fairness_run(opts: Options) -> dict[str, Any]:
     return await fairness(opts.seed, opts.duration)
 
 
+def _lanes(opts: Options) -> Lanes:
+    return Lanes(
+        opts.lanes or DEFAULT_TOPOLOGY.lanes_of(RequestClass.INTERACTIVE),
+        opts.lane_load_factor or DEFAULT_TOPOLOGY.lane_load_factor,
+    )
+
+
 async def scale_run(opts: Options) -> dict[str, Any]:
     # 256 groups of 300-word prompts: a replica's 1024 KV blocks hold a few of
     # them, the fleet's 64 x 1024 all of them.
     return await scale(
         opts.seed, opts.rate, opts.duration, 256, 300, opts.gpu_blocks, opts.replicas or 64,
-        warmup=opts.warmup,
+        warmup=opts.warmup, lanes=_lanes(opts),
     )  # fmt: skip
 
 
@@ -354,7 +365,7 @@ async def kvindex_run(opts: Options) -> dict[str, Any]:
     replicas = opts.replicas or 16
     return await scale(
         opts.seed, opts.rate, opts.duration, 4 * replicas, 300, opts.gpu_blocks,
-        replicas=replicas, modes=("affinity", "kv_index"), name="kvindex",
+        replicas=replicas, modes=("affinity", "kv_index"), name="kvindex", lanes=_lanes(opts),
     )  # fmt: skip
 
 
