@@ -29,6 +29,8 @@ class IdleResult(msgspec.Struct, kw_only=True):
     workers: int
     agents: int
     replicas: int = 0  # --replicas: engines behind multi-engine workers, not --workers
+    lanes: int = 32  # per lane class (FleetSpec's; --lanes with --replicas)
+    lane_load_factor: float = 1.4
     # Per process group: share of one core, in percent, over the window.
     percent_of_a_core: dict[str, float]
     fleet_percent: float  # the fleet's own: every group but the engines
@@ -45,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="a many-replica fleet instead: N simulated engines, 32 to a simulator "
-        "process, 8 to a worker process, 256 lanes (the scale bench's fleet)",
+        "process, 8 to a worker process, --lanes lanes (the scale bench's fleet)",
     )
+    p.add_argument("--lanes", type=int, default=256, help="--replicas: lanes per lane class")
+    p.add_argument("--lane-load-factor", type=float, default=1.4, help="--replicas: the gateway's")
     p.add_argument("--out", default="bench/results/idle", help="directory for idle.json")
 
 
@@ -81,7 +85,8 @@ def cmd_idle(args: argparse.Namespace, argv: list[str]) -> int:
             sim_replicas=args.replicas,
             replicas_per_sim=32,
             engines_per_worker=8,
-            lanes=256,
+            lanes=args.lanes,
+            gateway_args=["--lane-load-factor", str(args.lane_load_factor)],
         )
     else:
         spec = FleetSpec(workers=args.workers, agents=args.agents)
@@ -96,6 +101,8 @@ def cmd_idle(args: argparse.Namespace, argv: list[str]) -> int:
         workers=args.replicas // 8 if args.replicas else args.workers,  # processes
         agents=args.agents,
         replicas=args.replicas,
+        lanes=spec.lanes,
+        lane_load_factor=args.lane_load_factor if args.replicas else 1.4,
         percent_of_a_core=pct,
         fleet_percent=own,
         other_percent=other,

@@ -10,7 +10,7 @@ import pytest
 
 from jetserve.bench.fleet.scale import Lanes
 from streams.definitions import Topology
-from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, assign
+from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, assign, weight
 
 
 def fleet(n: int, tag: str = "w") -> list[str]:
@@ -113,3 +113,35 @@ def test_512_lanes_at_1_3_keep_the_benchs_changes_within_3_percent() -> None:
     at_512 = Lanes(512, 1.3)
     moves = [at_512.moved(base, joined), at_512.moved(joined, base), at_512.moved(base, left)]
     assert all(m is not None and m <= 0.03 for m in moves), moves
+
+
+def _reference(
+    members: list[str], lanes: int, depth: int, load_factor: float
+) -> list[tuple[str, ...]]:
+    """The rule as stated: every (member, lane) pair sorted heaviest first, each
+    taken when its lane is unowned and its member has room."""
+    names = sorted(set(members))
+    cap = math.ceil(load_factor * lanes / len(names))
+    pairs = sorted(((weight(m, n), n, m) for n in range(lanes) for m in names), reverse=True)
+    owner: dict[int, str] = {}
+    owned = Counter[str]()
+    for _, lane, m in pairs:
+        if lane not in owner and owned[m] < cap:
+            owner[lane], owned[m] = m, owned[m] + 1
+    out = []
+    for lane in range(lanes):
+        ranked = [m for _, m in sorted(((weight(m, lane), m) for m in names), reverse=True)]
+        out.append((owner[lane], *[m for m in ranked if m != owner[lane]][: max(depth - 1, 0)]))
+    return out
+
+
+def test_the_assignment_is_the_heaviest_pair_first_rule() -> None:
+    """assign() takes one candidate per lane from a heap, and caches members'
+    weights and whole assignments: the owners and backups are the rule's."""
+    rng = random.Random(7)
+    for _ in range(60):
+        members = [f"m{rng.randrange(10**6)}" for _ in range(rng.randint(1, 70))]
+        lanes, depth = rng.choice([1, 3, 16, 64, 256]), rng.randint(0, 5)
+        load_factor = rng.choice([1.0, 1.1, 1.4, 2.0])
+        order = assign(members, lanes, depth, load_factor)
+        assert list(order.orders) == _reference(members, lanes, depth, load_factor)
