@@ -7,7 +7,6 @@ does not know pass through untouched to the engine (as vLLM accepts them).
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -255,12 +254,14 @@ def merge_logprobs(parts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] 
 class ChunkWriter:
     """Renders OpenAI stream chunks for one request (chat or completion)."""
 
-    def __init__(self, op: str, request_id: str, model: str) -> None:
+    def __init__(self, op: str, request_id: str, model: str, created: float) -> None:
         self.chat = op == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.model = model
-        self.created = int(time.time())
+        # The request's acceptance, not this rendering's: a resumed stream or an
+        # Idempotency-Key retry renders the same chunks on another replica later.
+        self.created = int(created)
         self.role_sent = False  # choice 0's role chunk
         self._roles: set[int] = set()  # choices whose first delta went out
 
@@ -350,8 +351,10 @@ def completion_response(
     choices: list[ChoiceResult],
     finish_reason: str,
     usage: Usage,
+    created: float,
 ) -> dict[str, Any]:
-    created = int(time.time())
+    """``created``: when the request was accepted (an Idempotency-Key retry renders
+    the same response later, on any replica, and must match it byte for byte)."""
     rendered: list[dict[str, Any]] = []
     for c in choices:
         finish = c.finish_reason or finish_reason
@@ -378,7 +381,7 @@ def completion_response(
     return {
         "id": prefix + request_id,
         "object": obj,
-        "created": created,
+        "created": int(created),
         "model": model,
         "choices": rendered,
         "usage": usage_json(usage),

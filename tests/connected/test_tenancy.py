@@ -204,6 +204,28 @@ async def test_idempotency_key_sequential_and_concurrent(fleet: Fleet) -> None:
     assert len(charged) == 2  # one charge per key
 
 
+async def test_an_idempotent_retry_renders_created_as_the_request_was_accepted(
+    fleet: Fleet,
+) -> None:
+    """Two renderings of one run, the first's and an attached retry's, each made
+    when the final frame arrives: ``created`` must be the request's acceptance,
+    or the two differ whenever a second ticks between them (a flake of the test
+    above). The run here lasts over 2 s, so the render time cannot pass for it."""
+    headers = {
+        "Authorization": f"Bearer {fleet.api_key}",
+        "Idempotency-Key": "k-created",
+        "X-Sim-Fault": "slow:300",  # 8 tokens, 300 ms apart
+    }
+    url = f"{fleet.base_url}/v1/chat/completions"
+    sent = time.time()
+    async with httpx.AsyncClient(timeout=30) as c:
+        rs = await asyncio.gather(*(c.post(url, json=BODY, headers=headers) for _ in range(2)))
+    assert time.time() - sent >= 2.0
+    assert [r.status_code for r in rs] == [200, 200]
+    assert rs[0].content == rs[1].content
+    assert rs[0].json()["created"] - int(sent) in (0, 1)  # the second may tick at acceptance
+
+
 async def test_revoked_key_dies_on_every_replica_within_1s(
     make_fleet: Callable[..., Fleet],
 ) -> None:

@@ -20,6 +20,7 @@ from gateway.ingress.openapi import SHIPPED, build_spec, render
 from streams.wire import Usage
 
 USAGE = Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+CREATED = 1_796_000_000.5  # when the request was accepted: rendered as whole seconds
 CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
 
 
@@ -50,15 +51,16 @@ def _refs(node: Any) -> list[str]:
 @pytest.mark.parametrize("tool_calls", [[], CALL], ids=["text", "tool-calls"])
 def test_a_chat_completion_is_described(tool_calls: list[dict[str, Any]]) -> None:
     choices = [ChoiceResult(0, "hi", tool_calls), ChoiceResult(1, "ho", [], "length")]
-    body = completion_response("chat", "r1", "m", choices, "stop", USAGE)
+    body = completion_response("chat", "r1", "m", choices, "stop", USAGE, CREATED)
     msgspec.convert(body, types.ChatCompletion)
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["created"] == 1_796_000_000  # the request's, whenever it is rendered
 
 
 def test_a_completion_is_described() -> None:
     lps = {"tokens": ["hi"], "token_logprobs": [-0.5], "top_logprobs": [{"hi": -0.5}]}
     body = completion_response(
-        "completion", "r1", "m", [ChoiceResult(0, "hi", logprobs=lps)], "length", USAGE
+        "completion", "r1", "m", [ChoiceResult(0, "hi", logprobs=lps)], "length", USAGE, CREATED
     )
     msgspec.convert(body, types.Completion)
 
@@ -74,11 +76,12 @@ def test_embeddings_are_described(encoding: str) -> None:
     [("chat", types.ChatCompletionChunk), ("completion", types.CompletionChunk)],
 )
 def test_stream_chunks_are_described(op: str, kind: type[msgspec.Struct]) -> None:
-    writer = ChunkWriter(op, "r1", "m")
+    writer = ChunkWriter(op, "r1", "m", CREATED)
     chunks = [*writer.delta("hi", CALL if op == "chat" else None, None), writer.finish("stop")]
     chunks.append(writer.usage(USAGE))
     for chunk in chunks:
         msgspec.convert(chunk, kind)
+        assert chunk["created"] == 1_796_000_000
 
 
 def test_an_error_is_described() -> None:
