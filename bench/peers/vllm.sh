@@ -55,7 +55,18 @@ case "$cmd" in
     # a random-weight model would fill a JSON reply with it and never close the object.
     # The model's whole 2048 positions: the cancel test's streams must outlast its
     # hang-up window (512 tokens took 0.55 s, within reach of a late hang-up).
-    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "$VENV/bin/python" \
+    # One core for the engine (JETSERVE_VLLM_CPUS: a taskset list, or "all"): unpinned
+    # on 2 cores, its busy-polling scheduler and its worker took 1.75 of them, and the
+    # fleet and the tier's own clients starved (hang-ups noticed seconds late, so the
+    # cancel tier judged the machine, not the fleet). A deployed engine has hardware
+    # of its own; here it gets the last core.
+    pin=()
+    cpus="${JETSERVE_VLLM_CPUS:-}"
+    if [ -z "$cpus" ] && [ "$(nproc)" -ge 2 ]; then cpus=$(($(nproc) - 1)); fi
+    if [ -n "$cpus" ] && [ "$cpus" != all ] && command -v taskset >/dev/null; then
+      pin=(taskset -c "$cpus")
+    fi
+    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "${pin[@]}" "$VENV/bin/python" \
       "$ROOT/bench/peers/vllm_cli.py" serve "$MODEL" \
       --served-model-name tiny --host 127.0.0.1 --port "$port" --dtype float32 \
       --max-model-len 2048 --max-num-seqs 4 --enable-prompt-tokens-details \
