@@ -42,6 +42,18 @@ install() {
   echo "vllm peer ready: $PEERS"
 }
 
+# pin_engine DEFAULT: the taskset prefix for the engine, in $pin: JETSERVE_VLLM_CPUS
+# (a taskset list, or "all"), else DEFAULT ("last": the last core, where there are 2+).
+pin_engine() {
+  pin=()
+  local cpus="${JETSERVE_VLLM_CPUS:-$1}"
+  if [ "$cpus" = last ]; then
+    cpus=all
+    if [ "$(nproc)" -ge 2 ]; then cpus=$(($(nproc) - 1)); fi
+  fi
+  if [ "$cpus" != all ] && command -v taskset >/dev/null; then pin=(taskset -c "$cpus"); fi
+}
+
 cmd="${1:-test}"
 case "$cmd" in
   install)
@@ -60,12 +72,7 @@ case "$cmd" in
     # fleet and the tier's own clients starved (hang-ups noticed seconds late, so the
     # cancel tier judged the machine, not the fleet). A deployed engine has hardware
     # of its own; here it gets the last core.
-    pin=()
-    cpus="${JETSERVE_VLLM_CPUS:-}"
-    if [ -z "$cpus" ] && [ "$(nproc)" -ge 2 ]; then cpus=$(($(nproc) - 1)); fi
-    if [ -n "$cpus" ] && [ "$cpus" != all ] && command -v taskset >/dev/null; then
-      pin=(taskset -c "$cpus")
-    fi
+    pin_engine last
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "${pin[@]}" "$VENV/bin/python" \
       "$ROOT/bench/peers/vllm_cli.py" serve "$MODEL" \
       --served-model-name tiny --host 127.0.0.1 --port "$port" --dtype float32 \
@@ -76,7 +83,9 @@ case "$cmd" in
   serve-embed)
     port="${2:?port}"
     # vLLM's pooling runner: an encoder-only model, which reports one KV block.
-    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "$VENV/bin/python" \
+    # Unpinned unless JETSERVE_VLLM_CPUS says (the embeddings bench reports both).
+    pin_engine all
+    HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "${pin[@]}" "$VENV/bin/python" \
       "$ROOT/bench/peers/vllm_cli.py" serve "$EMBED_MODEL" \
       --served-model-name minilm --runner pooling --host 127.0.0.1 --port "$port" --dtype float32
     ;;
