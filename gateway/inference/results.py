@@ -86,5 +86,5 @@ def render(adm: Admitted, result: Result) -> dict[str, Any]:
         result.choices,
         result.final.finish_reason,
         result.final.usage,
-        adm.stream.req.created,
+        adm.created,
     )

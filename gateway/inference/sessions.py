@@ -45,6 +45,11 @@ class Admitted:
         return 0  # a fresh stream: the client has no chunk yet
 
     @property
+    def created(self) -> float:
+        """When the request was accepted: every rendering's ``created``."""
+        return self.stream.req.created
+
+    @property
     def wants_stream(self) -> bool:
         return bool(getattr(self.parsed, "stream", False))
 
@@ -101,6 +106,10 @@ class Resumed:
     @property
     def model(self) -> str:
         return self.meta.model
+
+    @property
+    def created(self) -> float:
+        return self.meta.created
 
     @property
     def scope(self) -> Scope:

@@ -132,7 +132,7 @@ async def client_events(
     yields only the chunks after its ``last_event_id``: the reader skips the tokens
     the client has, and the role, closing and usage chunks are skipped here by id.
     """
-    writer = ChunkWriter(adm.op, adm.request_id, adm.model, adm.stream.req.created)
+    writer = ChunkWriter(adm.op, adm.request_id, adm.model, adm.created)
     stream = adm.stream
     after = adm.last_event_id
     writer.role_sent = after >= ROLE_ID  # a resume past the role chunk

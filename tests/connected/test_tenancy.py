@@ -10,6 +10,7 @@ import httpx
 import msgspec
 import pytest
 
+from gateway.config import GatewayConfig
 from gateway.tenancy.pricing import Price
 from jetserve.fleet import Fleet
 from tests.waits import until
@@ -238,16 +239,14 @@ async def test_revoked_key_dies_on_every_replica_within_1s(
         assert [(await c.get(u, headers=headers)).status_code for u in models] == [200] * 3
         with fleet.admin() as admin:
             admin.revoke_key(created["key"]["key_id"])
-        revoked_at = time.monotonic()
-        pending = set(models)
-        while pending and time.monotonic() - revoked_at < 3:
-            for u in list(pending):
-                if (await c.get(u, headers=headers)).status_code == 401:
-                    pending.discard(u)
-            await asyncio.sleep(0.05)
-        elapsed = time.monotonic() - revoked_at
-    assert not pending, elapsed
-    assert elapsed <= 1.2, elapsed
+        revoked_at = time.monotonic()  # the revoked record is stored
+        # A replica answers from its key cache only while the entry is younger than
+        # key_cache_s, timed from before the read that filled it: a request sent that
+        # long after the revocation was stored meets it on every replica, however
+        # loaded the machine (a wall-clock bound on the whole loop measured the box:
+        # 1.30 s once in CI). Waiting out the cache is the guarantee under test.
+        await asyncio.sleep(max(0.0, revoked_at + GatewayConfig.key_cache_s - time.monotonic()))
+        assert [(await c.get(u, headers=headers)).status_code for u in models] == [401] * 3
 
 
 async def test_key_scopes_limit_models_and_classes(fleet: Fleet) -> None:

@@ -34,6 +34,7 @@ class FakeSession:
     model: str = "m"
     tokens_seen: int = 0
     choices: int = 1
+    created: float = 1_796_000_000.0
 
 
 async def _noop(*_: object) -> None:
