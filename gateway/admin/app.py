@@ -220,6 +220,7 @@ async def get_limits(request: Request) -> Response:
     org = await _org_of(request, level, ident, writing=False)
     accountant = _accountant(request)
     spec = await accountant.get_limits(level, ident, org=org)
+    await _runtime(request).gateway.settlements.flush()  # this replica's answered requests
     spent, reserved = await accountant.spend(level, ident, org=org)
     return web.json_response(
         {**_limits_view(spec), "spent_micros": spent, "reserved_micros": reserved}
@@ -231,7 +232,9 @@ async def ledger(request: Request) -> Response:
     if not tenant:
         raise BadRequest("'tenant' is required.", param="tenant")
     since, until, limit = web.ledger_window(request)
-    reader = _runtime(request).ledger_reader
+    rt = _runtime(request)
+    reader = rt.ledger_reader
+    await rt.gateway.settlements.flush()  # this replica's answered requests are in it
     lines = [encode_record(r) async for r in reader.query(tenant, since, until, limit)]
     body = b"\n".join(lines) + (b"\n" if lines else b"")
     return Response(body, media_type="application/x-ndjson")

@@ -2,7 +2,8 @@
 and ledger record are made durable before either store is touched, and applied
 exactly once.
 
-    settle:  publish to the outbox -> apply (Redis, then the ledger) -> delete
+    settle:  publish to the outbox (the caller goes on from here: its outcome is
+             durable) -> apply (Redis, then the ledger) -> delete
              (under load, as a batch: one publish and one delete for many)
     scan:    what is still in the outbox after ``grace_s`` -> apply -> delete
     orphans: a hold past its expiry (its gateway died before settling) ->
@@ -25,6 +26,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -50,6 +52,8 @@ SWEEP_WRITER = "sweep"
 SCAN_FAILURES_IN_A_ROW = 3  # a scan stops here: a store is down, not one settlement bad
 # Settlements in one outbox message at most (a record is ~0.5 KiB, a message 64).
 MAX_BATCH = 64
+# A read of the books waits this long at most for this gateway's stored settlements.
+FLUSH_WAIT_S = 2.0
 
 
 class Settlements:
@@ -79,15 +83,28 @@ class Settlements:
         # Settlements waiting for the next group commit, and the task committing.
         self._waiting: list[tuple[Settlement, asyncio.Future[None]]] = []
         self._committer: asyncio.Task[None] | None = None  # owned: awaited in aclose()
+        # Stored batches (outbox seq, settlements) waiting to be applied, in order,
+        # by the applier; ``_handed``/``_applied`` count batches in and out of it.
+        self._stored: deque[tuple[int, list[Settlement]]] = deque()
+        self._applier: asyncio.Task[None] | None = None  # owned: awaited in aclose()
+        self._handed = self._applied = 0
+        self._progress = asyncio.Condition()
 
     # -- the request path ------------------------------------------------------------
     async def settle(self, s: Settlement) -> None:
-        """Make ``s`` durable, then apply it. Never raises: what cannot be applied
-        now stays in the outbox (or, with the bus down, is retried from here).
+        """Make ``s`` durable; it is applied right after, in the background (and
+        by a scanner, should this gateway die first). Never raises: what cannot be
+        stored now is retried from here.
 
-        Group commit: while one batch is being stored and applied, the
-        settlements that arrive wait and go together in the next, as one outbox
-        message and one delete. Alone, a settlement goes at once, as itself."""
+        The caller's outcome is safe once the outbox holds it, so a request is
+        answered then, not after two stores' round trips more (Redis, the
+        ledger, and the outbox delete: ~5 ms of a short request's latency).
+        ``flush()`` waits for what was stored to be applied: a read of the
+        books on this gateway sees its own requests.
+
+        Group commit: while one batch is being stored, the settlements that
+        arrive wait and go together in the next, as one outbox message and one
+        delete. Alone, a settlement goes at once, as itself."""
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((s, done))
         if self._committer is None or self._committer.done():
@@ -95,11 +112,25 @@ class Settlements:
         # Shielded: a caller that goes away does not take its books with it.
         await asyncio.shield(done)
 
+    async def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
+        """Wait until every settlement stored so far has been applied (or left
+        in the outbox for a scanner, when a store refused it); at most
+        ``timeout_s``: a store that is slow (the ledger's retries take seconds)
+        delays a read by that much, not by the store's whole outage. Whether
+        all of it was applied in time."""
+        target = self._handed
+        try:
+            async with asyncio.timeout(timeout_s), self._progress:
+                await self._progress.wait_for(lambda: self._applied >= target)
+        except TimeoutError:
+            return False
+        return True
+
     async def _commit(self) -> None:
         while self._waiting:
             batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
             try:
-                await self._settle_batch([s for s, _ in batch])
+                await self._store_batch([s for s, _ in batch])
             except asyncio.CancelledError:
                 for _, done in batch:
                     done.cancel()
@@ -113,7 +144,9 @@ class Settlements:
                     if not done.done():
                         done.set_result(None)
 
-    async def _settle_batch(self, batch: list[Settlement]) -> None:
+    async def _store_batch(self, batch: list[Settlement]) -> None:
+        """Store ``batch`` and hand it to the applier; a bus that is down: keep
+        trying in the background (a scanner applies it once stored)."""
         try:
             seq = await self._store(batch)
         except _BUS_ERRORS as exc:
@@ -124,11 +157,37 @@ class Settlements:
             self._retrying.add(task)
             task.add_done_callback(self._retrying.discard)
             return
-        applied = await asyncio.gather(*(self._apply_logged(s) for s in batch))
-        for ok in applied:
-            self._on_outcome("inline" if ok else "deferred")
-        if all(applied):
-            await self._delete(seq)
+        self._stored.append((seq, batch))
+        self._handed += 1
+        if self._applier is None or self._applier.done():
+            self._applier = asyncio.create_task(self._apply_stored(), name="settlements-apply")
+
+    async def _apply_stored(self) -> None:
+        """Apply what is stored, all of it at once: what arrives while one round
+        is applied goes in the next, so the rounds grow with the load and never
+        fall behind it. A batch is deleted from the outbox once all of it is
+        applied (what is not stays there for a scanner)."""
+        while self._stored:
+            taken = list(self._stored)
+            self._stored.clear()
+            try:
+                await asyncio.gather(*(self._apply_batch(seq, batch) for seq, batch in taken))
+            finally:
+                async with self._progress:
+                    self._applied += len(taken)
+                    self._progress.notify_all()
+
+    async def _apply_batch(self, seq: int, batch: list[Settlement]) -> None:
+        try:
+            applied = await asyncio.gather(*(self._apply_logged(s) for s in batch))
+            for ok in applied:
+                self._on_outcome("inline" if ok else "deferred")
+            if all(applied):
+                await self._delete(seq)
+        except Exception:  # logged, and kept: the outbox holds it for a scanner
+            log.exception("applying outbox seq %d failed; a scanner applies it", seq)
+            for _ in batch:
+                self._on_outcome("deferred")
 
     async def _store(self, batch: list[Settlement], msg_id: str | None = None) -> int:
         """One outbox message for ``batch``: the settlement itself when alone (or
@@ -295,6 +354,8 @@ class Settlements:
         """Give stores that were down a moment; what is left the orphan sweep settles."""
         if self._committer is not None:
             await self._committer  # what was handed over is stored (or handed on)
+        if self._applier is not None:
+            await self._applier  # and what was stored, applied
         if self._retrying:
             await asyncio.wait(self._retrying, timeout=grace_s)
         left = list(self._retrying)

@@ -150,6 +150,7 @@ async def tenant_ledger(request: Request) -> Response:
         raise BadRequest("The ledger is scoped to the key's tenant; 'tenant' is not accepted.")
     since, until, limit = ledger_window(request)
     reader: LedgerReader = request.app.state.ledger_reader
+    await gw.settlements.flush()  # this replica's answered requests are in it
     try:
         lines = [encode_record(r) async for r in reader.query(key.tenant, since, until, limit)]
     except (nats.errors.Error, TimeoutError) as exc:

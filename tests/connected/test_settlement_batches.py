@@ -110,8 +110,9 @@ async def test_settlements_that_arrive_together_are_one_outbox_message(
         await acct.reserve(SCOPE, rid, 1000, 10)
 
     # 20 at once: the first commit takes all of them (they were all waiting
-    # before the committer ran): one message stored, and deleted.
+    # before the committer ran): one message stored, and (once applied) deleted.
     await asyncio.gather(*(books.settle(settlement(rid, c)) for rid, c in want.items()))
+    await books.flush()
     assert await stored(nc) == (1, 0)
     assert await recorded(nc) == want
     for rid, charge in want.items():
@@ -128,6 +129,7 @@ async def test_settlements_that_arrive_together_are_one_outbox_message(
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
         await asyncio.gather(*(books.settle(settlement(rid, c)) for rid, c in later.items()))
+        await books.flush()  # the applies tried (and failed) while it was frozen
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     assert await stored(nc) == (2, 1)
@@ -163,6 +165,7 @@ async def test_a_batch_too_big_for_one_message_is_stored_one_by_one(
     for rid in want:
         await acct.reserve(SCOPE, rid, 1000, 10)
     await asyncio.gather(*(books.settle(settlement(rid, c)) for rid, c in want.items()))
+    await books.flush()
     state = (await js.stream_info(small.stream)).state
     assert state.last_seq == len(want)  # one message each
     assert await recorded(nc) == want
@@ -174,3 +177,34 @@ async def test_a_batch_too_big_for_one_message_is_stored_one_by_one(
     await until(cleared, "a scan to clear the single settlements")
     assert await recorded(nc) == want  # applied again by the scan: still once each
     await books.aclose()
+
+
+async def test_the_caller_goes_on_once_stored_and_the_apply_follows(
+    nc: Client, redis_server: Service
+) -> None:
+    """settle() returns once the outbox holds the settlement, before Redis or the
+    ledger is touched: a frozen Redis does not hold the answer up. The gateway
+    applies it right after (no scanner involved), and flush() waits for that."""
+    patient = redis.Redis.from_url(redis_server.redis_url())  # waits the freeze out
+    js = nc.jetstream()
+    acct = Accountant(patient, timeout_s=60.0)
+    books = Settlements(
+        js, Outbox(js), acct, LedgerWriter(js, attempts=2, backoff_s=0.05), "gw1",
+        DEFAULT_TOPOLOGY, PriceBook(), grace_s=3600.0,
+    )  # fmt: skip
+    await acct.reserve(SCOPE, "after-0", 1000, 10)
+    last_seq, held = await stored(nc)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        await books.settle(settlement("after-0", 123))
+        assert await stored(nc) == (last_seq + 1, held + 1)  # durable: in the outbox
+        assert "after-0" not in await recorded(nc)  # and not applied yet
+        assert not await books.flush(0.2)  # Redis frozen: the apply is waiting on it
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert await books.flush(60.0)
+    assert (await recorded(nc))["after-0"] == 123
+    assert await stored(nc) == (last_seq + 1, held)  # applied, then deleted
+    assert await acct.settle("after-0", 0, "gw1", org=SCOPE.org) == (True, 123)  # charged once
+    await books.aclose()
+    await patient.aclose()

@@ -109,6 +109,15 @@ async def deferred(fleet: Fleet) -> float:
     )
 
 
+async def tried(fleet: Fleet, n: int) -> bool:
+    """The gateways have tried to apply ``n`` settlements (applied or deferred)."""
+    counts = [
+        await fleet_sum(fleet.gateway_metrics_urls, "jetserve_gateway_settlements_total", path=p)
+        for p in ("inline", "deferred")
+    ]
+    return sum(counts) >= n
+
+
 async def admitted(fleet: Fleet, tasks: list[asyncio.Task[Any]], total: int) -> None:
     """Wait until every request is in flight or answered."""
 
@@ -128,6 +137,9 @@ async def test_redis_frozen_during_200_settlements(make_fleet: Callable[..., Fle
         freeze(fleet)  # they settle while Redis cannot answer
         try:
             results = await asyncio.gather(*tasks)
+            # Answered once stored in the outbox; the applies run after, and
+            # fail (Redis frozen) one timeout later: wait for all 200 to be tried.
+            await until(lambda: tried(fleet, 200), "200 settlements tried", 90.0)
             during = await deferred(fleet)
         finally:
             thaw(fleet)
