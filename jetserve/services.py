@@ -65,10 +65,8 @@ def nats_server_conf(sync: str, conf_dir: Path, auth_conf: Path | None = None) -
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free loopback port for a child to bind (see :func:`free_ports`)."""
+    return free_ports(1)
 
 
 def _ephemeral_low() -> int:
@@ -79,17 +77,39 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+class _PortPicker:
+    """Candidate ports below the kernel's ephemeral range, in turn from a random
+    start. Below the range: a port there (what binding port 0 gives) may go to
+    any outgoing connection's source between the check and the child's bind (a
+    gateway's metrics listener lost its port so, mid-test). In turn: two picks of
+    one process never repeat a port the first child may not have bound yet."""
+
+    LOW = 10000
+
+    def __init__(self) -> None:
+        self._next: int | None = None  # chosen at the first pick: no I/O at import
+
+    def take(self, n: int) -> int:
+        top = max(_ephemeral_low(), self.LOW + 2 * n)
+        if self._next is None:
+            import random
+
+            self._next = random.randrange(self.LOW, top - n)
+        if self._next + n > top:
+            self._next = self.LOW
+        base, self._next = self._next, self._next + n
+        return base
+
+
+_PICKER = _PortPicker()
+
+
 def free_ports(n: int, tries: int = 200) -> int:
     """The first of ``n`` consecutive free ports (a simulator with ``--replicas
-    n`` binds PORT..PORT+n-1), below the kernel's ephemeral range: a port there
-    may be given to any outgoing connection between this check and the
-    simulator's bind (seen with other fleets on the machine)."""
-    import random
-
-    rng = random.Random()
-    top = _ephemeral_low() - n
+    n`` binds PORT..PORT+n-1), below the kernel's ephemeral range and never
+    handed out twice in a row by this process (:class:`_PortPicker`)."""
     for _ in range(tries):
-        base = rng.randrange(10000, max(top, 10001))
+        base = _PICKER.take(n)
         socks = []
         try:
             for port in range(base, base + n):
