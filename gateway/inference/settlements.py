@@ -26,7 +26,6 @@ import logging
 import random
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -85,7 +84,7 @@ class Settlements:
         self._committer: asyncio.Task[None] | None = None  # owned: awaited in aclose()
         # Stored batches (outbox seq, settlements) waiting to be applied, in order,
         # by the applier; ``_handed``/``_applied`` count batches in and out of it.
-        self._stored: deque[tuple[int, list[Settlement]]] = deque()
+        self._stored: list[tuple[int, list[Settlement]]] = []
         self._applier: asyncio.Task[None] | None = None  # owned: awaited in aclose()
         self._handed = self._applied = 0
         self._progress = asyncio.Condition()
@@ -169,8 +168,7 @@ class Settlements:
         fall behind it. A batch is deleted from the outbox once all of it is
         applied (what is not stays there for a scanner)."""
         while self._stored:
-            taken = list(self._stored)
-            self._stored.clear()
+            taken, self._stored = self._stored, []
             try:
                 await asyncio.gather(*(self._apply_batch(seq, batch) for seq, batch in taken))
             finally:
