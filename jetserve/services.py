@@ -87,10 +87,14 @@ class _PortPicker:
     LOW = 10000
 
     def __init__(self) -> None:
-        self._next: int | None = None  # chosen at the first pick: no I/O at import
+        # Read and chosen at the first pick: no I/O at import.
+        self._top: int | None = None
+        self._next: int | None = None
 
     def take(self, n: int) -> int:
-        top = max(_ephemeral_low(), self.LOW + 2 * n)
+        if self._top is None:
+            self._top = _ephemeral_low()
+        top = max(self._top, self.LOW + 2 * n)
         if self._next is None:
             import random
 
