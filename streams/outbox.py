@@ -39,6 +39,7 @@ from nats.js.errors import APIError, NotFoundError
 from streams.headers import Header
 from streams.ids import is_safe_id
 from streams.provision import ensure_stream
+from streams.removal import remove_msg
 from streams.request_ledger import LedgerRecord
 from streams.subjects import PREFIX
 
@@ -163,7 +164,7 @@ class Outbox:
         """Done with it; already gone (another scanner applied it) is fine."""
         with contextlib.suppress(NotFoundError):
             try:
-                await self._js.delete_msg(self.topo.stream, seq)
+                await remove_msg(self._js, self.topo.stream, seq)
             except APIError as exc:
                 if exc.err_code != 10057:  # no message found
                     raise

@@ -24,6 +24,7 @@ from gateway.metrics import GatewayMetrics
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
 from streams.logs import log_event
+from streams.removal import remove_msg
 from streams.subjects import live_subject
 from streams.wire import ErrorFrame, decode_request, encode
 
@@ -105,7 +106,7 @@ class MaxDeliveriesWatch:
             seq=adv.stream_seq,
         )  # fmt: skip
         try:
-            await self._js.delete_msg(adv.stream, adv.stream_seq)
+            await remove_msg(self._js, adv.stream, adv.stream_seq)
         except (NotFoundError, APIError, nats.errors.Error, TimeoutError) as exc:
             log.warning("could not remove dead-lettered message %s: %s", adv.stream_seq, exc)
         self._metrics.rejected.labels("max_deliveries_exceeded").inc()

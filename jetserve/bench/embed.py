@@ -50,10 +50,13 @@ from typing import Any
 
 import httpx
 import msgspec
+import uvloop
 
 from jetserve.bench.cpu import CpuMeter, wait_quiet
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import free_port
+from workers.engines.lean_http import LeanClient
+from workers.errors import EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(
@@ -167,6 +170,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", default=",".join(ARMS[:3]), help=f"from {','.join(ARMS)}")
     p.add_argument("--inputs", default="1,8", help="inputs per request, one figure each")
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
+    p.add_argument(
+        "--client", choices=("lean", "httpx"), default="lean",
+        help="the load generator's HTTP client (lean: the worker's; httpx: more CPU per request)",
+    )  # fmt: skip
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per run")
     p.add_argument("--rounds", type=int, default=3, help="each arm this many times, alternated")
@@ -231,39 +238,70 @@ def vllm_engine(log: Path) -> Iterator[tuple[str, int]]:
             proc.wait()
 
 
+class _Item(msgspec.Struct):
+    index: int
+
+
+class _Reply(msgspec.Struct):
+    data: list[_Item]  # the vectors are skipped, not built: only the count is used
+
+
+_REPLY = msgspec.json.Decoder(_Reply)
+
+
 async def closed_loop(
     url: str, headers: dict[str, str], make: Iterator[bytes], clients: int, warmup: float,
-    duration: float,
+    duration: float, client_kind: str = "lean",
 ) -> tuple[list[float], int, int]:  # fmt: skip
     """Latencies (s) and error count of requests completed inside the window, and
-    the inputs they carried."""
+    the inputs they carried. The load comes from ``clients`` keep-alive
+    connections through the lean HTTP client (``client_kind="httpx"``: httpx,
+    whose send path costs this process ~0.5 ms more CPU per request, taken from
+    the cores the path shares)."""
     headers = {"Content-Type": "application/json", **headers}
     lat: list[float] = []
     errors = items = 0
     start = time.monotonic()
     begin, end = start + warmup, start + warmup + duration
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    if client_kind == "httpx":
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        hx = httpx.AsyncClient(base_url=url, timeout=120, limits=limits)
 
-        async def one() -> None:
-            nonlocal errors, items
-            while (t0 := time.monotonic()) < end:
-                body = next(make)
-                try:
-                    r = await client.post(f"{url}/v1/embeddings", content=body, headers=headers)
-                    ok = r.status_code == 200
-                    n = len(r.json()["data"]) if ok else 0
-                except httpx.HTTPError:
-                    ok, n = False, 0
-                t1 = time.monotonic()
-                if begin <= t0 and t1 <= end:
-                    if ok:
-                        lat.append(t1 - t0)
-                        items += n
-                    else:
-                        errors += 1
+        async def post(body: bytes) -> tuple[int, bytes]:
+            r = await hx.post("/v1/embeddings", content=body, headers=headers)
+            return r.status_code, r.content
 
+        close = hx.aclose
+    else:
+        lean = LeanClient(url, max_connections=clients)
+
+        async def post(body: bytes) -> tuple[int, bytes]:
+            async with asyncio.timeout(120):
+                return await lean.post("/v1/embeddings", body, headers)
+
+        close = lean.aclose
+
+    async def one() -> None:
+        nonlocal errors, items
+        while (t0 := time.monotonic()) < end:
+            try:
+                status, data = await post(next(make))
+                n = len(_REPLY.decode(data).data) if status == 200 else 0
+                ok = status == 200
+            except (httpx.HTTPError, EngineError, TimeoutError, msgspec.DecodeError):
+                ok, n = False, 0
+            t1 = time.monotonic()
+            if begin <= t0 and t1 <= end:
+                if ok:
+                    lat.append(t1 - t0)
+                    items += n
+                else:
+                    errors += 1
+
+    try:
         await asyncio.gather(*(one() for _ in range(clients)))
+    finally:
+        await close()
     return lat, items, errors
 
 
@@ -332,14 +370,15 @@ def summarise(
 
 def cpu_per_request(runs: list[Run], arm: str) -> dict[str, float]:
     """Median over ``runs`` of each of the arm's own process groups' CPU ms per
-    request: ``engine`` and, through a fleet, its ``gateway``, ``worker``, ``bus``."""
+    request: ``engine``, ``client`` (the load generator) and, through a fleet, its
+    ``gateway``, ``worker``, ``bus``."""
     per: dict[str, list[float]] = {}
     for r in runs:
         if not r.requests:
             continue
         for group, cpu in r.cpu_s.items():
             name = "engine" if group == "engine" else group.removeprefix(f"{arm}:")
-            if name in ("engine", "gateway", "worker", "bus"):
+            if name in ("engine", "gateway", "worker", "bus", "client"):
                 per.setdefault(name, []).append(1000 * cpu / r.requests)
     return {k: round(statistics.median(v), 2) for k, v in per.items()}
 
@@ -353,11 +392,11 @@ def markdown(res: EmbedResults) -> str:
         f"{res.cpus} CPUs shared by the engine, the fleets and the load generator.",
         "",
         "CPU ms per request: the engine's, and the arm's own processes' (gateway, "
-        "worker, bus = nats-server + redis-server); other: the rest of the machine, "
-        "in cores.",
+        "worker, bus = nats-server + redis-server), and the load generator's (client); "
+        "other: the rest of the machine, in cores.",
         "",
         "| inputs/request | arm | items/s (median) | vs direct (median, min) | p50 ms | p99 ms "
-        "| CPU ms/request: engine, gateway, worker, bus | other cores |",
+        "| CPU ms/request: engine, gateway, worker, bus, client | other cores |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for n, arms in res.summary.items():
@@ -367,7 +406,7 @@ def markdown(res: EmbedResults) -> str:
             )
             cpu = ", ".join(
                 f"{s.cpu_ms_per_request[k]:g}" if k in s.cpu_ms_per_request else "-"
-                for k in ("engine", "gateway", "worker", "bus")
+                for k in ("engine", "gateway", "worker", "bus", "client")
             )
             lines.append(
                 f"| {n} | {arm} | {s.items_per_s} | {ratio} | {s.p50_ms} | {s.p99_ms} "
@@ -468,11 +507,20 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                     other = None
                     if args.wait_quiet > 0:
                         other = wait_quiet(meter, args.wait_quiet, args.wait_quiet_max)
-                    before = meter.sample()
-                    lat, items, errors = asyncio.run(
-                        closed_loop(url, hdrs, make, args.concurrency, args.warmup, args.duration)
+                    before, own = meter.sample(), time.process_time()
+                    lat, items, errors = uvloop.run(  # as the fleet's own processes
+                        closed_loop(
+                            url,
+                            hdrs,
+                            make,
+                            args.concurrency,
+                            args.warmup,
+                            args.duration,
+                            args.client,
+                        )
                     )
                     cpu = CpuMeter.delta(before, meter.sample())
+                    cpu["client"] = round(time.process_time() - own, 3)  # the load generator
                     run = Run(
                         arm=arm, inputs=n, round=rnd, requests=len(lat), items=items,
                         errors=errors, window_s=args.duration,

@@ -31,6 +31,7 @@ from streams.errors import (
 )
 from streams.headers import Header
 from streams.marks import CancelMarks
+from streams.removal import remove_msg
 from streams.subjects import cancel_subject, frames_filter
 from streams.wire import Cancel, InferenceRequest, Meta, Token, decode_frames, encode
 
@@ -129,7 +130,7 @@ class InferenceClient:
             # Not picked up yet? Then no worker hears the cancel: remove the
             # message itself (a no-op if a worker already holds it).
             with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
-                await self._js.delete_msg(*at)
+                await remove_msg(self._js, *at)
 
     async def follow(
         self, tenant: str, request_id: str, cb: Callable[[Msg], Awaitable[None]]

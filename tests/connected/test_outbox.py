@@ -75,3 +75,32 @@ async def test_a_dead_gateways_record_is_applied_once_and_poison_is_dead_lettere
             await js.get_msg(DEFAULT_OUTBOX.stream, ack.seq)
     finally:
         await nc.close()
+
+
+async def test_an_applied_settlement_is_removed_and_a_second_removal_is_a_no_op(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Removal writes a tombstone (no_erase): the message is gone all the same,
+    # and a scanner that removes it again after another one did is not an error.
+    fleet = make_fleet(workers=0)
+    nc = await fleet.connect()
+    try:
+        js = nc.jetstream()
+        outbox = Outbox(js)
+        head = RecordHead(
+            scope=Scope(fleet.spec.tenant, fleet.spec.tenant, "k"), request_id="removed-once",
+            op="chat", cls="interactive", model="sim-8b", created=time.time(),
+            price_version="v1", gateway="gwremove0000",
+        )  # fmt: skip
+        full = RateLimited("The request queue is full.", code="queue_full", retry_after=1.0)
+        seq = await outbox.publish(
+            "gwremove0000",
+            Settlement(record=head.refused("rejected:queue_full", full), writer="gwremove0000"),
+        )
+        assert (await js.get_msg(DEFAULT_OUTBOX.stream, seq)).seq == seq
+        await outbox.delete(seq)
+        with pytest.raises(NotFoundError):
+            await js.get_msg(DEFAULT_OUTBOX.stream, seq)
+        await outbox.delete(seq)  # already gone: fine
+    finally:
+        await nc.close()

@@ -70,8 +70,14 @@ class LeanClient:
     async def get(self, path: str) -> tuple[int, bytes]:
         """GET ``path``: (status, whole body), any status; EngineUnavailable
         when unreachable. The caller bounds the time (``asyncio.timeout``)."""
-        exchange = Exchange(self, self._request(path, b"", {}, "GET"), _any_status)
-        async with exchange as response:
+        return await self._whole(self._request(path, b"", {}, "GET"))
+
+    async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """POST ``body`` to ``path``: as ``get`` (the embeddings bench's load)."""
+        return await self._whole(self._request(path, body, headers))
+
+    async def _whole(self, request: bytes) -> tuple[int, bytes]:
+        async with Exchange(self, request, _any_status) as response:
             return response.status, await response.read()
 
     async def aclose(self) -> None:
