@@ -52,7 +52,7 @@ import httpx
 import msgspec
 import uvloop
 
-from jetserve.bench.cpu import CpuMeter, wait_quiet
+from jetserve.bench.cpu import CpuMeter, keep_off, wait_quiet
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import free_port
 from workers.engines.lean_http import LeanClient
@@ -156,6 +156,8 @@ class EmbedResults(msgspec.Struct, kw_only=True):
     tokenizer: str
     cpus: int | None
     concurrency: int
+    engine_cpus: str | None = None  # JETSERVE_VLLM_CPUS: the engine's taskset list
+    path_cpus: list[int] | None = None  # the fleets' and load generator's, when pinned
     duration_s: float
     warmup_s: float
     rounds: int
@@ -389,7 +391,12 @@ def markdown(res: EmbedResults) -> str:
         "",
         f"`{res.command}` at {res.when}: {res.concurrency} closed-loop clients, "
         f"{res.rounds} rounds of {res.duration_s:g} s per arm (arms alternated), "
-        f"{res.cpus} CPUs shared by the engine, the fleets and the load generator.",
+        f"{res.cpus} CPUs shared by the engine, the fleets and the load generator"
+        + (
+            "."
+            if res.path_cpus is None
+            else f": the engine on CPUs {res.engine_cpus}, the rest on {res.path_cpus}."
+        ),
         "",
         "CPU ms per request: the engine's, and the arm's own processes' (gateway, "
         "worker, bus = nats-server + redis-server), and the load generator's (client); "
@@ -457,6 +464,11 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
     shapes = [int(x) for x in args.inputs.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # vllm.sh pins the engine itself (taskset): this process and its children
+    # take the other cores.
+    path_cpus = keep_off(os.environ.get("JETSERVE_VLLM_CPUS"))
+    if path_cpus is not None:
+        print(f"fleets and load generator on CPUs {path_cpus}", flush=True)
     with contextlib.ExitStack() as stack:
         if args.engine:
             engine, engine_pids = args.engine.rstrip("/"), []
@@ -542,6 +554,8 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         tokenizer=args.tokenizer,
         cpus=os.cpu_count(),
         concurrency=args.concurrency,
+        engine_cpus=os.environ.get("JETSERVE_VLLM_CPUS"),
+        path_cpus=path_cpus,
         duration_s=args.duration,
         warmup_s=args.warmup,
         rounds=args.rounds,

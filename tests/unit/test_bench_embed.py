@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from jetserve.bench.cli import build_parser
+from jetserve.bench.cpu import keep_off, parse_cpu_list
 from jetserve.bench.embed import Run, baseline_code, bodies, cpu_per_request, summarise
 
 
@@ -76,3 +77,26 @@ def test_the_baseline_arm_runs_another_checkouts_code(
     assert out.stdout.strip() == "False"
     with pytest.raises(ValueError, match="no jetserve package"), baseline_code("/nonexistent"):
         pass
+
+
+def test_cpu_lists_parse_as_taskset_writes_them() -> None:
+    assert parse_cpu_list("1") == {1}
+    assert parse_cpu_list("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError, match="not a CPU list"):
+        parse_cpu_list("one")
+
+
+def test_the_path_keeps_off_the_engines_cpus() -> None:
+    mine = os.sched_getaffinity(0)
+    assert keep_off(None) is None
+    assert keep_off("all") is None
+    assert keep_off(",".join(map(str, mine))) is None  # nothing would be left: unpinned
+    assert os.sched_getaffinity(0) == mine
+    if len(mine) < 2:
+        return
+    engine = max(mine)
+    try:
+        assert keep_off(str(engine)) == sorted(mine - {engine})
+        assert os.sched_getaffinity(0) == mine - {engine}
+    finally:
+        os.sched_setaffinity(0, mine)
