@@ -54,7 +54,13 @@ import uvloop
 
 from jetserve.bench.cpu import CpuMeter, keep_off, wait_quiet
 from jetserve.fleet import Fleet, FleetSpec
-from jetserve.services import free_port
+from jetserve.services import (
+    NATS_SYNC_DEFAULT,
+    REDIS_APPENDFSYNC,
+    REDIS_APPENDFSYNC_DEFAULT,
+    check_nats_sync,
+    free_port,
+)
 from workers.engines.lean_http import LeanClient
 from workers.errors import EngineError
 
@@ -158,6 +164,8 @@ class EmbedResults(msgspec.Struct, kw_only=True):
     concurrency: int
     engine_cpus: str | None = None  # JETSERVE_VLLM_CPUS: the engine's taskset list
     path_cpus: list[int] | None = None  # the fleets' and load generator's, when pinned
+    nats_sync: str = "always"  # the fleets' durability settings
+    redis_appendfsync: str = "always"
     duration_s: float
     warmup_s: float
     rounds: int
@@ -193,6 +201,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="another checkout's code for the baseline arm (added to --arms)",
     )
+    p.add_argument(
+        "--nats-sync", default=NATS_SYNC_DEFAULT,
+        help="the fleets' JetStream fsync policy (always, or a duration: 2m is nats-server's own)",
+    )  # fmt: skip
+    p.add_argument(
+        "--redis-appendfsync", default=REDIS_APPENDFSYNC_DEFAULT, choices=REDIS_APPENDFSYNC,
+        help="the fleets' Redis AOF fsync policy",
+    )  # fmt: skip
     p.add_argument("--out", default="bench/results/embed-minilm")
 
 
@@ -398,6 +414,9 @@ def markdown(res: EmbedResults) -> str:
             else f": the engine on CPUs {res.engine_cpus}, the rest on {res.path_cpus}."
         ),
         "",
+        f"The fleets' durability: JetStream sync_interval {res.nats_sync}, Redis "
+        f"appendfsync {res.redis_appendfsync}.",
+        "",
         "CPU ms per request: the engine's, and the arm's own processes' (gateway, "
         "worker, bus = nats-server + redis-server), and the load generator's (client); "
         "other: the rest of the machine, in cores.",
@@ -488,6 +507,8 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
             spec = FleetSpec(
                 workers=1, engine_url=engine, model=model, worker_args=wargs,
                 gateway_args=["--embedding-models", model],
+                nats_sync=check_nats_sync(args.nats_sync),
+                redis_appendfsync=args.redis_appendfsync,
             )  # fmt: skip
             with baseline_code(args.baseline if arm == "baseline" else None):
                 fleets[arm] = stack.enter_context(Fleet(spec))
@@ -556,6 +577,8 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         concurrency=args.concurrency,
         engine_cpus=os.environ.get("JETSERVE_VLLM_CPUS"),
         path_cpus=path_cpus,
+        nats_sync=args.nats_sync,
+        redis_appendfsync=args.redis_appendfsync,
         duration_s=args.duration,
         warmup_s=args.warmup,
         rounds=args.rounds,

@@ -41,6 +41,11 @@ def test_bodies_carry_the_asked_inputs_and_the_command_parses() -> None:
     assert b'"input":"' in next(bodies("minilm", 1, seed=1))
     args = build_parser().parse_args(["embed", "--engine", "http://x:1", "--rounds", "1"])
     assert (args.command, args.rounds, args.engine) == ("embed", 1, "http://x:1")
+    # The fleets run the product's durability unless asked otherwise.
+    assert (args.nats_sync, args.redis_appendfsync, args.client) == ("always", "always", "lean")
+    lazy = ["embed", "--nats-sync", "2m", "--redis-appendfsync", "everysec", "--client", "httpx"]
+    args = build_parser().parse_args(lazy)
+    assert (args.nats_sync, args.redis_appendfsync, args.client) == ("2m", "everysec", "httpx")
 
 
 def test_cpu_per_request_counts_the_engine_and_the_arms_own_processes() -> None:
