@@ -53,4 +53,9 @@ async def test_spans_per_request_and_attempt_in_the_callers_trace(
     assert engine_tp.split("-")[2] == attempt["span_id"]  # the engine call under the attempt
     assert request["attributes"]["gen_ai.usage.output_tokens"] == 5  # type: ignore[index]
     assert attempt["attributes"]["jetserve.attempt"] == 1  # type: ignore[index]
+    # Timed, on the host's one clock: the worker's attempt inside the gateway's request.
+    times = [request["start_ns"], attempt["start_ns"], attempt["end_ns"], request["end_ns"]]
+    stamps = [t for t in times if isinstance(t, int)]
+    assert len(stamps) == 4
+    assert stamps == sorted(stamps)
     assert all("secret" not in json.dumps(s) for s in spans(fleet))
