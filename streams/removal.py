@@ -7,6 +7,10 @@ jetserve deletes needs that (a settlement already applied and in the ledger, a
 cancelled request, a dead-lettered one), and on the settlement path it was the
 largest single cost of the bus: 15-17 % of nats-server's CPU in a profile of
 embeddings against the simulator. A plain removal writes a tombstone.
+
+Erasing would not keep a prompt off the disk either: every served request's
+message leaves the work queue by its ack, which removes it the same plain way,
+and the block's bytes go when the block does (the stream's ``max_age``).
 """
 
 from __future__ import annotations
