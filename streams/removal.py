@@ -9,8 +9,8 @@ largest single cost of the bus: 15-17 % of nats-server's CPU in a profile of
 embeddings against the simulator. A plain removal writes a tombstone.
 
 Erasing would not keep a prompt off the disk either: every served request's
-message leaves the work queue by its ack, which removes it the same plain way,
-and the block's bytes go when the block does (the stream's ``max_age``).
+message leaves the work queue by its ack, which removes it the same plain way:
+its bytes stay in the block file until nats-server compacts or drops the block.
 """
 
 from __future__ import annotations
