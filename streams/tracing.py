@@ -50,6 +50,12 @@ class Span:
         if self._otel is not None:
             self._otel.set_attribute(key, value)
 
+    def event(self, name: str) -> None:
+        """A timestamped point inside the span (the hops of a request: held,
+        queued, final; the engine call's start and end)."""
+        if self._otel is not None:
+            self._otel.add_event(name)
+
     def end(self, outcome: str = "ok") -> None:
         if self._otel is None:
             return
@@ -144,6 +150,7 @@ def _json_lines_exporter(path: str) -> Any:
                                 # where a request's time went, hop by hop.
                                 "start_ns": s.start_time,
                                 "end_ns": s.end_time,
+                                "events": {e.name: e.timestamp for e in s.events},
                                 "attributes": dict(s.attributes or {}),
                                 "status": s.status.status_code.name,
                                 "service": s.resource.attributes.get("service.name"),

@@ -276,6 +276,7 @@ class InferenceService:
             raise
         if reservation.settled:
             raise BadRequest("This request id was already served.", code="duplicate_request")
+        span.event("held")
         meta = self._meta(req, scope, reservation.cost_micros)
         try:
             self._shed(req)
@@ -291,6 +292,7 @@ class InferenceService:
                 # follower too: a slight overestimate, on the safe side).
                 self.queue_watch.published(req.cls)
             stream = await self._submit(req, meta, claim is not None, excess, gone)
+            span.event("queued")
         except GatewayError as exc:
             self._log_refusal(req, exc)
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
@@ -431,12 +433,21 @@ class InferenceService:
         adm.outcome = outcome
         adm.stream.close()
         span = adm.span if isinstance(adm, Admitted) else None
-        if span is not None:
-            if final is not None:
-                span.set("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
-                span.set("gen_ai.usage.output_tokens", final.usage.completion_tokens)
-                span.set("jetserve.attempts", final.attempt)
-            span.end(final.finish_reason if final else outcome)
+        if span is not None and final is not None:
+            span.set("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
+            span.set("gen_ai.usage.output_tokens", final.usage.completion_tokens)
+            span.set("jetserve.attempts", final.attempt)
+            span.event("final")
+        try:
+            await self._conclude(adm, outcome, status, final)
+        finally:
+            if span is not None:  # after the books: an answer waits for its settlement's store
+                span.end(final.finish_reason if final else outcome)
+
+    async def _conclude(
+        self, adm: Session, outcome: str, status: int, final: Final | None
+    ) -> None:
+        """Metrics and the log line, then the books."""
         e2e = time.monotonic() - adm.started
         if final is None:  # an accepted request that did not complete: say which, and why
             req = adm.stream.req

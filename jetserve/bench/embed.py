@@ -53,6 +53,7 @@ import msgspec
 import uvloop
 
 from jetserve.bench.cpu import CpuMeter, keep_off, wait_quiet
+from jetserve.bench.stages import STAGES, read_spans, request_stages, stage_summary
 from jetserve.fleet import Fleet, FleetSpec
 from jetserve.services import (
     NATS_SYNC_DEFAULT,
@@ -166,6 +167,8 @@ class EmbedResults(msgspec.Struct, kw_only=True):
     path_cpus: list[int] | None = None  # the fleets' and load generator's, when pinned
     nats_sync: str = "always"  # the fleets' durability settings
     redis_appendfsync: str = "always"
+    # With --stages: arm -> p50/p90 ms of each hop (jetserve/bench/stages.py).
+    stages: dict[str, dict[str, Any]] = {}
     duration_s: float
     warmup_s: float
     rounds: int
@@ -208,6 +211,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-appendfsync", default=REDIS_APPENDFSYNC_DEFAULT, choices=REDIS_APPENDFSYNC,
         help="the fleets' Redis AOF fsync policy",
+    )  # fmt: skip
+    p.add_argument(
+        "--stages", action="store_true",
+        help="export the fleets' spans and report where each request's time went (a little slower)",
     )  # fmt: skip
     p.add_argument("--out", default="bench/results/embed-minilm")
 
@@ -438,6 +445,18 @@ def markdown(res: EmbedResults) -> str:
                 f"| {n} | {arm} | {s.items_per_s} | {ratio} | {s.p50_ms} | {s.p99_ms} "
                 f"| {cpu} | {s.other_cores} |"
             )
+    if res.stages:
+        lines += [
+            "",
+            "Where each request's time went (ms, p50 / p90; spans exported, every shape "
+            "together; jetserve/bench/stages.py):",
+            "",
+            "| arm | requests | " + " | ".join(STAGES) + " |",
+            "|---|---|" + "---|" * len(STAGES),
+        ]
+        for arm, st in res.stages.items():
+            cells = [f"{st[k]['p50']:g} / {st[k]['p90']:g}" if k in st else "-" for k in STAGES]
+            lines.append(f"| {arm} | {st.get('requests', 0)} | " + " | ".join(cells) + " |")
     lines += ["", "Checks against the engine's own answers:", ""]
     for c in res.checks:
         lines.append(
@@ -509,6 +528,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                 gateway_args=["--embedding-models", model],
                 nats_sync=check_nats_sync(args.nats_sync),
                 redis_appendfsync=args.redis_appendfsync,
+                export_spans=args.stages,
             )  # fmt: skip
             with baseline_code(args.baseline if arm == "baseline" else None):
                 fleets[arm] = stack.enter_context(Fleet(spec))
@@ -567,6 +587,11 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                         f"p50 {run.p50_ms} ms, p99 {run.p99_ms} ms, errors {errors}",
                         flush=True,
                     )
+        stages = {
+            arm: dict(stage_summary(request_stages(read_spans(f.workdir.glob("*.spans.jsonl")))))
+            for arm, f in fleets.items()
+            if args.stages
+        }
     res = EmbedResults(
         command="jetserve bench " + " ".join(argv),
         when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -579,6 +604,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         path_cpus=path_cpus,
         nats_sync=args.nats_sync,
         redis_appendfsync=args.redis_appendfsync,
+        stages=stages,
         duration_s=args.duration,
         warmup_s=args.warmup,
         rounds=args.rounds,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from jetserve.bench.stages import STAGES, read_spans, request_stages, stage_summary
 from jetserve.fleet import Fleet
 
 pytestmark = pytest.mark.connected
@@ -59,3 +60,26 @@ async def test_spans_per_request_and_attempt_in_the_callers_trace(
     assert len(stamps) == 4
     assert stamps == sorted(stamps)
     assert all("secret" not in json.dumps(s) for s in spans(fleet))
+
+
+async def test_each_hop_of_an_answer_is_timed(make_fleet: Callable[..., Fleet]) -> None:
+    # The hops jetserve bench embed --stages reports, on the real path: the hold,
+    # the queue's ack, the worker's engine call, the frame back, the books.
+    fleet = make_fleet(workers=1, export_spans=True)
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        for path, body in (
+            ("/v1/embeddings", {"model": "sim-embed", "input": "where did the time go"}),
+            ("/v1/chat/completions", {"model": "sim-8b", "max_tokens": 3,
+                                      "messages": [{"role": "user", "content": "hi"}]}),
+        ):  # fmt: skip
+            r = await c.post(f"{fleet.base_url}{path}", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+    fleet.stop()
+    rows = request_stages(read_spans(sorted(fleet.workdir.glob("*.spans.jsonl"))))
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row) == set(STAGES)
+        assert all(row[s] >= 0 for s in STAGES), row
+        assert row["total"] >= row["hold"] + row["engine"] + row["settle"]
+    assert stage_summary(rows)["requests"] == 2

@@ -45,7 +45,7 @@ from streams.rendezvous import DEFAULT_DEPTH
 from streams.routes import Deployment
 from streams.subjects import RequestClass, class_of, excess_subject, pool_of, pool_subject
 from streams.tasks import stop_task
-from streams.tracing import Tracer
+from streams.tracing import Span, Tracer
 from streams.vectors import floats
 from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
@@ -508,7 +508,7 @@ class Worker:
                 "jetserve.worker": self.cfg.worker_id,
             },
         )
-        work = asyncio.create_task(self._run_engine(msg, req, sender, span.traceparent))
+        work = asyncio.create_task(self._run_engine(msg, req, sender, span))
         beats = asyncio.create_task(sender.heartbeats())
         waiter = asyncio.create_task(cancelled.wait())
         try:
@@ -553,7 +553,7 @@ class Worker:
         task.add_done_callback(self._acks.discard)
 
     async def _run_engine(
-        self, msg: Msg, req: InferenceRequest, sender: FrameSender, traceparent: str
+        self, msg: Msg, req: InferenceRequest, sender: FrameSender, span: Span
     ) -> None:
         remaining = req.deadline - time.time()
         ticker = asyncio.create_task(self._in_progress_until_started(msg, sender))
@@ -561,14 +561,16 @@ class Worker:
         started_at = time.monotonic()
         ttft = 0.0
         headers = dict(req.headers)
-        if traceparent:
+        if traceparent := span.traceparent:
             headers["traceparent"] = traceparent  # the engine joins under this attempt
             if req.tracestate:
                 headers["tracestate"] = req.tracestate
         try:
             async with asyncio.timeout(remaining):
+                span.event("engine_call")
                 if req.op == "embedding":
                     result = await self.embed_batcher.embed(req.body, req.id, headers, req.deadline)
+                    span.event("engine_done")
                     self._ack(msg, req.cls, done)
                     await sender.final(
                         finish_reason="stop",
@@ -604,9 +606,11 @@ class Worker:
                             )
                             if sender.seq == 1:
                                 ttft = (time.monotonic() - started_at) * 1000
+                                span.event("first_token")
                                 ticker.cancel()
                                 self._ack(msg, req.cls, done)
                         else:
+                            span.event("engine_done")
                             if not sender.started:
                                 ticker.cancel()
                                 self._ack(msg, req.cls, done)
