@@ -444,9 +444,7 @@ class InferenceService:
             if span is not None:  # after the books: an answer waits for its settlement's store
                 span.end(final.finish_reason if final else outcome)
 
-    async def _conclude(
-        self, adm: Session, outcome: str, status: int, final: Final | None
-    ) -> None:
+    async def _conclude(self, adm: Session, outcome: str, status: int, final: Final | None) -> None:
         """Metrics and the log line, then the books."""
         e2e = time.monotonic() - adm.started
         if final is None:  # an accepted request that did not complete: say which, and why
