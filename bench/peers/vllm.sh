@@ -87,7 +87,8 @@ case "$cmd" in
     pin_engine all
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 exec "${pin[@]}" "$VENV/bin/python" \
       "$ROOT/bench/peers/vllm_cli.py" serve "$EMBED_MODEL" \
-      --served-model-name minilm --runner pooling --host 127.0.0.1 --port "$port" --dtype float32
+      --served-model-name minilm --runner pooling --host 127.0.0.1 --port "$port" --dtype float32 \
+      --max-num-seqs 128  # what `jetserve bench embed` tells its workers (--max-inflight)
     ;;
   test)
     shift || true

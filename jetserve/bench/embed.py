@@ -63,6 +63,7 @@ from jetserve.services import (
     free_port,
 )
 from workers.engines.lean_http import LeanClient
+from workers.engines.vllm_metrics import vllm_sums
 from workers.errors import EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +74,10 @@ PEERS = Path(
 )
 DEFAULT_TOKENIZER = PEERS / "minilm/all-MiniLM-L6-v2"
 ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize", "baseline")
+# The engine's max_num_seqs (bench/peers/vllm.sh serve-embed sets it; vLLM's own
+# default on a CPU), which each worker is told as --max-inflight: the worker's
+# default 16 would cap the engine's batch below what direct clients get.
+ENGINE_MAX_NUM_SEQS = 128
 WORKER_ARGS = {
     "jetserve": ["--embed-batching", "off"],
     "baseline": ["--embed-batching", "off"],
@@ -138,6 +143,10 @@ class Run(msgspec.Struct, kw_only=True):
     p99_ms: float | None
     cpu_s: dict[str, float]  # per process group over the window
     other_cores_before: float | None = None  # other processes' use as the run began
+    # The engine's own scheduler steps over the run (warm-up included) and the
+    # tokens it took per step: its batch, from vLLM's iteration_tokens_total.
+    engine_steps: int | None = None
+    tokens_per_step: float | None = None
 
 
 class ArmSummary(msgspec.Struct, kw_only=True):
@@ -150,6 +159,7 @@ class ArmSummary(msgspec.Struct, kw_only=True):
     # processes (gateway, worker, bus); ``other``: everything else, in cores.
     cpu_ms_per_request: dict[str, float] = {}
     other_cores: float | None = None
+    tokens_per_step: float | None = None  # the engine's batch, median over rounds
 
 
 class Check(msgspec.Struct, kw_only=True):
@@ -171,6 +181,7 @@ class EmbedResults(msgspec.Struct, kw_only=True):
     path_cpus: list[int] | None = None  # the fleets' and load generator's, when pinned
     nats_sync: str = NATS_SYNC_DEFAULT  # the fleets' durability settings
     redis_appendfsync: str = REDIS_APPENDFSYNC_DEFAULT
+    worker_max_inflight: int | None = None  # each worker's --max-inflight (None: 16, before)
     # With --stages: arm -> p50/p90 ms of each hop (jetserve/bench/stages.py).
     stages: dict[str, dict[str, Any]] = {}
     duration_s: float
@@ -215,6 +226,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-appendfsync", default=REDIS_APPENDFSYNC_DEFAULT, choices=REDIS_APPENDFSYNC,
         help="the fleets' Redis AOF fsync policy",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-inflight", type=int, default=ENGINE_MAX_NUM_SEQS,
+        help="each worker's --max-inflight: the engine's max_num_seqs (bench/peers/vllm.sh)",
     )  # fmt: skip
     p.add_argument(
         "--stages", action="store_true",
@@ -334,6 +349,15 @@ async def closed_loop(
     return lat, items, errors
 
 
+def scrape_steps(engine: str) -> tuple[float, float] | None:
+    """The engine's (steps, tokens) so far; None when its metrics do not say."""
+    try:
+        r = httpx.get(f"{engine}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return engine_steps(r.text) if r.status_code == 200 else None
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -385,6 +409,7 @@ def summarise(
             p50s = [r.p50_ms for r in mine if r.p50_ms is not None]
             p99s = [r.p99_ms for r in mine if r.p99_ms is not None]
             others = [r.cpu_s["other"] / r.window_s for r in mine if "other" in r.cpu_s]
+            steps = [r.tokens_per_step for r in mine if r.tokens_per_step is not None]
             out[str(n)][arm] = ArmSummary(
                 items_per_s=round(statistics.median(r.items_per_s for r in mine), 1),
                 p50_ms=round(statistics.median(p50s), 1) if p50s else None,
@@ -393,8 +418,28 @@ def summarise(
                 ratio_min=round(min(ratios), 3) if ratios else None,
                 cpu_ms_per_request=cpu_per_request(mine, arm),
                 other_cores=round(statistics.median(others), 2) if others else None,
+                tokens_per_step=round(statistics.median(steps), 1) if steps else None,
             )
     return out
+
+
+def engine_steps(text: str) -> tuple[float, float] | None:
+    """(steps, tokens) the engine has scheduled so far, from its metrics text
+    (vLLM's ``iteration_tokens_total`` histogram); None when it has none."""
+    sums, _ = vllm_sums(text)
+    count = sums.get("vllm:iteration_tokens_total_count")
+    total = sums.get("vllm:iteration_tokens_total_sum")
+    return None if count is None or total is None else (count, total)
+
+
+def step_delta(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> tuple[int | None, float | None]:
+    """Steps between two readings and the tokens per step over them."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None, None
+    steps = after[0] - before[0]
+    return int(steps), round((after[1] - before[1]) / steps, 1)
 
 
 def cpu_per_request(runs: list[Run], arm: str) -> dict[str, float]:
@@ -426,15 +471,24 @@ def markdown(res: EmbedResults) -> str:
         ),
         "",
         f"The fleets' durability: JetStream sync_interval {res.nats_sync}, Redis "
-        f"appendfsync {res.redis_appendfsync}.",
+        f"appendfsync {res.redis_appendfsync}."
+        + (
+            ""
+            if res.worker_max_inflight is None
+            else f" Each worker: --max-inflight {res.worker_max_inflight}."
+        ),
         "",
         "CPU ms per request: the engine's, and the arm's own processes' (gateway, "
         "worker, bus = nats-server + redis-server), and the load generator's (client); "
         "other: the rest of the machine, in cores.",
         "",
+        "Engine tokens/step: the mean batch of vLLM's scheduler steps over the runs "
+        "(iteration_tokens_total), median over rounds.",
+        "",
         "| inputs/request | arm | items/s (median) | vs direct (median, min) | p50 ms | p99 ms "
-        "| CPU ms/request: engine, gateway, worker, bus, client | other cores |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU ms/request: engine, gateway, worker, bus, client | other cores "
+        "| engine tokens/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for n, arms in res.summary.items():
         for arm, s in arms.items():
@@ -447,7 +501,7 @@ def markdown(res: EmbedResults) -> str:
             )
             lines.append(
                 f"| {n} | {arm} | {s.items_per_s} | {ratio} | {s.p50_ms} | {s.p99_ms} "
-                f"| {cpu} | {s.other_cores} |"
+                f"| {cpu} | {s.other_cores} | {s.tokens_per_step or '-'} |"
             )
     if res.stages:
         lines += [
@@ -527,6 +581,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
             if arm == "direct":
                 continue
             wargs = [a.format(tokenizer=args.tokenizer) for a in WORKER_ARGS[arm]]
+            wargs += ["--max-inflight", str(args.max_inflight)]
             spec = FleetSpec(
                 workers=1, engine_url=engine, model=model, worker_args=wargs,
                 gateway_args=["--embedding-models", model],
@@ -564,6 +619,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                     other = None
                     if args.wait_quiet > 0:
                         other = wait_quiet(meter, args.wait_quiet, args.wait_quiet_max)
+                    steps_before = scrape_steps(engine)
                     before, own = meter.sample(), time.process_time()
                     lat, items, errors = uvloop.run(  # as the fleet's own processes
                         closed_loop(
@@ -578,12 +634,14 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                     )
                     cpu = CpuMeter.delta(before, meter.sample())
                     cpu["client"] = round(time.process_time() - own, 3)  # the load generator
+                    n_steps, per_step = step_delta(steps_before, scrape_steps(engine))
                     run = Run(
                         arm=arm, inputs=n, round=rnd, requests=len(lat), items=items,
                         errors=errors, window_s=args.duration,
                         items_per_s=round(items / args.duration, 1),
                         p50_ms=pct(lat, 0.5), p99_ms=pct(lat, 0.99), cpu_s=cpu,
                         other_cores_before=None if other is None else round(other, 2),
+                        engine_steps=n_steps, tokens_per_step=per_step,
                     )  # fmt: skip
                     runs.append(run)
                     print(
@@ -608,6 +666,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         path_cpus=path_cpus,
         nats_sync=args.nats_sync,
         redis_appendfsync=args.redis_appendfsync,
+        worker_max_inflight=args.max_inflight,
         stages=stages,
         duration_s=args.duration,
         warmup_s=args.warmup,

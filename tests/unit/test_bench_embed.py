@@ -12,7 +12,15 @@ import pytest
 
 from jetserve.bench.cli import build_parser
 from jetserve.bench.cpu import keep_off, parse_cpu_list
-from jetserve.bench.embed import Run, baseline_code, bodies, cpu_per_request, summarise
+from jetserve.bench.embed import (
+    Run,
+    baseline_code,
+    bodies,
+    cpu_per_request,
+    engine_steps,
+    step_delta,
+    summarise,
+)
 
 
 def run(arm: str, rnd: int, rate: float, inputs: int = 1) -> Run:
@@ -43,6 +51,7 @@ def test_bodies_carry_the_asked_inputs_and_the_command_parses() -> None:
     assert (args.command, args.rounds, args.engine) == ("embed", 1, "http://x:1")
     # The fleets run the product's durability unless asked otherwise.
     assert (args.nats_sync, args.redis_appendfsync, args.client) == ("always", "always", "lean")
+    assert args.max_inflight == 128  # the engine's max_num_seqs (bench/peers/vllm.sh)
     lazy = ["embed", "--nats-sync", "2m", "--redis-appendfsync", "everysec", "--client", "httpx"]
     args = build_parser().parse_args(lazy)
     assert (args.nats_sync, args.redis_appendfsync, args.client) == ("2m", "everysec", "httpx")
@@ -105,3 +114,28 @@ def test_the_path_keeps_off_the_engines_cpus() -> None:
         assert os.sched_getaffinity(0) == mine - {engine}
     finally:
         os.sched_setaffinity(0, mine)
+
+
+# vLLM's histogram as two engine cores report it (label sets summed), beside a gauge.
+METRICS = """\
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="8.0",model_name="minilm"} 5.0
+vllm:iteration_tokens_total_count{engine="0",model_name="minilm"} 40.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="minilm"} 480.0
+vllm:iteration_tokens_total_count{engine="1",model_name="minilm"} 10.0
+vllm:iteration_tokens_total_sum{engine="1",model_name="minilm"} 120.0
+vllm:num_requests_waiting{engine="0",model_name="minilm"} 3.0
+"""
+
+
+def test_the_engines_batch_is_read_from_its_step_histogram() -> None:
+    assert engine_steps(METRICS) == (50.0, 600.0)
+    assert engine_steps("vllm:num_requests_waiting 0.0\n") is None  # the simulator's
+    assert step_delta((50.0, 600.0), (70.0, 1000.0)) == (20, 20.0)
+    assert step_delta((50.0, 600.0), (50.0, 600.0)) == (None, None)  # no step between
+    assert step_delta(None, (70.0, 1000.0)) == (None, None)
+    runs = [
+        Run(**{**msgspec.structs.asdict(run("jetserve", r, 90.0)), "tokens_per_step": t})
+        for r, t in enumerate((20.0, 24.0, 30.0))
+    ]
+    assert summarise(runs, ["jetserve"], [1])["1"]["jetserve"].tokens_per_step == 24.0

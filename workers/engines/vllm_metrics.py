@@ -11,27 +11,34 @@ _METRIC_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def parse_vllm_metrics(text: str) -> EngineLoad:
-    """Sum vLLM gauges over label sets (one engine may serve several model names)."""
+def vllm_sums(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """vLLM's samples summed over label sets (one engine may serve several model
+    names, or run several engine cores), and the labels of ``cache_config_info``."""
     sums: dict[str, float] = {}
-    blocks: int | None = None
-    block_size: int | None = None
+    cache: dict[str, str] = {}
     for line in text.splitlines():
         m = _METRIC_LINE.match(line)
         if m is None:
             continue
         name, labels, value = m.group(1), m.group(2) or "", m.group(3)
         if name == "vllm:cache_config_info":
-            found = dict(_LABEL.findall(labels))
-            if found.get("num_gpu_blocks", "").isdigit():
-                blocks = int(found["num_gpu_blocks"])
-            if found.get("block_size", "").isdigit():
-                block_size = int(found["block_size"])
+            cache = dict(_LABEL.findall(labels))
             continue
         try:
             sums[name] = sums.get(name, 0.0) + float(value)
         except ValueError:
             continue
+    return sums, cache
+
+
+def parse_vllm_metrics(text: str) -> EngineLoad:
+    """vLLM's gauges as an engine's load."""
+    sums, cache = vllm_sums(text)
+    blocks = block_size = None
+    if cache.get("num_gpu_blocks", "").isdigit():
+        blocks = int(cache["num_gpu_blocks"])
+    if cache.get("block_size", "").isdigit():
+        block_size = int(cache["block_size"])
     return EngineLoad(
         kv_usage=sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc")),
         waiting=sums.get("vllm:num_requests_waiting"),
