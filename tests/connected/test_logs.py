@@ -5,6 +5,7 @@ completion text."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.scrape import metric_sum
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -105,3 +107,36 @@ async def test_refusals_errors_cancels_and_dead_letters_are_json_events(
     assert ended["outcome"] == "cancelled"  # the hang-up, as the ledger records it
     for name in ("gateway0", "worker0"):
         assert SECRET not in (fleet.workdir / f"{name}.log").read_text()
+
+
+@pytest.mark.timeout(180)
+async def test_a_worker_held_at_its_cap_while_the_engine_has_room_says_so(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A worker serving --max-inflight requests while its engine queues nothing and
+    has KV to spare counts that time and says so in its log once: the engine's
+    batch is the worker's cap, not the engine's (the simulator takes 64 at once)."""
+    fleet = make_fleet(workers=1, log_level="info", worker_args=["--max-inflight", "4"])
+    url = f"{fleet.base_url}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:50"}
+    metrics = f"http://127.0.0.1:{fleet.worker_metrics_ports[0]}/metrics"
+    async with contextlib.AsyncExitStack() as stack:
+        c = await stack.enter_async_context(httpx.AsyncClient(timeout=60))
+        # 1,000 tokens at 50 ms each (no early end of sequence): in flight all along.
+        long = body(stream=True, max_tokens=1000, ignore_eos=True)
+        for _ in range(4):
+            r = await stack.enter_async_context(c.stream("POST", url, json=long, headers=headers))
+            assert r.status_code == 200
+
+        async def capped() -> bool:
+            text = (await c.get(metrics)).text
+            counted = metric_sum(text, "jetserve_worker_capped_seconds_total") > 0
+            return counted and any(e.get("event") == "capped" for e in events(fleet, "worker0"))
+
+        await until(capped, "the worker's capped time and its log line", 60.0)
+    said = [e for e in events(fleet, "worker0") if e.get("event") == "capped"]
+    assert len(said) == 1  # once, not at every look
+    assert (said[0]["serving"], said[0]["max_inflight"], said[0]["engine_waiting"]) == (4, 4, 0)
+    assert said[0]["worker"]
+    assert "max_num_seqs" in said[0]["hint"]
+    assert SECRET not in (fleet.workdir / "worker0.log").read_text()

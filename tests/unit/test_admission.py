@@ -392,3 +392,18 @@ async def test_an_engine_without_a_kv_cache_is_admitted_by_slots() -> None:
     await adm.release()
     await adm.observe(EngineLoad(num_gpu_blocks=100, block_size=16, kv_usage=0.0, waiting=0))
     assert adm.num_gpu_blocks == 100
+
+
+async def test_the_engine_has_room_only_with_nothing_waiting_and_kv_to_spare() -> None:
+    # What a worker at its --max-inflight asks before it says the cap, not the
+    # engine, holds the batch back (workers/inference/worker.py, _note_cap).
+    adm = Admission(AdmissionConfig(max_inflight=4, num_gpu_blocks=100, block_size=16))
+    await adm.observe(EngineLoad(kv_usage=0.1, waiting=0))
+    assert adm.engine_has_room()
+    await adm.observe(EngineLoad(kv_usage=0.1, waiting=1))
+    assert not adm.engine_has_room()  # the engine queues: it is the limit
+    await adm.observe(EngineLoad(kv_usage=0.95, waiting=0))
+    assert not adm.engine_has_room()  # its cache is past target
+    await adm.observe(EngineLoad(kv_usage=0.1, waiting=0))
+    await adm.reserve_blocks(16 * 85)  # 85 of the 90 budgeted blocks: a typical one no longer fits
+    assert not adm.engine_has_room()

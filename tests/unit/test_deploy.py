@@ -93,6 +93,7 @@ WORKER_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "jetserve_worker_engine_waiting": ("gauge", ()),
     "jetserve_worker_engine_kv_usage_ratio": ("gauge", ()),
     "jetserve_worker_engine_up": ("gauge", ()),
+    "jetserve_worker_capped_seconds": ("counter", ()),
     "gen_ai_server_time_to_first_token_seconds": ("histogram", ("cls",)),
     "gen_ai_server_time_per_output_token_seconds": ("histogram", ("cls",)),
     "gen_ai_server_request_duration_seconds": ("histogram", ("cls",)),

@@ -123,17 +123,29 @@ class Admission:
     def free_slots(self) -> int:
         if self._block_queue:
             return 0  # a pulled request waits for blocks: pulling more would queue here
-        free = self.cfg.max_inflight - self.held
-        if self.num_gpu_blocks:
-            budget = int(self.num_gpu_blocks * self.cfg.target_util) - self.reserved_blocks
-            free = min(free, budget // self._typical_blocks())
-        eng = self.engine
-        engine_busy = (eng.waiting or 0) > 0 or (eng.kv_usage or 0.0) >= self.cfg.target_util
-        if engine_busy and self.held > 0:
+        free = min(self.cfg.max_inflight - self.held, self._block_slots())
+        if self._engine_busy() and self.held > 0:
             # The engine is queueing already: pulling more only moves the queue
             # from JetStream (where other workers can take it) into one engine.
             return 0
         return max(0, free)
+
+    def _block_slots(self) -> int:
+        """Typical requests the KV budget still fits (without a budget, the slots bound it)."""
+        if not self.num_gpu_blocks:
+            return self.cfg.max_inflight
+        budget = int(self.num_gpu_blocks * self.cfg.target_util) - self.reserved_blocks
+        return budget // self._typical_blocks()
+
+    def _engine_busy(self) -> bool:
+        eng = self.engine
+        return (eng.waiting or 0) > 0 or (eng.kv_usage or 0.0) >= self.cfg.target_util
+
+    def engine_has_room(self) -> bool:
+        """The engine queues nothing, its KV use is under target and the KV budget
+        fits another typical request: only the slot count could hold a worker
+        back now (see ``Worker`` on ``jetserve_worker_capped_seconds``)."""
+        return not self._block_queue and not self._engine_busy() and self._block_slots() > 0
 
     def headroom(self) -> float:
         """Share of the engine's KV blocks not reserved here (1.0 when unknown)."""

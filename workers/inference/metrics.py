@@ -115,6 +115,12 @@ class WorkerMetrics:
             "Share of the engine's KV blocks not reserved by this worker's requests",
             registry=r,
         )
+        self.capped = Counter(
+            "jetserve_worker_capped_seconds",
+            "Time serving --max-inflight requests while the engine had room for more "
+            "(nothing waiting, KV to spare), sampled at each look at the engine",
+            registry=r,
+        )
         self.engine_waiting = Gauge(
             "jetserve_worker_engine_waiting", "The engine's own waiting queue", registry=r
         )

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,6 +64,11 @@ from workers.inference.token_count import LocalTokenCounter
 from workers.probe import ProbeServer, probe_server
 
 log = logging.getLogger(__name__)
+
+# Looks at the engine in a row at --max-inflight with the engine's room unused
+# before the worker says so in its log, and the least time between two such lines.
+CAPPED_LOOKS = 10
+CAPPED_LOG_EVERY_S = 600.0
 
 # Rank order: interactive first, then agent runs' model calls (a person usually
 # waits on a run too), then embeddings, then batch.
@@ -147,6 +153,9 @@ class Worker:
         )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
+        self.serving = 0  # requests pulled and not yet ended
+        self._capped_looks = 0  # looks in a row at the cap with the engine's room unused
+        self._capped_logged = -math.inf  # loop time of the last such log line
         self._ranks = {c.value: rank for rank, c in enumerate(cfg.classes)}
         self._health_due = 0.0  # loop time of the next /health probe
         self._deployment = cfg.deployment.name if cfg.deployment else ""
@@ -370,6 +379,29 @@ class Worker:
         m.engine_waiting.set(load.waiting or 0)
         m.engine_kv_usage.set(load.kv_usage or 0)
         m.kv_headroom.set(self.admission.headroom())
+        self._note_cap(load, now)
+
+    def _note_cap(self, load: EngineLoad, now: float) -> None:
+        """Count the time this worker serves as many requests as --max-inflight
+        lets it while the engine has room for more (nothing waiting, KV to
+        spare): the engine's batch is then the worker's cap, not the engine's
+        (a cap of 16 before vLLM's 128 cost 10 % of single-input embeddings at
+        32 clients, docs/batching.md). Said once in the log after CAPPED_LOOKS
+        looks in a row."""
+        cap = max(1, self.cfg.admission.max_inflight - self.cfg.admission.reserve)
+        if self.serving < cap or not self.admission.engine_has_room():
+            self._capped_looks = 0
+            return
+        self.metrics.capped.inc(self.cfg.load_poll_s)
+        self._capped_looks += 1
+        if self._capped_looks >= CAPPED_LOOKS and now - self._capped_logged >= CAPPED_LOG_EVERY_S:
+            self._capped_logged = now
+            log_event(
+                log, "capped", worker=self.cfg.worker_id, serving=self.serving,
+                max_inflight=self.cfg.admission.max_inflight, engine_waiting=load.waiting,
+                engine_kv_usage=load.kv_usage,
+                hint="the engine had room: set --max-inflight to its max_num_seqs",
+            )  # fmt: skip
 
     async def _follow_served(self) -> None:
         """Follow the LoRA adapters the engine serves now (vLLM loads and unloads
@@ -421,9 +453,11 @@ class Worker:
             blocks = await self._reserve(msg, req)
             self.starts.tick()
             self.metrics.inflight.inc()
+            self.serving += 1
             try:
                 await self._serve(msg, req)
             finally:
+                self.serving -= 1
                 self.metrics.inflight.dec()
         finally:
             excess = msg.subject == excess_subject(class_of(msg.subject))
