@@ -407,3 +407,8 @@ async def test_the_engine_has_room_only_with_nothing_waiting_and_kv_to_spare() -
     await adm.observe(EngineLoad(kv_usage=0.1, waiting=0))
     await adm.reserve_blocks(16 * 85)  # 85 of the 90 budgeted blocks: a typical one no longer fits
     assert not adm.engine_has_room()
+    # A pooling engine (vLLM reports one block, "full"): no KV cache to budget, so room.
+    pooling = Admission(AdmissionConfig(max_inflight=4))
+    await pooling.observe(EngineLoad(num_gpu_blocks=1, block_size=16, kv_usage=1.0, waiting=0))
+    assert pooling.engine_has_room()
+    assert pooling.engine.kv_usage is None  # what the worker's `capped` line reports

@@ -399,7 +399,7 @@ class Worker:
             log_event(
                 log, "capped", worker=self.cfg.worker_id, serving=self.serving,
                 max_inflight=self.cfg.admission.max_inflight, engine_waiting=load.waiting,
-                engine_kv_usage=load.kv_usage,
+                engine_kv_usage=self.admission.engine.kv_usage,  # None: no KV cache to budget
                 hint="the engine had room: set --max-inflight to its max_num_seqs",
             )  # fmt: skip
 
