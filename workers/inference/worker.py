@@ -153,7 +153,6 @@ class Worker:
         )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
-        self.serving = 0  # requests pulled and not yet ended
         self._capped_looks = 0  # looks in a row at the cap with the engine's room unused
         self._capped_logged = -math.inf  # loop time of the last such log line
         self._ranks = {c.value: rank for rank, c in enumerate(cfg.classes)}
@@ -388,8 +387,11 @@ class Worker:
         (a cap of 16 before vLLM's 128 cost 10 % of single-input embeddings at
         32 clients, docs/batching.md). Said once in the log after CAPPED_LOOKS
         looks in a row."""
+        # The messages being handled: with the engine's room unused none waits for
+        # KV blocks (engine_has_room says so), so each is a request being served.
+        serving = self.consumer.inflight
         cap = max(1, self.cfg.admission.max_inflight - self.cfg.admission.reserve)
-        if self.serving < cap or not self.admission.engine_has_room():
+        if serving < cap or not self.admission.engine_has_room():
             self._capped_looks = 0
             return
         self.metrics.capped.inc(self.cfg.load_poll_s)
@@ -397,7 +399,7 @@ class Worker:
         if self._capped_looks >= CAPPED_LOOKS and now - self._capped_logged >= CAPPED_LOG_EVERY_S:
             self._capped_logged = now
             log_event(
-                log, "capped", worker=self.cfg.worker_id, serving=self.serving,
+                log, "capped", worker=self.cfg.worker_id, serving=serving,
                 max_inflight=self.cfg.admission.max_inflight, engine_waiting=load.waiting,
                 engine_kv_usage=self.admission.engine.kv_usage,  # None: no KV cache to budget
                 hint="the engine had room: set --max-inflight to its max_num_seqs",
@@ -453,11 +455,9 @@ class Worker:
             blocks = await self._reserve(msg, req)
             self.starts.tick()
             self.metrics.inflight.inc()
-            self.serving += 1
             try:
                 await self._serve(msg, req)
             finally:
-                self.serving -= 1
                 self.metrics.inflight.dec()
         finally:
             excess = msg.subject == excess_subject(class_of(msg.subject))
