@@ -106,6 +106,41 @@ async def test_auto_batches_for_the_simulator_and_off_never_merges(start: Start)
     await off.aclose()
 
 
+class _SlowToSay(OpenAIAdapter):
+    """The real adapter, whose answer to "do you batch?" waits for the test."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.asked = 0
+        self.was_asked = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def batches_embeddings(self) -> bool | None:
+        self.asked += 1
+        self.was_asked.set()
+        await self.answer.wait()
+        return await super().batches_embeddings()
+
+
+async def test_requests_that_arrive_while_auto_asks_share_the_question_and_one_batch(
+    start: Start,
+) -> None:
+    sim, _ = await start()
+    async with _SlowToSay(sim.url) as engine:
+        auto = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05, mode="auto")
+        before = await stats(sim)
+        calls = [
+            asyncio.ensure_future(auto.embed(body(t), f"s{i}", {}, later()))
+            for i, t in enumerate(TEXTS)
+        ]
+        await engine.was_asked.wait()  # the first asked; the rest ran before this wakes
+        engine.answer.set()
+        await asyncio.gather(*calls)
+        assert engine.asked == 1
+        assert (await stats(sim))["embeddings"] - before["embeddings"] == 1
+        await auto.aclose()
+
+
 async def test_auto_waits_for_an_engine_that_cannot_answer() -> None:
     # Nothing listens there: unbatched for now, and asked again next time.
     async with OpenAIAdapter("http://127.0.0.1:9") as engine:

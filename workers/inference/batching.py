@@ -146,6 +146,7 @@ class EmbedBatcher:
         self._observe = observe  # requests per engine call (the batch-size histogram)
         self._pending: dict[bytes, _Batch] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # one per batch, owned here
+        self._asking: asyncio.Future[bool | None] | None = None  # auto: the engine, asked
         self._closed = False
         self.engine_calls = 0
 
@@ -192,11 +193,23 @@ class EmbedBatcher:
 
     async def _batching(self) -> bool:
         """Whether to merge; in ``auto`` mode the engine's answer, asked once (again
-        on the next request while the engine cannot say)."""
+        on the next request while the engine cannot say). Requests that arrive while
+        it is asked share the one question: they all resume at its answer, so they
+        can still meet in one batch (one probe each would answer them apart)."""
         if self.batching is None:
-            merges = await self.engine.batches_embeddings()
+            asking = self._asking
+            if asking is None:
+                probe = self.engine.batches_embeddings()
+                asking = self._asking = asyncio.ensure_future(probe)
+            try:
+                merges = await asyncio.shield(asking)  # a caller that leaves, leaves it
+            finally:
+                if asking.done() and self._asking is asking:
+                    self._asking = None
             if merges is None:
                 return False
+            if self.batching is not None:  # another sharer settled it already
+                return self.batching
             self.batching = not merges
             log.info(
                 "embedding micro-batching %s: the engine %s",
@@ -338,7 +351,9 @@ class EmbedBatcher:
         on an error path any that is gets ``EngineUnavailable`` (retryable)."""
         self._closed = True
         self._pending.clear()
-        tasks = set(self._tasks)
+        tasks: set[asyncio.Future[Any]] = set(self._tasks)
+        if self._asking is not None:
+            tasks.add(self._asking)
         for task in tasks:
             task.cancel()
         if tasks:
