@@ -17,6 +17,8 @@ import copy
 import itertools
 import json
 import os
+import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from unittest.mock import Mock
 
@@ -139,13 +141,29 @@ def call_and_check(
     return response
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-@schema.parametrize()
-def test_gateway_conforms_to_its_spec(
-    case: OpenApiCase, fleet: Fleet, auth: dict[str, str]
-) -> None:
-    call_and_check(case, fleet, auth)
+def _conformance_test(path: str, method: str) -> Callable[..., None]:
+    """The fuzz of one operation. A test function per operation, each with its own
+    name: under pytest 9 every item that schemathesis's ``parametrize`` makes from
+    one function has the same node id, and a parallel run (pytest-xdist, `make
+    test`) runs one item per node id, so it fuzzed one operation out of 11."""
+
+    def test(case: OpenApiCase, fleet: Fleet, auth: dict[str, str]) -> None:
+        call_and_check(case, fleet, auth)
+
+    fuzz = schema.include(path=path, method=method.upper()).parametrize()
+    marked: Callable[..., None] = pytest.mark.slow(pytest.mark.timeout(120)(fuzz(test)))
+    return marked
+
+
+FUZZED = [
+    (path, method)
+    for path, methods in SPEC["paths"].items()
+    if not path.startswith("/v1/runs")
+    for method in methods
+]
+for _path, _method in FUZZED:
+    _slug = re.sub(r"[^a-z0-9]+", "_", _path.lower()).strip("_")
+    globals()[f"test_{_method}_{_slug}_conforms_to_its_spec"] = _conformance_test(_path, _method)
 
 
 def test_the_served_spec_is_the_tested_one(fleet: Fleet) -> None:
