@@ -365,14 +365,25 @@ class Fleet:
                     )
                 ]
             self.redis = self.redis_nodes[0]
-            # One at a time: a port picked for the next process must not be one a
-            # process still starting has not bound yet.
+            # Side by side: the engine and the gateways, then (the engine up) the
+            # workers and executors, which wait for the topology a gateway
+            # provisions. Ports never repeat within a process (services.py), so
+            # none goes to two children that have not bound theirs yet.
             if self.spec.sim_replicas:
                 self.start_replica_sims()
             elif self.spec.engine_url is None and not self.spec.engine_per_worker:
-                self.start_sim()
+                self.start_sim(wait=False)
             for _ in range(self.spec.gateways):
-                self.start_gateway()
+                self.start_gateway(wait=False)
+            if self.sim is not None:
+                wait_port(self.sim_port, 20.0, self.sim.proc)
+            if not self.spec.sim_replicas:
+                for _ in range(self.spec.workers):
+                    self.start_worker(wait=False)
+            for _ in range(self.spec.agents):
+                self.start_agent(wait=False)
+            for n in range(len(self.gateways)):
+                self.wait_gateway(n)
             with self.admin() as admin:
                 admin.create_tenant(self.spec.tenant)
                 created = admin.create_key(self.spec.tenant, "fleet", api_key=self.spec.api_key)
@@ -387,11 +398,7 @@ class Fleet:
                 # busy machine: half a second more per replica.
                 self.wait_workers(len(urls), timeout=30.0 + len(urls) / 2)
             else:
-                for _ in range(self.spec.workers):
-                    self.start_worker(wait=False)
                 self.wait_workers(self.spec.workers)
-            for _ in range(self.spec.agents):
-                self.start_agent(wait=False)
             if self.spec.agents:
                 self.wait_agents(self.spec.agents)
         except BaseException:

@@ -90,22 +90,42 @@ class _PortPicker:
         # Read and chosen at the first pick: no I/O at import.
         self._top: int | None = None
         self._next: int | None = None
+        self._share = (0, 1)  # (index, of how many): see confine_ports
 
-    def take(self, n: int) -> int:
+    def confine(self, index: int, of: int) -> None:
+        if not 0 <= index < of:
+            raise ValueError(f"share {index} of {of}")
+        self._share, self._top, self._next = (index, of), None, None
+
+    def _range(self, n: int) -> tuple[int, int]:
+        """This process's share of [LOW, the ephemeral range)."""
         if self._top is None:
             self._top = _ephemeral_low()
-        top = max(self._top, self.LOW + 2 * n)
+        index, of = self._share
+        width = (max(self._top, self.LOW + 2 * n * of) - self.LOW) // of
+        low = self.LOW + index * width
+        return low, low + width
+
+    def take(self, n: int) -> int:
+        low, top = self._range(n)
         if self._next is None:
             import random
 
-            self._next = random.randrange(self.LOW, top - n)
+            self._next = random.randrange(low, top - n)
         if self._next + n > top:
-            self._next = self.LOW
+            self._next = low
         base, self._next = self._next, self._next + n
         return base
 
 
 _PICKER = _PortPicker()
+
+
+def confine_ports(index: int, of: int) -> None:
+    """Pick this process's ports from share ``index`` of ``of`` equal shares of
+    the picker's range: processes that start children side by side (the test
+    suite's parallel workers) then never hand out the same port."""
+    _PICKER.confine(index, of)
 
 
 def free_ports(n: int, tries: int = 200) -> int:

@@ -224,6 +224,7 @@ async def await_topology(
     Returns ``topo`` with the lane counts the stream records."""
     loop = asyncio.get_running_loop()
     end = loop.time() + within_s
+    pause = 0.05  # soon after a gateway that starts beside us, then every 0.5 s
     while True:
         try:
             info = await recorded_stream(js, topo)
@@ -244,4 +245,5 @@ async def await_topology(
                     f"{topo.stream} or its consumers missing after {within_s:g}s "
                     f"(is a gateway running?): {exc}"
                 ) from exc
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(pause)
+            pause = min(0.5, pause * 2)

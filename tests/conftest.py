@@ -4,14 +4,22 @@ whole fleets (simulator, gateway, workers) as real processes."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from jetserve.credentials import generate
 from jetserve.fleet import Fleet, FleetSpec
-from jetserve.services import Service, start_nats, start_redis, start_redis_cluster
+from jetserve.services import (
+    Service,
+    confine_ports,
+    start_nats,
+    start_redis,
+    start_redis_cluster,
+)
 from tests.refusals import assert_no_refusals
 
 _DESELECTED = pytest.StashKey[dict[str, int]]()
@@ -40,11 +48,22 @@ _TIERS = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # `make test` runs the suite in parallel processes (pytest-xdist): each picks
+    # the ports of the services it starts from a share of its own.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        confine_ports(int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The real-engine tiers (markers `vllm`, docs/vllm.md, and `llamacpp`,
     docs/adapters.md) and the `open_bug` tier are opt-in: each runs only with `-m`
     naming it (or, for an engine, with its JETSERVE_*_URL / JETSERVE_*_PEERS set);
-    otherwise its tests are deselected, and said so, never skipped silently."""
+    otherwise its tests are deselected, and said so, never skipped silently.
+
+    The fault suite goes first: its modules are the longest, and a parallel run
+    hands modules out in this order, so they do not end it alone."""
     markexpr = config.getoption("markexpr") or ""
     counts: dict[str, int] = {}
     for tier, (env, _) in _TIERS.items():
@@ -56,6 +75,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = [i for i in items if i.get_closest_marker(tier) is None]
             counts[tier] = len(out)
     config.stash[_DESELECTED] = counts
+    items.sort(key=lambda i: i.get_closest_marker("faults") is None)  # stable
+    # A parallel run hands tests out by node id: of items sharing one, it runs
+    # one and drops the rest without a word (test_openapi_fuzz.py says how).
+    twice = sorted(n for n, k in Counter(i.nodeid for i in items).items() if k > 1)
+    if twice:
+        raise pytest.UsageError(f"tests that share a node id (one would run): {twice}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A parallel worker's deselections, for the summary the controller prints.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["deselected"] = session.config.stash.get(_DESELECTED, {})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist's controller collects nothing itself: it takes the workers'
+    deselections (each collected the same tests)."""
+    counts = getattr(node, "workeroutput", {}).get("deselected")
+    if counts is not None:
+        node.config.stash[_DESELECTED] = counts
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

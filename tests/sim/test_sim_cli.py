@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 
 import httpx
 import pytest
 
+from jetserve.services import free_port
 from sim.cli import build_parser, config_from_args, main
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_cli_serves_until_sigterm() -> None:
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sim", "--port", str(port), "--profile", "fast",
         "--model", "cli-model", "--max-num-seqs", "3", "--fault-rate", "503=0.0",

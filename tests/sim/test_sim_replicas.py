@@ -4,34 +4,16 @@ its own KV cache, prefix cache, metrics and fault draws."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import socket
 import sys
 
 import httpx
 
+from jetserve.services import free_ports
 from sim.cli import build_parser, config_from_args
 from sim.replicas import replica_configs
 
 LONG = " ".join(f"policy{i}" for i in range(400))  # ~400 prompt tokens: 25 full blocks
-
-
-def _free_ports(n: int) -> int:
-    """A base port with base..base+n-1 free right now."""
-    for _ in range(50):
-        with contextlib.ExitStack() as stack:
-            first = stack.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            base = int(first.getsockname()[1])
-            try:
-                for i in range(1, n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", base + i))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no run of free ports")
 
 
 def _chat(content: str) -> dict[str, object]:
@@ -49,7 +31,7 @@ async def _metric(client: httpx.AsyncClient, name: str) -> float:
 
 async def test_replicas_serve_independent_engines_on_consecutive_ports() -> None:
     n = 3
-    base = _free_ports(n)
+    base = free_ports(n)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sim", "--port", str(base), "--replicas", str(n),
         "--profile", "fast", "--fault-seed", "1",
