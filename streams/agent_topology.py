@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -26,11 +25,9 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
-from streams.errors import ProvisioningError
-from streams.provision import ensure_stream
+from streams.provision import ensure_bucket, ensure_stream, patiently
 from streams.subjects import AGENT_SETTLE, AGENT_STEP, RUN_EVENTS_WILDCARD
 
 DAY_S = 86_400.0
@@ -138,17 +135,6 @@ async def ensure_agent(
     ``ack_wait_s`` is never reset by a gateway starting later, and vice versa."""
     await ensure_stream(js, topo.stream_config())
     await ensure_stream(js, topo.events_config())
-    if executor:
-        await js.add_consumer(topo.stream, topo.step_consumer_config())
-    else:
-        await js.add_consumer(topo.stream, topo.settle_consumer_config())
-    try:
-        return await js.key_value(topo.bucket)
-    except BucketNotFoundError:
-        try:
-            return await js.create_key_value(topo.kv_config())
-        except NatsError as exc:  # a concurrent creator may have won
-            try:
-                return await js.key_value(topo.bucket)
-            except BucketNotFoundError:
-                raise ProvisioningError(f"cannot create bucket {topo.bucket}: {exc}") from exc
+    consumer = topo.step_consumer_config() if executor else topo.settle_consumer_config()
+    await patiently(f"consumer {consumer.durable_name}", js.add_consumer, topo.stream, consumer)
+    return await ensure_bucket(js, topo.kv_config())

@@ -15,13 +15,12 @@ import time
 from typing import Any
 
 import msgspec
-import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import APIError, BucketNotFoundError
+from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
-from streams.errors import ProvisioningError
+from streams.provision import ensure_bucket
 from streams.routes import RouteRecord
 
 EVIDENCE_BUCKET = "jetserve_evidence"
@@ -179,16 +178,7 @@ async def bind_evidence(js: JetStreamContext) -> KeyValue | None:
 
 async def ensure_evidence(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     """Bind the evidence bucket, creating it if absent (concurrent-safe)."""
-    try:
-        return await js.key_value(EVIDENCE_BUCKET)
-    except BucketNotFoundError:
-        try:
-            return await js.create_key_value(evidence_config(replicas))
-        except (APIError, nats.errors.Error) as exc:  # a concurrent creator may have won
-            try:
-                return await js.key_value(EVIDENCE_BUCKET)
-            except BucketNotFoundError:
-                raise ProvisioningError(f"cannot create bucket {EVIDENCE_BUCKET}: {exc}") from exc
+    return await ensure_bucket(js, evidence_config(replicas))
 
 
 _decoder = msgspec.json.Decoder(Evidence)

@@ -18,11 +18,11 @@ import msgspec
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.errors import KeyWrongLastSequenceError as Taken
 from nats.js.kv import KeyValue
 
-from streams.errors import ProvisioningError
+from streams.provision import ensure_bucket
 
 LEASES_BUCKET = "jetserve_leases"
 
@@ -48,17 +48,7 @@ def leases_config(replicas: int = 1) -> KeyValueConfig:
 
 async def ensure_leases(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     """Bind the leases bucket, creating it if absent (concurrent-safe)."""
-    want = leases_config(replicas)
-    try:
-        return await js.key_value(LEASES_BUCKET)
-    except BucketNotFoundError:
-        try:
-            return await js.create_key_value(want)
-        except (APIError, nats.errors.Error) as exc:  # a concurrent creator may have won
-            try:
-                return await js.key_value(LEASES_BUCKET)
-            except BucketNotFoundError:
-                raise ProvisioningError(f"cannot create bucket {LEASES_BUCKET}: {exc}") from exc
+    return await ensure_bucket(js, leases_config(replicas))
 
 
 class KvLease:

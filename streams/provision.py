@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerInfo, StreamConfig
+from nats.js.api import ConsumerInfo, KeyValueConfig, StreamConfig
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -25,41 +26,73 @@ from streams.subjects import LANE_CLASSES
 log = logging.getLogger(__name__)
 
 CREATE_CONCURRENCY = 16
+# nats-server answers JetStream API requests from a queue: behind a burst of
+# consumer creations (each fsynced under sync_interval always) or while a
+# cluster forms a stream's Raft group, an answer can take longer than the
+# client's 5 s. Every provisioning call is idempotent, so it is asked again,
+# for up to this long, before start-up fails.
+PATIENCE_S = 60.0
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+async def patiently(
+    what: str, call: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``call(*args, **kwargs)``, asked again while the server does not answer in time."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + PATIENCE_S
+    while True:
+        try:
+            return await call(*args, **kwargs)
+        except (nats.errors.TimeoutError, TimeoutError):
+            if loop.time() >= end:
+                raise
+            log.warning("provisioning: no answer in time about %s; asking again", what)
 
 
 async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
     """Create the stream, or update it in place; safe with concurrent callers."""
-    assert want.name is not None
+    name = want.name
+    assert name is not None
+    what = f"stream {name}"
     try:
-        await js.stream_info(want.name)
+        await patiently(what, js.stream_info, name)
     except NotFoundError:
         try:
-            await js.add_stream(want)
+            await patiently(what, js.add_stream, want)
             return
         except APIError as exc:  # a concurrent creator may have won the race
             try:
-                await js.stream_info(want.name)
+                await patiently(what, js.stream_info, name)
             except NotFoundError:
-                raise ProvisioningError(f"cannot create stream {want.name}: {exc}") from exc
+                raise ProvisioningError(f"cannot create stream {name}: {exc}") from exc
     try:
-        await js.update_stream(want)
+        await patiently(what, js.update_stream, want)
     except APIError as exc:  # a change the server refuses (storage type, deny_delete)
-        raise ProvisioningError(f"cannot update stream {want.name}: {exc}") from exc
+        raise ProvisioningError(f"cannot update stream {name}: {exc}") from exc
+
+
+async def ensure_bucket(js: JetStreamContext, want: KeyValueConfig) -> KeyValue:
+    """Bind the key-value bucket ``want`` names, creating it if absent
+    (concurrent-safe)."""
+    bucket, what = want.bucket, f"bucket {want.bucket}"
+    try:
+        return await patiently(what, js.key_value, bucket)
+    except BucketNotFoundError:
+        try:
+            return await patiently(what, js.create_key_value, want)
+        except (APIError, nats.errors.Error) as exc:  # a concurrent creator may have won
+            try:
+                return await patiently(what, js.key_value, bucket)
+            except BucketNotFoundError:
+                raise ProvisioningError(f"cannot create bucket {bucket}: {exc}") from exc
 
 
 async def ensure_routes(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> KeyValue:
     """Bind the route-contract bucket, creating it if absent (concurrent-safe)."""
-    want = topo.routes_config()
-    try:
-        return await js.key_value(want.bucket)
-    except BucketNotFoundError:
-        try:
-            return await js.create_key_value(want)
-        except (APIError, nats.errors.Error) as exc:  # a concurrent creator may have won
-            try:
-                return await js.key_value(want.bucket)
-            except BucketNotFoundError:
-                raise ProvisioningError(f"cannot create bucket {want.bucket}: {exc}") from exc
+    return await ensure_bucket(js, topo.routes_config())
 
 
 async def recorded_stream(js: JetStreamContext, topo: Topology) -> Any:
@@ -144,9 +177,11 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     await ensure_routes(js, topo)
     for cls in topo.classes:
         # Creating a durable with a config is create-or-update on nats-server >= 2.10.
-        await js.add_consumer(topo.stream_of(cls), topo.consumer_config(cls))
+        plain = topo.consumer_config(cls)
+        await patiently(f"{cls} consumer", js.add_consumer, topo.stream_of(cls), plain)
     for cls in topo.excess_classes:
-        await js.add_consumer(topo.stream_of(cls), topo.consumer_config(cls, excess=True))
+        excess = topo.consumer_config(cls, excess=True)
+        await patiently(f"{cls} excess", js.add_consumer, topo.stream_of(cls), excess)
     # Hundreds of lane consumers: create only those missing or changed, a few
     # requests at a time.
     wants = [
@@ -157,7 +192,8 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     for stream in topo.request_streams:
         mine = [w for w in wants if topo.stream_of_consumer(w["durable_name"]) == stream]
         if mine:
-            have = {i.name: i for i in await consumer_infos(js, stream)}
+            infos = await patiently(f"{stream}'s consumers", consumer_infos, js, stream)
+            have = {i.name: i for i in infos}
             await _create_missing(js, stream, mine, have)
     return topo
 
@@ -169,7 +205,8 @@ async def ensure_pool(js: JetStreamContext, topo: Topology, deployment: str) -> 
     wants = pool_consumer_configs(topo, token)
     for stream in topo.request_streams:
         mine = [w for w in wants if topo.stream_of_consumer(w["durable_name"]) == stream]
-        have = {i.name: i for i in await consumer_infos(js, stream)}
+        infos = await patiently(f"{stream}'s consumers", consumer_infos, js, stream)
+        have = {i.name: i for i in infos}
         # Lanes first, the plain consumers after: a worker takes the plain ones'
         # presence as the pool's (workers/inference/pool_source.py).
         lanes = [w for w in mine if "priority_groups" in w]
@@ -205,7 +242,7 @@ async def ensure_raw_consumer(js: JetStreamContext, stream: str, config: dict[st
     subject = f"{js._prefix}.CONSUMER.CREATE.{stream}.{name}.{config['filter_subject']}"
     payload = json.dumps({"stream_name": stream, "config": config}).encode()
     try:
-        reply = await js._nc.request(subject, payload, timeout=5.0)
+        reply = await patiently(f"consumer {name}", js._nc.request, subject, payload, 5.0)
     except (nats.errors.Error, TimeoutError) as exc:
         raise ProvisioningError(f"cannot create consumer {name}: {exc}") from exc
     answer = json.loads(reply.data)
