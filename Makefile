@@ -44,11 +44,13 @@ test-setup: setup
 up: setup
 	$(BIN)/jetserve up $(ARGS)
 
-# Lint, type-check and run the whole suite against real nats-server and redis-server,
-# in one process per core (at most 4; a module's tests stay in one process); the 15
-# slowest tests are listed at the end.
+# Lint, type-check and run the whole suite against real nats-server and redis-server:
+# all but the fault suite in one process per core (at most 4; a module's tests stay in
+# one process), then the fault suite alone (its failovers and restarts must not share
+# the CPU with other tests); each part lists its 15 slowest tests.
 test: test-setup lint
-	$(BIN)/pytest -q -n auto --maxprocesses 4 --dist loadscope --durations=15
+	$(BIN)/pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not faults" --durations=15
+	$(BIN)/pytest -q -m faults --durations=15
 
 # The adapters' translation-loss reports (docs/conformance.md), against the simulator.
 conformance-report: setup
