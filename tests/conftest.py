@@ -60,10 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The real-engine tiers (markers `vllm`, docs/vllm.md, and `llamacpp`,
     docs/adapters.md) and the `open_bug` tier are opt-in: each runs only with `-m`
     naming it (or, for an engine, with its JETSERVE_*_URL / JETSERVE_*_PEERS set);
-    otherwise its tests are deselected, and said so, never skipped silently.
-
-    The fault suite goes first: its modules are the longest, and a parallel run
-    hands modules out in this order, so they do not end it alone."""
+    otherwise its tests are deselected, and said so, never skipped silently."""
     markexpr = config.getoption("markexpr") or ""
     counts: dict[str, int] = {}
     for tier, (env, _) in _TIERS.items():
@@ -75,7 +72,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = [i for i in items if i.get_closest_marker(tier) is None]
             counts[tier] = len(out)
     config.stash[_DESELECTED] = counts
-    items.sort(key=lambda i: i.get_closest_marker("faults") is None)  # stable
     # A parallel run hands tests out by node id: of items sharing one, it runs
     # one and drops the rest without a word (test_openapi_fuzz.py says how).
     twice = sorted(n for n, k in Counter(i.nodeid for i in items).items() if k > 1)
