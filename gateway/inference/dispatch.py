@@ -266,7 +266,14 @@ class Dispatcher:
     async def _hedge_after(self, stream: FrameStream, delay: float, subject: str) -> None:
         """The second copy: to the plain class (or pool) subject (any worker with
         room, so most likely another replica), numbered apart so its frames are
-        told apart."""
+        told apart.
+
+        Until its publish begins, a first token or the end of the stream cancels
+        this task. From then on the copy may be stored whatever becomes of the
+        task, so it is seen through instead: its sequence is learnt, it is
+        counted, and a race that was decided meanwhile (the copy's first token
+        can come before its acknowledgement) or a stream that ended is settled
+        here, so no stored copy is left running unseen."""
         await asyncio.sleep(delay)
         req = stream.req
         if stream.started or stream.done or time.time() >= req.deadline:
@@ -274,15 +281,25 @@ class Dispatcher:
         if not await self.hedger.take(req.cls):
             self.on_hedge(req.cls, "capped")
             return
+        if stream.attempt is not None or stream.done:
+            return  # decided while the budget was asked: the credit goes unused
         copy = msgspec.structs.replace(req, attempt_base=HEDGE_ATTEMPT_BASE)
+        stream.hedge_sending = True
         try:
             ack = await self.client.publish(subject, copy, msg_id=f"{req.id}.hedge")
         except PublishError:
             self.on_hedge(req.cls, "failed")
             return  # the original still runs: a hedge is an extra, never a must
+        finally:
+            stream.hedge_sending = False
         stream.hedge_queued = (ack.stream, ack.seq)
         stream.copies = 2
         self.on_hedge(req.cls, "sent")
+        if stream.attempt is not None:
+            await stream.decide_race(stream.attempt)
+        elif stream.done:
+            # Ended before any token (cancelled, failed): nobody reads the copy.
+            await self.cancel(req.id, "hedge_unneeded", stream.hedge_queued)
 
     async def recover(
         self, tenant: str, request_id: str, attempt: int, after: int, through: int
@@ -415,6 +432,7 @@ class FrameStream(FrameReader):
         # Hedging: the timer that may send a second copy, and that copy's queue
         # sequence (``copies``, counted by FrameReader, is how many may answer).
         self.hedge_task: asyncio.Task[None] | None = None
+        self.hedge_sending = False  # the copy's publish is in flight: not cancelled
         self.hedge_queued: QueuedAt | None = None
 
     async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
@@ -444,15 +462,29 @@ class FrameStream(FrameReader):
         await super().on_first_token(attempt)
         assert self.first_token_at is not None
         self._d.hedger.observe(self.req.cls, self.first_token_at - self.submitted_at)
-        if self.hedge_task is not None:
-            self.hedge_task.cancel()
+        self._stop_hedge_timer()
         if self.hedge_queued is not None:
-            # A hedge race: the winner keeps going, the loser stops (or, still
-            # queued, is removed).
-            hedge_won = attempt >= HEDGE_ATTEMPT_BASE
-            loser = self.queued if hedge_won else self.hedge_queued
-            self._d.on_hedge(self.req.cls, "won" if hedge_won else "lost")
-            await self._d.cancel(self.req.id, "hedge_lost", loser, keep_attempt=attempt)
+            await self.decide_race(attempt)
+
+    async def decide_race(self, attempt: int) -> None:
+        """A hedge race: the winner (whose first token came first) keeps going,
+        the loser stops (or, still queued, is removed)."""
+        hedge_won = attempt >= HEDGE_ATTEMPT_BASE
+        loser = self.queued if hedge_won else self.hedge_queued
+        self._d.on_hedge(self.req.cls, "won" if hedge_won else "lost")
+        await self._d.cancel(self.req.id, "hedge_lost", loser, keep_attempt=attempt)
+
+    def _stop_hedge_timer(self) -> None:
+        """No copy is needed any more; one being published is seen through."""
+        if self.hedge_task is not None and not self.hedge_sending:
+            self.hedge_task.cancel()
+
+    async def hedge_settled(self) -> None:
+        """Wait for a copy whose publish is in flight: the books say whether the
+        request was hedged, which its acknowledgement decides."""
+        task = self.hedge_task
+        if task is not None and self.hedge_sending and not task.done():
+            await asyncio.wait({task})
 
     async def recover(self, attempt: int, after: int, through: int) -> list[Token] | None:
         return await self._d.recover(self.req.tenant, self.req.id, attempt, after, through)
@@ -466,8 +498,7 @@ class FrameStream(FrameReader):
                 await self._d.cancel(self.req.id, reason, self.queued, self.hedge_queued)
 
     def close(self) -> None:
-        if self.hedge_task is not None:
-            self.hedge_task.cancel()
+        self._stop_hedge_timer()
         self._d.forget(self.req.id)
         if self._subs:
             subs, self._subs = self._subs, ()

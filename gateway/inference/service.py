@@ -432,6 +432,7 @@ class InferenceService:
             return
         adm.outcome = outcome
         adm.stream.close()
+        await adm.stream.hedge_settled()
         span = adm.span if isinstance(adm, Admitted) else None
         if span is not None and final is not None:
             span.set("gen_ai.usage.input_tokens", final.usage.prompt_tokens)

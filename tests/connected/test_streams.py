@@ -21,8 +21,19 @@ from streams.definitions import Limits, Topology
 from streams.inference.frames import FrameBuffer
 from streams.marks import CancelMarks
 from streams.provision import ensure_topology
-from streams.subjects import RequestClass, cancel_subject, reply_subject
-from streams.wire import Final, InferenceRequest, Meta, Token, Usage, encode
+from streams.routes import HedgePolicy
+from streams.subjects import RequestClass, cancel_subject, live_subject, reply_subject
+from streams.wire import (
+    HEDGE_ATTEMPT_BASE,
+    Cancel,
+    Final,
+    InferenceRequest,
+    Meta,
+    Token,
+    Usage,
+    decode_cancel,
+    encode,
+)
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -199,5 +210,93 @@ async def test_a_client_gone_while_its_request_is_queued_cancels_it_at_once(
         quiet = await d.submit(*request(8), gone=asyncio.Event())
         assert quiet.req.id == "req-8"
         assert d.cancelled_while_queueing == 1
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("decided_by", ["copy_first_token", "original_finished", "client_left"])
+async def test_a_hedge_copy_acknowledged_late_is_seen_through(
+    nats_server: Service, decided_by: str
+) -> None:
+    """The copy's publish stored it, but its acknowledgement comes late (a
+    loaded disk under ``sync: always``), and meanwhile the race was decided:
+    the copy's own first token came first, the original finished, or the
+    client left. The copy is neither cancelled mid-publish (it is stored:
+    a worker would run it unseen) nor lost to the books: it is counted once,
+    the books wait for it, and the loser is cancelled by its sequence."""
+    topo = Topology(lanes=16)
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, topo)
+        d = Dispatcher(nc, js, "gw", topo)
+        await d.start()
+        outcomes: list[str] = []
+        d.on_hedge = lambda cls, outcome: outcomes.append(outcome)
+        req, meta = request(20)
+        live = live_subject(d.reply_for(meta.tenant, req.id))
+        cancels: list[Cancel] = []
+
+        async def hear(msg: Msg) -> None:
+            cancels.append(decode_cancel(msg.data))
+
+        await nc.subscribe(cancel_subject(req.id), cb=hear)
+        release, stored = asyncio.Event(), asyncio.Event()
+        publish = d.client.publish
+
+        async def late_ack_for_the_copy(*args: Any, **kwargs: Any) -> PubAck:
+            ack = await publish(*args, **kwargs)
+            if kwargs.get("msg_id", "").endswith(".hedge"):
+                stored.set()
+                await release.wait()
+            return ack
+
+        d.client.publish = late_ack_for_the_copy  # type: ignore[method-assign]
+        policy = HedgePolicy(enabled=True, delay=0.01, max_extra_ratio=1.0)
+        stream = await d.submit(req, meta, hedge=policy)
+        await stored.wait()
+        assert stream.queued is not None
+        copy_attempt = HEDGE_ATTEMPT_BASE + 1
+        if decided_by == "copy_first_token":
+            await nc.publish(live, encode(Token(1, "w1 ", attempt=copy_attempt)))
+            assert isinstance(await stream.next_event(1.0), Token)
+            assert stream.attempt == copy_attempt
+        elif decided_by == "original_finished":
+            await nc.publish(live, encode(Token(1, "w1 ")))
+            await nc.publish(live, encode(Final(2, "stop", Usage(3, 1))))
+            assert isinstance(await stream.next_event(1.0), Token)
+            assert isinstance(await stream.next_event(1.0), Final)
+        else:
+            await stream.cancel("client_disconnected")
+        stream.close()  # what the gateway's finish does first
+        settled = asyncio.ensure_future(stream.hedge_settled())
+        await asyncio.sleep(0)
+        assert not settled.done(), "the books went on before the copy's acknowledgement"
+        assert not stream.hedge_task.done()  # type: ignore[union-attr]
+        release.set()
+        await settled
+        assert stream.hedge_queued is not None, "the books would not say it was hedged"
+        copy_seq = stream.hedge_queued[1]
+        loser, kept, cancelled = {
+            "copy_first_token": (stream.queued[1], copy_seq, ["sent", "won"]),
+            "original_finished": (copy_seq, stream.queued[1], ["sent", "lost"]),
+            "client_left": (copy_seq, None, ["sent"]),
+        }[decided_by]
+        assert outcomes == cancelled
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await js.get_msg(topo.stream, loser)
+        if kept is not None:
+            assert (await js.get_msg(topo.stream, kept)).data
+        else:  # both gone: the original by the client's cancel, the copy after its ack
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await js.get_msg(topo.stream, stream.queued[1])
+
+        async def heard() -> bool:
+            return bool(cancels)
+
+        await until(heard, "the cancel of the loser")
+        keep = {"copy_first_token": copy_attempt, "original_finished": 1, "client_left": 0}
+        assert cancels[-1].keep_attempt == keep[decided_by]
+        await d.stop()
     finally:
         await nc.close()

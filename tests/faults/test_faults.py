@@ -320,6 +320,9 @@ async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> Non
         await until_sync(back, "every process reconnected to a live node")
         reconnected.append(Window(t0, time.time()))
         killed.append(Window(t0, await serving_again(fleet)))
+        # The load goes on through the backlog's allowance (below), so that
+        # requests are sent after it too.
+        await asyncio.sleep(BACKLOG_S)
 
     report = await run(
         fleet,
@@ -358,8 +361,13 @@ async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> Non
         o.request_id for o in report.failed_outcomes() if o.error == "stream_interrupted"
     ]
     assert set(interrupted) <= frames_lost, interrupted
-    report.assert_rejections(STALLED_BUS, lambda o: o.open_during(kill))
-    report.assert_served_after(kill.end, "the cluster served again")
+    # Shedding measured the failover: a start rate near zero and stretched
+    # first-token delays, which fresh answers replace in a few seconds. Until
+    # then (BACKLOG_S, as above) it may still refuse a new request, 429 with
+    # Retry-After; from then on everything sent completes.
+    settled = kill.end + BACKLOG_S
+    report.assert_rejections(STALLED_BUS, lambda o: o.open_during(Window(kill.start, settled)))
+    report.assert_served_after(settled, "the cluster served again and its backlog drained")
     judged(
         report,
         "3-node cluster, one node SIGKILLed",
