@@ -3,16 +3,16 @@ deadline, instead of queueing it to die.
 
 A watch reads every class's consumers in one list (the plain one, its lanes
 and its excess; ``streams/depth.py``; the gateway's queue-depth metrics read
-the same numbers) and keeps
-the queue depth (``num_pending``: published, not yet handed to a worker) and
-the fleet's start rate (deliveries per second, smoothed). A new request's
-expected wait is depth / rate; if that, plus the first-token delay and the
-time an answer of the class takes once started (learnt from the answers this
-gateway relayed), is past its deadline (with a margin), the gateway answers
-429 with Retry-After instead of accepting it: admitting a request that starts
-in time but cannot finish only turns a 429 into a 504. Class priority is the
-workers' (interactive first), so a batch queue behind interactive work sees its
-rate fall and sheds first.
+the same numbers) and keeps the queue depth (``num_pending``: published, not
+yet handed to a worker) and the fleet's start rate (deliveries per second,
+smoothed; a stall, such as a failover, lowers it while it lasts and is
+forgotten once starts resume). A new request's expected wait is depth / rate;
+if that, plus the first-token delay and the time an answer of the class takes
+once started (learnt from the answers this gateway relayed), is past its
+deadline (with a margin), the gateway answers 429 with Retry-After instead of
+accepting it: admitting a request that starts in time but cannot finish only
+turns a 429 into a 504. Class priority is the workers' (interactive first), so
+a batch queue behind interactive work sees its rate fall and sheds first.
 
 In a fleet, one gateway looks for all (gateway/inference/depth_share.py): the
 watch of every other takes the looks it publishes.
@@ -41,6 +41,9 @@ from streams.tasks import stop_task
 # Too little evidence to refuse anyone: a short queue drains whatever the rate.
 MIN_DEPTH = 2
 RATE_HALF_LIFE_S = 2.0
+# A standing queue without a start for this many starts' time (at the rate
+# before) is a stall, not a slow class's gap (QueueWatch._after_quiet).
+STALL_STARTS = 4.0
 SAFETY = 0.8
 ANSWER_WINDOW = 32  # recent answers per class whose median generation time counts
 # With every queue empty and nothing in flight, the watch looks this seldom (and
@@ -60,6 +63,9 @@ class ClassLoad:
     # Published by this gateway since the last look (a burst lands between
     # looks; the next look's depth includes them).
     since: int = 0
+    # How long a standing queue has seen no start, and the rate before that.
+    quiet_s: float = 0.0
+    rate_before: float | None = None
 
     def expected_wait(self) -> float | None:
         """Seconds a request published now waits before a worker takes it."""
@@ -201,7 +207,8 @@ class QueueWatch:
         now = time.monotonic()
         dt = now - load.at
         if load.at and load.depth > 0 and dt > 0:  # busy since the last look
-            sample = max(0, delivered - load.delivered) / dt
+            started = max(0, delivered - load.delivered)
+            sample = started / dt
             if load.rate is None:
                 # Nothing started yet while a queue stood means no worker pulls
                 # it yet (a deployment pool before its workers attach, a fleet
@@ -209,8 +216,17 @@ class QueueWatch:
                 # refused the first burst (429) until the queue drained.
                 load.rate = sample or None
             else:
+                prior = load.rate
+                if not started:
+                    if not load.quiet_s:
+                        load.rate_before = prior
+                    load.quiet_s += dt
+                elif load.quiet_s:
+                    prior = self._after_quiet(load, prior)
                 keep = math.exp(-dt * math.log(2) / RATE_HALF_LIFE_S)
-                load.rate = keep * load.rate + (1 - keep) * sample
+                load.rate = keep * prior + (1 - keep) * sample
+        else:  # the queue was empty: whatever quiet there was is over
+            load.quiet_s, load.rate_before = 0.0, None
         load.depth, load.delivered, load.at, load.since = depth, delivered, now, 0
         load.ack_pending = acking
 
@@ -228,6 +244,21 @@ class QueueWatch:
             load.since += 1
         self._published_at = time.monotonic()
         self._poke.set()
+
+    @staticmethod
+    def _after_quiet(load: ClassLoad, rate: float) -> float:
+        """Starts again after a quiet spell: the rate to go on from. A spell of
+        STALL_STARTS starts' time at the rate before it was a stall (a
+        failover, a restart): while it lasted the rate fell and shed, rightly,
+        as nothing moved; now it goes on from the rate before, as a stall says
+        nothing of what the fleet serves once it moves (averaged in, it refused
+        for seconds after a failover what the fleet then served). A shorter
+        spell is a slow class's gap between starts: ``rate`` as it is."""
+        before, quiet_s = load.rate_before, load.quiet_s
+        load.quiet_s, load.rate_before = 0.0, None
+        if before is not None and quiet_s * before >= STALL_STARTS:
+            return before
+        return rate
 
     def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
         """None: admit. Otherwise the Retry-After (seconds) of a refusal."""

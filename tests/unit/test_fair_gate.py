@@ -180,3 +180,50 @@ def test_a_queue_nobody_has_started_teaches_no_rate() -> None:
     watch.loads["interactive"].at -= 1.0
     watch._take("interactive", 4, 0, 3)
     assert (watch.loads["interactive"].rate or 0) > 2.0  # 3 started in about a second
+
+
+def _look(watch: QueueWatch, cls: str, depth: int, started: int, after_s: float = 1.0) -> None:
+    """A look ``after_s`` after the last one: ``depth`` queued, ``started`` more begun."""
+    load = watch.loads[cls]
+    load.at -= after_s
+    watch._take(cls, depth, 0, load.delivered + started)
+
+
+def test_a_stall_sheds_while_it_lasts_and_is_forgotten_once_starts_resume() -> None:
+    # A failover: a standing queue and nothing started for 8 s. While it lasts
+    # the rate falls and a tight deadline is refused; once starts resume the
+    # rate goes on from before the stall, so nothing is refused for the
+    # seconds the smoothing would take to climb back.
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    cls = "interactive"
+    watch._take(cls, 8, 0, 0)
+    for _ in range(6):
+        _look(watch, cls, 8, 4)  # 4 starts a second
+    before = watch.loads[cls].rate or 0
+    assert 3.0 < before <= 4.0
+    assert watch.verdict(cls, 10.0, 0.05) is None  # 8 queued: 2 s
+    for _ in range(8):
+        _look(watch, cls, 8, 0)
+    assert (watch.loads[cls].rate or 0) < before / 10
+    assert watch.verdict(cls, 10.0, 0.05) is not None  # nothing moves: shed
+    _look(watch, cls, 8, 4)
+    assert (watch.loads[cls].rate or 0) == pytest.approx(before, rel=0.05)
+    assert watch.verdict(cls, 10.0, 0.05) is None
+
+
+def test_a_slow_class_gap_between_starts_is_not_a_stall() -> None:
+    # One start every 2 s: a second without a start is the class's pace, and
+    # the smoothed rate keeps what it learnt from it (no reset to the peak).
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    cls = "batch"
+    watch._take(cls, 5, 0, 0)
+    for _ in range(10):
+        _look(watch, cls, 5, 0)
+        _look(watch, cls, 5, 1)
+    rate = watch.loads[cls].rate or 0
+    assert 0.3 < rate < 0.8  # about 0.5 a second, not the 1.0 of a start's second
+    _look(watch, cls, 5, 0)
+    lowered = watch.loads[cls].rate or 0
+    _look(watch, cls, 5, 1)
+    assert (watch.loads[cls].rate or 0) < rate + 0.3  # blended, not restored and raised
+    assert lowered < rate
