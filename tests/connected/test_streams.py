@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats.js.errors
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
+from nats.js.client import JetStreamContext
 
 from gateway.errors import RateLimited, StreamInterrupted
 from gateway.inference.dispatch import Dispatcher, FrameStream
@@ -37,6 +41,20 @@ from streams.wire import (
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
+
+
+@contextlib.asynccontextmanager
+async def on_bus(
+    nats_server: Service, topo: Topology
+) -> AsyncIterator[tuple[Client, JetStreamContext, Dispatcher]]:
+    """A connection to the real server, ``topo`` provisioned, a gateway's dispatcher."""
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
+    try:
+        js = nc.jetstream()
+        await ensure_topology(js, topo)
+        yield nc, js, Dispatcher(nc, js, "gw", topo)
+    finally:
+        await nc.close()
 
 
 def request(i: int) -> tuple[InferenceRequest, Meta]:
@@ -89,11 +107,7 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
 
 async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> None:
     topo = Topology(stream="SMALL", limits=Limits(max_msgs=3), lanes=16)
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
-    try:
-        js = nc.jetstream()
-        await ensure_topology(js, topo)
-        d = Dispatcher(nc, js, "gw", topo)
+    async with on_bus(nats_server, topo) as (_nc, js, d):
         first = await d.submit(*request(0))
         again = await d.submit(*request(0))  # a gateway retry with the same request id
         assert not first.duplicate
@@ -105,8 +119,6 @@ async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> No
         assert info.value.code == "queue_full"
         assert info.value.headers()["Retry-After"] == "1"
         assert (await js.stream_info("SMALL")).state.messages == 3
-    finally:
-        await nc.close()
 
 
 async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(
@@ -163,11 +175,7 @@ async def test_a_client_gone_while_its_request_is_queued_cancels_it_at_once(
     acknowledgement is late, as on a loaded disk with ``sync: always``: the
     client's hang-up cancels the request by id then, not when the ack comes."""
     topo = Topology(lanes=16)
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
-    try:
-        js = nc.jetstream()
-        await ensure_topology(js, topo)
-        d = Dispatcher(nc, js, "gw", topo)
+    async with on_bus(nats_server, topo) as (nc, js, d):
         heard: list[bytes] = []
         req, meta = request(7)
 
@@ -210,8 +218,6 @@ async def test_a_client_gone_while_its_request_is_queued_cancels_it_at_once(
         quiet = await d.submit(*request(8), gone=asyncio.Event())
         assert quiet.req.id == "req-8"
         assert d.cancelled_while_queueing == 1
-    finally:
-        await nc.close()
 
 
 @pytest.mark.parametrize("decided_by", ["copy_first_token", "original_finished", "client_left"])
@@ -225,11 +231,7 @@ async def test_a_hedge_copy_acknowledged_late_is_seen_through(
     a worker would run it unseen) nor lost to the books: it is counted once,
     the books wait for it, and the loser is cancelled by its sequence."""
     topo = Topology(lanes=16)
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "t", nats_server.bus_auth())
-    try:
-        js = nc.jetstream()
-        await ensure_topology(js, topo)
-        d = Dispatcher(nc, js, "gw", topo)
+    async with on_bus(nats_server, topo) as (nc, js, d):
         await d.start()
         outcomes: list[str] = []
         d.on_hedge = lambda cls, outcome: outcomes.append(outcome)
@@ -298,5 +300,3 @@ async def test_a_hedge_copy_acknowledged_late_is_seen_through(
         keep = {"copy_first_token": copy_attempt, "original_finished": 1, "client_left": 0}
         assert cancels[-1].keep_attempt == keep[decided_by]
         await d.stop()
-    finally:
-        await nc.close()
