@@ -56,7 +56,8 @@ class Span:
         if self._otel is not None:
             self._otel.add_event(name)
 
-    def end(self, outcome: str = "ok") -> None:
+    def end(self, outcome: str = "ok", at_ns: int | None = None) -> None:
+        """End the span, now or at ``at_ns`` (epoch nanoseconds, already past)."""
         if self._otel is None:
             return
         from opentelemetry.trace import Status, StatusCode
@@ -64,7 +65,7 @@ class Span:
         self._otel.set_attribute("jetserve.outcome", outcome)
         if outcome not in ("ok", "stop", "length", "tool_calls"):
             self._otel.set_status(Status(StatusCode.ERROR, outcome))
-        self._otel.end()
+        self._otel.end(end_time=at_ns)
 
 
 class Tracer:

@@ -104,19 +104,26 @@ async def test_rate_limit_holds_within_5_percent_across_3_gateways(
 
         async def one(i: int) -> tuple[int, float]:
             await asyncio.sleep(i / offered_per_s)  # open loop: a fixed schedule
+            sent = time.monotonic() - start
             r = await c.post(
                 f"{fleet.base_urls[i % 3]}/v1/chat/completions", json=BODY, headers=headers
             )
-            return r.status_code, time.monotonic() - start
+            return r.status_code, sent
 
         results = await asyncio.gather(*(one(i) for i in range(int(duration * offered_per_s))))
     admitted = sum(1 for s, _ in results if s == 200)
     limited = sum(1 for s, _ in results if s == 429)
     assert admitted + limited == len(results)
-    window = (len(results) - 1) / offered_per_s
+    # The span the load was offered over, as sent: on a loaded box the schedule
+    # slips (one run sent its 640 requests over 11 s, not 8), and the bound with it.
+    sent = [t for _, t in results]
+    window = max(sent) - min(sent)
     expected = rpm / 60 * (window + 6.0)  # the GCRA bound: rate x (window + burst)
     error = abs(admitted - expected) / expected
-    print(f"\nrate limit: admitted {admitted}, expected {expected:.0f}, error {error:.1%}")
+    print(
+        f"\nrate limit: admitted {admitted}, expected {expected:.0f} "
+        f"(sent over {window:.2f} s), error {error:.1%}"
+    )
     assert error < 0.05
 
 

@@ -51,6 +51,9 @@ class FrameSender:
         self.seq = 0  # seq of the last token sent
         self.closed = False
         self.outcome = ""  # the finish reason or error code of the terminal frame
+        # When the terminal frame went out (epoch ns): where the attempt's span
+        # ends, inside the gateway's request span, whatever cleanup follows.
+        self.ended_ns: int | None = None
 
     @property
     def started(self) -> bool:
@@ -85,6 +88,7 @@ class FrameSender:
     async def _terminal(self, data: bytes) -> None:
         await self._flush()
         self._last_sent = time.monotonic()
+        self.ended_ns = time.time_ns()  # before anyone can have read the frame
         await self._nc.publish(self._live, data)
         await self._nc.publish(self._capture, data)
 

@@ -573,7 +573,8 @@ class Worker:
             waiter.cancel()
             beats.cancel()
             span.set("jetserve.tokens_sent", sender.seq)
-            span.end(sender.outcome or ("cancelled" if cancelled.is_set() else "handed_back"))
+            outcome = sender.outcome or ("cancelled" if cancelled.is_set() else "handed_back")
+            span.end(outcome, sender.ended_ns)
 
     def _ack(self, msg: Msg, cls: str, done: asyncio.Event) -> None:
         """Ack at the first token, confirmed beside the stream (delivery.py)."""
