@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -625,23 +626,30 @@ async def test_rpm_holds_within_5_percent_across_three_processes(
     # Steady state: a 3 s window from the moment the burst was used up (by the
     # GCRA clock the stamps carry), not from a wall-clock offset: on a loaded box
     # the children start late, and burst admissions would land in the window.
+    # The stamps are each caller's clock as it asked (the script's ``now``), a
+    # little before Redis ran it, by as much as the caller's loop lagged: a
+    # fixed window's edges count that jitter (+7.5 % once, on a loaded box).
+    # The steady rate is the slope of admissions against their stamps instead,
+    # over every admission after the burst: the jitter averages out.
     burst_units = int(rpm * burst_s / 60)
-    steady_from = stamps[burst_units]
+    steady = stamps[burst_units:]
+    per_s, _ = statistics.linear_regression(steady, range(len(steady)))
+    steady_from = steady[0]
     window = [s for s in stamps if steady_from <= s < steady_from + 3.0]
-    expected_window = rpm * 3.0 / 60
     err_total = (total - expected_total) / expected_total
-    err_window = (len(window) - expected_window) / expected_window
+    err_rate = (per_s - rpm / 60) / (rpm / 60)
     print(
         f"\nrpm={rpm}, 3 processes, {duration}s: offered {attempts / duration:.0f}/s, "
         f"admitted {total} (formula {expected_total:.0f}, {err_total:+.2%}); "
-        f"steady 3 s window {len(window)} (formula {expected_window:.0f}, {err_window:+.2%}); "
+        f"steady rate {per_s:.1f}/s (formula {rpm / 60:.0f}, {err_rate:+.2%}; "
+        f"a 3 s window by the stamps: {len(window)}); "
         f"per process {[len(o['admitted']) for o in outs]}"
     )
     assert attempts > 3 * total  # the offered load really was well above the rate
     # GCRA's hard bound: the TAT advances T per admission and never passes end + burst.
     assert total <= math.floor((duration + burst_s) * rpm / 60) + 1
     assert abs(err_total) <= 0.05
-    assert abs(err_window) <= 0.05
+    assert abs(err_rate) <= 0.05
 
 
 # -- Redis down --------------------------------------------------------------------
