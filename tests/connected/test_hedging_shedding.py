@@ -79,8 +79,9 @@ async def test_a_late_first_token_is_hedged_and_the_loser_cancelled(
             results.append(await ask(len(results)))
             rows = await ledger_rows(fleet, {rid for rid, _ in results})
         stalled = await client.get(f"http://127.0.0.1:{stalled_sim}/metrics")
-    # Nothing waited out the 4 s stall: a hedge won wherever the original stalled.
-    assert all(took < 3.0 for _, took in results), results
+    # Nothing waited out the 4 s stall (an answer that did takes 4 s at least):
+    # a hedge won wherever the original stalled.
+    assert all(took < 4.0 for _, took in results), results
     hedged = [rows[rid] for rid, _ in results if rows[rid]["hedged"]]
     assert hedged, rows
     assert all(str(r["worker"]).startswith("worker1-") for r in hedged)  # the healthy one

@@ -287,15 +287,15 @@ async def test_records_vanishing_mid_read_end_the_query(bus: Bus, nats_server: S
         await writer.append(record("acme", i))
     reader = LedgerReader(bus.js, fetch_timeout_s=0.3)
     seen: list[LedgerRecord] = []
-    start = time.monotonic()
-    async with contextlib.aclosing(reader.query("acme")) as it:
+    # Waiting for the vanished records would be for ever: a bound turns that into
+    # a failure (not a timing: a loaded box is slow, not wrong).
+    async with asyncio.timeout(30), contextlib.aclosing(reader.query("acme")) as it:
         async for r in it:
             if not seen:
                 await operator.jetstream().purge_stream(STREAM, subject="jetserve.ledger.acme")
             seen.append(r)
     await operator.close()
     assert len(seen) == READ_BATCH  # the first fetched batch; the rest was purged
-    assert time.monotonic() - start < 1.5
     assert await consumers(bus.js) == 0
 
 

@@ -9,7 +9,6 @@ import concurrent.futures
 import contextlib
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -187,12 +186,12 @@ def test_gateway_picks_up_a_change_live_and_the_ledger_names_it(fleet: Fleet) ->
             "/admin/routes/r-live", json=contract("r-live", "dep-a", "dep-b", deadline_s=0.5)
         )
         assert tight.status_code == 201
-        started = time.monotonic()
-        # A longer client timeout does not lengthen the route's deadline.
+        # A longer client timeout does not lengthen the route's deadline: under
+        # the client's 20 s its ~1.2 s of generation would answer 200 (as below,
+        # once the route allows 30 s); the route's 0.5 s ends it 504. (Not timed:
+        # a loaded box once took 1.507 s to deliver the 504.)
         r = chat(fleet, "r-live", 8, **slow, **{"X-Jetserve-Timeout": "20"})
-        took = time.monotonic() - started
         assert r.status_code == 504, r.text
-        assert took < 1.5, took
 
         loose = c.put(
             "/admin/routes/r-live", json=contract("r-live", "dep-a", "dep-b", deadline_s=30)
