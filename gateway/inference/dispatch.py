@@ -284,14 +284,12 @@ class Dispatcher:
         if stream.attempt is not None or stream.done:
             return  # decided while the budget was asked: the credit goes unused
         copy = msgspec.structs.replace(req, attempt_base=HEDGE_ATTEMPT_BASE)
-        stream.hedge_sending = True
+        stream.hedge_sending = True  # from here to its end this task is not cancelled
         try:
             ack = await self.client.publish(subject, copy, msg_id=f"{req.id}.hedge")
         except PublishError:
             self.on_hedge(req.cls, "failed")
             return  # the original still runs: a hedge is an extra, never a must
-        finally:
-            stream.hedge_sending = False
         stream.hedge_queued = (ack.stream, ack.seq)
         stream.copies = 2
         self.on_hedge(req.cls, "sent")
@@ -432,7 +430,7 @@ class FrameStream(FrameReader):
         # Hedging: the timer that may send a second copy, and that copy's queue
         # sequence (``copies``, counted by FrameReader, is how many may answer).
         self.hedge_task: asyncio.Task[None] | None = None
-        self.hedge_sending = False  # the copy's publish is in flight: not cancelled
+        self.hedge_sending = False  # the copy's publish has begun: seen through, not cancelled
         self.hedge_queued: QueuedAt | None = None
 
     async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
@@ -480,8 +478,9 @@ class FrameStream(FrameReader):
             self.hedge_task.cancel()
 
     async def hedge_settled(self) -> None:
-        """Wait for a copy whose publish is in flight: the books say whether the
-        request was hedged, which its acknowledgement decides."""
+        """Wait for a copy being seen through (its publish, then the race it may
+        settle): the books say whether the request was hedged, which its
+        acknowledgement decides."""
         task = self.hedge_task
         if task is not None and self.hedge_sending and not task.done():
             await asyncio.wait({task})
