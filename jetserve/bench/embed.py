@@ -73,7 +73,16 @@ PEERS = Path(
     or Path.home() / ".cache/jetserve-peers"
 )
 DEFAULT_TOKENIZER = PEERS / "minilm/all-MiniLM-L6-v2"
-ARMS = ("direct", "jetserve", "jetserve-batched", "jetserve-batched-tokenize", "baseline")
+ARMS = (
+    "direct",
+    "jetserve",
+    "jetserve-batched",
+    "jetserve-batched-tokenize",
+    "baseline",
+    "jetserve-gated",
+    "direct-pause",
+)
+DIRECT_ARMS = ("direct", "direct-pause")  # the engine itself, no fleet
 # The engine's max_num_seqs (bench/peers/vllm.sh serve-embed sets it; vLLM's own
 # default on a CPU), which each worker is told as --max-inflight: the worker's
 # default 16 would cap the engine's batch below what direct clients get.
@@ -83,6 +92,17 @@ WORKER_ARGS = {
     "baseline": ["--embed-batching", "off"],
     "jetserve-batched": ["--embed-batching", "on", "--tokenizer", "{tokenizer}"],
     "jetserve-batched-tokenize": ["--embed-batching", "on"],
+    # Batching held back only while a call of its own is in flight (no timer wait).
+    "jetserve-gated": [
+        "--embed-batching",
+        "on",
+        "--tokenizer",
+        "{tokenizer}",
+        "--embed-batch-gate",
+        "1",
+        "--embed-batch-delay-ms",
+        "200",
+    ],
 }
 WORDS = (
     "the",
@@ -182,6 +202,7 @@ class EmbedResults(msgspec.Struct, kw_only=True):
     nats_sync: str = NATS_SYNC_DEFAULT  # the fleets' durability settings
     redis_appendfsync: str = REDIS_APPENDFSYNC_DEFAULT
     worker_max_inflight: int | None = None  # each worker's --max-inflight (None: 16, before)
+    pause_ms: float | None = None  # the direct-pause arm's mean pause (None: no such arm)
     # With --stages: arm -> p50/p90 ms of each hop (jetserve/bench/stages.py).
     stages: dict[str, dict[str, Any]] = {}
     duration_s: float
@@ -234,6 +255,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stages", action="store_true",
         help="export the fleets' spans and report where each request's time went (a little slower)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pause-ms", type=float, default=5.0,
+        help="the direct-pause arm: each client's mean pause after an answer (ms)",
     )  # fmt: skip
     p.add_argument("--out", default="bench/results/embed-minilm")
 
@@ -295,13 +320,16 @@ _REPLY = msgspec.json.Decoder(_Reply)
 
 async def closed_loop(
     url: str, headers: dict[str, str], make: Iterator[bytes], clients: int, warmup: float,
-    duration: float, client_kind: str = "lean",
+    duration: float, client_kind: str = "lean", pause_s: float = 0.0,
 ) -> tuple[list[float], int, int]:  # fmt: skip
     """Latencies (s) and error count of requests completed inside the window, and
     the inputs they carried. The load comes from ``clients`` keep-alive
     connections through the lean HTTP client (``client_kind="httpx"``: httpx,
     which cost this process 0.8-1.2 ms of CPU per request against 0.12-0.18 ms,
-    taken from the cores the path shares)."""
+    taken from the cores the path shares). ``pause_s``: each client waits a
+    random time of that mean (exponential, seeded) after each answer: latency
+    that costs no CPU, as a path's would add (the ``direct-pause`` arm)."""
+    pauses = random.Random(7)
     headers = {"Content-Type": "application/json", **headers}
     lat: list[float] = []
     errors = items = 0
@@ -341,6 +369,8 @@ async def closed_loop(
                     items += n
                 else:
                     errors += 1
+            if pause_s > 0:
+                await asyncio.sleep(pauses.expovariate(1 / pause_s))
 
     try:
         await asyncio.gather(*(one() for _ in range(clients)))
@@ -485,6 +515,15 @@ def markdown(res: EmbedResults) -> str:
         "Engine tokens/step: the mean batch of vLLM's scheduler steps over the runs "
         "(iteration_tokens_total), median over rounds.",
         "",
+    ]
+    if res.pause_ms is not None:
+        lines += [
+            f"direct-pause: direct clients that pause a random time (exponential, mean "
+            f"{res.pause_ms:g} ms) after each answer: a path's latency without its CPU. "
+            "Its p50 and p99 leave the pause out.",
+            "",
+        ]
+    lines += [
         "| inputs/request | arm | items/s (median) | vs direct (median, min) | p50 ms | p99 ms "
         "| CPU ms/request: engine, gateway, worker, bus, client | other cores "
         "| engine tokens/step |",
@@ -578,7 +617,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         version = httpx.get(f"{engine}/version", timeout=10).json().get("version", "?")
         fleets: dict[str, Fleet] = {}
         for arm in arms:
-            if arm == "direct":
+            if arm in DIRECT_ARMS:
                 continue
             wargs = [a.format(tokenizer=args.tokenizer) for a in WORKER_ARGS[arm]]
             wargs += ["--max-inflight", str(args.max_inflight)]
@@ -591,13 +630,13 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
             )  # fmt: skip
             with baseline_code(args.baseline if arm == "baseline" else None):
                 fleets[arm] = stack.enter_context(Fleet(spec))
-        targets: dict[str, tuple[str, dict[str, str]]] = {"direct": (engine, {})} | {
+        targets: dict[str, tuple[str, dict[str, str]]] = {a: (engine, {}) for a in DIRECT_ARMS} | {
             arm: (f.base_url, {"Authorization": f"Bearer {f.api_key}"}) for arm, f in fleets.items()
         }
         checks = [
             asyncio.run(check(arm, url, hdrs, engine, model))
             for arm, (url, hdrs) in targets.items()
-            if arm != "direct"
+            if arm in fleets
         ]
         groups = {"engine": engine_pids} | {
             f"{arm}:{kind}": pids
@@ -630,6 +669,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
                             args.warmup,
                             args.duration,
                             args.client,
+                            args.pause_ms / 1000 if arm == "direct-pause" else 0.0,
                         )
                     )
                     cpu = CpuMeter.delta(before, meter.sample())
@@ -667,6 +707,7 @@ def cmd_embed(args: argparse.Namespace, argv: list[str]) -> int:
         nats_sync=args.nats_sync,
         redis_appendfsync=args.redis_appendfsync,
         worker_max_inflight=args.max_inflight,
+        pause_ms=args.pause_ms if "direct-pause" in arms else None,
         stages=stages,
         duration_s=args.duration,
         warmup_s=args.warmup,
