@@ -79,7 +79,6 @@ ARMS = (
     "jetserve-batched",
     "jetserve-batched-tokenize",
     "baseline",
-    "jetserve-gated",
     "direct-pause",
 )
 DIRECT_ARMS = ("direct", "direct-pause")  # the engine itself, no fleet
@@ -92,17 +91,6 @@ WORKER_ARGS = {
     "baseline": ["--embed-batching", "off"],
     "jetserve-batched": ["--embed-batching", "on", "--tokenizer", "{tokenizer}"],
     "jetserve-batched-tokenize": ["--embed-batching", "on"],
-    # Batching held back only while a call of its own is in flight (no timer wait).
-    "jetserve-gated": [
-        "--embed-batching",
-        "on",
-        "--tokenizer",
-        "{tokenizer}",
-        "--embed-batch-gate",
-        "1",
-        "--embed-batch-delay-ms",
-        "200",
-    ],
 }
 WORDS = (
     "the",
@@ -369,8 +357,9 @@ async def closed_loop(
                     items += n
                 else:
                     errors += 1
-            if pause_s > 0:
-                await asyncio.sleep(pauses.expovariate(1 / pause_s))
+            if pause_s > 0:  # never past the window's end
+                left = max(0.0, end - time.monotonic())
+                await asyncio.sleep(min(pauses.expovariate(1 / pause_s), left))
 
     try:
         await asyncio.gather(*(one() for _ in range(clients)))

@@ -116,13 +116,6 @@ def register(sub: Subparsers) -> None:
     w.add_argument("--embed-batch-max", type=int, default=32, help="inputs per engine call")
     w.add_argument("--embed-batch-delay-ms", type=float, default=5.0, help="batch fill wait")
     w.add_argument(
-        "--embed-batch-gate",
-        type=int,
-        default=None,
-        help="send a batch at once while fewer engine calls than this are in flight, "
-        "else when one ends (the delay at most)",
-    )
-    w.add_argument(
         "--embed-batching",
         choices=["auto", "on", "off"],
         default="auto",
@@ -239,7 +232,6 @@ async def worker_config(args: argparse.Namespace, engine_url: str) -> WorkerConf
         otel_exporter=args.otel_exporter,
         embed_batch_max=args.embed_batch_max,
         embed_batch_delay_ms=args.embed_batch_delay_ms,
-        embed_batch_gate=args.embed_batch_gate,
         embed_batching=args.embed_batching,
         tokenizer=args.tokenizer,
         topology=Topology(replicas=args.replicas),

@@ -17,7 +17,6 @@ import uvicorn
 from sim.app import create_app
 from sim.cli import uvicorn_config
 from sim.config import SimConfig
-from tests.waits import until
 from workers.engines.openai import OpenAIAdapter
 from workers.errors import EngineRejected, EngineUnavailable
 from workers.inference.batching import EmbedBatcher, split_inputs, split_total
@@ -215,51 +214,6 @@ async def test_members_that_leave_abort_the_batch_and_close_leaves_no_task(start
         await pending  # closed before it fired: a retryable error, never a hang
     with pytest.raises(EngineUnavailable):
         await batcher.embed(body("y"), "y", {}, later())
-
-
-async def test_a_gate_sends_at_once_while_idle_and_gathers_behind_a_call_in_flight(
-    start: Start,
-) -> None:
-    """``gate=1``: no timer wait while the engine has nothing of ours (the delay is
-    20 s here); while a call is in flight the newcomers gather, and go as one
-    call the moment it answers."""
-    _sim, engine = await start()
-    singles = [await engine.embed(body(t), f"single-{i}", {}) for i, t in enumerate(TEXTS[:4])]
-    real = engine.embed
-    entered, release = asyncio.Event(), asyncio.Event()
-    calls: list[int] = []
-
-    async def held(b: dict[str, Any], request_id: str, headers: dict[str, str]) -> Any:
-        calls.append(len(b["input"]) if isinstance(b["input"], list) else 1)
-        if len(calls) == 1:  # the first call stays in flight until released
-            entered.set()
-            await release.wait()
-        return await real(b, request_id, headers)
-
-    engine.embed = held  # type: ignore[method-assign]
-    sizes: list[int] = []
-    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=20.0, observe=sizes.append, gate=1)
-    first = asyncio.create_task(batcher.embed(body(TEXTS[0]), "r0", {}, later()))
-    await entered.wait()  # sent at once: nothing was in flight
-    rest = [
-        asyncio.create_task(batcher.embed(body(t), f"r{i}", {}, later()))
-        for i, t in enumerate(TEXTS[1:4], 1)
-    ]
-
-    async def gathered() -> bool:  # each newcomer joins the batch the gate holds back
-        return batcher.waiting == 3
-
-    await until(gathered, "three requests waiting behind the call in flight", every_s=0.001)
-    assert calls == [1]
-    release.set()
-    got = await asyncio.gather(first, *rest)
-    assert calls == [1, 3]
-    assert sizes == [1, 3]
-    for one, batched in zip(singles, got, strict=True):
-        assert batched.vectors == one.vectors
-        assert batched.usage == one.usage
-    assert batcher.waiting == 0
-    await batcher.aclose()
 
 
 async def test_batch_of_one_is_the_unchanged_request(start: Start) -> None:

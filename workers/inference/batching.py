@@ -14,14 +14,6 @@ on only when the adapter says its engine runs each call alone
 (:meth:`EngineAdapter.batches_embeddings`: the simulator); ``on``/``off``
 override it.
 
-The gate (``gate=N``) replaces the timer's wait with the engine's own pace: a
-batch goes at once while fewer than N calls of this batcher are in flight, and
-otherwise as soon as one of them answers (``max_delay_s`` stays the bound).
-Alone on an idle engine a request waits for nothing; behind a busy one the
-requests that arrive meanwhile leave together, as the next step's batch. In
-front of vLLM, whose step takes whatever is waiting when it starts, that
-regroups requests a path has spread out in time (docs/batching.md, "The gate").
-
 Usage split: an OpenAI-shaped engine reports one ``prompt_tokens`` total for
 the call. Token-id inputs count themselves; text inputs are counted by the
 model's own tokenizer in-process (:class:`LocalTokenCounter`, ``--tokenizer``)
@@ -123,7 +115,6 @@ class _Batch:
     key: bytes
     fire_at: float  # loop time
     fire: asyncio.Event = field(default_factory=asyncio.Event)
-    fired: bool = False
     members: list[_Member] = field(default_factory=list)
     size: int = 0  # inputs, not requests
 
@@ -140,7 +131,6 @@ class EmbedBatcher:
         *,
         mode: BatchingMode = "on",
         counter: LocalTokenCounter | None = None,
-        gate: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -159,10 +149,6 @@ class EmbedBatcher:
         self._asking: asyncio.Future[bool | None] | None = None  # auto: the engine, asked
         self._closed = False
         self.engine_calls = 0
-        # With a gate: a batch goes at once while fewer than ``gate`` engine calls
-        # are in flight, else as soon as one of them ends (``max_delay_s`` at most).
-        self.gate = gate
-        self._inflight = 0  # engine calls sent or fired, not yet answered
 
     async def embed(
         self,
@@ -201,18 +187,9 @@ class EmbedBatcher:
         batch.members.append(member)
         batch.size += len(items)
         due_in = batch.fire_at - loop.time()
-        if (
-            batch.size >= self.max_batch
-            or deadline - time.time() <= due_in
-            or (self.gate is not None and self._inflight < self.gate)
-        ):
+        if batch.size >= self.max_batch or deadline - time.time() <= due_in:
             self._fire(batch)
         return await member.future  # cancelling the caller cancels the future: it leaves
-
-    @property
-    def waiting(self) -> int:
-        """Inputs in batches not yet sent."""
-        return sum(b.size for b in self._pending.values())
 
     async def _batching(self) -> bool:
         """Whether to merge; in ``auto`` mode the engine's answer, asked once (again
@@ -244,19 +221,8 @@ class EmbedBatcher:
     async def _alone(
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
     ) -> Embeddings:
-        self._inflight += 1
-        try:
-            self._count_call(1)
-            return await self.engine.embed(body, request_id, headers)
-        finally:
-            self._ended()
-
-    def _ended(self) -> None:
-        """One engine call answered: under a gate, what waits for it goes now."""
-        self._inflight -= 1
-        if self.gate is not None and self._inflight < self.gate:
-            for batch in list(self._pending.values()):
-                self._fire(batch)
+        self._count_call(1)
+        return await self.engine.embed(body, request_id, headers)
 
     def _count_call(self, requests: int) -> None:
         self.engine_calls += 1
@@ -266,9 +232,6 @@ class EmbedBatcher:
     def _fire(self, batch: _Batch) -> None:
         if self._pending.get(batch.key) is batch:
             del self._pending[batch.key]  # later arrivals start a new batch
-        if not batch.fired:
-            batch.fired = True
-            self._inflight += 1  # from here until _serve ends
         batch.fire.set()
 
     async def _run(self, batch: _Batch) -> None:
@@ -278,9 +241,6 @@ class EmbedBatcher:
             # Closing: whoever still waits gets a retryable error, never a hang.
             _settle(batch.members, EngineUnavailable("worker stopping: embedding batch aborted"))
             raise
-        finally:
-            if batch.fired:
-                self._ended()
 
     async def _serve(self, batch: _Batch) -> None:
         loop = asyncio.get_running_loop()
@@ -315,8 +275,7 @@ class EmbedBatcher:
         if len(live) == 1:
             m = live[0]
             try:
-                self._count_call(1)
-                return [await self.engine.embed(m.body, m.request_id, m.headers)]
+                return [await self._alone(m.body, m.request_id, m.headers)]
             except EngineError as exc:
                 return [exc]
         first = live[0]

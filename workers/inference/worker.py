@@ -114,7 +114,6 @@ class WorkerConfig:
     adapters: tuple[Adapter, ...] = ()
     embed_batch_max: int = 32  # inputs per batched engine call (1: no batching)
     embed_batch_delay_ms: float = 5.0  # longest a request waits for its batch to fill
-    embed_batch_gate: int | None = None  # engine calls in flight that hold a batch back
     # auto: batch only for an engine that runs each call alone (docs/batching.md).
     embed_batching: BatchingMode = "auto"
     # The model's tokenizer.json (or its directory): exact per-request usage of a
@@ -151,7 +150,6 @@ class Worker:
             self.metrics.embed_batch_size.observe,
             mode=cfg.embed_batching,
             counter=LocalTokenCounter(cfg.tokenizer) if cfg.tokenizer else None,
-            gate=cfg.embed_batch_gate,
         )
         self.tracer = Tracer(f"jetserve-worker-{cfg.worker_id}", cfg.otel_exporter)
         self.engine_up = False
