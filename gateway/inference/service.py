@@ -47,6 +47,7 @@ from gateway.tenancy.accounting import Accountant, Reservation, Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.idempotency import Claim, IdempotencyStore
 from gateway.tenancy.keys import KeyRecord, Tenancy
+from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriter
 from gateway.tracing import Span, Tracer
 from streams.logs import log_event
@@ -268,6 +269,10 @@ class InferenceService:
                 worst,
                 req.prompt_tokens_est + req.max_tokens,
                 hold_s=max(1.0, req.deadline - time.time()) + self.cfg.settle_grace_s,
+                # Should this gateway die before queueing it, the sweep records it.
+                what=RecordHead.of_request(
+                    req, scope, self.cfg.prices.version, self.cfg.gateway_id
+                ).note(),
             )
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"

@@ -36,6 +36,7 @@ from nats.js.errors import APIError, NotFoundError
 from gateway.errors import GatewayError
 from gateway.tenancy.accounting import Accountant
 from gateway.tenancy.pricing import PriceBook
+from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
@@ -281,9 +282,16 @@ class Settlements:
         swept = 0
         for hold in await self._accountant.expired():
             s = await self.orphan(hold.tenant, hold.request_id)
-            if s is None:
+            head = RecordHead.of_hold(hold) if s is None else None
+            if s is None and head is not None:
                 # Never announced (its gateway died before queueing it, or an
-                # agent run's hold): it never ran; give the hold back.
+                # agent run's hold): it never ran. Its hold goes back, and its
+                # record says so, charged nothing.
+                record = head.unqueued(hold.cost_micros)
+                await self.settle(Settlement(record=record, writer=SWEEP_WRITER, actual_micros=0))
+                self._on_outcome("released")
+            elif s is None:
+                # The same, held by an older gateway that left no note: no record.
                 await self._accountant.settle(hold.request_id, 0, SWEEP_WRITER, org=hold.org)
                 self._on_outcome("released")
             else:

@@ -131,7 +131,12 @@ class RunsService:
         scope = Scope.of(key)
         try:
             held = await self.gw.accountant.reserve(
-                scope, run_id, budget.max_cost_micros, 0, hold_s=deadline - now + SETTLE_GRACE_S
+                scope,
+                run_id,
+                budget.max_cost_micros,
+                0,
+                hold_s=deadline - now + SETTLE_GRACE_S,
+                what=self._head(key, body.model, run_id, now).note(),
             )
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
@@ -202,10 +207,8 @@ class RunsService:
             return None
         return stored.run
 
-    async def _refused(
-        self, key: KeyRecord, model: str, run_id: str, now: float, policy: str, exc: GatewayError
-    ) -> None:
-        head = RecordHead(
+    def _head(self, key: KeyRecord, model: str, run_id: str, now: float) -> RecordHead:
+        return RecordHead(
             scope=Scope.of(key),
             request_id=run_id,
             op="chat",
@@ -215,7 +218,11 @@ class RunsService:
             price_version=self.gw.cfg.prices.version,
             gateway=self.gw.cfg.gateway_id,
         )
-        record = head.refused(policy, exc)
+
+    async def _refused(
+        self, key: KeyRecord, model: str, run_id: str, now: float, policy: str, exc: GatewayError
+    ) -> None:
+        record = self._head(key, model, run_id, now).refused(policy, exc)
         try:
             await self.gw.ledger.append(record)
         except LedgerWriteError as exc:

@@ -136,17 +136,24 @@ _COUNTER_TTL_S: dict[Period, int] = {"day": 40 * 86_400, "month": 400 * 86_400, 
 # The reservation hash outlives its hold by this much, so the sweeper can still
 # read its amounts; after that Redis drops it (memory bound only).
 _RESV_GRACE_S = 86_400.0
+# A hold's ``what`` note, in bytes at most.
+MAX_WHAT = 1024
 # The reconcile script's answers (gateway/tenancy/accounting_lua.py).
 _SETTLE_STATES = {1: "applied", 2: "repeat", 3: "other", 0: "none"}
 
 
 @dataclass(frozen=True, slots=True)
 class ExpiredHold:
-    """A hold past its expiry (its holder died, or is cut off)."""
+    """A hold past its expiry (its holder died, or is cut off), with what its
+    holder wrote of it."""
 
     org: str
     tenant: str
     request_id: str
+    key_id: str = ""
+    cost_micros: int = 0
+    created: float = 0.0  # unix seconds
+    what: str = ""  # the holder's note (reserve's ``what``); "" from an older gateway
 
 
 class Accountant:
@@ -266,14 +273,20 @@ class Accountant:
         tokens: int,
         *,
         hold_s: float | None = None,
+        what: str = "",
     ) -> Reservation:
         """Check every limit of the hierarchy and hold ``cost_micros`` at every level,
         atomically; raise :class:`BudgetExceeded`, :class:`RequestTooLarge`,
-        :class:`RateLimited` or :class:`AccountingUnavailable` and change nothing."""
+        :class:`RateLimited` or :class:`AccountingUnavailable` and change nothing.
+        ``what``: the holder's note of what the hold is for (at most
+        ``MAX_WHAT`` bytes), handed back by :meth:`expired` so a hold whose holder
+        died before anything ran can still be recorded."""
         for ident in (scope.org, scope.tenant, scope.key_id, request_id):
             _check_ident(ident)
         _check_amount("cost_micros", cost_micros)
         _check_amount("tokens", tokens)
+        if len(what.encode()) > MAX_WHAT:
+            raise ValueError(f"what: at most {MAX_WHAT} bytes")
         hold = self.hold_s if hold_s is None else hold_s
         if hold <= 0:
             raise ValueError("hold_s must be positive")
@@ -282,7 +295,7 @@ class Accountant:
             await self._register(scope.org, now)
             reply = await self._reserve(
                 keys=self._reserve_keys(scope, request_id, now),
-                args=self._reserve_args(scope, request_id, cost_micros, tokens, hold, now),
+                args=[*self._reserve_args(scope, request_id, cost_micros, tokens, hold, now), what],
             )
         return reservation_of(reply, scope, request_id, cost_micros, now)
 
@@ -402,11 +415,23 @@ class Accountant:
                 )
                 for raw in due:
                     request_id = as_str(raw)
-                    tenant = await self._redis.hget(self.keys.resv(org, request_id), "tenant")
+                    tenant, key_id, cost, created, what = await self._redis.hmget(
+                        self.keys.resv(org, request_id), "tenant", "key", "cost", "created", "what"
+                    )
                     if tenant is None:  # reconciled meanwhile, or dropped by Redis
                         await self._redis.zrem(index, request_id)
                     else:
-                        out.append(ExpiredHold(org, as_str(tenant), request_id))
+                        out.append(
+                            ExpiredHold(
+                                org,
+                                as_str(tenant),
+                                request_id,
+                                key_id=as_str(key_id or b""),
+                                cost_micros=int(cost or 0),
+                                created=int(created or 0) / 1_000_000,
+                                what=as_str(what or b""),
+                            )
+                        )
             if len(out) >= limit:
                 break
         return out

@@ -107,7 +107,8 @@ end
 local expires = int(now + tonumber(ARGV[4]))
 redis.call('HSET', KEYS[19], 'cost', ARGV[2], 'tokens', ARGV[3], 'created', ARGV[1],
            'expires', expires, 'org', ARGV[8], 'tenant', ARGV[9], 'key', ARGV[10],
-           'c1', counters[1].key, 'c2', counters[2].key, 'c3', counters[3].key)
+           'c1', counters[1].key, 'c2', counters[2].key, 'c3', counters[3].key,
+           'what', ARGV[13])
 redis.call('PEXPIRE', KEYS[19], ARGV[5])
 redis.call('ZADD', KEYS[21], expires, ARGV[7])
 return {'ok', ARGV[2], ARGV[3], ARGV[1], expires, ARGV[8], ARGV[9], ARGV[10],

@@ -10,10 +10,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway.errors import GatewayError
+from gateway.tenancy.accounting import ExpiredHold
 from gateway.tenancy.limits import Scope
 from streams.request_ledger import LedgerRecord
 from streams.wire import InferenceRequest, Op, Usage
+
+
+class HoldNote(msgspec.Struct, frozen=True, kw_only=True):
+    """What a hold is for, kept with it in Redis (the reserve's ``what``): the
+    head of the record the orphan sweep writes should its holder die before
+    anything ran. Who (org, tenant, key), when and how much the hold keeps itself."""
+
+    op: Op
+    cls: str
+    model: str
+    price_version: str
+    gateway: str
+    route: str = ""
+    route_revision: int = 0
+    rollout_arm: str = ""
+
+
+_NOTE_ENCODER = msgspec.json.Encoder()
+_NOTE_DECODER = msgspec.json.Decoder(HoldNote)
+# The outcome of a request whose gateway died after its hold, before it queued it.
+GATEWAY_LOST = "gateway_lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +88,59 @@ class RecordHead:
             route=req.route,
             route_revision=req.route_revision,
             rollout_arm=req.rollout_arm,
+        )
+
+    def note(self) -> str:
+        """This head as a hold's ``what`` (:meth:`of_hold` reads it back)."""
+        return _NOTE_ENCODER.encode(
+            HoldNote(
+                op=self.op,
+                cls=self.cls,
+                model=self.model,
+                price_version=self.price_version,
+                gateway=self.gateway,
+                route=self.route,
+                route_revision=self.route_revision,
+                rollout_arm=self.rollout_arm,
+            )
+        ).decode()
+
+    @classmethod
+    def of_hold(cls, hold: ExpiredHold) -> RecordHead | None:
+        """The head a hold's note gives; None for a hold without one (an older
+        gateway's) or one that does not decode."""
+        if not hold.what:
+            return None
+        try:
+            n = _NOTE_DECODER.decode(hold.what)
+        except msgspec.DecodeError:
+            return None
+        return cls(
+            scope=Scope(hold.org, hold.tenant, hold.key_id),
+            request_id=hold.request_id,
+            op=n.op,
+            cls=n.cls,
+            model=n.model,
+            created=hold.created,
+            price_version=n.price_version,
+            gateway=n.gateway,
+            route=n.route,
+            route_revision=n.route_revision,
+            rollout_arm=n.rollout_arm,
+        )
+
+    def unqueued(self, reserved_micros: int) -> LedgerRecord:
+        """Held, then its gateway died before anything was queued: nothing ran,
+        nothing is charged, the client saw its connection drop."""
+        return self.settled(
+            policy="admitted:released",
+            attempts=0,
+            usage=Usage(),
+            charge_micros=0,
+            reserved_micros=reserved_micros,
+            outcome=GATEWAY_LOST,
+            status=502,
+            duration_ms=0.0,
         )
 
     def refused(self, policy: str, exc: GatewayError) -> LedgerRecord:
