@@ -411,8 +411,10 @@ class InferenceService:
         """What an answer of this class takes once it started: its median first-token
         delay and answer time (what the fair gate adds to a request's wait)."""
         first_token_s, _ = self.dispatcher.hedger.quantile(req.cls, 0.5)
-        answer_s = self.queue_watch.answer_time(req.cls) if self.queue_watch else 0.0
-        return first_token_s + answer_s
+        if self.queue_watch is None:
+            return first_token_s
+        watch = self.queue_watch
+        return watch.first_token_time(req.cls, first_token_s) + watch.answer_time(req.cls)
 
     def _shed(self, req: InferenceRequest) -> None:
         """Refuse early what the queue ahead would keep past its deadline."""
@@ -489,6 +491,10 @@ class InferenceService:
                     m.tpot.labels(req.cls).observe(tpot)
                 if final is not None and self.queue_watch is not None:
                     self.queue_watch.answered(req.cls, e2e - ttft)
+                    # An answer without tokens (embeddings): its first is its last.
+                    started_ms = final.ttft_ms or final.engine_ms
+                    if started_ms > 0:
+                        self.queue_watch.started_to_first_token(req.cls, started_ms / 1000)
         else:
             m.requests.labels(adm.op, req.cls, f"resumed_{label}").inc()
         if req.rollout_arm and isinstance(adm, Admitted):

@@ -91,6 +91,8 @@ class QueueWatch:
         self._published_at = 0.0
         self.loads: dict[str, ClassLoad] = {c.value: ClassLoad() for c in topology.classes}
         self._answers: dict[str, deque[float]] = {}
+        # From a worker's start to the first token (Final.ttft_ms): no queueing in it.
+        self._first_tokens: dict[str, deque[float]] = {}
         self._task: asyncio.Task[None] | None = None
         self.share: DepthShare | None = None
         # Each look's source, "read" (this gateway listed the consumers) or
@@ -238,6 +240,18 @@ class QueueWatch:
         window = self._answers.get(cls)
         return statistics.median(window) if window else 0.0
 
+    def started_to_first_token(self, cls: str, seconds: float) -> None:
+        """A worker's own first-token delay for ``cls``: from its start, after the queue."""
+        self._first_tokens.setdefault(cls, deque(maxlen=ANSWER_WINDOW)).append(seconds)
+
+    def first_token_time(self, cls: str, fallback_s: float) -> float:
+        """The median first-token delay once a request has started. ``fallback_s``
+        (the client-side delay, which includes the queue) only until a worker
+        has said: added to the queue's expected wait, that counted the wait twice
+        under a standing queue, and refused what the deadline allowed."""
+        window = self._first_tokens.get(cls)
+        return statistics.median(window) if window else fallback_s
+
     def published(self, cls: str) -> None:
         load = self.loads.get(cls)
         if load is not None:
@@ -261,13 +275,15 @@ class QueueWatch:
         return rate
 
     def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
-        """None: admit. Otherwise the Retry-After (seconds) of a refusal."""
+        """None: admit. Otherwise the Retry-After (seconds) of a refusal.
+        ``first_token_s``: the class's client-side first-token delay, used only
+        until workers have reported their own (:meth:`first_token_time`)."""
         load = self.loads.get(cls)
         wait = load.expected_wait() if load is not None else None
         if wait is None:
             return None
         # The deadline covers the whole answer; a margin, as the rate is an average.
-        done_s = wait + first_token_s + self.answer_time(cls)
+        done_s = wait + self.first_token_time(cls, first_token_s) + self.answer_time(cls)
         if done_s <= SAFETY * seconds_left:
             return None
         # Come back when the queue ahead has drained to what a deadline allows.

@@ -227,3 +227,21 @@ def test_a_slow_class_gap_between_starts_is_not_a_stall() -> None:
     _look(watch, cls, 5, 1)
     assert (watch.loads[cls].rate or 0) < rate + 0.3  # blended, not restored and raised
     assert lowered < rate
+
+
+def test_a_standing_queue_is_counted_once_not_twice() -> None:
+    # 12 queued, 4 starts a second: 3 s of wait. The client-side first-token
+    # delay of the last answers (3.1 s) is that wait plus the engine's 0.1 s;
+    # added to the wait, a 5 s deadline looked unmeetable (6.1 s > 4 s). Once
+    # workers report their own first-token delay (from their start), the wait
+    # counts once: 3.1 s fits in 0.8 x 5 s.
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    cls = "interactive"
+    watch._take(cls, 12, 0, 0)
+    for _ in range(6):
+        _look(watch, cls, 12, 4)
+    assert watch.verdict(cls, 5.0, 3.1) is not None  # no worker figure yet: the fallback
+    watch.started_to_first_token(cls, 0.1)
+    assert watch.first_token_time(cls, 3.1) == pytest.approx(0.1)
+    assert watch.verdict(cls, 5.0, 3.1) is None
+    assert watch.verdict(cls, 3.0, 3.1) is not None  # a deadline the wait itself outlasts
