@@ -150,9 +150,7 @@ class ExpiredHold:
     org: str
     tenant: str
     request_id: str
-    key_id: str = ""
     cost_micros: int = 0
-    created: float = 0.0  # unix seconds
     what: str = ""  # the holder's note (reserve's ``what``); "" from an older gateway
 
 
@@ -415,8 +413,8 @@ class Accountant:
                 )
                 for raw in due:
                     request_id = as_str(raw)
-                    tenant, key_id, cost, created, what = await self._redis.hmget(
-                        self.keys.resv(org, request_id), "tenant", "key", "cost", "created", "what"
+                    tenant, cost, what = await self._redis.hmget(
+                        self.keys.resv(org, request_id), "tenant", "cost", "what"
                     )
                     if tenant is None:  # reconciled meanwhile, or dropped by Redis
                         await self._redis.zrem(index, request_id)
@@ -426,9 +424,7 @@ class Accountant:
                                 org,
                                 as_str(tenant),
                                 request_id,
-                                key_id=as_str(key_id or b""),
                                 cost_micros=int(cost or 0),
-                                created=int(created or 0) / 1_000_000,
                                 what=as_str(what or b""),
                             )
                         )

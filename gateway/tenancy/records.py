@@ -8,7 +8,7 @@ to the tenant in one place (``Scope.of``), for admitted and refused records alik
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -18,24 +18,7 @@ from gateway.tenancy.limits import Scope
 from streams.request_ledger import LedgerRecord
 from streams.wire import InferenceRequest, Op, Usage
 
-
-class HoldNote(msgspec.Struct, frozen=True, kw_only=True):
-    """What a hold is for, kept with it in Redis (the reserve's ``what``): the
-    head of the record the orphan sweep writes should its holder die before
-    anything ran. Who (org, tenant, key), when and how much the hold keeps itself."""
-
-    op: Op
-    cls: str
-    model: str
-    price_version: str
-    gateway: str
-    route: str = ""
-    route_revision: int = 0
-    rollout_arm: str = ""
-
-
 _NOTE_ENCODER = msgspec.json.Encoder()
-_NOTE_DECODER = msgspec.json.Decoder(HoldNote)
 # The outcome of a request whose gateway died after its hold, before it queued it.
 GATEWAY_LOST = "gateway_lost"
 
@@ -91,43 +74,25 @@ class RecordHead:
         )
 
     def note(self) -> str:
-        """This head as a hold's ``what`` (:meth:`of_hold` reads it back)."""
-        return _NOTE_ENCODER.encode(
-            HoldNote(
-                op=self.op,
-                cls=self.cls,
-                model=self.model,
-                price_version=self.price_version,
-                gateway=self.gateway,
-                route=self.route,
-                route_revision=self.route_revision,
-                rollout_arm=self.rollout_arm,
-            )
-        ).decode()
+        """This head as a hold's ``what`` (:meth:`of_hold` reads it back): kept with
+        the hold in Redis, it is the record the orphan sweep writes should the
+        holder die before anything ran."""
+        return _NOTE_ENCODER.encode(self).decode()
 
     @classmethod
     def of_hold(cls, hold: ExpiredHold) -> RecordHead | None:
         """The head a hold's note gives; None for a hold without one (an older
-        gateway's) or one that does not decode."""
+        gateway's), one that does not decode, or one about another request."""
         if not hold.what:
             return None
         try:
-            n = _NOTE_DECODER.decode(hold.what)
+            head = _NOTE_DECODER.decode(hold.what)
         except msgspec.DecodeError:
             return None
-        return cls(
-            scope=Scope(hold.org, hold.tenant, hold.key_id),
-            request_id=hold.request_id,
-            op=n.op,
-            cls=n.cls,
-            model=n.model,
-            created=hold.created,
-            price_version=n.price_version,
-            gateway=n.gateway,
-            route=n.route,
-            route_revision=n.route_revision,
-            rollout_arm=n.rollout_arm,
-        )
+        if head.request_id != hold.request_id:
+            return None
+        # Charged in the org it was held in (its keys' hash tag), as the sweep finds it.
+        return replace(head, scope=replace(head.scope, org=hold.org))
 
     def unqueued(self, reserved_micros: int) -> LedgerRecord:
         """Held, then its gateway died before anything was queued: nothing ran,
@@ -199,3 +164,6 @@ class RecordHead:
             coalesced_with=serving.coalesced_with,
             rollout_arm=self.rollout_arm,
         )
+
+
+_NOTE_DECODER = msgspec.json.Decoder(RecordHead)
