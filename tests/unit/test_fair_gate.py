@@ -189,16 +189,23 @@ def _look(watch: QueueWatch, cls: str, depth: int, started: int, after_s: float 
     watch._take(cls, depth, 0, load.delivered + started)
 
 
+def _watching(cls: str, depth: int, starts: int, looks: int) -> QueueWatch:
+    """A watch that has had ``looks`` looks a second apart: ``depth`` queued at
+    each, ``starts`` begun between them."""
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    watch._take(cls, depth, 0, 0)
+    for _ in range(looks):
+        _look(watch, cls, depth, starts)
+    return watch
+
+
 def test_a_stall_sheds_while_it_lasts_and_is_forgotten_once_starts_resume() -> None:
     # A failover: a standing queue and nothing started for 8 s. While it lasts
     # the rate falls and a tight deadline is refused; once starts resume the
     # rate goes on from before the stall, so nothing is refused for the
     # seconds the smoothing would take to climb back.
-    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
     cls = "interactive"
-    watch._take(cls, 8, 0, 0)
-    for _ in range(6):
-        _look(watch, cls, 8, 4)  # 4 starts a second
+    watch = _watching(cls, 8, 4, 6)  # 4 starts a second
     before = watch.loads[cls].rate or 0
     assert 3.0 < before <= 4.0
     assert watch.verdict(cls, 10.0, 0.05) is None  # 8 queued: 2 s
@@ -235,11 +242,8 @@ def test_a_standing_queue_is_counted_once_not_twice() -> None:
     # added to the wait, a 5 s deadline looked unmeetable (6.1 s > 4 s). Once
     # workers report their own first-token delay (from their start), the wait
     # counts once: 3.1 s fits in 0.8 x 5 s.
-    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
     cls = "interactive"
-    watch._take(cls, 12, 0, 0)
-    for _ in range(6):
-        _look(watch, cls, 12, 4)
+    watch = _watching(cls, 12, 4, 6)
     assert watch.verdict(cls, 5.0, 3.1) is not None  # no worker figure yet: the fallback
     watch.started_to_first_token(cls, 0.1)
     assert watch.first_token_time(cls, 3.1) == pytest.approx(0.1)
