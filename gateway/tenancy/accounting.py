@@ -136,8 +136,8 @@ _COUNTER_TTL_S: dict[Period, int] = {"day": 40 * 86_400, "month": 400 * 86_400, 
 # The reservation hash outlives its hold by this much, so the sweeper can still
 # read its amounts; after that Redis drops it (memory bound only).
 _RESV_GRACE_S = 86_400.0
-# A hold's ``what`` note, in bytes at most.
-MAX_WHAT = 1024
+# A hold's ``what`` note, in bytes at most (a record's head is ~250).
+MAX_WHAT = 4096
 # The reconcile script's answers (gateway/tenancy/accounting_lua.py).
 _SETTLE_STATES = {1: "applied", 2: "repeat", 3: "other", 0: "none"}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from gateway.errors import GatewayError
-from gateway.tenancy.accounting import ExpiredHold
+from gateway.tenancy.accounting import MAX_WHAT, ExpiredHold
 from gateway.tenancy.limits import Scope
 from streams.request_ledger import LedgerRecord
 from streams.wire import InferenceRequest, Op, Usage
@@ -76,8 +76,10 @@ class RecordHead:
     def note(self) -> str:
         """This head as a hold's ``what`` (:meth:`of_hold` reads it back): kept with
         the hold in Redis, it is the record the orphan sweep writes should the
-        holder die before anything ran."""
-        return _NOTE_ENCODER.encode(self).decode()
+        holder die before anything ran. "" (no note) past ``MAX_WHAT``: a request
+        never fails for its note."""
+        note = _NOTE_ENCODER.encode(self)
+        return note.decode() if len(note) <= MAX_WHAT else ""
 
     @classmethod
     def of_hold(cls, hold: ExpiredHold) -> RecordHead | None:
