@@ -51,7 +51,7 @@ from gateway.runs.views import Ended, Idle, RunEvent, RunStreamItem
 from gateway.tenancy.accounting import Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.keys import KeyRecord
-from gateway.tenancy.records import RecordHead
+from gateway.tenancy.records import AGENT_RUN_ROUTE, RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError
 from gateway.tracing import child_traceparent
 from streams.agent import (
@@ -217,6 +217,7 @@ class RunsService:
             created=now,
             price_version=self.gw.cfg.prices.version,
             gateway=self.gw.cfg.gateway_id,
+            route=AGENT_RUN_ROUTE,
         )
 
     async def _refused(

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 
 from gateway.errors import GatewayError
 from gateway.tenancy.accounting import Accountant, Scope
-from gateway.tenancy.records import RecordHead
+from gateway.tenancy.records import AGENT_RUN_ROUTE, RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.agent import Run, Spend, decode_settle
 from streams.agent_store import RunStore
@@ -126,7 +126,7 @@ class RunSettler:
             created=root.created,
             price_version=root.price.version,
             gateway=self._gateway_id,
-            route="agent_run",
+            route=AGENT_RUN_ROUTE,
         )
         record = head.settled(
             policy="admitted",

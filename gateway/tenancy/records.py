@@ -19,6 +19,8 @@ from streams.request_ledger import LedgerRecord
 from streams.wire import InferenceRequest, Op, Usage
 
 _NOTE_ENCODER = msgspec.json.Encoder()
+# The route column of an agent run's records (its refusal, its hold's, its settlement).
+AGENT_RUN_ROUTE = "agent_run"
 # The outcome of a request whose gateway died after its hold, before it queued it.
 GATEWAY_LOST = "gateway_lost"
 
