@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
+from nats.js.errors import APIError, ServiceUnavailableError
 
 from streams.definitions import Topology
 from streams.subjects import PREFIX
@@ -54,8 +55,38 @@ class ClassDepth(msgspec.Struct, frozen=True):
         return self.pending + self.ack_pending
 
 
+class Delivered(msgspec.Struct, frozen=True):
+    consumer_seq: int = 0
+
+
+class ConsumerNumbers(msgspec.Struct, frozen=True):
+    """What a look uses of one consumer's info; the rest of it (its config, its
+    cluster) is skipped unread."""
+
+    name: str
+    num_pending: int = 0
+    num_ack_pending: int = 0
+    num_waiting: int = 0
+    delivered: Delivered | None = None
+
+
+class _ApiError(msgspec.Struct, frozen=True):
+    code: int
+    err_code: int | None = None
+    description: str | None = None
+
+
+class _ConsumerPage(msgspec.Struct, frozen=True):
+    consumers: list[ConsumerNumbers] = []
+    error: _ApiError | None = None
+
+
+_PAGE = msgspec.json.Decoder(_ConsumerPage)
+
+
 async def consumer_infos(js: JetStreamContext, stream: str) -> list[ConsumerInfo]:
-    """Every consumer of ``stream`` with its numbers, a page a request."""
+    """Every consumer of ``stream``, config and all, a page a request (provisioning
+    compares configs; a look needs only :func:`consumer_numbers`)."""
     out: list[ConsumerInfo] = []
     while True:
         page = await js.consumers_info(stream, offset=len(out))
@@ -64,7 +95,34 @@ async def consumer_infos(js: JetStreamContext, stream: str) -> list[ConsumerInfo
             return out
 
 
-def class_depths(topo: Topology, infos: list[ConsumerInfo]) -> dict[str, ClassDepth]:
+async def consumer_numbers(js: JetStreamContext, stream: str) -> list[ConsumerNumbers]:
+    """Every consumer of ``stream`` with its numbers, a page a request.
+
+    The list is asked on the context's own connection and decoded by msgspec:
+    nats-py's ``consumers_info`` builds a full ``ConsumerInfo`` per consumer from
+    ``json.loads`` (2.0 ms of CPU a look at 71 consumers, against 0.37 ms), and
+    an elected reader does this twice a second over hundreds of lanes. nats-py
+    offers no raw API request, hence its connection and prefix here."""
+    nc, prefix, timeout = js._nc, js._prefix, js._timeout
+    out: list[ConsumerNumbers] = []
+    while True:
+        try:
+            msg = await nc.request(
+                f"{prefix}.CONSUMER.LIST.{stream}",
+                msgspec.json.encode({"offset": len(out)}),
+                timeout=timeout,
+            )
+        except nats.errors.NoRespondersError:
+            raise ServiceUnavailableError from None  # as nats-py's own call raises
+        page = _PAGE.decode(msg.data)
+        if page.error is not None:
+            APIError.from_error(msgspec.structs.asdict(page.error))
+        out += page.consumers
+        if len(page.consumers) < LIST_PAGE:
+            return out
+
+
+def class_depths(topo: Topology, infos: list[ConsumerNumbers]) -> dict[str, ClassDepth]:
     """Each class's numbers, summed over the consumers that serve it: the shared
     ones (plain, lanes, excess) and every deployment pool's (streams/pools.py)."""
     plain = {topo.consumer_name(cls): cls.value for cls in topo.classes}
@@ -109,10 +167,10 @@ def decode_look(data: bytes) -> DepthLook | None:
         return None
 
 
-async def _all_infos(js: JetStreamContext, topo: Topology) -> list[ConsumerInfo]:
-    infos: list[ConsumerInfo] = []
+async def _all_infos(js: JetStreamContext, topo: Topology) -> list[ConsumerNumbers]:
+    infos: list[ConsumerNumbers] = []
     for stream in topo.request_streams:  # one, one per class, or per shard
-        infos += await consumer_infos(js, stream)
+        infos += await consumer_numbers(js, stream)
     return infos
 
 

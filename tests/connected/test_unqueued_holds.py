@@ -21,6 +21,8 @@ from gateway.tenancy.records import GATEWAY_LOST, RecordHead
 from jetserve.fleet import Fleet
 from tests.waits import until
 
+pytestmark = pytest.mark.connected
+
 
 def _records(fleet: Fleet, ids: set[str]) -> list[dict[str, Any]]:
     with fleet.admin() as admin:
