@@ -52,7 +52,7 @@ from streams.errors import (
     RequestTooLargeError,
     StreamInterruptedError,
 )
-from streams.inference.client import InferenceClient, QueuedAt
+from streams.inference.client import PUBLISH_TIMEOUT_S, InferenceClient, QueuedAt
 from streams.inference.frames import (
     MAX_BUFFERED_FRAMES,
     Event,
@@ -129,6 +129,8 @@ class Dispatcher:
         self._queues: dict[str, FrameBuffer] = {}
         self._sub: Subscription | None = None
         self._closing: set[asyncio.Task[object]] = set()  # owned: awaited in stop()
+        # Hedge copies' tasks, by their stream; owned: ended in stop().
+        self._hedges: dict[asyncio.Task[None], FrameStream] = {}
         self._watches: dict[str, Subscription] = {}
         self.hedger = Hedger(hedge_budget)
         # Counts hedges (sent, won, lost, capped, failed); the gateway sets its metric.
@@ -151,6 +153,14 @@ class Dispatcher:
             await self._sub.unsubscribe()
         if self._closing:
             await asyncio.wait(self._closing, timeout=5)
+        # No new copy while stopping; one being published is seen through (it may
+        # be stored: its cancel by sequence must not be cut off), for at most
+        # its publish's timeout and a margin.
+        for task, stream in list(self._hedges.items()):
+            if not stream.hedge_sending:
+                task.cancel()
+        if self._hedges:
+            await asyncio.wait(set(self._hedges), timeout=PUBLISH_TIMEOUT_S + 1.0)
 
     async def watch_resumed(self, request_id: str) -> asyncio.Event:
         """An event set when any replica announces a resume of this request."""
@@ -229,9 +239,12 @@ class Dispatcher:
             self.hedger.admit(req.cls, hedge)
             delay = self.hedger.delay(req.cls, hedge)
             if delay is not None:
-                stream.hedge_task = asyncio.create_task(
+                task = asyncio.create_task(
                     self._hedge_after(stream, delay, hedge_subject(subject, req.cls))
                 )
+                stream.hedge_task = task
+                self._hedges[task] = stream
+                task.add_done_callback(self._forget_hedge)
         return stream
 
     async def _send(
@@ -262,6 +275,9 @@ class Dispatcher:
             raise
         finally:
             left.cancel()
+
+    def _forget_hedge(self, task: asyncio.Task[None]) -> None:
+        self._hedges.pop(task, None)
 
     async def _hedge_after(self, stream: FrameStream, delay: float, subject: str) -> None:
         """The second copy: to the plain class (or pool) subject (any worker with

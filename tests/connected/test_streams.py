@@ -300,3 +300,51 @@ async def test_a_hedge_copy_acknowledged_late_is_seen_through(
         keep = {"copy_first_token": copy_attempt, "original_finished": 1, "client_left": 0}
         assert cancels[-1].keep_attempt == keep[decided_by]
         await d.stop()
+
+
+async def test_stopping_ends_hedge_timers_and_sees_a_copy_in_flight_through(
+    nats_server: Service,
+) -> None:
+    """The dispatcher owns its hedge tasks: stopping cancels the timers of copies
+    not yet sent, and waits for a copy whose publish has begun (stored, it must be
+    cancelled by its sequence, not left to run unseen)."""
+    topo = Topology(lanes=16)
+    async with on_bus(nats_server, topo) as (_, js, d):
+        await d.start()
+        outcomes: list[str] = []
+        d.on_hedge = lambda cls, outcome: outcomes.append(outcome)
+        waiting_req, waiting_meta = request(30)
+        waiting = await d.submit(
+            waiting_req,
+            waiting_meta,
+            hedge=HedgePolicy(enabled=True, delay=30.0, max_extra_ratio=1.0),
+        )
+        release, stored = asyncio.Event(), asyncio.Event()
+        publish = d.client.publish
+
+        async def late_ack_for_the_copy(*args: Any, **kwargs: Any) -> PubAck:
+            ack = await publish(*args, **kwargs)
+            if kwargs.get("msg_id", "").endswith(".hedge"):
+                stored.set()
+                await release.wait()
+            return ack
+
+        d.client.publish = late_ack_for_the_copy  # type: ignore[method-assign]
+        req, meta = request(31)
+        sending = await d.submit(
+            req, meta, hedge=HedgePolicy(enabled=True, delay=0.01, max_extra_ratio=1.0)
+        )
+        await stored.wait()
+        await sending.cancel("client_disconnected")  # nobody will read the copy
+        stopping = asyncio.ensure_future(d.stop())
+        release.set()
+        await stopping
+        assert waiting.hedge_task is not None
+        assert waiting.hedge_task.cancelled()  # its 30 s timer did not outlive the stop
+        assert sending.hedge_task is not None
+        assert sending.hedge_task.done()
+        assert not sending.hedge_task.cancelled()
+        assert sending.hedge_queued is not None
+        assert outcomes == ["sent"]
+        with pytest.raises(nats.js.errors.NotFoundError):  # the copy cancelled by its seq
+            await js.get_msg(topo.stream, sending.hedge_queued[1])
