@@ -220,6 +220,24 @@ async def test_a_client_gone_while_its_request_is_queued_cancels_it_at_once(
         assert d.cancelled_while_queueing == 1
 
 
+def late_copy_acks(d: Dispatcher) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold back a hedge copy's acknowledgement (a loaded disk under ``sync:
+    always``): ``stored`` is set once the copy is stored, the ack returns once
+    ``release`` is set."""
+    release, stored = asyncio.Event(), asyncio.Event()
+    publish = d.client.publish
+
+    async def late_ack_for_the_copy(*args: Any, **kwargs: Any) -> PubAck:
+        ack = await publish(*args, **kwargs)
+        if kwargs.get("msg_id", "").endswith(".hedge"):
+            stored.set()
+            await release.wait()
+        return ack
+
+    d.client.publish = late_ack_for_the_copy  # type: ignore[method-assign]
+    return release, stored
+
+
 @pytest.mark.parametrize("decided_by", ["copy_first_token", "original_finished", "client_left"])
 async def test_a_hedge_copy_acknowledged_late_is_seen_through(
     nats_server: Service, decided_by: str
@@ -243,17 +261,7 @@ async def test_a_hedge_copy_acknowledged_late_is_seen_through(
             cancels.append(decode_cancel(msg.data))
 
         await nc.subscribe(cancel_subject(req.id), cb=hear)
-        release, stored = asyncio.Event(), asyncio.Event()
-        publish = d.client.publish
-
-        async def late_ack_for_the_copy(*args: Any, **kwargs: Any) -> PubAck:
-            ack = await publish(*args, **kwargs)
-            if kwargs.get("msg_id", "").endswith(".hedge"):
-                stored.set()
-                await release.wait()
-            return ack
-
-        d.client.publish = late_ack_for_the_copy  # type: ignore[method-assign]
+        release, stored = late_copy_acks(d)
         policy = HedgePolicy(enabled=True, delay=0.01, max_extra_ratio=1.0)
         stream = await d.submit(req, meta, hedge=policy)
         await stored.wait()
@@ -319,17 +327,7 @@ async def test_stopping_ends_hedge_timers_and_sees_a_copy_in_flight_through(
             waiting_meta,
             hedge=HedgePolicy(enabled=True, delay=30.0, max_extra_ratio=1.0),
         )
-        release, stored = asyncio.Event(), asyncio.Event()
-        publish = d.client.publish
-
-        async def late_ack_for_the_copy(*args: Any, **kwargs: Any) -> PubAck:
-            ack = await publish(*args, **kwargs)
-            if kwargs.get("msg_id", "").endswith(".hedge"):
-                stored.set()
-                await release.wait()
-            return ack
-
-        d.client.publish = late_ack_for_the_copy  # type: ignore[method-assign]
+        release, stored = late_copy_acks(d)
         req, meta = request(31)
         sending = await d.submit(
             req, meta, hedge=HedgePolicy(enabled=True, delay=0.01, max_extra_ratio=1.0)
