@@ -115,7 +115,7 @@ async def consumer_numbers(js: JetStreamContext, stream: str) -> list[ConsumerNu
         except nats.errors.NoRespondersError:
             raise ServiceUnavailableError from None  # as nats-py's own call raises
         page = _PAGE.decode(msg.data)
-        if page.error is not None:
+        if page.error is not None:  # raises nats-py's error for it, as its own call does
             APIError.from_error(msgspec.structs.asdict(page.error))
         out += page.consumers
         if len(page.consumers) < LIST_PAGE:

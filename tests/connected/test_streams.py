@@ -220,6 +220,13 @@ async def test_a_client_gone_while_its_request_is_queued_cancels_it_at_once(
         assert d.cancelled_while_queueing == 1
 
 
+def hedge_outcomes(d: Dispatcher) -> list[str]:
+    """The hedge outcomes ``d`` counts (sent, won, lost, ...), in order."""
+    outcomes: list[str] = []
+    d.on_hedge = lambda cls, outcome: outcomes.append(outcome)
+    return outcomes
+
+
 def late_copy_acks(d: Dispatcher) -> tuple[asyncio.Event, asyncio.Event]:
     """Hold back a hedge copy's acknowledgement (a loaded disk under ``sync:
     always``): ``stored`` is set once the copy is stored, the ack returns once
@@ -251,8 +258,7 @@ async def test_a_hedge_copy_acknowledged_late_is_seen_through(
     topo = Topology(lanes=16)
     async with on_bus(nats_server, topo) as (nc, js, d):
         await d.start()
-        outcomes: list[str] = []
-        d.on_hedge = lambda cls, outcome: outcomes.append(outcome)
+        outcomes = hedge_outcomes(d)
         req, meta = request(20)
         live = live_subject(d.reply_for(meta.tenant, req.id))
         cancels: list[Cancel] = []
@@ -319,8 +325,7 @@ async def test_stopping_ends_hedge_timers_and_sees_a_copy_in_flight_through(
     topo = Topology(lanes=16)
     async with on_bus(nats_server, topo) as (_, js, d):
         await d.start()
-        outcomes: list[str] = []
-        d.on_hedge = lambda cls, outcome: outcomes.append(outcome)
+        outcomes = hedge_outcomes(d)
         waiting_req, waiting_meta = request(30)
         waiting = await d.submit(
             waiting_req,
