@@ -1,42 +1,55 @@
 """The ``jetserve`` console script: the composition root, the one place that
 imports every package."""
 
-# Each command group registers itself from its module in jetserve/commands/.
+# Each command group registers itself from its module in jetserve/commands/. A run of
+# one command imports only that command's module: every fleet process (gateway,
+# worker, simulator, executor) starts without the others' imports (the simulator
+# half as long); help and unknown commands load them all.
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
-from jetserve.commands import (
-    accounting,
-    agent,
-    bench,
-    conformance,
-    credentials,
-    gateway,
-    keys,
-    ledger,
-    limits,
-    routes,
-    scale,
-    sim,
-    tenants,
-    up,
-    worker,
-)
 from streams.errors import CredentialError, SecretError
 from streams.logs import configure
 
-# In `jetserve --help` order.
-GROUPS = (
-    gateway, worker, agent, sim, tenants, keys, limits, ledger, routes, scale, up, bench,
-    conformance, credentials, accounting,
-)  # fmt: skip
+# Module name (in jetserve/commands/) -> the commands it registers, in
+# `jetserve --help` order.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "gateway": ("gateway",),
+    "worker": ("worker",),
+    "agent": ("agent",),
+    "sim": ("sim",),
+    "tenants": ("tenants",),
+    "keys": ("keys",),
+    "limits": ("limits",),
+    "ledger": ("ledger",),
+    "routes": ("routes",),
+    "scale": ("scale",),
+    "up": ("up",),
+    "bench": ("bench",),
+    "conformance": ("conformance",),
+    "credentials": ("credentials", "nats-config"),
+    "accounting": ("accounting",),
+}
+GLOBAL_FLAGS = ("--log-level", "--log-format")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _group(module: str) -> ModuleType:
+    return importlib.import_module(f"jetserve.commands.{module}")
+
+
+def _groups_for(command: str | None) -> list[ModuleType]:
+    """The one module that registers ``command``; every module when it names none."""
+    named = [m for m, commands in GROUPS.items() if command in commands]
+    return [_group(m) for m in (named or GROUPS)]
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jetserve", description=__doc__, allow_abbrev=False)
     p.add_argument("--log-level", default="warning")
     p.add_argument(
@@ -46,20 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON lines (one event per line: request id, tenant, class, worker) or text",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    for group in GROUPS:
+    for group in _groups_for(command):
         group.register(sub)
     return p
 
 
+def _command(argv: Sequence[str]) -> list[str]:
+    """``argv`` from its command on: the global flags before it skipped."""
+    head = list(argv)
+    while head and head[0].split("=", 1)[0] in GLOBAL_FLAGS:
+        head = head[1:] if "=" in head[0] else head[2:]
+    return head
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `sim` owns its own flags: hand everything after it to the simulator's parser.
-    head = argv
-    while head and head[0].split("=", 1)[0] in ("--log-level", "--log-format"):
-        head = head[1:] if "=" in head[0] else head[2:]
+    head = _command(argv)
     if head[:1] == ["sim"]:
-        return sim.run(head[1:])
-    args = build_parser().parse_args(argv)
+        # `sim` owns its own flags: everything after it goes to the simulator's parser.
+        return _group("sim").run(head[1:])  # type: ignore[no-any-return]
+    args = build_parser(head[0] if head else None).parse_args(argv)
     configure(args.log_level, args.log_format)
     try:
         result: int = args.func(args)
