@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import msgspec
 import nats.errors
@@ -52,6 +51,7 @@ from workers.agent.crash import DELIVERY, STORED_AT, CrashPoints
 from workers.agent.errors import StepInterrupted
 from workers.agent.guard import Guard
 from workers.agent.handle import RunHandle
+from workers.agent.lease_keeper import Held, kept
 from workers.agent.metrics import AgentMetrics
 from workers.agent.model import ModelClient
 from workers.agent.spawn import spawn_tool
@@ -61,14 +61,6 @@ from workers.probe import ProbeServer, probe_server
 log = logging.getLogger(__name__)
 
 _POISON_DELIVERIES = 10  # an executor error this many times fails the run
-
-
-@dataclass
-class _Held:
-    """One message being handled: its lease (renewed) and whether it was lost."""
-
-    lease: Lease
-    lost: bool = False
 
 
 class Executor:
@@ -206,7 +198,7 @@ class Executor:
             delay = min(got, 0.05 * 2 ** min(delivery - 1, 8), self.cfg.lease_s)
             await _settle_msg(msg, Verdict("nak", max(delay, 0.02)))
             return
-        held = _Held(got)
+        held = Held(got)
         started = time.monotonic()
         self.metrics.inflight.inc()
         try:
@@ -232,25 +224,26 @@ class Executor:
             if not held.lost:
                 await store.release(held.lease)
 
-    async def _step(self, msg: Msg, nudge: StepMsg, held: _Held, delivery: int) -> Verdict | None:
+    async def _step(self, msg: Msg, nudge: StepMsg, held: Held, delivery: int) -> Verdict | None:
         """The step under its lease and watchdog. None: leave the message alone
         (another executor owns the run now)."""
-        stepper = self._stepper
+        store, stepper = self._store, self._stepper
+        assert store is not None
         assert stepper is not None
         for _ in range(3):  # an interruption by a cancel notice re-checks the halts
             guard = Guard(nudge.run_id)
             self._guards[nudge.run_id] = guard
             work = asyncio.create_task(stepper.handle(nudge, guard))
-            keeper = asyncio.create_task(self._keep(msg, held, work))
             try:
-                done, _ = await asyncio.wait({work}, timeout=self.cfg.step_timeout_s)
-            except asyncio.CancelledError:  # draining past its grace: not acked, redelivered
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-                raise
+                async with kept(store, msg, held, work, self.cfg.lease_s):
+                    try:
+                        done, _ = await asyncio.wait({work}, timeout=self.cfg.step_timeout_s)
+                    except asyncio.CancelledError:  # draining past its grace: redelivered
+                        work.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await work
+                        raise
             finally:
-                keeper.cancel()
                 self._guards.pop(nudge.run_id, None)
             if not done:
                 work.cancel()
@@ -269,26 +262,6 @@ class Executor:
                 continue
             return await self._failed(nudge, exc, delivery)
         return Verdict("nak", 0.5)
-
-    async def _keep(self, msg: Msg, held: _Held, work: asyncio.Task[Verdict]) -> None:
-        """Renew the lease and tell JetStream the step is alive, until cancelled.
-        A lease taken over by someone else stops the step: it is theirs now."""
-        store = self._store
-        assert store is not None
-        while True:
-            await asyncio.sleep(self.cfg.lease_s / 3)
-            try:
-                held.lease = await store.renew(held.lease, self.cfg.lease_s)
-            except LeaseLostError:
-                log.warning("run %s: lease lost; stopping this step", held.lease.run_id)
-                held.lost = True
-                work.cancel()
-                return
-            except RunStoreError as exc:  # transient: the next renewal may work
-                log.warning("run %s: lease renewal failed: %s", held.lease.run_id, exc.message)
-                continue
-            with contextlib.suppress(nats.errors.Error):
-                await msg.in_progress()
 
     async def _stuck(self, nudge: StepMsg, delivery: int) -> Verdict:
         cfg = self.cfg

@@ -245,10 +245,11 @@ class Worker:
                 await members.leave()
                 # Closed admission ends the pulls; a lane's late arrivals go back.
                 await self.admission.close()
-                poller.cancel()
-                heartbeat.cancel()
-                if kv_feed is not None:
-                    kv_feed.cancel()
+                # Until done: a loop around a NATS request can drop one cancel
+                # (streams/tasks.py), and the task group would wait on it for good.
+                for task in (poller, heartbeat, kv_feed):
+                    if task is not None:
+                        await stop_task(task)
                 self.consumer.shutdown()
                 await serving
                 log.info("worker %s drained", cfg.worker_id)
