@@ -21,7 +21,6 @@ never given up: it waits in the outbox.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -43,6 +42,7 @@ from streams.definitions import Topology
 from streams.outbox import Outbox, Settlement, SettlementBatch
 from streams.request_ledger import LedgerRecord
 from streams.subjects import frames_filter
+from streams.tasks import stop_task
 from streams.wire import ErrorFrame, Final, Meta, Usage, decode_frame, decode_frames
 
 log = logging.getLogger(__name__)
@@ -369,9 +369,7 @@ class Settlements:
         if left:
             log.error("%d settlements not stored at shutdown", len(left))
         for task in left:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)  # a retry loop around a publish: one cancel may be dropped
 
 
 async def keep_books(settlements: Settlements, scan_s: float = 5.0, sweep_s: float = 30.0) -> None:

@@ -6,11 +6,11 @@ the cancel takes effect right after."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from streams.agent import Run
+from streams.tasks import stop_task
 from workers.agent.errors import StepInterrupted
 
 T = TypeVar("T")
@@ -31,15 +31,13 @@ class Guard:
         try:
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # we were cancelled ourselves: take the work down too
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
             raise
         finally:
             waiter.cancel()
         if task.done():
             return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # Until done: a model call's publish can drop one cancel (streams/tasks.py),
+        # and the interruption would then wait for the whole answer.
+        await stop_task(task)
         raise StepInterrupted("a cancel of this run (or an ancestor) arrived")
