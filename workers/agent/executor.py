@@ -38,6 +38,7 @@ from streams.errors import LeaseLostError, RunConflictError, RunStoreError, RunT
 from streams.patience import patiently
 from streams.provision import await_topology
 from streams.subjects import RUN_CANCEL_WILDCARD
+from streams.tasks import stop_task
 from tools import (
     EffectLedger,
     EffectLedgerConfig,
@@ -239,16 +240,12 @@ class Executor:
                     try:
                         done, _ = await asyncio.wait({work}, timeout=self.cfg.step_timeout_s)
                     except asyncio.CancelledError:  # draining past its grace: redelivered
-                        work.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await work
+                        await stop_task(work)
                         raise
             finally:
                 self._guards.pop(nudge.run_id, None)
             if not done:
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                await stop_task(work)  # a dropped cancel would wait out the step
                 if held.lost:
                     return None
                 return await self._stuck(nudge, delivery)
