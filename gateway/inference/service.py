@@ -421,8 +421,14 @@ class InferenceService:
         if self.queue_watch is None or not self.cfg.shed:
             return
         first_token_s, _ = self.dispatcher.hedger.quantile(req.cls, 0.5)
-        retry_after = self.queue_watch.verdict(req.cls, req.deadline - time.time(), first_token_s)
+        seconds_left = req.deadline - time.time()
+        retry_after = self.queue_watch.verdict(req.cls, seconds_left, first_token_s)
         if retry_after is not None:
+            log_event(
+                log, "shed", request_id=req.id, tenant=req.tenant, cls=req.cls,
+                seconds_left=round(seconds_left, 3), retry_after=round(retry_after, 3),
+                **self.queue_watch.inputs(req.cls, first_token_s),
+            )  # fmt: skip
             raise RateLimited(
                 "The queue ahead of this request would outlast its deadline; retry later.",
                 code="deadline_unmeetable",

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 from nats.js.client import JetStreamContext
@@ -274,6 +275,19 @@ class QueueWatch:
             return before
         return rate
 
+    def inputs(self, cls: str, first_token_s: float) -> dict[str, Any]:
+        """What :meth:`verdict` weighs for ``cls`` now, for a refusal's log line:
+        a refusal that a fleet then serves fast is traced to the input that was off."""
+        load = self.loads.get(cls) or ClassLoad()
+        return {
+            "depth": load.depth + load.since,
+            "rate": round(load.rate, 2) if load.rate is not None else None,
+            "quiet_s": round(load.quiet_s, 3),
+            "wait_s": _rounded(load.expected_wait()),
+            "first_token_s": _rounded(self.first_token_time(cls, first_token_s)),
+            "answer_s": _rounded(self.answer_time(cls)),
+        }
+
     def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
         """None: admit. Otherwise the Retry-After (seconds) of a refusal.
         ``first_token_s``: the class's client-side first-token delay, used only
@@ -288,3 +302,7 @@ class QueueWatch:
             return None
         # Come back when the queue ahead has drained to what a deadline allows.
         return min(30.0, max(1.0, done_s - SAFETY * seconds_left))
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return round(seconds, 3) if seconds is not None else None

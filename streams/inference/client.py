@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from streams.definitions import Topology
 from streams.errors import (
@@ -131,6 +131,18 @@ class InferenceClient:
             # message itself (a no-op if a worker already holds it).
             with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
                 await remove_msg(self._js, *at)
+
+    async def still_queued(self, at: QueuedAt) -> bool | None:
+        """Whether the request stored at ``at`` is still in its work queue (no
+        worker has acked it: a worker acks at its first token); None when the
+        bus cannot say now (an election, a timeout)."""
+        try:
+            await self._js.get_msg(*at, direct=False)
+        except NotFoundError:
+            return False
+        except (*_BUS_ERRORS, APIError):
+            return None
+        return True
 
     async def follow(
         self, tenant: str, request_id: str, cb: Callable[[Msg], Awaitable[None]]

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.fleet_logs import events
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(120)]
 
@@ -108,6 +109,7 @@ async def test_what_cannot_meet_its_deadline_is_refused_early(
         engine_per_worker=True,
         sim_args=["--max-num-seqs", "1"],
         worker_args=["--max-inflight", "1"],
+        log_level="info",
     )
     headers = {
         "Authorization": f"Bearer {fleet.api_key}",
@@ -147,3 +149,11 @@ async def test_what_cannot_meet_its_deadline_is_refused_early(
         text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
     policies = [msgspec.json.decode(line)["policy"] for line in text.splitlines()]
     assert policies.count("rejected:deadline_unmeetable") == len(shed)
+    # Each refusal's log line has what the verdict weighed: a queue and a rate
+    # whose wait, with the answer's time, outlasts the deadline's safe share.
+    sheds = [e for e in events(fleet, "gateway0") if e.get("event") == "shed"]
+    assert len(sheds) == len(shed), sheds[:3]
+    for e in sheds:
+        assert e["depth"] >= 2, e
+        assert e["rate"] > 0, e
+        assert e["wait_s"] + e["first_token_s"] + e["answer_s"] > 0.8 * e["seconds_left"], e

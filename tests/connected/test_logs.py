@@ -10,25 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.fleet_logs import events
 from tests.scrape import metric_sum
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
 SECRET = "zebra quartz prompt words"
-
-
-def events(fleet: Fleet, name: str) -> list[dict[str, Any]]:
-    lines = (fleet.workdir / f"{name}.log").read_text().splitlines()
-    out = []
-    for line in lines:
-        if line.strip():
-            out.append(msgspec.json.decode(line))  # every line is one JSON object
-    return out
 
 
 def find(fleet: Fleet, name: str, event: str, request_id: str) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ from tests.faults.harness import (
     tcp_peers,
     worker_id,
 )
+from tests.fleet_logs import events
 from tests.waits import until_sync
 
 pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
@@ -161,7 +162,8 @@ async def test_nats_server_restart(make_fleet: Callable[..., Fleet]) -> None:
 
 
 async def test_redis_stop_and_restart(make_fleet: Callable[..., Fleet]) -> None:
-    fleet = make_fleet(workers=2)
+    # At info the gateways log each shedding refusal with what it weighed.
+    fleet = make_fleet(workers=2, log_level="info")
     outage: list[Window] = []
 
     async def redis_stopped_3s() -> None:
@@ -186,7 +188,10 @@ async def test_redis_stop_and_restart(make_fleet: Callable[..., Fleet]) -> None:
         {"accounting_unavailable", "service_unavailable", "deadline_unmeetable"},
         lambda o: o.open_during(down),
     )
-    report.assert_served_after(down.end, "Redis came back")
+    try:
+        report.assert_served_after(down.end, "Redis came back")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; sheds: {shed_events(fleet)[:5]}") from None
     judged(report, "Redis stopped 3 s", f"; outage {down.end - down.start:.2f}s")
 
 
@@ -374,3 +379,13 @@ async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> Non
         f"; reconnected after {cut.end - cut.start:.2f}s, "
         f"served again after {kill.end - kill.start:.2f}s",
     )
+
+
+def shed_events(fleet: Fleet) -> list[dict[str, object]]:
+    """The gateways' shedding refusals, with the inputs of each verdict."""
+    return [
+        e
+        for i in range(fleet.spec.gateways)
+        for e in events(fleet, f"gateway{i}")
+        if e.get("event") == "shed"
+    ]

@@ -9,6 +9,17 @@ over a step whose owner died mid-call re-publishes the same request id (the
 work queue's ``Nats-Msg-Id`` dedupe makes that a no-op when the first publish
 landed) and reads the answer the first owner's call produced. The call is made,
 and charged, once.
+
+Unless that answer was lost: a worker acks the request at its first token, and
+a NATS node that dies then can take every frame of a short answer with it,
+from the capture (its stream electing a leader) and from the live subject (no
+one listening yet). Nothing would ever answer the re-published id, so before
+the first token the call checks, each heartbeat timeout without a frame, that
+its request is still in the work queue; once it has been gone (taken and
+acked) for a whole heartbeat timeout with still no frame, the answer counts as
+lost: the call is cancelled and fails retryable (``answer_lost``), and the
+step issues the next attempt under a new id. The lost attempt's tokens are not
+in the run's spend: its usage never arrived.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import PubAck
 
 from streams.agent import ModelCall, Run
 from streams.definitions import Topology
@@ -33,7 +45,7 @@ from streams.errors import (
     PublishError,
     StreamInterruptedError,
 )
-from streams.inference.client import InferenceClient
+from streams.inference.client import InferenceClient, QueuedAt
 from streams.inference.frames import FrameBuffer, FrameReader, InOrder
 from streams.inference.tool_calls import ToolCalls
 from streams.subjects import RequestClass, live_filter, reply_subject, request_subject
@@ -124,9 +136,10 @@ class ModelClient:
                 await live.unsubscribe()
             raise
         try:
-            await self._publish(self.request(run, call, body))
+            ack = await self._publish(self.request(run, call, body))
             on_published()
-            return await self._collect(FrameReader(frames, run.deadline))
+            reader = FrameReader(frames, run.deadline)
+            return await self._collect(reader, call.request_id, (ack.stream, ack.seq))
         finally:
             for each in (sub, live):
                 with contextlib.suppress(nats.errors.Error):
@@ -139,9 +152,9 @@ class ModelClient:
         same request id and reads the answer this call produces."""
         await self._client.cancel(call.request_id, "run_cancelled")
 
-    async def _publish(self, req: InferenceRequest) -> None:
+    async def _publish(self, req: InferenceRequest) -> PubAck:
         try:
-            await self._client.publish(request_subject(RequestClass.AGENT), req)
+            return await self._client.publish(request_subject(RequestClass.AGENT), req)
         except BusUnavailableError as exc:
             raise ModelCallFailed(
                 f"could not enqueue the model call: {exc.message}",
@@ -155,12 +168,27 @@ class ModelClient:
                 retryable=True,
             ) from exc
 
-    async def _collect(self, reader: FrameReader) -> ModelReply:
+    async def _collect(self, reader: FrameReader, request_id: str, at: QueuedAt) -> ModelReply:
         text: list[str] = []
         calls = ToolCalls()
+        gone = False  # seen out of the work queue, no frame since
         while True:
+            hb = self._heartbeat_timeout
             try:
-                event = await reader.next_event(self._heartbeat_timeout)
+                event = await reader.next_event(hb, wait_limit=None if reader.started else hb)
+            except TimeoutError:
+                # Before the first token, a heartbeat timeout without a frame.
+                if gone:
+                    await self._client.cancel(request_id, "answer_lost")
+                    raise ModelCallFailed(
+                        "a worker took the model call but its answer was lost",
+                        code="answer_lost",
+                        retryable=True,
+                    ) from None
+                # Twice: the ack that took it off the queue may have come just
+                # before this check, its first token still on the way.
+                gone = await self._client.still_queued(at) is False
+                continue
             except DeadlineExceededError:
                 raise ModelCallFailed(
                     "the model call did not answer before the run's deadline",
