@@ -46,11 +46,12 @@ up: setup
 
 # Lint, type-check and run the whole suite against real nats-server and redis-server:
 # all but the fault suite in one process per core (at most 4; a module's tests stay in
-# one process), then the fault suite alone (its failovers and restarts must not share
-# the CPU with other tests); each part lists its 15 slowest tests.
+# one process), then the fault suite after it, at most two scenarios at a time (its
+# scenarios mostly wait on failovers; they share the CPU with no other test); each
+# part lists its 15 slowest tests.
 test: test-setup lint
 	$(BIN)/pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not faults" --durations=15
-	$(BIN)/pytest -q -m faults --durations=15
+	$(BIN)/pytest -q -n auto --maxprocesses 2 --dist load -m faults --durations=15
 
 # The adapters' translation-loss reports (docs/conformance.md), against the simulator.
 conformance-report: setup
