@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from jetserve.services import Service
 from streams.agent import Budget, ModelCall, Run
@@ -59,14 +60,14 @@ async def _conn(server: Service, name: str, role: Role) -> Client:
 
 
 @pytest.fixture
-async def bus(nats_server: Service) -> AsyncIterator[tuple[Client, Client]]:
-    """An executor's connection and a worker's, the topology provisioned."""
+async def bus(nats_server: Service) -> AsyncIterator[tuple[Counted, Client]]:
+    """An executor's model client and a worker's connection, the topology provisioned."""
     admin = await _conn(nats_server, "admin", Role.ADMIN)
     await ensure_topology(admin.jetstream(), TOPO)
     await admin.close()
     agent = await _conn(nats_server, "agent", Role.AGENT)
     worker = await _conn(nats_server, "worker", Role.WORKER)
-    yield agent, worker
+    yield Counted(agent, agent.jetstream(), "exec-1", TOPO, HEARTBEAT_S), worker
     await agent.close()
     await worker.close()
 
@@ -77,7 +78,7 @@ def _run() -> tuple[Run, ModelCall]:
     return run, ModelCall(request_id="run_lost-1-1", step=1, started=now)
 
 
-async def _take(worker: Client) -> tuple[str, object]:
+async def _take(worker: Client) -> tuple[str, Msg]:
     """A worker's pull of the agent class: the request's reply subject and message."""
     sub = await worker.jetstream().pull_subscribe_bind(
         TOPO.consumer_name(RequestClass.AGENT), TOPO.stream_of(RequestClass.AGENT)
@@ -87,35 +88,31 @@ async def _take(worker: Client) -> tuple[str, object]:
 
 
 async def test_a_taken_request_whose_answer_never_comes_fails_retryable(
-    bus: tuple[Client, Client],
+    bus: tuple[Counted, Client],
 ) -> None:
-    agent, worker = bus
-    models = Counted(agent, agent.jetstream(), "exec-1", TOPO, HEARTBEAT_S)
+    models, worker = bus
     run, call = _run()
     # The first owner's publish; a worker takes it and acks at its first token,
     # whose frames (all of a short answer) are lost with a dying node.
     first = models.request(run, call, BODY)
     await models._client.publish(request_subject(RequestClass.AGENT), first)
     _, msg = await _take(worker)
-    await msg.ack_sync()  # type: ignore[attr-defined]
+    await msg.ack_sync()
 
-    t0 = time.monotonic()
     with pytest.raises(ModelCallFailed) as failed:
         await models.call(run, call, BODY, lambda: None)  # the successor's re-publish
-    took = time.monotonic() - t0
     assert failed.value.code == "answer_lost"
     assert failed.value.retryable
-    # Two checks (gone, then a heartbeat timeout with still no frame): long
-    # before the run's deadline (120 s), which the old code waited out.
+    # Given up at the heartbeat timeout after the one check that found it gone,
+    # not at the run's deadline (120 s), which the old code waited out (the
+    # test's 60 s timeout fails it there).
     assert models.checks == 1
-    assert took < 60, took
 
 
 async def test_a_request_still_queued_is_waited_for_and_its_answer_read(
-    bus: tuple[Client, Client],
+    bus: tuple[Counted, Client],
 ) -> None:
-    agent, worker = bus
-    models = Counted(agent, agent.jetstream(), "exec-1", TOPO, HEARTBEAT_S)
+    models, worker = bus
     run, call = _run()
     calling = asyncio.create_task(models.call(run, call, BODY, lambda: None))
 
@@ -125,7 +122,7 @@ async def test_a_request_still_queued_is_waited_for_and_its_answer_read(
 
     await until(waited_on, "three heartbeat timeouts with the request queued")
     reply, msg = await _take(worker)
-    await msg.ack_sync()  # type: ignore[attr-defined]
+    await msg.ack_sync()
     live = live_subject(str(reply))
     await worker.publish(live, encode(Token(seq=1, text="hello")))
     await worker.publish(live, encode(Final(seq=2, finish_reason="stop", usage=Usage(3, 1))))
