@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,7 @@ class Fleet:
     def __init__(self, spec: FleetSpec | None = None) -> None:
         self.spec = spec or FleetSpec()
         self.workdir = Path(tempfile.mkdtemp(prefix="jetserve-fleet-"))
+        self.stopped_violations: list[str] | None = None
         self.nats: Service | None = None
         self.nats_nodes: list[Service] = []  # all nodes (one unless a cluster)
         self.redis: Service | None = None  # the first (or only) node
@@ -663,9 +665,15 @@ class Fleet:
     def violations(self) -> list[str]:
         """Every permission violation the bus logged: a role that tried what its
         credential does not allow (a missing grant, or an attack)."""
+        if self.stopped_violations is not None:  # read before the directory went
+            return self.stopped_violations
         return [line for node in self.nats_nodes for line in node.violations()]
 
-    def stop(self) -> None:
+    def stop(self, keep: bool = False) -> None:
+        """Stop every process, then remove the fleet's directory: its stores'
+        data, logs and credentials (secrets among them) go with it, unless
+        ``keep`` (a failed test, a `jetserve up` whose process died: the logs
+        are for a look) or ``JETSERVE_KEEP_FLEETS`` is set."""
         # Executors and workers first (they drain), then the gateways and the
         # engines, then the stores and the bus; each tier at once (every one of
         # them drains on its own, so a tier takes its slowest, not their sum).
@@ -678,9 +686,12 @@ class Fleet:
         # lanes and pools: 3-5 s a fleet) for nobody.
         for store in (*self.redis_nodes, *self.nats_nodes):
             store.kill()
+        if not keep and not os.environ.get("JETSERVE_KEEP_FLEETS"):
+            self.stopped_violations = self.violations()  # the bus's log is in there
+            shutil.rmtree(self.workdir)
 
     def __enter__(self) -> Fleet:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.stop(keep=exc_type is not None)

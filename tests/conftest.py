@@ -24,6 +24,8 @@ from tests.refusals import assert_no_refusals
 
 _DESELECTED = pytest.StashKey[dict[str, int]]()
 _FLEETS = pytest.StashKey[list[Fleet]]()
+# A test (or a module) that failed keeps its fleets' directories (logs, stores).
+_FAILED = pytest.StashKey[bool]()
 # The last lines of each process's log attached to a failing test's report: a
 # fleet's processes log to files, and a flake in CI must explain itself.
 _LOG_TAIL_LINES = 60
@@ -105,6 +107,10 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+        if (module := item.getparent(pytest.Module)) is not None:
+            module.stash[_FAILED] = True
     if report.failed and call.when == "call":
         module = item.getparent(pytest.Module)
         fleets = [*item.stash.get(_FLEETS, []), *(module.stash.get(_FLEETS, []) if module else [])]
@@ -150,9 +156,10 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Ser
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     """One fleet shared by a module's read-only tests: fast simulator, 2 workers."""
-    with Fleet(FleetSpec(workers=2, profile="fast")) as f:
-        request.node.stash[_FLEETS] = [f]
-        yield f
+    f = Fleet(FleetSpec(workers=2, profile="fast")).start()
+    request.node.stash[_FLEETS] = [f]
+    yield f
+    f.stop(keep=request.node.stash.get(_FAILED, False))
     assert_no_refusals(request, f.violations())
 
 
@@ -169,5 +176,5 @@ def make_fleet(request: pytest.FixtureRequest) -> Iterator[Callable[..., Fleet]]
 
     yield make
     for f in made:
-        f.stop()
+        f.stop(keep=request.node.stash.get(_FAILED, False))
     assert_no_refusals(request, [line for f in made for line in f.violations()])

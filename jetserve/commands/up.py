@@ -102,6 +102,7 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"jetserve up: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
+    failed = False  # a process died: its logs stay for a look
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -152,10 +153,11 @@ def run_up(args: argparse.Namespace) -> int:
                 if p is not None and p.proc.poll() is not None
             ]
             if dead:
-                print(f"stopping: {', '.join(dead)} exited (logs: {fleet.workdir})")
+                print(f"stopping: {', '.join(dead)} exited (logs kept: {fleet.workdir})")
+                failed = True
                 return 1
         return 0
     finally:
         print("stopping ...", flush=True)
-        fleet.stop()
+        fleet.stop(keep=failed)
         print("stopped.")

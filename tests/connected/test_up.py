@@ -3,8 +3,10 @@ the whole product on loopback, a chat and an agent run with an approval."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,7 @@ def test_up_runs_a_chat_and_an_approved_agent_run() -> None:
     assert "/approvals/call_1" in out.stdout
     assert "/v1/ws" in out.stdout
     assert "/playground#key=" in out.stdout  # the page, both keys filled in
+    # Stopped, it leaves nothing behind: its stores, logs and secrets went with it.
+    ready = re.search(r"\(logs: (\S+)\)", out.stdout)
+    assert ready is not None, out.stdout
+    assert not Path(ready.group(1)).exists()

@@ -126,7 +126,10 @@ async def test_500_stuck_clients_keep_gateway_memory_flat(
 async def test_a_client_too_slow_for_too_long_is_ended_and_the_engine_stopped(
     make_fleet: Callable[..., Fleet],
 ) -> None:
-    fleet = make_fleet(workers=1, gateway_args=["--max-buffered-frames", "64"])
+    # At info the fleet's logs (printed when the test fails) show each cancel's
+    # path: the gateway's client_too_slow, the worker's engine stop. Once, beside
+    # another scenario on a loaded box, all 4 streams ran to their end instead.
+    fleet = make_fleet(workers=1, gateway_args=["--max-buffered-frames", "64"], log_level="info")
     body = {
         "model": "sim-8b",
         "stream": True,
