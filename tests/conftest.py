@@ -125,7 +125,7 @@ def nats_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Serv
     """A nats-server with the generated authorization (every role, tenant "demo"):
     connect with ``nats_server.bus_auth(role)``."""
     creds = generate(tmp_path / "nats-creds", ("demo",))
-    svc = start_nats(auth_conf=creds.nats_conf)
+    svc = start_nats(tmp_path / "nats", auth_conf=creds.nats_conf)
     svc.creds = creds
     yield svc
     svc.kill()  # its store is this test's temp dir: a clean stop writes it out for nobody
@@ -136,7 +136,7 @@ def nats_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Serv
 def redis_server(tmp_path: Path) -> Iterator[Service]:
     """A redis-server with one ACL user per role: ``redis_server.redis_url(user)``."""
     creds = generate(tmp_path / "redis-creds")
-    svc = start_redis(acl=creds.redis_acl)
+    svc = start_redis(tmp_path / "redis", acl=creds.redis_acl)
     svc.creds = creds
     yield svc
     svc.stop()

@@ -48,16 +48,16 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def redis_svc() -> Iterator[Service]:
-    svc = start_redis()
+def redis_svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_redis(tmp_path_factory.mktemp("redis"))
     yield svc
     svc.stop()
 
 
 @pytest.fixture
-def fresh_redis() -> Iterator[Service]:
+def fresh_redis(tmp_path: Path) -> Iterator[Service]:
     """A server of this test's own, which it may stop and restart."""
-    svc = start_redis()
+    svc = start_redis(tmp_path / "redis")
     yield svc
     svc.stop()
 
