@@ -44,7 +44,7 @@ async def test_spans_per_request_and_attempt_in_the_callers_trace(
         record = await c.get(f"{fleet.sim_url}/sim/requests/{r.headers['x-request-id']}")
     returned = r.headers["traceparent"].split("-")
     engine_tp = record.json()["traceparent"]
-    fleet.stop()  # flushes span exporters on shutdown
+    fleet.stop(keep=True)  # flushes span exporters on shutdown (the teardown removes it)
     found = [s for s in spans(fleet) if s["trace_id"] == trace]
     request = next(s for s in found if s["name"] == "jetserve.request")
     attempt = next(s for s in found if s["name"] == "jetserve.attempt")
@@ -75,7 +75,7 @@ async def test_each_hop_of_an_answer_is_timed(make_fleet: Callable[..., Fleet]) 
         ):  # fmt: skip
             r = await c.post(f"{fleet.base_url}{path}", json=body, headers=auth)
             assert r.status_code == 200, r.text
-    fleet.stop()
+    fleet.stop(keep=True)  # flushes the span exporters (the teardown removes it)
     rows = request_stages(read_spans(sorted(fleet.workdir.glob("*.spans.jsonl"))))
     assert len(rows) == 2
     for row in rows:
