@@ -115,6 +115,10 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # 413 past it; a chunked body is cut there
     max_header_bytes: int = 64 * 1024  # the request line and headers together: 431
     max_headers: int = 100  # 431 past it
+    # SO_SNDBUF of each client connection (0: the kernel's autotuning, up to
+    # tcp_wmem's max, 4 MiB by default): what a client that stops reading can
+    # park in the kernel before the gateway's own bounded buffer fills and ends it.
+    client_send_buffer_bytes: int = 0
     ws_max_message_bytes: int = 1024 * 1024  # a larger message closes the socket (1009)
     ws_max_inflight: int = 16  # requests per socket; past it that request gets a 429
     ws_idle_timeout_s: float = 300.0  # no frame and nothing in flight: closed (1000)

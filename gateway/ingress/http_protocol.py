@@ -22,6 +22,7 @@ things it lacks.
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any, cast
 
 from uvicorn.config import Config
@@ -61,6 +62,7 @@ class _Transport:
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes = 64 * 1024
+    send_buffer = 0  # SO_SNDBUF of each connection; 0: the kernel's autotuning
     linger_s = LINGER_S
 
     def __init__(
@@ -82,6 +84,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._real = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if self.send_buffer and sock is not None:
+            # A fixed send buffer (the kernel doubles it) instead of autotuning:
+            # a client that stops reading parks at most this much in the kernel,
+            # then the gateway's frame buffer fills and the stream is ended.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         super().connection_made(cast(asyncio.Transport, _Transport(self._real, self)))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -172,11 +180,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.close_connection()
 
 
-def protocol_class(max_head_bytes: int) -> type[BoundedHttpToolsProtocol]:
-    """The protocol for uvicorn's ``http=`` setting, with this bound."""
+def protocol_class(max_head_bytes: int, send_buffer: int = 0) -> type[BoundedHttpToolsProtocol]:
+    """The protocol for uvicorn's ``http=`` setting, with these bounds."""
 
     class Configured(BoundedHttpToolsProtocol):
         pass
 
     Configured.max_head_bytes = max_head_bytes
+    Configured.send_buffer = send_buffer
     return Configured

@@ -178,6 +178,13 @@ def _edge_limits(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-headers", type=int, default=100, help="request headers: 431 past it")
     g.add_argument(
+        "--client-send-buffer",
+        type=_send_buffer,
+        default=0,
+        help="SO_SNDBUF of each client connection, bytes (0: the kernel's autotuning): "
+        "bounds what a client that stops reading parks in the kernel (default 0)",
+    )
+    g.add_argument(
         "--ws-max-message-bytes",
         type=int,
         default=1024 * 1024,
@@ -244,6 +251,16 @@ def _admin_and_pricing(g: argparse.ArgumentParser) -> None:
         help="MODEL=IN/OUT micro-USD per 1K tokens (repeatable)",
     )
     g.add_argument("--price-version", default="v1")
+
+
+MAX_SEND_BUFFER = 64 << 20
+
+
+def _send_buffer(text: str) -> int:
+    """0 (the kernel's autotuning) or 4 KiB .. 64 MiB."""
+    if not text.isdigit() or not (int(text) == 0 or 4096 <= int(text) <= MAX_SEND_BUFFER):
+        raise argparse.ArgumentTypeError(f"want 0 or 4096..{MAX_SEND_BUFFER} bytes, got {text!r}")
+    return int(text)
 
 
 def _context_length(text: str) -> tuple[str, int]:
@@ -427,6 +444,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
+        client_send_buffer_bytes=args.client_send_buffer,
         ws_max_message_bytes=args.ws_max_message_bytes,
         ws_max_inflight=args.ws_max_inflight,
         ws_idle_timeout_s=args.ws_idle_timeout,

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.waits import until
 
 pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -126,10 +127,17 @@ async def test_500_stuck_clients_keep_gateway_memory_flat(
 async def test_a_client_too_slow_for_too_long_is_ended_and_the_engine_stopped(
     make_fleet: Callable[..., Fleet],
 ) -> None:
-    # At info the fleet's logs (printed when the test fails) show each cancel's
-    # path: the gateway's client_too_slow, the worker's engine stop. Once, beside
-    # another scenario on a loaded box, all 4 streams ran to their end instead.
-    fleet = make_fleet(workers=1, gateway_args=["--max-buffered-frames", "64"], log_level="info")
+    # The engine paced (3 ms a token: 18 s for the whole answer) and the kernel's
+    # share bounded (--client-send-buffer): the client fills what it may park
+    # (some 200 KB, ~1000 tokens) in a few seconds, then the gateway's 64 frames,
+    # and the engine must be stopped long before its answer could end. With the
+    # simulator unpaced and the kernel autotuning (up to 4 MiB), it was a CPU race
+    # the engine won on a loaded box: all 4 answers ran to their end.
+    fleet = make_fleet(
+        workers=1,
+        gateway_args=["--max-buffered-frames", "64", "--client-send-buffer", "16384"],
+        log_level="info",  # a failure's output shows each cancel's path
+    )
     body = {
         "model": "sim-8b",
         "stream": True,
@@ -138,15 +146,18 @@ async def test_a_client_too_slow_for_too_long_is_ended_and_the_engine_stopped(
         "messages": [{"role": "user", "content": "far more than any buffer"}],
     }
     stuck = [
-        await stuck_client(fleet.gateway_port, fleet.api_key, body, fault="none") for _ in range(4)
+        await stuck_client(fleet.gateway_port, fleet.api_key, body, fault="slow:3")
+        for _ in range(4)
     ]
     try:
-        for _ in range(200):
-            stats = await sim_stats(fleet)
-            if stats["aborted"] >= 4:
-                break
-            await asyncio.sleep(0.1)
-        assert stats["aborted"] == 4, stats  # the engine stopped each of them
+        ended: dict[str, int] = {}
+
+        async def all_ended() -> bool:
+            ended.update(await sim_stats(fleet))
+            return ended["aborted"] + ended["finished"] >= 4
+
+        await until(all_ended, "the 4 stuck streams ended, aborted or finished", 60.0)
+        assert ended["aborted"] == 4, ended  # the engine stopped each of them
         async with httpx.AsyncClient() as c:
             text = (await c.get(fleet.gateway_metrics_urls[0])).text
         assert 'outcome="client_too_slow"' in text
