@@ -84,12 +84,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._real = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if self.send_buffer and sock is not None:
+        if self.send_buffer:
             # A fixed send buffer (the kernel doubles it) instead of autotuning:
             # a client that stops reading parks at most this much in the kernel,
             # then the gateway's frame buffer fills and the stream is ended.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         super().connection_made(cast(asyncio.Transport, _Transport(self._real, self)))
 
     def connection_lost(self, exc: Exception | None) -> None:
