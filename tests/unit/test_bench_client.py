@@ -160,11 +160,20 @@ async def test_pool_grows_small_clients_and_caps() -> None:
 
 
 async def test_open_loop_keeps_its_schedule_when_the_server_is_slow() -> None:
-    """Every response takes 0.6 s; requests still go out on schedule, all 40 of them
-    before the first answer is back (a closed loop would wait)."""
+    """The server answers nothing until all 40 requests have arrived: a closed
+    loop (waiting for answers before sending more) would never finish, so all 40
+    going out while none is answered is the open loop keeping its schedule. (A
+    wall-clock bound on the lag, its old check, failed when a loaded box held
+    the event loop for 0.7 s.)"""
+    arrived = 0
+    all_in = asyncio.Event()
 
     async def slow(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.6)
+        nonlocal arrived
+        arrived += 1
+        if arrived == 40:
+            all_in.set()
+        await all_in.wait()
         return httpx.Response(200, content=sse(chat(" a"), chat(" b", finish="stop"), USAGE))
 
     schedule = build_schedule(WorkloadSpec(seed=3), 100.0, count=40)
@@ -177,13 +186,9 @@ async def test_open_loop_keeps_its_schedule_when_the_server_is_slow() -> None:
         lead=0.05,
         conns_per_client=4,
     )
-    result = await run_job(job, transport=httpx.MockTransport(slow))
+    result = await asyncio.wait_for(run_job(job, transport=httpx.MockTransport(slow)), 60)
     tls = result.timelines
     assert len(tls) == 40
     assert all(t.outcome == "ok" for t in tls)
-    lags = sorted(t.lag for t in tls)
-    assert lags[len(lags) // 2] < 0.01  # answers take 0.6 s each
-    assert lags[-1] < 0.2
     assert max(t.sent for t in tls) < min(t.end for t in tls)
-    assert min(t.e2e or 0 for t in tls) >= 0.6
     assert result.clients >= 10  # 40 in flight at 4 connections each
