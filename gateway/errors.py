@@ -20,7 +20,9 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     ├── Unavailable              503 a dependency (NATS, Redis) is down: fail closed
     │   └── AccountingUnavailable    503 no answer from the accounting store
     ├── UpstreamFailed           502 the engine failed (mapped from an error frame)
-    │   └── StreamInterrupted    502 part of the response was lost in transit
+    │   ├── StreamInterrupted    502 part of the response was lost in transit
+    │   └── AnswerLost           502 a worker took the request; its answer was lost
+    │                            before the first token (retryable: nothing was sent)
     └── Timeout                  504 the request's deadline passed
 """
 
@@ -269,6 +271,11 @@ class UpstreamFailed(GatewayError):
 
 class StreamInterrupted(UpstreamFailed):
     code = "stream_interrupted"
+
+
+class AnswerLost(UpstreamFailed):
+    code = "answer_lost"
+    retryable = True
 
 
 class Timeout(GatewayError):

@@ -107,6 +107,14 @@ class GatewayMetrics:
             ["cls", "outcome"],
             registry=r,
         )
+        self.queue_checks = Counter(
+            "jetserve_gateway_queue_checks",
+            "Lost-answer checks of requests silent before their first token: queued (still "
+            "in the work queue), gone (taken: silent a heartbeat timeout more, the answer "
+            "counts as lost), unknown (the bus could not say)",
+            ["result"],
+            registry=r,
+        )
         self.kv_routes = Counter(
             "jetserve_gateway_kv_routes",
             "Affinity requests on the shared lanes with the KV index on (--kv-index), by "

@@ -26,6 +26,7 @@ JetserveError                  base: ``code`` and ``retryable`` travel with it
 │   └── BusUnavailableError    the bus did not take the publish (retryable)
 ├── ReplyError                 a request's frames ended without a terminal frame
 │   ├── DeadlineExceededError  no answer before the request's deadline
+│   ├── AnswerLostError        taken off the queue, then silent: the answer was lost (retryable)
 │   ├── StreamInterruptedError silence after the first token (retryable)
 │   │   └── FramesLostError    tokens lost in transit, and not in the capture
 │   └── ReaderTooSlowError     the reader fell a buffer's length behind
@@ -119,6 +120,14 @@ class ReplyError(JetserveError):
 
 class DeadlineExceededError(ReplyError):
     code = "deadline_exceeded"
+
+
+class AnswerLostError(ReplyError):
+    """Before the first token: a worker took the request off the work queue and
+    no frame of it came for a whole heartbeat timeout after (FrameReader)."""
+
+    code = "answer_lost"
+    retryable = True
 
 
 class StreamInterruptedError(ReplyError):

@@ -109,12 +109,16 @@ class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     index: int = 0  # the choice this delta belongs to (``n`` > 1, or a batch of prompts)
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
-    """Sent while a request is alive but quiet; ``seq`` is the last token's seq."""
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", omit_defaults=True):
+    """Sent while a request is alive but quiet; ``seq`` is the last token's seq.
+    ``moved``: this attempt failed before its first token and the request was
+    handed on to the next candidate's pool, where it is now stored (stream,
+    sequence): a reader watching the queue for a lost answer looks there."""
 
     seq: int
     at: float
     attempt: int = 1
+    moved: tuple[str, int] | None = None
 
 
 class Final(msgspec.Struct, frozen=True, tag="final", omit_defaults=True):

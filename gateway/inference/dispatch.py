@@ -28,6 +28,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from gateway.errors import (
+    AnswerLost,
     ClientTooSlow,
     GatewayError,
     RateLimited,
@@ -43,6 +44,7 @@ from gateway.inference.hedging import Hedger
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
 from streams.errors import (
+    AnswerLostError,
     BusUnavailableError,
     DeadlineExceededError,
     FramesLostError,
@@ -52,13 +54,14 @@ from streams.errors import (
     RequestTooLargeError,
     StreamInterruptedError,
 )
-from streams.inference.client import PUBLISH_TIMEOUT_S, InferenceClient, QueuedAt
+from streams.inference.client import PUBLISH_TIMEOUT_S, InferenceClient
 from streams.inference.frames import (
     MAX_BUFFERED_FRAMES,
     Event,
     FrameBuffer,
     FrameReader,
     InOrder,
+    QueuedAt,
 )
 from streams.routes import HedgePolicy
 from streams.subjects import (
@@ -135,6 +138,9 @@ class Dispatcher:
         self.hedger = Hedger(hedge_budget)
         # Counts hedges (sent, won, lost, capped, failed); the gateway sets its metric.
         self.on_hedge: Callable[[str, str], None] = lambda cls, outcome: None
+        # Counts the lost-answer watch's checks (queued, gone, unknown); the
+        # gateway sets its metric.
+        self.on_queue_check: Callable[[str], None] = lambda result: None
         # Requests whose client left while they were being queued (cancelled by id
         # before the stream acknowledged them); the gateway exports it.
         self.cancelled_while_queueing = 0
@@ -323,6 +329,12 @@ class Dispatcher:
             tenant, request_id, attempt, after, through, self.gap_recovery_s
         )
 
+    async def still_queued(self, at: QueuedAt) -> bool | None:
+        """A request's lost-answer check (streams/inference/frames.py), counted."""
+        queued = await self.client.still_queued(at)
+        self.on_queue_check({True: "queued", False: "gone", None: "unknown"}[queued])
+        return queued
+
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
@@ -435,19 +447,18 @@ class FrameStream(FrameReader):
         meta: Meta | None = None,
         subs: tuple[Subscription, ...] = (),
     ) -> None:
-        super().__init__(queue, req.deadline)
+        # ``queued``: the request message's stream and sequence in the work queue.
+        super().__init__(queue, req.deadline, queued, dispatcher.still_queued)
         self._d = dispatcher
         self.meta = meta
         self._subs = subs  # a resumed stream's own subscriptions
-        self.queued = queued  # the request message's stream and sequence in the work queue
         self.req = req
         self.duplicate = duplicate
         self.submitted_at = time.monotonic()
-        # Hedging: the timer that may send a second copy, and that copy's queue
-        # sequence (``copies``, counted by FrameReader, is how many may answer).
+        # Hedging: the timer that may send a second copy (its queue sequence is
+        # ``hedge_queued``; ``copies``, counted by FrameReader, is how many may answer).
         self.hedge_task: asyncio.Task[None] | None = None
         self.hedge_sending = False  # the copy's publish has begun: seen through, not cancelled
-        self.hedge_queued: QueuedAt | None = None
 
     async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
         """The next token, final or error frame. Raises TimeoutError only when
@@ -462,6 +473,12 @@ class FrameStream(FrameReader):
             await self.cancel("frames_lost")
             raise StreamInterrupted(
                 "Part of this response was lost in transit; it was ended."
+            ) from None
+        except AnswerLostError:
+            await self.cancel("answer_lost")
+            raise AnswerLost(
+                "A worker took this request, and its answer was lost in transit before "
+                "any of it was sent; retry the request."
             ) from None
         except StreamInterruptedError:
             # Silent is not dead: a worker starved of CPU or cut off from the bus

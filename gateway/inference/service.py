@@ -95,6 +95,7 @@ class InferenceService:
             cfg, dispatcher, pools, routes, settlements.settle, metrics, accountant
         )
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
+        dispatcher.on_queue_check = lambda result: metrics.queue_checks.labels(result).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
         self.coalescer = Coalescer(

@@ -30,6 +30,7 @@ from streams.errors import (
     RequestTooLargeError,
 )
 from streams.headers import Header
+from streams.inference.frames import QueuedAt
 from streams.marks import CancelMarks
 from streams.removal import remove_msg
 from streams.subjects import cancel_subject, frames_filter
@@ -54,11 +55,6 @@ def request_headers(req: InferenceRequest, msg_id: str | None = None) -> dict[st
     if req.tracestate:
         headers[Header.TRACESTATE.value] = req.tracestate
     return headers
-
-
-# Where a published request was stored: its work-queue stream and sequence
-# (from the publish's ack: with several request streams, the server's choice).
-QueuedAt = tuple[str, int]
 
 
 class InferenceClient:

@@ -4,6 +4,16 @@ The waiting rule (the liveness rules of DESIGN.md): before the first token the
 request may be queued or redelivered, so only its deadline ends the wait; after
 it, silence longer than the heartbeat timeout means the worker is gone.
 
+One exception before the first token: a request no longer in the work queue.
+A worker acks at its first token, and a NATS node that dies then can take every
+frame of a short answer with it (from the capture, its stream electing a
+leader, and from the live subject); nothing would ever answer, and the reader
+would wait out the deadline. A reader given ``still_queued`` checks it after
+each heartbeat timeout without a frame (less often while the answer is yes:
+a deep backlog's waiting requests cost a check each); once the request has been
+out of the queue for a whole heartbeat timeout more with still no frame, the
+answer is lost (:class:`streams.errors.AnswerLostError`, retryable).
+
 De-duplication: the first token locks the attempt (redelivered or hedged copies
 racing it are ignored), and tokens are taken in sequence. A sequence gap is
 handed to :meth:`FrameReader.recover` (the gateway reads the frames capture);
@@ -15,21 +25,32 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from streams.errors import (
+    AnswerLostError,
     DeadlineExceededError,
     FramesLostError,
     ReaderTooSlowError,
     StreamInterruptedError,
 )
-from streams.wire import ErrorFrame, Final, Frame, Heartbeat, Meta, Token
+from streams.wire import HEDGE_ATTEMPT_BASE, ErrorFrame, Final, Frame, Heartbeat, Meta, Token
 
 # Per-request frame buffer. Workers publish at engine speed; a reader slower
 # than that gets the buffered tokens in one go (FrameReader.drain_tokens).
 MAX_BUFFERED_FRAMES = 1024
 # Past the deadline the worker reports expiry itself; this lets its frame win.
 DEADLINE_GRACE_S = 0.5
+# While a request is still queued, its lost-answer checks back off from one
+# heartbeat timeout to this many.
+MAX_CHECK_HEARTBEATS = 8
+
+# Where a copy of a request is stored in its work queue: (stream, sequence), as
+# its publish's acknowledgement said.
+QueuedAt = tuple[str, int]
+# Whether the message at a QueuedAt is still in its work queue (None: the bus
+# cannot say now): InferenceClient.still_queued.
+StillQueued = Callable[[QueuedAt], Awaitable[bool | None]]
 
 Event = Token | Final | ErrorFrame
 
@@ -117,9 +138,28 @@ class InOrder:
 class FrameReader:
     """Reads one request's :class:`FrameBuffer` under the waiting rule."""
 
-    def __init__(self, queue: FrameBuffer, deadline: float) -> None:
+    def __init__(
+        self,
+        queue: FrameBuffer,
+        deadline: float,
+        queued: QueuedAt | None = None,
+        still_queued: StillQueued | None = None,
+    ) -> None:
         self._queue = queue
         self.deadline = deadline
+        # Where the request's copies wait in the work queue: the first, and a
+        # hedged second (gateway/inference/hedging.py). A worker that hands a
+        # copy on to the next candidate's pool says where it went (a heartbeat's
+        # ``moved``).
+        self.queued = queued
+        self.hedge_queued: QueuedAt | None = None
+        # The lost-answer watch (module docstring), with ``queued`` known: when
+        # the next check is due (monotonic), its back-off, and whether the last
+        # check found every copy gone from the queue.
+        self.still_queued = still_queued
+        self._check_due: float | None = None
+        self._check_every = 0.0
+        self._gone = False
         self.attempt: int | None = None  # the delivery whose tokens we relay
         self.last_seq = 0
         self.skip_through = 0  # a resumed stream: tokens the reader already has
@@ -169,13 +209,62 @@ class FrameReader:
         """The next token, final or error frame. Raises TimeoutError only when
         ``wait_limit`` (a caller's keep-alive tick) expires first; otherwise a
         :class:`streams.errors.ReplyError` when the frames end abnormally."""
+        until = None if wait_limit is None else time.monotonic() + wait_limit
         while True:
-            item = await self._next_item(heartbeat_timeout, wait_limit)
+            limit, checking = self._wait(heartbeat_timeout, until)
+            try:
+                item = await self._next_item(heartbeat_timeout, limit)
+            except TimeoutError:
+                if not checking:
+                    raise
+                await self._check_queued(heartbeat_timeout)
+                continue
+            self._check_due = None  # heard: silence counts from here
+            self._gone = False
             if isinstance(item, Overflow):
                 raise ReaderTooSlowError("the reader fell a buffer's length behind")
             event = await self._accept(item)
             if event is not None:
                 return event
+
+    def _wait(self, heartbeat_timeout: float, until: float | None) -> tuple[float | None, bool]:
+        """How long to wait for the next item, and whether that wait ends at a
+        lost-answer check (rather than at the caller's ``until``)."""
+        now = time.monotonic()
+        caller = None if until is None else max(until - now, 0.0)
+        if self.started or self.still_queued is None or self.queued is None:
+            return caller, False
+        if self._check_due is None:
+            self._check_every = heartbeat_timeout
+            self._check_due = now + heartbeat_timeout
+        check = max(self._check_due - now, 0.0)
+        if caller is not None and caller <= check:
+            return caller, False
+        return check, True
+
+    async def _check_queued(self, heartbeat_timeout: float) -> None:
+        """A lost-answer check, due: raises AnswerLostError when the request was
+        already seen gone from the queue a heartbeat timeout ago, no frame since."""
+        if self._gone:
+            raise AnswerLostError("a worker took the request, and its answer was lost")
+        queued = await self._any_queued()
+        # Gone: once more after one heartbeat timeout (the ack that took it off
+        # the queue may have come just before this check, its first token still
+        # on the way). Unknown: again after one. Queued: back off.
+        self._gone = queued is False
+        if queued:
+            self._check_every = min(self._check_every * 2, heartbeat_timeout * MAX_CHECK_HEARTBEATS)
+        else:
+            self._check_every = heartbeat_timeout
+        self._check_due = time.monotonic() + self._check_every
+
+    async def _any_queued(self) -> bool | None:
+        """Whether a copy of the request is still queued."""
+        assert self.still_queued is not None
+        seen = [await self.still_queued(at) for at in (self.queued, self.hedge_queued) if at]
+        if True in seen:
+            return True
+        return None if None in seen else False
 
     async def _accept(self, frame: Frame) -> Event | None:
         """The frame as an event for the caller, or None: nothing to relay."""
@@ -183,6 +272,13 @@ class FrameReader:
             return None
         if self.attempt is not None and frame.attempt != self.attempt:
             return None  # a redelivered or hedged attempt racing the one we relay
+        if isinstance(frame, Heartbeat) and frame.moved and not self.started:
+            # Handed on to the next candidate's pool: the copy waits there now.
+            moved = (frame.moved[0], frame.moved[1])
+            if frame.attempt >= HEDGE_ATTEMPT_BASE:
+                self.hedge_queued = moved
+            else:
+                self.queued = moved
         # A heartbeat carries the last token's seq; tokens and finals their own.
         ahead = 0 if isinstance(frame, Heartbeat) else 1
         if isinstance(frame, Token | Final | Heartbeat) and frame.seq > self.last_seq + ahead:

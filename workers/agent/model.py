@@ -13,11 +13,11 @@ and charged, once.
 Unless that answer was lost: a worker acks the request at its first token, and
 a NATS node that dies then can take every frame of a short answer with it,
 from the capture (its stream electing a leader) and from the live subject (no
-one listening yet). Nothing would ever answer the re-published id, so before
-the first token the call checks, each heartbeat timeout without a frame, that
-its request is still in the work queue; once it has been gone (taken and
-acked) for a whole heartbeat timeout with still no frame, the answer counts as
-lost: the call is cancelled and fails retryable (``answer_lost``), and the
+one listening yet). Nothing would ever answer the re-published id, so the
+call's frame reader watches, before the first token, that its request is still
+in the work queue (streams/inference/frames.py); once it has been gone (taken
+and acked) for a whole heartbeat timeout with still no frame, the answer counts
+as lost: the call is cancelled and fails retryable (``answer_lost``), and the
 step issues the next attempt under a new id. The lost attempt's tokens are not
 in the run's spend: its usage never arrived.
 """
@@ -40,13 +40,14 @@ from nats.js.api import PubAck
 from streams.agent import ModelCall, Run
 from streams.definitions import Topology
 from streams.errors import (
+    AnswerLostError,
     BusUnavailableError,
     DeadlineExceededError,
     PublishError,
     StreamInterruptedError,
 )
-from streams.inference.client import InferenceClient, QueuedAt
-from streams.inference.frames import FrameBuffer, FrameReader, InOrder
+from streams.inference.client import InferenceClient
+from streams.inference.frames import FrameBuffer, FrameReader, InOrder, QueuedAt
 from streams.inference.tool_calls import ToolCalls
 from streams.subjects import RequestClass, live_filter, reply_subject, request_subject
 from streams.wire import ErrorFrame, InferenceRequest, Token, Usage, decode_frames
@@ -138,8 +139,12 @@ class ModelClient:
         try:
             ack = await self._publish(self.request(run, call, body))
             on_published()
-            reader = FrameReader(frames, run.deadline)
-            return await self._collect(reader, call.request_id, (ack.stream, ack.seq))
+            at: QueuedAt = (ack.stream, ack.seq)
+            # Looked up at each check: a test counts them by replacing it.
+            reader = FrameReader(
+                frames, run.deadline, at, lambda where: self._client.still_queued(where)
+            )
+            return await self._collect(reader, call.request_id)
         finally:
             for each in (sub, live):
                 with contextlib.suppress(nats.errors.Error):
@@ -168,27 +173,19 @@ class ModelClient:
                 retryable=True,
             ) from exc
 
-    async def _collect(self, reader: FrameReader, request_id: str, at: QueuedAt) -> ModelReply:
+    async def _collect(self, reader: FrameReader, request_id: str) -> ModelReply:
         text: list[str] = []
         calls = ToolCalls()
-        gone = False  # seen out of the work queue, no frame since
         while True:
-            hb = self._heartbeat_timeout
             try:
-                event = await reader.next_event(hb, wait_limit=None if reader.started else hb)
-            except TimeoutError:
-                # Before the first token, a heartbeat timeout without a frame.
-                if gone:
-                    await self._client.cancel(request_id, "answer_lost")
-                    raise ModelCallFailed(
-                        "a worker took the model call but its answer was lost",
-                        code="answer_lost",
-                        retryable=True,
-                    ) from None
-                # Twice: the ack that took it off the queue may have come just
-                # before this check, its first token still on the way.
-                gone = await self._client.still_queued(at) is False
-                continue
+                event = await reader.next_event(self._heartbeat_timeout)
+            except AnswerLostError:
+                await self._client.cancel(request_id, "answer_lost")
+                raise ModelCallFailed(
+                    "a worker took the model call but its answer was lost",
+                    code="answer_lost",
+                    retryable=True,
+                ) from None
             except DeadlineExceededError:
                 raise ModelCallFailed(
                     "the model call did not answer before the run's deadline",

@@ -17,9 +17,11 @@ not the token count (docs/reliability.md, "The resume window")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 
 from streams.subjects import live_subject
@@ -106,6 +108,16 @@ class FrameSender:
         await self._terminal(
             encode(ErrorFrame(self.seq + 1, code, message, retryable, status, self._attempt))
         )
+
+    async def moved(self, stream: str, seq: int) -> None:
+        """This attempt failed before its first token and the request was handed
+        on (stored at ``stream``/``seq``): a heartbeat that says where, so a
+        reader watching the queue for a lost answer follows it there."""
+        note = Heartbeat(self.seq, time.time(), self._attempt, (stream, seq))
+        # Without it a reader checks the old place and, the request gone from
+        # there, may count its answer lost: the client retries, nothing is lost.
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(self._live, encode(note))
 
     async def heartbeats(self) -> None:
         """Run until cancelled: a heartbeat whenever nothing went out for a beat,

@@ -1,0 +1,170 @@
+"""A gateway request whose answer was lost before its first token, through real
+processes (streams/inference/frames.py, the lost-answer watch).
+
+A worker acks a request at its first token; a NATS node that dies then can take
+every frame of a short answer with it. Here the test itself is that worker: it
+takes the request off the work queue, acks it and sends nothing. The client
+must get a retryable 502 ``answer_lost`` within a few heartbeat timeouts (the
+old gateway waited out the request's deadline), recorded once and charged
+nothing. A request that is still queued is waited for; so is one a failing
+worker handed on to the next candidate's pool (its heartbeat says where)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.tenancy.accounting import Accountant
+from jetserve.fleet import Fleet
+from streams.auth import Role
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.subjects import RequestClass
+from tests.scrape import metric_sum
+from tests.waits import until
+
+pytestmark = [pytest.mark.connected, pytest.mark.timeout(120)]
+
+# The gateway's heartbeat timeout: a check after 2 s of silence, the answer lost
+# after 2 s more. The request's own deadline (120 s) is past the test's timeout.
+GATEWAY = ["--heartbeat-timeout", "2"]
+CHAT = {"model": "sim-8b", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _headers(fleet: Fleet) -> dict[str, str]:
+    return {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "120"}
+
+
+async def _checks(fleet: Fleet, result: str) -> float:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(fleet.gateway_metrics_urls[0])).text
+    return metric_sum(text, "jetserve_gateway_queue_checks_total", result=result)
+
+
+def _record(fleet: Fleet, request_id: str) -> dict[str, Any] | None:
+    with fleet.admin() as admin:
+        text = admin.ledger(fleet.spec.tenant)
+    rows = [r for r in map(json.loads, text.splitlines()) if r["request_id"] == request_id]
+    assert len(rows) <= 1, rows
+    return rows[0] if rows else None
+
+
+async def test_a_taken_request_whose_answer_never_comes_is_a_retryable_502(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(workers=0, gateway_args=GATEWAY)
+    worker = await connect(fleet.nats_url, "taker", fleet.bus_auth(Role.WORKER))
+    try:
+        async with httpx.AsyncClient(timeout=60) as c:
+            asking = asyncio.create_task(
+                c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
+            )
+            sub = await worker.jetstream().pull_subscribe_bind(
+                DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
+                DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
+            )
+            (msg,) = await sub.fetch(1, timeout=30)
+            await msg.ack_sync()  # taken, as at a first token whose frames were all lost
+            r = await asking
+    finally:
+        await worker.close()
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "answer_lost", error
+    assert await _checks(fleet, "gone") == 1  # given up one heartbeat timeout after it
+    request_id = r.headers["x-request-id"]
+
+    rows: list[dict[str, Any]] = []
+
+    async def recorded() -> bool:
+        row = await asyncio.to_thread(_record, fleet, request_id)
+        rows.extend([row] if row else [])
+        return bool(rows)
+
+    await until(recorded, "the lost request's ledger record")
+    (row,) = rows
+    assert (row["outcome"], row["status"], row["charge_micros"]) == ("answer_lost", 502, 0)
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        tenant = fleet.spec.tenant
+        _, held = await Accountant(rds).spend("tenant", tenant, org=tenant)
+    finally:
+        await rds.aclose()
+    assert held == 0  # its hold given back
+
+
+async def test_a_request_still_queued_is_waited_for(make_fleet: Callable[..., Fleet]) -> None:
+    fleet = make_fleet(workers=0, gateway_args=GATEWAY)
+    async with httpx.AsyncClient(timeout=60) as c:
+        asking = asyncio.create_task(
+            c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
+        )
+
+        async def checked_twice() -> bool:
+            assert not asking.done(), asking
+            return await _checks(fleet, "queued") >= 2
+
+        await until(checked_twice, "two checks finding the request queued", 60.0)
+        await asyncio.to_thread(fleet.start_worker)
+        r = await asking
+    assert r.status_code == 200, r.text
+    assert await _checks(fleet, "gone") == 0
+
+
+async def test_a_request_handed_on_to_the_next_pool_is_followed_there(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    fleet = make_fleet(
+        workers=0,
+        engine_per_worker=True,
+        gateway_args=GATEWAY,
+        sim_args=["--alias", "r-moved"],
+    )
+    # Every answer of dep-bad's engine is a 503 before any token: the worker
+    # hands the request on to dep-late's pool, where no worker is yet.
+    fleet.start_worker("--deployment-name", "dep-bad", sim_args=["--fault-rate", "503=1.0"])
+    cands = [
+        {"name": d, "adapter": "openai", "engine": "jetserve-sim", "model": "r-moved"}
+        for d in ("dep-bad", "dep-late")
+    ]
+    async with httpx.AsyncClient(timeout=60) as c:
+        put = await c.put(
+            f"{fleet.admin_url}/admin/routes/r-moved",
+            json={"name": "r-moved", "candidates": cands},
+            headers={"Authorization": f"Bearer {fleet.admin_token}"},
+        )
+        assert put.status_code in (200, 201), put.text
+
+        async def seen() -> bool:
+            text = (await c.get(fleet.gateway_metrics_urls[0])).text
+            return metric_sum(text, "jetserve_gateway_pool_workers", deployment="dep-bad") >= 1
+
+        await until(seen, "the gateway seeing dep-bad's worker")
+        asking = asyncio.create_task(
+            c.post(
+                f"{fleet.base_url}/v1/chat/completions",
+                json={**CHAT, "model": "r-moved"},
+                headers=_headers(fleet),
+            )
+        )
+
+        async def followed() -> bool:
+            assert not asking.done(), asking  # not given up on as lost
+            return await _checks(fleet, "queued") >= 2
+
+        # The original message is gone (ended by the hand-over): only the copy
+        # in dep-late's pool, which the heartbeat named, can read as queued.
+        await until(followed, "two checks finding the handed-on copy queued", 60.0)
+        await asyncio.to_thread(fleet.start_worker, "--deployment-name", "dep-late")
+        r = await asking
+    assert r.status_code == 200, r.text
+    assert await _checks(fleet, "gone") == 0
+    row = await asyncio.to_thread(_record, fleet, r.headers["x-request-id"])
+    assert row is not None
+    assert row["deployment"] == "dep-late", row
