@@ -99,6 +99,39 @@ async def test_a_taken_request_whose_answer_never_comes_is_a_retryable_502(
     assert held == 0  # its hold given back
 
 
+async def test_a_committed_stream_ends_with_an_answer_lost_event(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Headers go out after 1 s in the queue: the loss comes after the commit.
+    fleet = make_fleet(workers=0, gateway_args=[*GATEWAY, "--commit-after", "1"])
+    worker = await connect(fleet.nats_url, "taker", fleet.bus_auth(Role.WORKER))
+    events: list[dict[str, Any]] = []
+    try:
+        async with (
+            httpx.AsyncClient(timeout=60) as c,
+            c.stream(
+                "POST",
+                f"{fleet.base_url}/v1/chat/completions",
+                json={**CHAT, "stream": True},
+                headers=_headers(fleet),
+            ) as r,
+        ):
+            assert r.status_code == 200  # committed while queued
+            sub = await worker.jetstream().pull_subscribe_bind(
+                DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
+                DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
+            )
+            (msg,) = await sub.fetch(1, timeout=30)
+            await msg.ack_sync()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    finally:
+        await worker.close()
+    assert [e["error"]["code"] for e in events if "error" in e] == ["answer_lost"], events
+    assert not [e for e in events if e.get("choices")], events  # nothing was sent before it
+
+
 async def test_a_request_still_queued_is_waited_for(make_fleet: Callable[..., Fleet]) -> None:
     fleet = make_fleet(workers=0, gateway_args=GATEWAY)
     async with httpx.AsyncClient(timeout=60) as c:
