@@ -258,8 +258,10 @@ class _Group:
                 try:
                     event = await upstream.next_event(hb, hb / 3)
                 except TimeoutError:
-                    # Alive but quiet: keep each member's own liveness check fed.
-                    if upstream.started:
+                    # Alive but quiet (the worker's heartbeats still come): keep
+                    # each member's own liveness check fed. A silent upstream
+                    # feeds none, so the members end it (stream_interrupted).
+                    if upstream.started and time.monotonic() - upstream.heard_at < hb:
                         self._fan(Heartbeat(upstream.last_seq, time.time(), upstream.attempt or 1))
                     continue
                 except GatewayError as exc:

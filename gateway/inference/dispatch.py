@@ -67,6 +67,7 @@ from streams.routes import HedgePolicy
 from streams.subjects import (
     frames_filter,
     live_filter,
+    live_subject,
     live_wildcard,
     pool_of,
     pool_subject,
@@ -84,6 +85,7 @@ from streams.wire import (
     Tokens,
     decode_captured,
     decode_frames,
+    encode,
 )
 
 # How long a gateway waits for the frames capture to hand back tokens that core
@@ -238,9 +240,11 @@ class Dispatcher:
         except PublishError as exc:
             self._queues.pop(req.id, None)
             raise publish_failure(exc) from exc
-        stream = FrameStream(
-            self, req, queue, duplicate=bool(ack.duplicate), queued=(ack.stream, ack.seq)
-        )
+        # A duplicate's frames go where the first publish said, maybe another
+        # gateway: this stream may hear nothing, and is no judge of a lost answer.
+        duplicate = bool(ack.duplicate)
+        queued = None if duplicate else (ack.stream, ack.seq)
+        stream = FrameStream(self, req, queue, duplicate=duplicate, queued=queued)
         if hedge is not None and not stream.duplicate:
             self.hedger.admit(req.cls, hedge)
             delay = self.hedger.delay(req.cls, hedge)
@@ -312,7 +316,8 @@ class Dispatcher:
         except PublishError:
             self.on_hedge(req.cls, "failed")
             return  # the original still runs: a hedge is an extra, never a must
-        stream.hedge_queued = (ack.stream, ack.seq)
+        if stream.hedge_queued is None:  # else a hand-over's note came first: newer
+            stream.hedge_queued = (ack.stream, ack.seq)
         stream.copies = 2
         self.on_hedge(req.cls, "sent")
         if stream.attempt is not None:
@@ -328,6 +333,29 @@ class Dispatcher:
         return await self.client.recover(
             tenant, request_id, attempt, after, through, self.gap_recovery_s
         )
+
+    async def captured(self, req: InferenceRequest) -> list[Frame] | None:
+        """A request's frames from the frames capture, up to its terminal frame
+        (None: the capture holds no end of it)."""
+        return await self.client.captured(req.tenant, req.id, self.gap_recovery_s)
+
+    async def report_lost(self, req: InferenceRequest) -> None:
+        """Tell every other reader of a request (a resumed or attached client, a
+        follower on another replica) that its answer was lost, as a worker's
+        error frame would: live, and to the capture."""
+        frame = encode(
+            ErrorFrame(
+                seq=1,
+                code="answer_lost",
+                message="A worker took this request, and its answer was lost in transit "
+                "before any of it was sent; retry the request.",
+                retryable=True,
+                status=502,
+            )
+        )
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(live_subject(req.reply), frame)
+            await self._nc.publish(req.reply, frame)
 
     async def still_queued(self, at: QueuedAt) -> bool | None:
         """A request's lost-answer check (streams/inference/frames.py), counted."""
@@ -476,6 +504,7 @@ class FrameStream(FrameReader):
             ) from None
         except AnswerLostError:
             await self.cancel("answer_lost")
+            await self._d.report_lost(self.req)
             raise AnswerLost(
                 "A worker took this request, and its answer was lost in transit before "
                 "any of it was sent; retry the request."
@@ -488,6 +517,15 @@ class FrameStream(FrameReader):
             raise StreamInterrupted(self.silence_message) from None
         except DeadlineExceededError:
             raise Timeout("The request did not complete before its deadline.") from None
+
+    async def last_look(self) -> bool:
+        """The live subject can drop what the capture kept (this gateway's
+        reconnect, a server dying between worker and gateway): a whole short
+        answer, then, is there, not lost."""
+        frames = await self._d.captured(self.req)
+        for frame in frames or ():
+            self._queue.offer(frame)
+        return bool(frames)
 
     async def on_first_token(self, attempt: int) -> None:
         await super().on_first_token(attempt)

@@ -34,7 +34,17 @@ from streams.inference.frames import QueuedAt
 from streams.marks import CancelMarks
 from streams.removal import remove_msg
 from streams.subjects import cancel_subject, frames_filter
-from streams.wire import Cancel, InferenceRequest, Meta, Token, decode_frames, encode
+from streams.wire import (
+    Cancel,
+    ErrorFrame,
+    Final,
+    Frame,
+    InferenceRequest,
+    Meta,
+    Token,
+    decode_frames,
+    encode,
+)
 
 PUBLISH_TIMEOUT_S = 5.0
 # JetStream API errors of a full work queue: maximum messages / maximum bytes
@@ -151,6 +161,35 @@ class InferenceClient:
             cb=cb,
             ordered_consumer=True,
         )
+
+    async def captured(self, tenant: str, request_id: str, wait_s: float) -> list[Frame] | None:
+        """One request's frames, read back from the frames capture up to its
+        terminal frame: a whole answer the live subject dropped. None when the
+        capture holds no terminal frame of it (read to its end within ``wait_s``)."""
+        frames: list[Frame] = []
+        read = asyncio.Event()
+
+        async def on_msg(msg: Msg) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                for frame in decode_frames(msg.data):  # the capture batches tokens
+                    frames.append(frame)
+                    if isinstance(frame, Final | ErrorFrame):
+                        read.set()
+            if not msg.metadata.num_pending:
+                read.set()  # all it holds now
+
+        try:
+            sub = await self.follow(tenant, request_id, on_msg)
+        except (nats.errors.Error, TimeoutError, APIError):
+            return None
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(read.wait(), wait_s)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        ended = any(isinstance(f, Final | ErrorFrame) for f in frames)
+        return frames if ended else None
 
     async def recover(
         self, tenant: str, request_id: str, attempt: int, after: int, through: int, wait_s: float

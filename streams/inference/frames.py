@@ -159,7 +159,11 @@ class FrameReader:
         self.still_queued = still_queued
         self._check_due: float | None = None
         self._check_every = 0.0
-        self._gone = False
+        self._gone: tuple[QueuedAt | None, QueuedAt | None] | None = None  # where it looked
+        # The attempt of the last hand-over applied, per copy (first, hedge): a
+        # later hop's note may arrive before an earlier one's.
+        self._moved_by = [0, 0]
+        self.heard_at = time.monotonic()  # when the last frame of any kind came
         self.attempt: int | None = None  # the delivery whose tokens we relay
         self.last_seq = 0
         self.skip_through = 0  # a resumed stream: tokens the reader already has
@@ -219,8 +223,9 @@ class FrameReader:
                     raise
                 await self._check_queued(heartbeat_timeout)
                 continue
+            self.heard_at = time.monotonic()
             self._check_due = None  # heard: silence counts from here
-            self._gone = False
+            self._gone = None
             if isinstance(item, Overflow):
                 raise ReaderTooSlowError("the reader fell a buffer's length behind")
             event = await self._accept(item)
@@ -244,19 +249,30 @@ class FrameReader:
 
     async def _check_queued(self, heartbeat_timeout: float) -> None:
         """A lost-answer check, due: raises AnswerLostError when the request was
-        already seen gone from the queue a heartbeat timeout ago, no frame since."""
-        if self._gone:
+        already seen gone from the queue a heartbeat timeout ago, no frame since
+        (and no copy sent or moved since: then it looks again)."""
+        where = (self.queued, self.hedge_queued)
+        if self._gone == where:
+            if await self.last_look():
+                self._gone = None
+                self._check_due = None
+                return
             raise AnswerLostError("a worker took the request, and its answer was lost")
         queued = await self._any_queued()
         # Gone: once more after one heartbeat timeout (the ack that took it off
         # the queue may have come just before this check, its first token still
         # on the way). Unknown: again after one. Queued: back off.
-        self._gone = queued is False
+        self._gone = where if queued is False else None
         if queued:
             self._check_every = min(self._check_every * 2, heartbeat_timeout * MAX_CHECK_HEARTBEATS)
         else:
             self._check_every = heartbeat_timeout
         self._check_due = time.monotonic() + self._check_every
+
+    async def last_look(self) -> bool:
+        """Before an answer counts as lost: its frames, found elsewhere and queued
+        for this reader (the gateway reads the frames capture); False: none."""
+        return False
 
     async def _any_queued(self) -> bool | None:
         """Whether a copy of the request is still queued."""
@@ -273,12 +289,16 @@ class FrameReader:
         if self.attempt is not None and frame.attempt != self.attempt:
             return None  # a redelivered or hedged attempt racing the one we relay
         if isinstance(frame, Heartbeat) and frame.moved and not self.started:
-            # Handed on to the next candidate's pool: the copy waits there now.
-            moved = (frame.moved[0], frame.moved[1])
-            if frame.attempt >= HEDGE_ATTEMPT_BASE:
-                self.hedge_queued = moved
-            else:
-                self.queued = moved
+            # Handed on to the next candidate's pool: the copy waits there now
+            # (unless a later hop's note came first: attempts grow along the way).
+            copy = int(frame.attempt >= HEDGE_ATTEMPT_BASE)
+            if frame.attempt > self._moved_by[copy]:
+                self._moved_by[copy] = frame.attempt
+                moved = (frame.moved[0], frame.moved[1])
+                if copy:
+                    self.hedge_queued = moved
+                else:
+                    self.queued = moved
         # A heartbeat carries the last token's seq; tokens and finals their own.
         ahead = 0 if isinstance(frame, Heartbeat) else 1
         if isinstance(frame, Token | Final | Heartbeat) and frame.seq > self.last_seq + ahead:

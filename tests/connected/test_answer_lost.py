@@ -26,6 +26,7 @@ from streams.auth import Role
 from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import RequestClass
+from streams.wire import Final, Token, Usage, decode_request, encode
 from tests.scrape import metric_sum
 from tests.waits import until
 
@@ -99,6 +100,39 @@ async def test_a_taken_request_whose_answer_never_comes_is_a_retryable_502(
     assert held == 0  # its hold given back
 
 
+async def test_an_answer_only_the_capture_kept_is_relayed_from_it(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The live subject dropped the whole short answer (this gateway reconnecting,
+    a server dying between worker and gateway) and the capture kept it: before
+    counting it lost, the gateway reads the capture, and answers from it."""
+    fleet = make_fleet(workers=0, gateway_args=GATEWAY)
+    worker = await connect(fleet.nats_url, "taker", fleet.bus_auth(Role.WORKER))
+    try:
+        async with httpx.AsyncClient(timeout=60) as c:
+            asking = asyncio.create_task(
+                c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
+            )
+            sub = await worker.jetstream().pull_subscribe_bind(
+                DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
+                DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
+            )
+            (msg,) = await sub.fetch(1, timeout=30)
+            reply = decode_request(msg.data).reply
+            await msg.ack_sync()
+            # To the capture only (the reply subject), never the live twin.
+            await worker.publish(reply, encode(Token(seq=1, text="kept")))
+            final = Final(seq=2, finish_reason="stop", usage=Usage(3, 1))
+            await worker.publish(reply, encode(final))
+            r = await asking
+    finally:
+        await worker.close()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "kept"
+    assert r.json()["usage"]["completion_tokens"] == 1
+    assert await _checks(fleet, "gone") == 1  # found gone, then read from the capture
+
+
 async def test_a_committed_stream_ends_with_an_answer_lost_event(
     make_fleet: Callable[..., Fleet],
 ) -> None:
@@ -144,6 +178,7 @@ async def test_a_request_still_queued_is_waited_for(make_fleet: Callable[..., Fl
             return await _checks(fleet, "queued") >= 2
 
         await until(checked_twice, "two checks finding the request queued", 60.0)
+        assert await _checks(fleet, "gone") == 0  # nothing takes it before the worker
         await asyncio.to_thread(fleet.start_worker)
         r = await asking
     assert r.status_code == 200, r.text
@@ -186,16 +221,31 @@ async def test_a_request_handed_on_to_the_next_pool_is_followed_there(
             )
         )
 
+        async def handed_on() -> bool:
+            url = f"http://127.0.0.1:{fleet.worker_metrics_ports[0]}/metrics"
+            text = (await c.get(url)).text
+            return metric_sum(text, "jetserve_worker_redeliveries_total", reason="fallback") >= 1
+
+        await until(handed_on, "dep-bad's worker handing the request on")
+        before = await _checks(fleet, "queued")
+
         async def followed() -> bool:
             assert not asking.done(), asking  # not given up on as lost
-            return await _checks(fleet, "queued") >= 2
+            return await _checks(fleet, "queued") >= before + 2
 
         # The original message is gone (ended by the hand-over): only the copy
         # in dep-late's pool, which the heartbeat named, can read as queued.
         await until(followed, "two checks finding the handed-on copy queued", 60.0)
+        assert await _checks(fleet, "gone") == 0  # never the original's place
         await asyncio.to_thread(fleet.start_worker, "--deployment-name", "dep-late")
         r = await asking
     assert r.status_code == 200, r.text
-    row = await asyncio.to_thread(_record, fleet, r.headers["x-request-id"])
-    assert row is not None
-    assert row["deployment"] == "dep-late", row
+    rows: list[dict[str, Any]] = []
+
+    async def recorded() -> bool:
+        row = await asyncio.to_thread(_record, fleet, r.headers["x-request-id"])
+        rows.extend([row] if row else [])
+        return bool(rows)
+
+    await until(recorded, "the ledger record")
+    assert rows[0]["deployment"] == "dep-late", rows

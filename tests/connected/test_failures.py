@@ -18,6 +18,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from jetserve.fleet import Fleet
 from streams.connect import connect
 from streams.definitions import DEFAULT_TOPOLOGY
+from tests.scrape import metric_sum
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -256,6 +258,54 @@ async def test_cancel_before_pickup_removes_the_request(
     await asyncio.to_thread(fleet.start_worker)
     await asyncio.sleep(0.3)
     assert (await sim_stats(fleet))["started"] == 0
+
+
+async def test_a_coalesced_stream_whose_worker_goes_silent_ends_for_every_member(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Two identical T=0 streams share one execution (``--coalesce``); its worker
+    goes quiet mid-stream (SIGSTOP). Both clients get ``stream_interrupted``:
+    the group's pump used to feed its members a heartbeat of its own every third
+    of a heartbeat timeout whatever the worker did, and they waited forever (a
+    started stream has no deadline)."""
+    fleet = make_fleet(workers=1, gateway_args=["--heartbeat-timeout", "1", "--coalesce"])
+    body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    worker = fleet.workers[0]
+    joined = asyncio.Event()
+    stopped: list[bool] = []
+
+    def freeze() -> None:
+        worker.signal(signal.SIGSTOP)
+        stopped.append(True)
+
+    async def coalesced() -> bool:
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(fleet.gateway_metrics_urls[0])).text
+        return metric_sum(text, "jetserve_gateway_coalesced_total") >= 1
+
+    async def member(on_first: Callable[[], None]) -> dict[str, Any] | None:
+        async with chat_stream(fleet, body, "slow:20") as r:
+            return await error_after_first_token(r, on_first)
+
+    async def second() -> dict[str, Any] | None:
+        await joined.wait()
+
+        async def join_then_freeze() -> None:
+            await until(coalesced, "the second stream joining the first's execution")
+            freeze()
+
+        task = asyncio.create_task(join_then_freeze())
+        try:
+            return await member(lambda: None)
+        finally:
+            await task
+
+    try:
+        errors = await asyncio.gather(member(joined.set), second())
+    finally:
+        worker.signal(signal.SIGCONT)
+    assert stopped
+    assert [e and e["code"] for e in errors] == ["stream_interrupted"] * 2, errors
 
 
 def test_oversized_request_is_413(fleet: Fleet) -> None:

@@ -6,13 +6,14 @@ test_model_call_lost.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from streams.errors import AnswerLostError
-from streams.inference.frames import FrameBuffer, FrameReader, QueuedAt
-from streams.wire import HEDGE_ATTEMPT_BASE, Final, Heartbeat, Usage
+from streams.errors import AnswerLostError, DeadlineExceededError, StreamInterruptedError
+from streams.inference.frames import DEADLINE_GRACE_S, FrameBuffer, FrameReader, QueuedAt
+from streams.wire import HEDGE_ATTEMPT_BASE, Final, Heartbeat, Token, Usage
 
 HB = 0.02  # the heartbeat timeout: short, nothing here waits on wall-clock bounds
 
@@ -140,3 +141,84 @@ async def test_without_a_queue_position_only_the_deadline_ends_the_wait() -> Non
     with pytest.raises(TimeoutError):
         await r.next_event(HB, wait_limit=HB * 5)
     assert check.asked == []
+
+
+async def test_a_hedge_copy_sent_after_a_gone_check_is_looked_at_again() -> None:
+    asked: list[QueuedAt] = []
+    r, frames = reader(Queue(False))
+
+    async def first_gone(at: QueuedAt) -> bool | None:
+        asked.append(at)
+        if len(asked) == 1:
+            r.hedge_queued = ("REQ", 9)  # the hedge timer's copy, stored meanwhile
+        if len(asked) == 3:
+            frames.offer(Final(seq=1, finish_reason="stop", usage=Usage(3, 1)))
+        return at == ("REQ", 9)
+
+    r.still_queued = first_gone
+    assert isinstance(await r.next_event(HB), Final)
+    assert asked == [("REQ", 7), ("REQ", 7), ("REQ", 9)]  # not given up at the second
+
+
+async def test_a_hand_over_note_from_an_earlier_hop_arriving_late_is_ignored() -> None:
+    check = Queue(False)
+    r, frames = reader(check)
+    frames.offer(Heartbeat(seq=0, at=time.time(), attempt=3, moved=("REQ", 50)))  # B -> C
+    frames.offer(Heartbeat(seq=0, at=time.time(), attempt=1, moved=("REQ", 42)))  # A -> B
+    with pytest.raises(AnswerLostError):
+        await r.next_event(HB)
+    assert r.queued == ("REQ", 50)
+    assert check.asked == [("REQ", 50)]
+
+
+async def test_the_deadline_before_a_check_ends_the_wait_unchecked() -> None:
+    check = Queue(True)
+    frames = FrameBuffer()
+    r = FrameReader(frames, time.time() + HB / 2 - DEADLINE_GRACE_S, ("REQ", 7), check)
+    with pytest.raises(DeadlineExceededError):
+        await r.next_event(HB)
+    assert check.asked == []
+
+
+async def test_after_the_first_token_silence_is_an_interruption_not_a_check() -> None:
+    check = Queue(False)
+    r, frames = reader(check)
+    frames.offer(Token(seq=1, text="hi"))
+    assert isinstance(await r.next_event(HB), Token)
+    with pytest.raises(StreamInterruptedError):
+        await r.next_event(HB)
+    assert check.asked == []
+
+
+async def test_a_caller_tick_runs_out_even_while_heartbeats_come() -> None:
+    """``wait_limit`` bounds the whole call: heartbeats (which the reader drops)
+    used to start it over, so an SSE keep-alive or a commit timer waited as long
+    as a worker sent heartbeats during a long prefill."""
+    r, frames = reader(Queue(True))
+
+    async def beating() -> None:
+        while True:
+            frames.offer(Heartbeat(seq=0, at=time.time()))
+            await asyncio.sleep(HB / 10)
+
+    beats = asyncio.create_task(beating())
+    try:
+        with pytest.raises(TimeoutError):
+            await r.next_event(HB * 100, wait_limit=HB)
+    finally:
+        beats.cancel()
+
+
+async def test_the_last_look_relays_an_answer_found_elsewhere() -> None:
+    class Looking(FrameReader):
+        looks = 0
+
+        async def last_look(self) -> bool:
+            self.looks += 1
+            self._queue.offer(Final(seq=1, finish_reason="stop", usage=Usage(3, 1)))
+            return True
+
+    check = Queue(False)
+    r = Looking(FrameBuffer(), time.time() + 600, ("REQ", 7), check)
+    assert isinstance(await r.next_event(HB), Final)
+    assert r.looks == 1

@@ -29,7 +29,6 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
 from nats.js.errors import APIError
 
 from streams.connect import OPEN, BusAuth, connect
@@ -738,9 +737,7 @@ class Worker:
             # The one retry owner before the first token: the next candidate's
             # pool when the route has one, else JetStream redelivery to any
             # worker of this pool; inside the request's original deadline.
-            moved = None if req is None else await self._hand_over(msg, req)
-            if moved is not None:
-                await sender.moved(moved.stream, moved.seq)
+            if req is not None and await self._hand_over(msg, req, sender):
                 self.metrics.redeliveries.labels(cls, "fallback").inc()
                 self._event("fallback", req, cls, code=exc.code, failures=failures)
                 return
@@ -760,13 +757,13 @@ class Worker:
         await msg.term()
         self.metrics.requests.labels(cls, exc.code).inc()
 
-    async def _hand_over(self, msg: Msg, req: InferenceRequest) -> PubAck | None:
+    async def _hand_over(self, msg: Msg, req: InferenceRequest, sender: FrameSender) -> bool:
         """Fallback inside the contract: publish ``req`` to the pool of the
-        candidate after this worker's deployment and end this message; where
-        it is stored now, or None when there is no such candidate (or the
-        publish failed: the caller redelivers)."""
+        candidate after this worker's deployment, tell the reader where it is
+        now, and end this message; False when there is no such candidate (or
+        the publish failed: the caller redelivers)."""
         if pool_of(msg.subject) is None or not req.candidates:
-            return None
+            return False
         dep = self.cfg.deployment.name if self.cfg.deployment else ""
         later = req.candidates[req.candidates.index(dep) + 1 :] if dep in req.candidates else []
         if req.adapter:
@@ -775,7 +772,7 @@ class Worker:
             pools = [adapter_pool(d, req.adapter) for d in later]
             later = [p for p in pools if members is not None and members.live(p)]
         if not later:
-            return None
+            return False
         attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
         moved = msgspec.structs.replace(req, attempt_base=attempt)
         headers = dict(msg.headers or {})
@@ -788,9 +785,12 @@ class Worker:
             )
         except (nats.errors.Error, TimeoutError, APIError) as exc:
             log.warning("fallback to %s failed (%r): redelivered here instead", later[0], exc)
-            return None
+            return False
+        # The note before the end: a reader checking the queue never finds the
+        # request gone from both places.
+        await sender.moved(ack.stream, ack.seq)
         await msg.term()
-        return ack
+        return True
 
     def _event(self, event: str, req: InferenceRequest | None, cls: str, **fields: Any) -> None:
         """A structured log line (streams/logs.py): ids and codes, never request text."""
