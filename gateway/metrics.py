@@ -107,6 +107,14 @@ class GatewayMetrics:
             ["cls", "outcome"],
             registry=r,
         )
+        self.client_left = Counter(
+            "jetserve_gateway_client_left",
+            "Clients that hung up on an accepted request (or cancelled it): in_flight (the "
+            "request was cancelled or left to a resume grace), at_end (it already had its "
+            "outcome, being recorded: nothing changes)",
+            ["when"],
+            registry=r,
+        )
         self.queue_checks = Counter(
             "jetserve_gateway_queue_checks",
             "Lost-answer checks of requests silent before their first token: queued (still "

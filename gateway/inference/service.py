@@ -14,13 +14,14 @@ queue full) get a ledger record too. Never any prompt or completion text.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
+import nats.errors
 
 from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, BudgetExceeded, GatewayError, NotFound, RateLimited
@@ -438,14 +439,42 @@ class InferenceService:
 
     # -- the terminal outcome --------------------------------------------------------
     async def finish(
-        self, adm: Session, outcome: str, status: int, final: Final | None = None
+        self,
+        adm: Session,
+        outcome: str,
+        status: int,
+        final: Final | None = None,
+        then: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """The one terminal outcome of a request on this gateway (idempotent):
-        metrics and span, then the books (gateway/inference/books.py)."""
+        metrics and span, then the books (gateway/inference/books.py), then
+        ``then`` (the idempotency key's part). Once decided, it is recorded
+        whatever becomes of the caller: a client that leaves while the books are
+        written cancels its response, not them (shielded, and owned here)."""
         if adm.outcome is not None:
             return
         adm.outcome = outcome
         adm.stream.close()
+        books = asyncio.ensure_future(self._record(adm, outcome, status, final, then))
+        self._background.add(books)
+        books.add_done_callback(self._background.discard)
+        await asyncio.shield(books)
+
+    async def _record(
+        self,
+        adm: Session,
+        outcome: str,
+        status: int,
+        final: Final | None,
+        then: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        await self._record_books(adm, outcome, status, final)
+        if then is not None:
+            await then()
+
+    async def _record_books(
+        self, adm: Session, outcome: str, status: int, final: Final | None
+    ) -> None:
         await adm.stream.hedge_settled()
         span = adm.span if isinstance(adm, Admitted) else None
         if span is not None and final is not None:
@@ -515,15 +544,26 @@ class InferenceService:
         return first_ms
 
     async def fail(self, adm: Session, exc: GatewayError) -> None:
-        await self.finish(adm, exc.code, exc.status)
+        then = None
         if isinstance(adm, Admitted) and adm.claim is not None:
-            await self.books.idem_fail(adm.claim, adm.raw, exc)
+            then = functools.partial(self.books.idem_fail, adm.claim, adm.raw, exc)
+        await self.finish(adm, exc.code, exc.status, then=then)
 
-    async def abandon(self, adm: Session, reason: str = "client_disconnected") -> None:
+    async def abandon(
+        self, adm: Session, reason: str = "client_disconnected", *, may_resume: bool = True
+    ) -> None:
         """The client went away. Without a resume grace, cancel upstream so the
-        engine stops at once; with one, give the client that long to resume."""
+        engine stops at once; with one, give the client that long to resume
+        (``may_resume`` False: it left before its response began, so it never
+        learnt the request id a resume needs).
+        Nothing to do once the request has its outcome (a client that leaves as
+        its answer is being recorded)."""
+        if adm.outcome is not None:
+            self.metrics.client_left.labels("at_end").inc()
+            return
+        self.metrics.client_left.labels("in_flight").inc()
         grace = self.cfg.resume_grace_s
-        lingering = reason == "client_disconnected" and grace > 0
+        lingering = may_resume and reason == "client_disconnected" and grace > 0
         if (
             isinstance(adm, Admitted)
             and adm.wants_stream
@@ -531,9 +571,11 @@ class InferenceService:
             and not adm.attached
             and not adm.stream.done
         ):
-            task = asyncio.ensure_future(self._linger(adm, reason, grace))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            if not adm.lingering:  # once: a second hang-up report changes nothing
+                adm.lingering = True
+                task = asyncio.ensure_future(self._linger(adm, reason, grace))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             return
         if isinstance(adm, Resumed) or adm.attached:
             # A resumed client left: the original gateway (or the one that took
@@ -543,27 +585,39 @@ class InferenceService:
             if isinstance(adm, Admitted):
                 self.metrics.inflight.dec()
             return
+        await self._cancel(adm, reason)
+
+    async def _cancel(self, adm: Admitted, reason: str) -> None:
+        """Stop the upstream and record the request cancelled; a retry of its
+        Idempotency-Key runs again."""
         await adm.stream.cancel(reason)
-        await self.finish(adm, "cancelled" if reason.startswith("client_d") else reason, 499)
-        if adm.claim is not None:
-            await self.books.idem_release(adm.claim)
+        claim = adm.claim
+        then = None if claim is None else functools.partial(self.books.idem_release, claim)
+        outcome = "cancelled" if reason.startswith("client_d") else reason
+        await self.finish(adm, outcome, 499, then=then)
 
     async def _linger(self, adm: Admitted, reason: str, grace: float) -> None:
-        resumed = await self.dispatcher.watch_resumed(adm.request_id)
+        """A streaming client left: for ``grace``, a resume (on any replica) may
+        pick the stream up; then, or if none came, the stream is cancelled. The
+        books follow the stream meanwhile (its frames read here, so a long one
+        does not fill its buffer and end as too slow), and to its end once a
+        resume came."""
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(resumed.wait(), grace)
-            if not resumed.is_set():
-                await adm.stream.cancel(reason)
-                await self.finish(adm, "cancelled", 499)
-                if adm.claim is not None:
-                    await self.books.idem_release(adm.claim)
-                return
-            # Resumed (on this replica or another): keep the books by following
-            # the stream to its end; the client reads it through the resume.
+            resumed = await self.dispatcher.watch_resumed(adm.request_id)
+        except nats.errors.Error:
+            await self._cancel(adm, reason)  # no way to hear of a resume
+            return
+        until = time.monotonic() + grace
+        try:
             while True:
+                left = None if resumed.is_set() else until - time.monotonic()
+                if left is not None and left <= 0:
+                    await self._cancel(adm, reason)
+                    return
                 try:
-                    event = await adm.stream.next_event(self.cfg.heartbeat_timeout_s)
+                    event = await adm.stream.next_event(self.cfg.heartbeat_timeout_s, left)
+                except TimeoutError:
+                    continue  # the grace is up, or a resume came meanwhile: look again
                 except GatewayError as exc:
                     await self.fail(adm, exc)
                     return

@@ -35,6 +35,7 @@ class Admitted:
     # An Idempotency-Key retry following the first run's frames (the first run,
     # or the orphan sweep, may settle it instead: whoever reaches Redis first).
     attached: bool = False
+    lingering: bool = False  # its client left; a resume may still pick it up
 
     @property
     def request_id(self) -> str:

@@ -78,7 +78,8 @@ async def _serve(request: Request, op: Op) -> Response:
         if isinstance(first, ErrorFrame):
             raise error_from_frame(first)
     except ClientGone:
-        await gw.abandon(adm)
+        # Before the response began: no X-Request-Id reached it, so no resume.
+        await gw.abandon(adm, may_resume=False)
         return Response(status_code=499)  # nobody reads it; for the access log
     except GatewayError as exc:
         await gw.fail(adm, exc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -124,7 +124,7 @@ class ClientEvent(NamedTuple):
 
 async def client_events(
     gw: InferenceService, adm: Session, first: Event | None
-) -> AsyncIterator[ClientEvent]:
+) -> AsyncGenerator[ClientEvent, None]:
     """OpenAI chunks for one streaming request, for any transport (SSE, WebSocket).
 
     ``first`` is the event that committed the response (None: committed by the

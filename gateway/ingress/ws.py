@@ -68,6 +68,10 @@ class _Connection:
         self.gw = gw
         self.headers = headers
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        # Being admitted (a hold, the fair gate, the publish): set when cancelled.
+        # Cancelling the task there would leave a hold or a queued copy behind;
+        # its admission ends first, and the request is abandoned then.
+        self.admitting: dict[str, asyncio.Event] = {}
         self.admitted: dict[str, Admitted] = {}
         self._send_lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
@@ -82,44 +86,63 @@ class _Connection:
         await self.send("error", rid, status=exc.status, error=exc.body()["error"])
 
     async def run_request(self, msg: WsRequest) -> None:
+        gone = asyncio.Event()
+        self.admitting[msg.id] = gone
         try:
-            adm = await self.gw.admit(msg.op, _encoder.encode(msg.body), self.headers)
+            adm = await self.gw.admit(msg.op, _encoder.encode(msg.body), self.headers, gone=gone)
         except GatewayError as exc:
-            await self.error(msg.id, exc)
+            if not gone.is_set():
+                await self.error(msg.id, exc)
             return
+        finally:
+            self.admitting.pop(msg.id, None)
         if isinstance(adm, Replayed):
-            await self.send("response", msg.id, data=adm.response)
+            if not gone.is_set():
+                await self.send("response", msg.id, data=adm.response)
+            return
+        if gone.is_set():
+            await self.gw.abandon(adm, "client_cancelled")
             return
         self.admitted[msg.id] = adm
         try:
-            if not adm.wants_stream or msg.op == "embedding":
-                try:
-                    result = await self.gw.collect(adm)
-                except GatewayError as exc:
-                    await self.error(msg.id, exc)
-                    return
-                body = self.gw.render(adm, result)
-                await self.gw.complete(adm, body)
-                await self.send("response", msg.id, data=body)
+            await self._relay(msg, adm)
+        except (WebSocketDisconnect, OSError):
+            # The socket failed under a send: the client is gone, and the
+            # request still ends in one recorded outcome (nothing, once it has).
+            await self.gw.abandon(adm)
+        finally:
+            self.admitted.pop(msg.id, None)
+
+    async def _relay(self, msg: WsRequest, adm: Admitted) -> None:
+        """The answer, as response, chunk, done and error messages."""
+        if not adm.wants_stream or msg.op == "embedding":
+            try:
+                result = await self.gw.collect(adm)
+            except GatewayError as exc:
+                await self.error(msg.id, exc)
                 return
-            async for kind, payload, status, event_id in client_events(self.gw, adm, None):
+            body = self.gw.render(adm, result)
+            await self.gw.complete(adm, body)
+            await self.send("response", msg.id, data=body)
+            return
+        # Closed on any exit: a send that fails leaves no reader suspended.
+        async with contextlib.aclosing(client_events(self.gw, adm, None)) as events:
+            async for kind, payload, status, event_id in events:
                 if kind == "chunk":
                     await self.send(
-                        "chunk",
-                        msg.id,
-                        request_id=adm.request_id,
-                        event_id=event_id,
-                        data=payload,
+                        "chunk", msg.id, request_id=adm.request_id, event_id=event_id, data=payload
                     )
                 elif kind == "done":
                     await self.send("done", msg.id)
                 elif kind == "error":
                     assert payload is not None
                     await self.send("error", msg.id, status=status, error=payload["error"])
-        finally:
-            self.admitted.pop(msg.id, None)
 
     async def cancel(self, rid: str) -> None:
+        gone = self.admitting.get(rid)
+        if gone is not None:
+            gone.set()  # still being admitted: run_request abandons it after
+            return
         task = self.tasks.pop(rid, None)
         adm = self.admitted.pop(rid, None)
         if task is not None:
@@ -186,6 +209,8 @@ class _Connection:
         finally:
             for rid in list(self.tasks):
                 await self.cancel(rid)
+            if self.tasks:  # still being admitted: each abandons its request after
+                await asyncio.wait(list(self.tasks.values()))
 
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
         self._last_active = self._loop.time()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -11,6 +15,7 @@ import websockets
 from jetserve.fleet import Fleet
 from streams.auth import Role
 from streams.subjects import INGRESS_CHAT
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -111,3 +116,96 @@ async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
         assert msgspec.json.decode(bad.data)["error"]["code"] == "invalid_api_key"
     finally:
         await nc.close()
+
+
+def _books(fleet: Fleet) -> tuple[list[dict[str, Any]], int]:
+    """The tenant's ledger records and its reserved (held) micro-dollars."""
+    with fleet.admin() as admin:
+        text = admin.ledger(fleet.spec.tenant)
+        view = admin.get_limits("tenant", fleet.spec.tenant)
+    return [msgspec.json.decode(x) for x in text.splitlines() if x], int(view["reserved_micros"])
+
+
+def _request(rid: str, body: dict[str, Any]) -> str:
+    return msgspec.json.encode({"type": "request", "id": rid, "body": body}).decode()
+
+
+async def _round_trip(ws: Any) -> None:
+    """Send a message the socket refuses and wait for the refusal: every message
+    sent before it has been handled."""
+    await ws.send("not json")
+    while True:
+        msg = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
+        if msg["type"] == "error" and msg["id"] == "":
+            return
+
+
+async def test_a_websocket_cancel_while_admitting_ends_the_request_once(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A cancel that arrives while the request is still being admitted (its hold
+    waits on Redis, frozen here) lets the admission finish and then abandons the
+    request: one `cancelled` record, the hold given back. Cancelling the task
+    mid-admission, as before, left the hold taken until the sweep and the
+    request unrecorded."""
+    fleet = make_fleet(workers=1)
+    assert fleet.redis is not None
+    pid = fleet.redis.proc.pid
+    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws"
+    frozen = False
+    try:
+        async with websockets.connect(
+            url, additional_headers={"Authorization": f"Bearer {fleet.api_key}"}
+        ) as ws:
+            await _round_trip(ws)  # authenticated and served once: the key is known
+            os.kill(pid, signal.SIGSTOP)
+            frozen = True
+            await ws.send(_request("c1", {**BODY, "stream": True}))
+            await _round_trip(ws)  # c1's admission has begun, and waits on Redis
+            await ws.send(msgspec.json.encode({"type": "cancel", "id": "c1"}).decode())
+            await _round_trip(ws)  # the cancel is handled, Redis still frozen
+            os.kill(pid, signal.SIGCONT)
+            frozen = False
+
+            async def ended() -> bool:
+                rows, reserved = await asyncio.to_thread(_books, fleet)
+                return len(rows) == 1 and reserved == 0
+
+            await until(ended, "the cancelled request's record and its hold given back")
+    finally:
+        if frozen:
+            os.kill(pid, signal.SIGCONT)
+    (row,) = (await asyncio.to_thread(_books, fleet))[0]
+    assert row["outcome"] == "client_cancelled", row
+    assert row["charge_micros"] == 0
+
+
+async def test_a_websocket_dropped_mid_stream_ends_each_request_once(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The client's connection drops (no close handshake) with two streams in
+    flight: each still ends in one recorded outcome, and no hold is left."""
+    fleet = make_fleet(workers=1)
+    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws"
+    body = {**BODY, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    async with websockets.connect(
+        url,
+        additional_headers={"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:20"},
+    ) as ws:
+        await ws.send(_request("a", body))
+        await ws.send(_request("b", body))
+        seen: set[str] = set()
+        while seen != {"a", "b"}:
+            msg = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
+            if msg["type"] == "chunk":
+                seen.add(msg["id"])
+        ws.transport.abort()  # the TCP connection drops
+
+    async def ended() -> bool:
+        rows, reserved = await asyncio.to_thread(_books, fleet)
+        return len(rows) == 2 and reserved == 0
+
+    await until(ended, "both requests' records and their holds given back")
+    rows, _ = await asyncio.to_thread(_books, fleet)
+    # Cancelled by the socket's close, or, when a send failed first, as a hang-up.
+    assert {r["outcome"] for r in rows} <= {"client_cancelled", "cancelled"}, rows

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +21,7 @@ import redis.asyncio as aioredis
 from gateway.tenancy.idempotency import PREFIX, Stored, key_hash
 from jetserve.fleet import Fleet
 from tests.connected.test_resume import BODY, ledger_records, read_events, reference
+from tests.scrape import metric_sum
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -152,3 +155,60 @@ async def test_a_cancelled_streaming_run_is_run_again_by_its_retry(fleet: Fleet)
     assert second_id != first_id  # a new generation of the key
     assert await sim_started(fleet) - started_before == 2
     assert "".join(texts) == reference(fleet)
+
+
+async def test_a_client_leaving_as_its_answer_is_recorded_leaves_it_recorded(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The client reads its stream's last chunk and hangs up while the gateway
+    still records the run (its key's replay goes to Redis, frozen here). The
+    hang-up changes nothing: the record completes, a retry of the key gets the
+    first run's answer, the engine ran once. Before, the hang-up cancelled the recording
+    midway and released the key: the retry ran, and was charged, again."""
+    fleet = make_fleet(workers=1)
+    assert fleet.redis is not None
+    redis_pid = fleet.redis.proc.pid
+    started_before = await sim_started(fleet)
+    url = f"{fleet.base_url}/v1/chat/completions"
+    hdrs = headers(fleet, "leave-at-the-end", slow=False)
+    frozen = False
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+            async with c.stream("POST", url, json=body, headers=hdrs) as r:
+                first_id = r.headers["x-request-id"]
+                async for line in r.aiter_lines():
+                    if not frozen and '"content"' in line:
+                        os.kill(redis_pid, signal.SIGSTOP)  # the tokens need no Redis
+                        frozen = True
+                    if '"usage":{' in line:
+                        break  # the last chunk before [DONE]: the gateway records now
+
+            async def left() -> bool:
+                text = (await c.get(fleet.gateway_metrics_urls[0])).text
+                return metric_sum(text, "jetserve_gateway_client_left_total", when="at_end") >= 1
+
+            await until(left, "the gateway seeing the client leave after its answer ended")
+            os.kill(redis_pid, signal.SIGCONT)
+            frozen = False
+            async with c.stream("POST", url, json=body, headers=hdrs) as r2:
+                # The first run's answer (replayed, or followed while its record
+                # is still being written), not a new generation of the key.
+                assert r2.headers["x-request-id"] == first_id
+                texts, _, done, error = await read_events(r2)
+    finally:
+        if frozen:
+            os.kill(redis_pid, signal.SIGCONT)
+    assert error is None
+    assert done
+    assert await sim_started(fleet) - started_before == 1
+    assert "".join(texts) == reference(fleet)  # (the reference asks the engine itself)
+
+    async def recorded() -> bool:
+        return len(ledger_records(fleet, first_id)) == 1
+
+    await until(recorded, "the run's one ledger record")
+    (row,) = ledger_records(fleet, first_id)
+    assert row["outcome"] in ("stop", "length"), row  # its finish reason, not a cancel
+    assert isinstance(row["charge_micros"], int)
+    assert row["charge_micros"] > 0
