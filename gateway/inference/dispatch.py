@@ -376,7 +376,10 @@ class Dispatcher:
         (the request's own client is still there)."""
         partitions = self.topology.frames_partitions
         subject = frames_filter(tenant, request_id, partitions)
-        queue = FrameBuffer(self.max_buffered)
+        # Unbounded: the capture replays what the client missed at once, up to a
+        # whole answer (so at most the request's max_tokens frames); a bound
+        # ended every resume of more than that many tokens as too slow.
+        queue = FrameBuffer(None)
         # The capture (batched, from its head frame) and the live frames (tokens
         # at engine speed, heartbeats), merged in order, each frame once.
         merged = InOrder(queue, meta_first=True)

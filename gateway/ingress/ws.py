@@ -107,9 +107,10 @@ class _Connection:
         try:
             await self._relay(msg, adm)
         except (WebSocketDisconnect, OSError):
-            # The socket failed under a send: the client is gone, and the
-            # request still ends in one recorded outcome (nothing, once it has).
-            await self.gw.abandon(adm)
+            # The socket failed under a send: the client is gone, and the request
+            # still ends in one recorded outcome (nothing, once it has), cancelled
+            # as by the socket's close.
+            await self.gw.abandon(adm, "client_cancelled")
         finally:
             self.admitted.pop(msg.id, None)
 

@@ -207,5 +207,5 @@ async def test_a_websocket_dropped_mid_stream_ends_each_request_once(
 
     await until(ended, "both requests' records and their holds given back")
     rows, _ = await asyncio.to_thread(_books, fleet)
-    # Cancelled by the socket's close, or, when a send failed first, as a hang-up.
-    assert {r["outcome"] for r in rows} <= {"client_cancelled", "cancelled"}, rows
+    # Cancelled by the socket's close (or by a send that failed first).
+    assert [r["outcome"] for r in rows] == ["client_cancelled"] * 2, rows

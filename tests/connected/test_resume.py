@@ -17,6 +17,7 @@ from jetserve.fleet import Fleet, FleetSpec
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import frames_filter
 from tests.refusals import assert_no_refusals
+from tests.waits import until
 from workers.inference.relay import CAPTURE_EVERY_S
 
 pytestmark = pytest.mark.connected
@@ -87,6 +88,46 @@ async def test_resume_after_disconnect_on_the_same_replica(
     assert error is None
     assert done
     assert "".join(first) + "".join(rest) == reference(fleet)
+    await _await_ledger(fleet, request_id)
+
+
+async def test_a_stream_that_ends_in_its_resume_grace_is_answered_and_resumable(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The client leaves after two tokens; its stream runs on, unread by any
+    client, for longer than the gateway's frame buffer (1,024 frames), and ends
+    within the resume grace. The gateway reads it meanwhile: the engine finishes
+    (it was cancelled as a too-slow client once the unread buffer filled), the
+    request is recorded answered, and a resume after the end gets the rest."""
+    fleet = make_fleet(workers=1, gateway_args=["--resume-grace", "30"])
+    # Paced (2 ms a token): unpaced, 1,500 tokens outrun even a reading client.
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "slow:2"}
+    body = {**BODY, "max_tokens": 1500, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream(
+            "POST", f"{fleet.base_url}/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            request_id = r.headers["x-request-id"]
+            first, last_id, _, _ = await read_events(r, stop_after=2)
+        record: dict[str, Any] = {}
+
+        async def engine_done() -> bool:
+            nonlocal record
+            got = await c.get(f"{fleet.sim_url}/sim/requests/{request_id}")
+            record = got.json() if got.status_code == 200 else {}
+            return record.get("status") in ("finished", "aborted")
+
+        await until(engine_done, "the engine ending the unread stream")
+        assert record["status"] == "finished", record
+        async with c.stream(
+            "GET",
+            f"{fleet.base_url}/v1/requests/{request_id}/stream",
+            headers={"Authorization": f"Bearer {fleet.api_key}", "Last-Event-ID": str(last_id)},
+        ) as r2:
+            rest, _, done, error = await read_events(r2)
+    assert error is None
+    assert done
+    assert "".join(first) + "".join(rest) == reference(fleet, {**body, "stream": False})
     await _await_ledger(fleet, request_id)
 
 
