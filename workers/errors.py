@@ -6,7 +6,8 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     │   ├── EngineRateLimited    429 (retryable before the first token)
     │   ├── EngineUnavailable    503, 5xx or connect failure (retryable before the first token)
     │   ├── EngineRejected       4xx: the request itself is bad (never retried)
-    │   │   └── EngineUnsupported  400 ``unsupported_parameter``: the adapter cannot carry a field
+    │   │   ├── EngineUnsupported  400 ``unsupported_parameter``: the adapter cannot carry a field
+    │   │   └── ResponseTooLarge   400 the answer (embeddings) exceeds the bus's message size
     │   └── EngineStreamBroken   the stream ended without a finish (never retried)
     ├── DeadlineExceeded         the request's absolute deadline passed
     └── TokenizerUnavailable     --tokenizer given, but it cannot be loaded (start-up)
@@ -58,6 +59,14 @@ class EngineUnsupported(EngineRejected):
     never dropped silently."""
 
     code = "unsupported_parameter"
+
+
+class ResponseTooLarge(EngineRejected):
+    """The engine answered, but the answer's one frame (all of a request's
+    embeddings) is over the bus's message size: the request asks too much."""
+
+    code = "response_too_large"
+    status = 400
 
 
 class EngineStreamBroken(EngineError):

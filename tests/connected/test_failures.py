@@ -308,6 +308,24 @@ async def test_a_coalesced_stream_whose_worker_goes_silent_ends_for_every_member
     assert [e and e["code"] for e in errors] == ["stream_interrupted"] * 2, errors
 
 
+def test_embeddings_over_the_bus_message_size_are_a_400_not_a_lost_answer(
+    fleet: Fleet,
+) -> None:
+    """700 inputs fit the request (and the bus), but their 384-dim vectors do not
+    fit one answer frame (over 1 MiB). The worker checks before it sends or acks:
+    a 400 ``response_too_large``. It used to ack, fail to publish, and leave the
+    client waiting for an answer that never came (with the lost-answer watch, a
+    502 ``answer_lost`` two heartbeat timeouts later: the client's retry fails alike)."""
+    body = {"model": "sim-embed", "input": [f"x{i}" for i in range(700)]}
+    r = httpx.post(f"{fleet.base_url}/v1/embeddings", json=body, headers=auth(fleet), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "response_too_large"
+    small = {"model": "sim-embed", "input": [f"x{i}" for i in range(100)]}
+    r = httpx.post(f"{fleet.base_url}/v1/embeddings", json=small, headers=auth(fleet), timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 100
+
+
 def test_oversized_request_is_413(fleet: Fleet) -> None:
     # Over the bus's message size (1 MiB), under the body cap (4 MiB).
     body = {"model": "sim-embed", "input": "x" * 1_500_000}

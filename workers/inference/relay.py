@@ -26,6 +26,7 @@ from nats.aio.client import Client
 
 from streams.subjects import live_subject
 from streams.wire import ErrorFrame, Final, Heartbeat, Token, Tokens, Usage, encode
+from workers.errors import ResponseTooLarge
 
 CAPTURE_EVERY_S = 0.25  # the longest a token waits for the capture
 CAPTURE_MAX_BYTES = 256 << 10  # a batch is flushed before it grows past this (logprobs)
@@ -95,12 +96,18 @@ class FrameSender:
         await self._nc.publish(self._capture, data)
 
     async def final(self, **fields: Any) -> None:
+        usage = fields.pop("usage", Usage())
+        data = encode(Final(seq=self.seq + 1, usage=usage, attempt=self._attempt, **fields))
+        if len(data) > self._nc.max_payload:
+            # Before anything is sent or acked: the caller fails the request
+            # (an error frame, the message ended), it is not lost.
+            raise ResponseTooLarge(
+                f"The answer is {len(data)} bytes, over the message bus's limit of "
+                f"{self._nc.max_payload}; send fewer inputs per request."
+            )
         self.closed = True
         self.outcome = str(fields.get("finish_reason", "stop"))
-        usage = fields.pop("usage", Usage())
-        await self._terminal(
-            encode(Final(seq=self.seq + 1, usage=usage, attempt=self._attempt, **fields))
-        )
+        await self._terminal(data)
 
     async def error(self, code: str, message: str, *, status: int, retryable: bool) -> None:
         self.closed = True
@@ -127,11 +134,17 @@ class FrameSender:
             await asyncio.sleep(self._heartbeat_s / 2)
             if self.closed:
                 return
-            now = time.monotonic()
-            if self._batch and now - self._batch_at >= self._every:
-                await self._flush()
-            if now - self._last_sent >= self._heartbeat_s:
-                self._last_sent = now
-                await self._nc.publish(
-                    self._live, encode(Heartbeat(self.seq, time.time(), self._attempt))
-                )
+            # One failed publish (a reconnect's full buffer) must not end the
+            # heartbeats: the reader would take a live request for a dead one.
+            with contextlib.suppress(nats.errors.Error):
+                await self._beat()
+
+    async def _beat(self) -> None:
+        """One tick: the capture's old batch, and a heartbeat if nothing went out."""
+        now = time.monotonic()
+        if self._batch and now - self._batch_at >= self._every:
+            await self._flush()
+        if not self.closed and now - self._last_sent >= self._heartbeat_s:
+            self._last_sent = now
+            beat = Heartbeat(self.seq, time.time(), self._attempt)
+            await self._nc.publish(self._live, encode(beat))

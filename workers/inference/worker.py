@@ -28,6 +28,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import MsgAlreadyAckdError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -81,6 +82,12 @@ DEFAULT_CLASSES = (
 
 
 EXCESS_POLL_S = 0.05  # a class's excess subject: each pull's expiry
+
+
+async def _end(msg: Msg) -> None:
+    """Terminate ``msg`` (no redelivery) unless it is acked already."""
+    with contextlib.suppress(MsgAlreadyAckdError, nats.errors.Error):
+        await msg.term()
 
 
 @dataclass(frozen=True)
@@ -553,8 +560,7 @@ class Worker:
                 # closed, so the engine stops). Cancel until done: a cancel can
                 # be dropped by a wait_for inside (Python 3.11).
                 await stop_task(work)
-                if not sender.started:
-                    await msg.term()
+                await _end(msg)  # not redelivered (a first token's ack may never have gone)
                 self.metrics.requests.labels(req.cls, "cancelled").inc()
                 self._event("cancelled", req, req.cls, started=sender.started)
             else:
@@ -562,10 +568,15 @@ class Worker:
         except asyncio.CancelledError:
             # Drain timed out or the process is stopping.
             await stop_task(work)
-            if sender.started:
+            if sender.closed:
+                # Its end went out (an error frame, a hand-over) before the
+                # message was ended: end it, never hand it to another worker.
+                await _end(msg)
+            elif sender.started:
                 await sender.error(
                     "stream_interrupted", "worker shut down mid-stream", status=502, retryable=False
                 )
+                await _end(msg)  # its first token's ack may never have gone
             else:
                 await msg.nak()  # nothing emitted: another worker takes it now
                 self.metrics.redeliveries.labels(req.cls, "shutdown").inc()
@@ -607,7 +618,9 @@ class Worker:
                 if req.op == "embedding":
                     result = await self.embed_batcher.embed(req.body, req.id, headers, req.deadline)
                     span.event("engine_done")
-                    self._ack(msg, req.cls, done)
+                    # The answer first, then the ack (as a stream's first token):
+                    # an answer that cannot be sent (over the bus's message
+                    # size) fails the request instead of leaving it acked, unanswered.
                     await sender.final(
                         finish_reason="stop",
                         usage=result.usage,
@@ -622,6 +635,7 @@ class Worker:
                         ),
                         engine_ms=(time.monotonic() - started_at) * 1000,
                     )
+                    self._ack(msg, req.cls, done)
                     self._observe_done(req, started_at, 0.0, result.usage)
                     return
                 # Where the engine's KV events stand: its prefill's blocks come after.
@@ -786,6 +800,7 @@ class Worker:
         except (nats.errors.Error, TimeoutError, APIError) as exc:
             log.warning("fallback to %s failed (%r): redelivered here instead", later[0], exc)
             return False
+        sender.closed = True  # this attempt is over: a shutdown now ends the message
         # The note before the end: a reader checking the queue never finds the
         # request gone from both places.
         await sender.moved(ack.stream, ack.seq)
@@ -804,4 +819,7 @@ class Worker:
         while not sender.started:
             await asyncio.sleep(beat)
             if not sender.started:
-                await msg.in_progress()
+                # One failed tick (a reconnect's full buffer) must not end the
+                # ticking: the message would be redelivered mid-prefill and run twice.
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.in_progress()
