@@ -119,6 +119,9 @@ class GatewayConfig:
     # tcp_wmem's max, 4 MiB by default): what a client that stops reading can
     # park in the kernel before the gateway's own bounded buffer fills and ends it.
     client_send_buffer_bytes: int = 0
+    # A request's head and body must arrive within this of its first byte (of the
+    # connection's, for its first): 408 and closed past it (slowloris).
+    request_read_timeout_s: float = 30.0
     ws_max_message_bytes: int = 1024 * 1024  # a larger message closes the socket (1009)
     ws_max_inflight: int = 16  # requests per socket; past it that request gets a 429
     ws_idle_timeout_s: float = 300.0  # no frame and nothing in flight: closed (1000)

@@ -41,7 +41,9 @@ def _config(
         host=host,
         port=port,
         loop="none",
-        http=protocol_class(cfg.max_header_bytes, cfg.client_send_buffer_bytes),
+        http=protocol_class(
+            cfg.max_header_bytes, cfg.client_send_buffer_bytes, cfg.request_read_timeout_s
+        ),
         ws="websockets-sansio",
         # The WebSocket protocol's own bound: a longer message closes with 1009
         # before any of it reaches the app (it applies after decompression).

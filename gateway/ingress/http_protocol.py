@@ -9,6 +9,12 @@ things it lacks.
   either, the answer is 431 and the connection is closed. (uvicorn's h11 protocol
   has ``h11_max_incomplete_event_size`` for this; httptools has no equivalent, and
   h11 is several times slower.)
+- **A deadline for a request to arrive.** uvicorn times a connection out only
+  between requests (keep-alive); one that connects and sends nothing, or trickles
+  its head or body a byte at a time (slowloris), holds its socket for ever. A
+  request's head and body must arrive within ``read_timeout_s`` of its first byte
+  (of the connection, for the first): past it the answer is 408 and the connection
+  is closed. Upgraded (WebSocket) connections have their own idle bound.
 - **A lingering close** (RFC 9112 section 9.6). uvicorn closes the socket right
   after a ``Connection: close`` answer. When the client is still sending (a 413 for
   a body over the cap, a 431), unread input makes the kernel answer with a reset,
@@ -29,12 +35,18 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.errors import HeadersTooLarge
+from gateway.errors import GatewayError, HeadersTooLarge
 
 # Long enough for a client that writes its whole body before reading (httpx does)
 # to finish a large upload on a local network; short enough that a client which
 # never stops sending costs one connection for seconds, not forever.
 LINGER_S = 5.0
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class _HeadTooLarge(Exception):
@@ -64,6 +76,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes = 64 * 1024
     send_buffer = 0  # SO_SNDBUF of each connection; 0: the kernel's autotuning
     linger_s = LINGER_S
+    read_timeout_s = 30.0  # a request's head and body, from its first byte
 
     def __init__(
         self,
@@ -81,6 +94,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_size = 0  # the request line and headers parsed so far
         self._head_over = False
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._read_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._real = cast(asyncio.Transport, transport)
@@ -92,12 +106,43 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         super().connection_made(cast(asyncio.Transport, _Transport(self._real, self)))
+        self._arm_read_timer()  # the first request's first byte, and all of it
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
+        self._disarm_read_timer()
         super().connection_lost(exc)
+
+    def _arm_read_timer(self) -> None:
+        self._disarm_read_timer()
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _disarm_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        real = self._real
+        if real is None or real.is_closing() or self.lingering:
+            return
+        if real.get_protocol() is not self:
+            return  # upgraded: the WebSocket's own idle bound applies
+        if self.cycle is not None and self.cycle.response_started:
+            real.close()  # an answer is under way: nothing else can be said
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # The app waits for the body: it hears a disconnect, and what it
+            # would answer is dropped (this 408 is the answer).
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        err = RequestTimeout(
+            f"The request did not arrive within {self.read_timeout_s:g} s of its start."
+        )
+        self._refuse(b"408 Request Timeout", err)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -128,6 +173,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._in_message = True
         self._head_size = 0
+        self._arm_read_timer()
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -146,6 +192,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._in_message = False
         self._in_head = True
+        self._disarm_read_timer()  # arrived; between requests keep-alive's bound applies
         super().on_message_complete()
 
     # -- closing -------------------------------------------------------------------
@@ -165,23 +212,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_timer = self.loop.call_later(self.linger_s, real.close)
 
     def _refuse_head(self) -> None:
-        assert self._real is not None
         err = HeadersTooLarge(
             f"Request head over the gateway's limit of {self.max_head_bytes} bytes."
         )
+        self._refuse(b"431 Request Header Fields Too Large", err)
+
+    def _refuse(self, status: bytes, err: GatewayError) -> None:
+        """Answer ``err`` on the connection itself (no request cycle to answer
+        it) and close, lingering over what is still arriving."""
+        assert self._real is not None
+        self._disarm_read_timer()
         body = err.json()
-        head = [b"HTTP/1.1 431 Request Header Fields Too Large\r\n"]
+        head = [b"HTTP/1.1 " + status + b"\r\n"]
         for name, value in self.server_state.default_headers:
             head.append(name + b": " + value + b"\r\n")
         head.append(b"content-type: application/json\r\n")
         head.append(b"content-length: " + str(len(body)).encode() + b"\r\n")
         head.append(b"connection: close\r\n\r\n")
         self._real.write(b"".join(head) + body)
-        self._in_message = True  # the head is still arriving: linger over it
+        self._in_message = True  # the request is still arriving: linger over it
         self.close_connection()
 
 
-def protocol_class(max_head_bytes: int, send_buffer: int = 0) -> type[BoundedHttpToolsProtocol]:
+def protocol_class(
+    max_head_bytes: int, send_buffer: int = 0, read_timeout_s: float = 30.0
+) -> type[BoundedHttpToolsProtocol]:
     """The protocol for uvicorn's ``http=`` setting, with these bounds."""
 
     class Configured(BoundedHttpToolsProtocol):
@@ -189,4 +244,5 @@ def protocol_class(max_head_bytes: int, send_buffer: int = 0) -> type[BoundedHtt
 
     Configured.max_head_bytes = max_head_bytes
     Configured.send_buffer = send_buffer
+    Configured.read_timeout_s = read_timeout_s
     return Configured

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from jetserve.commands.common import (
@@ -185,6 +186,13 @@ def _edge_limits(g: argparse.ArgumentParser) -> None:
         "bounds what a client that stops reading parks in the kernel (default 0)",
     )
     g.add_argument(
+        "--request-read-timeout",
+        type=_positive,
+        default=30.0,
+        help="seconds for a request's head and body to arrive, from its first byte "
+        "(a new connection's, for its first): 408 and closed past it (default 30)",
+    )
+    g.add_argument(
         "--ws-max-message-bytes",
         type=int,
         default=1024 * 1024,
@@ -261,6 +269,17 @@ def _send_buffer(text: str) -> int:
     if not text.isdigit() or not (int(text) == 0 or 4096 <= int(text) <= MAX_SEND_BUFFER):
         raise argparse.ArgumentTypeError(f"want 0 or 4096..{MAX_SEND_BUFFER} bytes, got {text!r}")
     return int(text)
+
+
+def _positive(text: str) -> float:
+    """Seconds, above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"want a number of seconds above 0, got {text!r}")
+    return value
 
 
 def _context_length(text: str) -> tuple[str, int]:
@@ -445,6 +464,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         client_send_buffer_bytes=args.client_send_buffer,
+        request_read_timeout_s=args.request_read_timeout,
         ws_max_message_bytes=args.ws_max_message_bytes,
         ws_max_inflight=args.ws_max_inflight,
         ws_idle_timeout_s=args.ws_idle_timeout,
