@@ -451,14 +451,31 @@ class InferenceService:
         ``then`` (the idempotency key's part). Once decided, it is recorded
         whatever becomes of the caller: a client that leaves while the books are
         written cancels its response, not them (shielded, and owned here)."""
+        books = self.decide(adm, outcome, status, final, then)
+        if books is not None:
+            await asyncio.shield(books)
+
+    def decide(
+        self,
+        adm: Session,
+        outcome: str,
+        status: int,
+        final: Final | None = None,
+        then: Callable[[], Awaitable[None]] | None = None,
+    ) -> asyncio.Future[None] | None:
+        """Set the request's outcome now and start recording it (see
+        :meth:`finish`); the recording, to await shielded, or None when the
+        outcome was decided before. A stream decides at its final frame, before
+        its client sees the end: a client that leaves then leaves an answered
+        request, not a cancelled one."""
         if adm.outcome is not None:
-            return
+            return None
         adm.outcome = outcome
         adm.stream.close()
         books = asyncio.ensure_future(self._record(adm, outcome, status, final, then))
         self._background.add(books)
         books.add_done_callback(self._background.discard)
-        await asyncio.shield(books)
+        return books
 
     async def _record(
         self,

@@ -161,6 +161,10 @@ async def client_events(
             # A token the resumed client already has may have carried the reason.
             if stream.skipped_finish is not None:
                 finished.add(0)
+            # Answered: decided before the client can see the end (a client that
+            # leaves after the last chunk leaves an answered request), recorded
+            # while the last chunks go out, and before [DONE].
+            recording = gw.decide(adm, "ok", 200, event)
             unfinished = sorted((set(range(adm.choices)) | seen) - finished)
             if unfinished and finish_id(event.seq) > after:
                 closing = writer.finish(event.finish_reason, unfinished)
@@ -168,7 +172,8 @@ async def client_events(
             if adm.include_usage and usage_id(event.seq) > after:
                 usage = writer.usage(event.usage)
                 yield ClientEvent("chunk", usage, event_id=usage_id(event.seq))
-            await gw.finish(adm, "ok", 200, event)
+            if recording is not None:
+                await asyncio.shield(recording)
             yield ClientEvent("done")
             return
     except GatewayError as exc:  # StreamInterrupted included
