@@ -162,32 +162,49 @@ class InferenceClient:
             ordered_consumer=True,
         )
 
-    async def captured(self, tenant: str, request_id: str, wait_s: float) -> list[Frame] | None:
-        """One request's frames, read back from the frames capture up to its
-        terminal frame: a whole answer the live subject dropped. None when the
-        capture holds no terminal frame of it (read to its end within ``wait_s``)."""
-        frames: list[Frame] = []
+    async def _read_capture(
+        self,
+        tenant: str,
+        request_id: str,
+        enough: Callable[[Frame], bool],
+        wait_s: float,
+        held_only: bool = False,
+    ) -> None:
+        """Hand one request's captured frames, from the start, to ``enough``
+        until it says so or ``wait_s`` passes (``held_only``: or the capture
+        has no more now; else frames still on their way are waited for)."""
         read = asyncio.Event()
 
         async def on_msg(msg: Msg) -> None:
             with contextlib.suppress(msgspec.DecodeError):
                 for frame in decode_frames(msg.data):  # the capture batches tokens
-                    frames.append(frame)
-                    if isinstance(frame, Final | ErrorFrame):
+                    if enough(frame):
                         read.set()
-            if not msg.metadata.num_pending:
-                read.set()  # all it holds now
+            if held_only and not msg.metadata.num_pending:
+                read.set()
 
         try:
             sub = await self.follow(tenant, request_id, on_msg)
         except (nats.errors.Error, TimeoutError, APIError):
-            return None
+            return
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(read.wait(), wait_s)
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
+
+    async def captured(self, tenant: str, request_id: str, wait_s: float) -> list[Frame] | None:
+        """One request's frames, read back from the frames capture up to its
+        terminal frame: a whole answer the live subject dropped. None when the
+        capture holds no terminal frame of it (read to its end within ``wait_s``)."""
+        frames: list[Frame] = []
+
+        def take(frame: Frame) -> bool:
+            frames.append(frame)
+            return isinstance(frame, Final | ErrorFrame)
+
+        await self._read_capture(tenant, request_id, take, wait_s, held_only=True)
         ended = any(isinstance(f, Final | ErrorFrame) for f in frames)
         return frames if ended else None
 
@@ -200,26 +217,13 @@ class InferenceClient:
         None when the capture does not hold them all within ``wait_s``."""
         want = set(range(after + 1, through + 1))
         found: dict[int, Token] = {}
-        complete = asyncio.Event()
 
-        async def on_msg(msg: Msg) -> None:
-            with contextlib.suppress(msgspec.DecodeError):
-                for frame in decode_frames(msg.data):  # the capture batches tokens
-                    if isinstance(frame, Token) and frame.attempt == attempt and frame.seq in want:
-                        found[frame.seq] = frame
-                if len(found) == len(want):
-                    complete.set()
+        def take(frame: Frame) -> bool:
+            if isinstance(frame, Token) and frame.attempt == attempt and frame.seq in want:
+                found[frame.seq] = frame
+            return len(found) == len(want)
 
-        try:
-            sub = await self.follow(tenant, request_id, on_msg)
-        except (nats.errors.Error, TimeoutError, APIError):
-            return None
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(complete.wait(), wait_s)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+        await self._read_capture(tenant, request_id, take, wait_s)
         if len(found) != len(want):
             return None
         return [found[s] for s in sorted(found)]

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from gateway.tenancy.accounting import Accountant
 from jetserve.fleet import Fleet
@@ -48,6 +50,16 @@ async def _checks(fleet: Fleet, result: str) -> float:
     return metric_sum(text, "jetserve_gateway_queue_checks_total", result=result)
 
 
+async def _take(worker: Client) -> Msg:
+    """A worker's pull of the interactive class: the request's message."""
+    sub = await worker.jetstream().pull_subscribe_bind(
+        DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
+        DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
+    )
+    (msg,) = await sub.fetch(1, timeout=30)
+    return msg
+
+
 def _record(fleet: Fleet, request_id: str) -> dict[str, Any] | None:
     with fleet.admin() as admin:
         text = admin.ledger(fleet.spec.tenant)
@@ -66,11 +78,7 @@ async def test_a_taken_request_whose_answer_never_comes_is_a_retryable_502(
             asking = asyncio.create_task(
                 c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
             )
-            sub = await worker.jetstream().pull_subscribe_bind(
-                DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
-                DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
-            )
-            (msg,) = await sub.fetch(1, timeout=30)
+            msg = await _take(worker)
             await msg.ack_sync()  # taken, as at a first token whose frames were all lost
             r = await asking
     finally:
@@ -113,11 +121,7 @@ async def test_an_answer_only_the_capture_kept_is_relayed_from_it(
             asking = asyncio.create_task(
                 c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
             )
-            sub = await worker.jetstream().pull_subscribe_bind(
-                DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
-                DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
-            )
-            (msg,) = await sub.fetch(1, timeout=30)
+            msg = await _take(worker)
             reply = decode_request(msg.data).reply
             await msg.ack_sync()
             # To the capture only (the reply subject), never the live twin.
@@ -151,11 +155,7 @@ async def test_a_committed_stream_ends_with_an_answer_lost_event(
             ) as r,
         ):
             assert r.status_code == 200  # committed while queued
-            sub = await worker.jetstream().pull_subscribe_bind(
-                DEFAULT_TOPOLOGY.consumer_name(RequestClass.INTERACTIVE),
-                DEFAULT_TOPOLOGY.stream_of(RequestClass.INTERACTIVE),
-            )
-            (msg,) = await sub.fetch(1, timeout=30)
+            msg = await _take(worker)
             await msg.ack_sync()
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
