@@ -41,8 +41,15 @@ async def _noop(*_: object) -> None:
     return None
 
 
+def _decided(*_: object) -> None:
+    return None  # the outcome decided before: nothing to await
+
+
 GW = SimpleNamespace(
-    cfg=SimpleNamespace(heartbeat_timeout_s=1.0, keepalive_s=1.0), finish=_noop, fail=_noop
+    cfg=SimpleNamespace(heartbeat_timeout_s=1.0, keepalive_s=1.0),
+    finish=_noop,
+    fail=_noop,
+    decide=_decided,
 )
 
 
