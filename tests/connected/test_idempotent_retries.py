@@ -170,19 +170,34 @@ async def test_a_client_leaving_as_its_answer_is_recorded_leaves_it_recorded(
     redis_pid = fleet.redis.proc.pid
     started_before = await sim_started(fleet)
     url = f"{fleet.base_url}/v1/chat/completions"
-    hdrs = headers(fleet, "leave-at-the-end", slow=False)
+    # The engine holds the first token 5 s: Redis is frozen while it does (the
+    # hold and the queueing are done by then), so the answer's end is always
+    # recorded against a frozen Redis, however late this client reads.
+    hdrs = {**headers(fleet, "leave-at-the-end", slow=False), "X-Sim-Fault": "stall:5000"}
     frozen = False
+
+    async def freeze_once_queued() -> None:
+        nonlocal frozen
+
+        async def in_engine() -> bool:
+            async with httpx.AsyncClient() as s:
+                return int((await s.get(f"{fleet.sim_url}/sim/stats")).json()["records"]) >= 1
+
+        await until(in_engine, "the request in the engine")
+        os.kill(redis_pid, signal.SIGSTOP)  # the tokens need no Redis
+        frozen = True
+
     try:
         async with httpx.AsyncClient(timeout=30) as c:
             body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+            freezing = asyncio.create_task(freeze_once_queued())
             async with c.stream("POST", url, json=body, headers=hdrs) as r:
                 first_id = r.headers["x-request-id"]
                 async for line in r.aiter_lines():
-                    if not frozen and '"content"' in line:
-                        os.kill(redis_pid, signal.SIGSTOP)  # the tokens need no Redis
-                        frozen = True
                     if '"usage":{' in line:
                         break  # the last chunk before [DONE]: the gateway records now
+            await freezing
+            assert frozen
 
             async def left_or_done() -> bool:
                 # The gateway sees the hang-up while it records (the case
