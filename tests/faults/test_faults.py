@@ -149,11 +149,13 @@ async def test_nats_server_restart(make_fleet: Callable[..., Fleet]) -> None:
     (down,) = outage
     # At risk: requests in flight from the stop until a request is served end to
     # end again (a frame published meanwhile may be lost, and JETSERVE_FRAMES is
-    # in memory: nothing to replay). Sent while the bus is down: refused, 503.
+    # in memory: nothing to replay). Sent while the bus is down: refused, 503. A
+    # whole answer lost before its first token ends answer_lost (the gateway's
+    # queue watch: taken, then silent) rather than at its deadline.
     at_risk = {o.request_id for o in report.accepted_outcomes() if o.open_during(down)}
     report.assert_failures(
         {i for i in at_risk if i},
-        {"stream_interrupted", "deadline_exceeded"},
+        {"stream_interrupted", "deadline_exceeded", "answer_lost"},
         "in flight from the stop until served again",
     )
     report.assert_rejections(STALLED_BUS, lambda o: o.open_during(down))
@@ -340,8 +342,9 @@ async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> Non
     (cut,) = reconnected
     # At risk (a): frames published on a connection to the dead node before its
     # process reconnected are lost, so a stream relayed by a gateway on it, or
-    # served by a worker on it, may end stream_interrupted (started) or at its
-    # deadline (its final frame lost). A stream another worker completed was not
+    # served by a worker on it, may end stream_interrupted (started), or at its
+    # deadline or answer_lost (its whole answer lost: the gateway's queue watch
+    # ends it before the deadline when it can). A stream another worker completed was not
     # on the dead node, unless its gateway was. (b): a request that could not be
     # served before its deadline because the cluster served nobody until
     # kill.end (plus its turn in the backlog): deadline_exceeded.
@@ -359,7 +362,7 @@ async def test_nats_cluster_node_killed(make_fleet: Callable[..., Fleet]) -> Non
             too_late.add(o.request_id)
     report.assert_failures(
         frames_lost | too_late,
-        {"stream_interrupted", "deadline_exceeded"},
+        {"stream_interrupted", "deadline_exceeded", "answer_lost"},
         f"in flight on connections to the killed node ({', '.join(sorted(peers)) or 'none'})",
     )
     interrupted = [
