@@ -50,6 +50,12 @@ async def _checks(fleet: Fleet, result: str) -> float:
     return metric_sum(text, "jetserve_gateway_queue_checks_total", result=result)
 
 
+def _ask(c: httpx.AsyncClient, fleet: Fleet, model: str = "sim-8b") -> asyncio.Task[httpx.Response]:
+    """A chat request, under way: its answer, when it comes."""
+    url = f"{fleet.base_url}/v1/chat/completions"
+    return asyncio.create_task(c.post(url, json={**CHAT, "model": model}, headers=_headers(fleet)))
+
+
 async def _take(worker: Client) -> Msg:
     """A worker's pull of the interactive class: the request's message."""
     sub = await worker.jetstream().pull_subscribe_bind(
@@ -75,9 +81,7 @@ async def test_a_taken_request_whose_answer_never_comes_is_a_retryable_502(
     worker = await connect(fleet.nats_url, "taker", fleet.bus_auth(Role.WORKER))
     try:
         async with httpx.AsyncClient(timeout=60) as c:
-            asking = asyncio.create_task(
-                c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
-            )
+            asking = _ask(c, fleet)
             msg = await _take(worker)
             await msg.ack_sync()  # taken, as at a first token whose frames were all lost
             r = await asking
@@ -118,9 +122,7 @@ async def test_an_answer_only_the_capture_kept_is_relayed_from_it(
     worker = await connect(fleet.nats_url, "taker", fleet.bus_auth(Role.WORKER))
     try:
         async with httpx.AsyncClient(timeout=60) as c:
-            asking = asyncio.create_task(
-                c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
-            )
+            asking = _ask(c, fleet)
             msg = await _take(worker)
             reply = decode_request(msg.data).reply
             await msg.ack_sync()
@@ -169,9 +171,7 @@ async def test_a_committed_stream_ends_with_an_answer_lost_event(
 async def test_a_request_still_queued_is_waited_for(make_fleet: Callable[..., Fleet]) -> None:
     fleet = make_fleet(workers=0, gateway_args=GATEWAY)
     async with httpx.AsyncClient(timeout=60) as c:
-        asking = asyncio.create_task(
-            c.post(f"{fleet.base_url}/v1/chat/completions", json=CHAT, headers=_headers(fleet))
-        )
+        asking = _ask(c, fleet)
 
         async def checked_twice() -> bool:
             assert not asking.done(), asking
@@ -213,13 +213,7 @@ async def test_a_request_handed_on_to_the_next_pool_is_followed_there(
             return metric_sum(text, "jetserve_gateway_pool_workers", deployment="dep-bad") >= 1
 
         await until(seen, "the gateway seeing dep-bad's worker")
-        asking = asyncio.create_task(
-            c.post(
-                f"{fleet.base_url}/v1/chat/completions",
-                json={**CHAT, "model": "r-moved"},
-                headers=_headers(fleet),
-            )
-        )
+        asking = _ask(c, fleet, model="r-moved")
 
         async def handed_on() -> bool:
             url = f"http://127.0.0.1:{fleet.worker_metrics_ports[0]}/metrics"

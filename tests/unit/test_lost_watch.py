@@ -12,7 +12,7 @@ import time
 import pytest
 
 from streams.errors import AnswerLostError, DeadlineExceededError, StreamInterruptedError
-from streams.inference.frames import DEADLINE_GRACE_S, FrameBuffer, FrameReader, QueuedAt
+from streams.inference.frames import DEADLINE_GRACE_S, FrameBuffer, FrameReader, Item, QueuedAt
 from streams.wire import HEDGE_ATTEMPT_BASE, Final, Heartbeat, Token, Usage
 
 HB = 0.02  # the heartbeat timeout: short, nothing here waits on wall-clock bounds
@@ -194,19 +194,21 @@ async def test_a_caller_tick_runs_out_even_while_heartbeats_come() -> None:
     """``wait_limit`` bounds the whole call: heartbeats (which the reader drops)
     used to start it over, so an SSE keep-alive or a commit timer waited as long
     as a worker sent heartbeats during a long prefill."""
-    r, frames = reader(Queue(True))
 
-    async def beating() -> None:
-        while True:
-            frames.offer(Heartbeat(seq=0, at=time.time()))
-            await asyncio.sleep(HB / 10)
+    class Beating(FrameBuffer):
+        """A worker that never stops sending heartbeats: the next one comes on
+        the loop's next turn after the reader took the last."""
 
-    beats = asyncio.create_task(beating())
-    try:
-        with pytest.raises(TimeoutError):
-            await r.next_event(HB * 100, wait_limit=HB)
-    finally:
-        beats.cancel()
+        async def get(self) -> Item:
+            item = await super().get()
+            asyncio.get_running_loop().call_soon(self.offer, Heartbeat(seq=0, at=time.time()))
+            return item
+
+    frames = Beating()
+    frames.offer(Heartbeat(seq=0, at=time.time()))
+    r = FrameReader(frames, time.time() + 600, ("REQ", 7), Queue(True))
+    with pytest.raises(TimeoutError):
+        await r.next_event(HB * 100, wait_limit=HB)
 
 
 async def test_the_last_look_relays_an_answer_found_elsewhere() -> None:
