@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,15 @@ class _Client(Client):
     which ends the connection's read loop for good: every later flush times
     out and nothing more is received (a worker's shutdown took 5 s for it;
     nats-io/nats.py#624 is the same flaw in the flusher). The PONG still
-    answers that PING, so it is consumed, and nobody is told."""
+    answers that PING, so it is consumed, and nobody is told.
+
+    It also tells the process's parts of each reconnect (:func:`when_reconnected`):
+    what the server kept meanwhile (a durable mark) may matter now, not at the
+    next use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reconnect_hooks: list[Callable[[], None]] = []
 
     async def _process_pong(self) -> None:
         if self._pongs:
@@ -113,6 +122,8 @@ async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
 
     async def on_reconnect() -> None:
         log.warning("nats %s: reconnected", name)
+        for hook in list(nc.reconnect_hooks):
+            hook()
 
     # A comma-separated list names the nodes of a cluster; any one will do.
     servers = [u.strip() for u in url.split(",") if u.strip()]
@@ -128,3 +139,14 @@ async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
         **auth.options(),
     )
     return nc
+
+
+def when_reconnected(nc: Client, hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook`` (synchronous: start a task for any I/O) after each reconnect
+    of ``nc`` (a connection from :func:`connect`), once its subscriptions are back;
+    returns what stops it."""
+    if not isinstance(nc, _Client):
+        raise TypeError("when_reconnected: a connection made by streams.connect.connect")
+    hooks = nc.reconnect_hooks
+    hooks.append(hook)
+    return lambda: hooks.remove(hook) if hook in hooks else None

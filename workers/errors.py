@@ -10,6 +10,7 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     │   │   └── ResponseTooLarge   400 the answer (embeddings) exceeds the bus's message size
     │   └── EngineStreamBroken   the stream ended without a finish (never retried)
     ├── DeadlineExceeded         the request's absolute deadline passed
+    ├── WorkerStopping           it stopped while the request waited for KV blocks (handed back)
     └── TokenizerUnavailable     --tokenizer given, but it cannot be loaded (start-up)
 
 The worker retries an engine call (before the first token) only when the error's
@@ -77,6 +78,15 @@ class EngineStreamBroken(EngineError):
 class DeadlineExceeded(WorkerError):
     code = "deadline_exceeded"
     status = 504
+
+
+class WorkerStopping(WorkerError):
+    """The worker stopped before this request's KV blocks came free: it is handed
+    back at once (``nak``) for another worker, not held through the drain."""
+
+    code = "worker_stopping"
+    status = 503
+    retryable = True
 
 
 class TokenizerUnavailable(WorkerError):

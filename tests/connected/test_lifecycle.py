@@ -11,6 +11,8 @@ import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
+from tests.scrape import fleet_sum
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -109,3 +111,66 @@ async def test_gateway_sigterm_finishes_open_streams_then_exits(
     assert done
     assert "".join(text)
     assert await asyncio.to_thread(gw.proc.wait, 10) == 0
+
+
+async def test_a_stopping_worker_hands_back_a_request_waiting_for_kv_blocks(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # 100 blocks of 16 tokens, 90 % of them the worker's budget: one request of
+    # 800 tokens fits, a second waits for it. Stopped meanwhile, the worker
+    # used to keep the waiter through its drain and serve it after the first
+    # had ended (or let it go after the server's ack wait, without a nak).
+    fleet = make_fleet(workers=1, sim_args=["--num-gpu-blocks", "100"])
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    body = {**CHAT, "max_tokens": 800, "ignore_eos": True}
+    metrics = [f"http://127.0.0.1:{port}/metrics" for port in fleet.worker_metrics_ports]
+    async with httpx.AsyncClient(timeout=120) as c:
+        first_token = asyncio.Event()
+
+        async def long_stream() -> str | None:
+            finish = None
+            async with c.stream(
+                "POST",
+                f"{fleet.base_url}/v1/chat/completions",
+                json={**body, "stream": True},
+                headers={**auth, "X-Sim-Fault": "slow:25"},  # 20 s of tokens
+            ) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = msgspec.json.decode(line[6:])
+                        assert "error" not in chunk, chunk
+                        first_token.set()
+                        for ch in chunk["choices"]:
+                            finish = ch["finish_reason"] or finish
+            return finish
+
+        streaming = asyncio.create_task(long_stream())
+        await first_token.wait()
+        waiter = asyncio.create_task(
+            c.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth)
+        )
+
+        async def waiting() -> float:
+            return await fleet_sum(metrics, "jetserve_worker_block_waits_total")
+
+        await until(waiting, "the second request waiting for KV blocks")
+        fleet.start_worker(wait=False)
+        second = [f"http://127.0.0.1:{fleet.worker_metrics_ports[1]}/metrics"]
+
+        async def ready() -> bool:
+            # (Not "pulling": the first, its request waiting, pulls no more.)
+            try:
+                return (await c.get(second[0].replace("/metrics", "/readyz"))).is_success
+            except httpx.TransportError:
+                return False
+
+        await until(ready, "a second worker ready")
+        fleet.workers[0].signal(signal.SIGTERM)
+        r = await waiter
+        assert r.status_code == 200, r.text
+        # Served by the new worker, while the stopping one still drains the first.
+        assert await fleet_sum(second, "jetserve_worker_requests_total", outcome="ok") == 1
+        handed = await fleet_sum(metrics, "jetserve_worker_redeliveries_total", reason="shutdown")
+        assert handed == 1
+        assert await streaming == "length"
+    assert await asyncio.to_thread(fleet.workers[0].proc.wait, 30) == 0

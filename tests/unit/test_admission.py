@@ -6,9 +6,12 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+import pytest
+
 from tests.waits import until
 from workers.engines.base import EngineLoad
 from workers.engines.vllm_metrics import parse_vllm_metrics
+from workers.errors import WorkerStopping
 from workers.inference.admission import Admission, AdmissionConfig
 
 
@@ -73,6 +76,20 @@ async def test_a_cancelled_wait_for_blocks_reserves_nothing() -> None:
     await asyncio.gather(waiting, return_exceptions=True)
     assert adm.reserved_blocks == held
     assert adm.fits_now(16 * 2)  # the queue is empty again
+
+
+async def test_closing_hands_back_the_requests_waiting_for_blocks() -> None:
+    adm = Admission(AdmissionConfig(num_gpu_blocks=10, block_size=16, target_util=1.0))
+    held = await adm.reserve_blocks(16 * 8)
+    waiting = asyncio.create_task(adm.reserve_blocks(16 * 5))
+    await asyncio.sleep(0)
+    await adm.close()
+    with pytest.raises(WorkerStopping):
+        await waiting
+    assert adm.reserved_blocks == held
+    with pytest.raises(WorkerStopping):  # and one that comes later, not fitting
+        await adm.reserve_blocks(16 * 5)
+    assert await adm.reserve_blocks(16) == 1  # one that fits is served: the drain
 
 
 async def test_engine_queue_stops_pulling() -> None:

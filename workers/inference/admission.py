@@ -66,6 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.engines.base import EngineLoad
+from workers.errors import WorkerStopping
 
 
 @dataclass(frozen=True)
@@ -340,14 +341,18 @@ class Admission:
 
     async def reserve_blocks(self, tokens: int) -> int:
         """Reserve this request's blocks (``tokens`` = its prompt + max_tokens),
-        waiting in arrival order while they would overrun the budget."""
+        waiting in arrival order while they would overrun the budget; raise
+        :class:`WorkerStopping` if admission closes first (a stopping worker
+        hands its waiters back rather than hold them through its drain)."""
         blocks = self.blocks_for(tokens)
         me = object()
         async with self._cond:
             self._block_queue.append(me)
             try:
                 while not (self._block_queue[0] is me and self._fits(blocks)):
-                    await self._cond.wait()  # a release or an observation notifies
+                    if self._closed:
+                        raise WorkerStopping("the worker stopped before the request's KV blocks")
+                    await self._cond.wait()  # a release, an observation or close notifies
                 self.reserved_blocks += blocks
             finally:
                 self._block_queue.remove(me)

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import nats.errors
@@ -25,8 +25,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KV_DEL, KV_PURGE
 
+from streams.connect import when_reconnected
 from streams.marks import CancelMarks
 from streams.subjects import PREFIX
+from streams.tasks import stop_task
 from streams.wire import decode_cancel
 
 log = logging.getLogger(__name__)
@@ -49,25 +51,45 @@ class CancelWatch:
         self._sub: Subscription | None = None
         self._loaded_at = -1  # the connection's reconnect count when the marks were read
         self._lock = asyncio.Lock()
+        self._rereads: asyncio.Task[None] | None = None  # the read after a reconnect
+        self._unhook: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Subscribe first, read the marks second: no cancel falls between."""
         self._sub = await self._nc.subscribe(f"{PREFIX}.cancel.>", cb=self._on_cancel)
+        self._unhook = when_reconnected(self._nc, self._reconnected)
         await self.fresh()
 
     async def stop(self) -> None:
+        if self._unhook is not None:
+            self._unhook()
+        if self._rereads is not None:
+            await stop_task(self._rereads)
         if self._sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._sub.unsubscribe()
 
-    async def fresh(self) -> None:
-        """Read the stored marks if not read since the last (re)connect."""
+    def _reconnected(self) -> None:
+        """Read the marks now: a cancel sent while this worker was away stops the
+        requests it is running (not only the next one it starts)."""
+        if self._rereads is None or self._rereads.done():
+            self._rereads = asyncio.create_task(self._reread(), name="cancel-marks-reread")
+
+    async def _reread(self) -> None:
+        # Until read under the latest reconnect (another may come during a read).
+        while self._loaded_at != self._nc.stats["reconnects"]:
+            if not await self.fresh():
+                return  # the next request's start tries again
+
+    async def fresh(self) -> bool:
+        """Read the stored marks if not read since the last (re)connect; False
+        when they could not be read (live cancels only, until the next try)."""
         if self._loaded_at == self._nc.stats["reconnects"]:
-            return
+            return True
         async with self._lock:
             count = self._nc.stats["reconnects"]
             if self._loaded_at == count:
-                return
+                return True
             try:
                 kv = await self._marks.open()
                 watcher = await kv.watchall()
@@ -79,8 +101,9 @@ class CancelWatch:
                 await watcher.stop()  # type: ignore[no-untyped-call]
             except (nats.errors.Error, TimeoutError) as exc:
                 log.warning("cancel marks not read (%r): live cancels only", exc)
-                return
+                return False
             self._loaded_at = count
+            return True
 
     async def _on_cancel(self, msg: Msg) -> None:
         self._note(msg.subject.rsplit(".", 1)[-1], msg.data)

@@ -51,7 +51,7 @@ from streams.tracing import Span, Tracer
 from streams.vectors import floats
 from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
-from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken
+from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken, WorkerStopping
 from workers.inference.admission import Admission, AdmissionConfig
 from workers.inference.affinity import LanePuller, StartRate
 from workers.inference.batching import BatchingMode, EmbedBatcher
@@ -269,6 +269,8 @@ class Worker:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.flush(timeout=2)
             await self.embed_batcher.aclose()  # after the drain: no member still waits
+            if self._cancels is not None:
+                await self._cancels.stop()
             await nc.close()
             self.tracer.shutdown()
             log.info("worker %s disconnected", cfg.worker_id)
@@ -460,7 +462,16 @@ class Worker:
                 await msg.term()
                 self.metrics.requests.labels(class_of(msg.subject), "poison").inc()
                 return
-            blocks = await self._reserve(msg, req)
+            try:
+                blocks = await self._reserve(msg, req)
+            except WorkerStopping:
+                # Nothing emitted, nothing started: the next worker takes it now,
+                # not after this one's drain or the server's ack wait.
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak()
+                self.metrics.redeliveries.labels(req.cls, "shutdown").inc()
+                self._event("redelivered", req, req.cls, code="shutdown")
+                return
             self.starts.tick()
             self.metrics.inflight.inc()
             try:
