@@ -10,6 +10,7 @@ errors' own (engine and gateway errors name limits and codes, not content).
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 import msgspec
@@ -41,6 +42,12 @@ def log_event(log: logging.Logger, event: str, level: int = logging.INFO, **fiel
     """One structured event: ``event`` names it, ``fields`` are identifiers and codes."""
     if log.isEnabledFor(level):
         log.log(level, event, extra={FIELDS: {"event": event, **fields}})
+
+
+def frames_of(exc: BaseException) -> str:
+    """Where ``exc`` was raised: its frames (file, line, code), not its message,
+    which may quote the request it failed on."""
+    return "".join(traceback.format_tb(exc.__traceback__)).rstrip()
 
 
 def configure(level: str, fmt: str) -> None:

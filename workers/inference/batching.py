@@ -25,7 +25,8 @@ the total (largest remainder, so the parts still sum to it), with a warning.
 
 Rules: an expired request never enters a batch; a request whose deadline falls
 before its batch would fire makes the batch fire now. A batch failure fails
-every member with the same error (each worker handler then takes its own
+every member with the same error (an unexpected exception, a bug, as a
+non-retryable ``internal_error``) (each worker handler then takes its own
 retry/redelivery path), except a 4xx rejection of a multi-request batch: that
 is one member's bad input, so the members are re-run alone and only the bad one
 fails. When every member has gone (cancelled, timed out) the engine call is
@@ -45,9 +46,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from streams.logs import frames_of, log_event
 from streams.wire import Usage
 from workers.engines.base import Embeddings, EngineAdapter
-from workers.errors import EngineError, EngineRejected, EngineUnavailable
+from workers.errors import EngineError, EngineRejected, EngineUnavailable, WorkerError
 from workers.inference.token_count import LocalTokenCounter
 
 log = logging.getLogger(__name__)
@@ -241,6 +243,15 @@ class EmbedBatcher:
             # Closing: whoever still waits gets a retryable error, never a hang.
             _settle(batch.members, EngineUnavailable("worker stopping: embedding batch aborted"))
             raise
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each member gets it
+            # A bug below (an adapter's, a counter's): every member ends now, not
+            # at its deadline; where it was raised goes to the log, its message not.
+            cause: BaseException = exc
+            while isinstance(cause, BaseExceptionGroup):  # the call's task group's
+                cause = cause.exceptions[0]
+            name = type(cause).__name__
+            log_event(log, "internal_error", logging.ERROR, error=name, frames=frames_of(cause))
+            _settle(batch.members, WorkerError(f"embedding batch failed ({name})"))
 
     async def _serve(self, batch: _Batch) -> None:
         loop = asyncio.get_running_loop()

@@ -38,7 +38,7 @@ from streams.deadletter import dead_letter
 from streams.definitions import DEFAULT_TOPOLOGY, Topology
 from streams.depth import LookFollower
 from streams.headers import Header
-from streams.logs import log_event
+from streams.logs import frames_of, log_event
 from streams.marks import CancelMarks, FailureCounts
 from streams.membership import SHARED, Adapter, Membership
 from streams.pools import adapter_pool, pool_consumer_name, pool_token
@@ -51,7 +51,12 @@ from streams.tracing import Span, Tracer
 from streams.vectors import floats
 from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
-from workers.errors import DeadlineExceeded, EngineError, EngineStreamBroken, WorkerStopping
+from workers.errors import (
+    DeadlineExceeded,
+    EngineStreamBroken,
+    WorkerError,
+    WorkerStopping,
+)
 from workers.inference.admission import Admission, AdmissionConfig
 from workers.inference.affinity import LanePuller, StartRate
 from workers.inference.batching import BatchingMode, EmbedBatcher
@@ -698,8 +703,15 @@ class Worker:
             await self._fail(
                 msg, sender, DeadlineExceeded("deadline exceeded while generating"), req
             )
-        except EngineError as exc:
+        except WorkerError as exc:
             await self._fail(msg, sender, exc, req)
+        except Exception as exc:  # noqa: BLE001 - not swallowed: the request fails with it
+            # A bug (an adapter's, this worker's): the request ends now, in one
+            # error frame, not at its deadline. Its frames to the log, not its
+            # message (it may quote the request).
+            name = type(exc).__name__
+            self._event("internal_error", req, req.cls, error=name, frames=frames_of(exc))
+            await self._fail(msg, sender, WorkerError(f"worker internal error ({name})"), req)
         finally:
             done.set()
             ticker.cancel()
@@ -730,7 +742,7 @@ class Worker:
         self,
         msg: Msg,
         sender: FrameSender,
-        exc: EngineError | DeadlineExceeded,
+        exc: WorkerError,
         req: InferenceRequest | None = None,
     ) -> None:
         cls = class_of(msg.subject)
