@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 import msgspec
 
 from gateway.errors import BadRequest
+from gateway.tenancy.limits import MAX_AMOUNT_MICROS
 from streams.agent import Budget, RunPrice
 from streams.wire import Usage
 
@@ -82,10 +84,19 @@ def run_budget(asked: BudgetIn | None, price: RunPrice) -> Budget:
     if asked.max_cost_micros is not None:
         cost = asked.max_cost_micros
     elif asked.max_cost is not None:
+        if not math.isfinite(asked.max_cost):
+            raise BadRequest("budget.max_cost must be a finite number.", param="budget")
         cost = round(asked.max_cost * 1_000_000)
     else:
         # Default: every token at the output price, the most the tokens can cost.
         cost = price.cost(Usage(prompt_tokens=0, completion_tokens=tokens))
     if cost < 1:
         raise BadRequest("budget.max_cost must be positive.", param="budget")
+    if cost > MAX_AMOUNT_MICROS:
+        # Held at every level of the org: an amount near Redis's 64-bit limit made
+        # every later hold of the org overflow (503 for all its tenants).
+        raise BadRequest(
+            f"budget.max_cost must be at most {MAX_AMOUNT_MICROS // 1_000_000} USD.",
+            param="budget",
+        )
     return Budget(max_steps=steps, max_tokens=tokens, max_cost_micros=cost)

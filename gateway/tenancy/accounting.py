@@ -103,6 +103,7 @@ from gateway.tenancy.accounting_lua import RECONCILE_LUA, RESERVE_LUA, as_str, r
 from gateway.tenancy.limits import (
     KINDS,
     LEVELS,
+    MAX_AMOUNT_MICROS,
     PERIODS,
     Level,
     LimitKind,
@@ -281,8 +282,9 @@ class Accountant:
         died before anything ran can still be recorded."""
         for ident in (scope.org, scope.tenant, scope.key_id, request_id):
             _check_ident(ident)
-        _check_amount("cost_micros", cost_micros)
-        _check_amount("tokens", tokens)
+        # Capped: each hold is added to the org's counters (64-bit in Redis).
+        _check_amount("cost_micros", cost_micros, MAX_AMOUNT_MICROS)
+        _check_amount("tokens", tokens, MAX_AMOUNT_MICROS)
         if len(what.encode()) > MAX_WHAT:
             raise ValueError(f"what: at most {MAX_WHAT} bytes")
         hold = self.hold_s if hold_s is None else hold_s
@@ -482,9 +484,9 @@ def _check_ident(ident: str) -> None:
         raise ValueError("identifiers must be non-empty strings")
 
 
-def _check_amount(name: str, value: int) -> None:
-    if not is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer")
+def _check_amount(name: str, value: int, most: int | None = None) -> None:
+    if not is_int(value) or value < 0 or (most is not None and value > most):
+        raise ValueError(f"{name} must be an integer in [0, {most if most else 'any'}]")
 
 
 def _opt_str(v: bytes | str | None) -> str | None:

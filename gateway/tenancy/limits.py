@@ -40,6 +40,9 @@ class Scope:
 # as it and are charged to it, at every level (its own org and key), so its budget
 # is the operator's shadow budget. It is built in: its limits are set like any
 # tenant's without a tenant record, and no tenant may be created with its id.
+# The most one hold may be, in micro-USD (1 million USD): the reserve script adds
+# each to the org's, tenant's and key's counters, 64-bit integers in Redis.
+MAX_AMOUNT_MICROS = 10**12
 SHADOW_TENANT = "jetserve-shadow"
 SHADOW_SCOPE = Scope(SHADOW_TENANT, SHADOW_TENANT, SHADOW_TENANT)
 

@@ -193,6 +193,23 @@ def test_idempotency_key_returns_the_same_run(fleet: Fleet, api: httpx.Client) -
     assert first.json()["id"] == again.json()["id"]
 
 
+@pytest.mark.parametrize(
+    "budget",
+    [{"max_cost_micros": 2**63 - 1}, {"max_cost_micros": 10**12 + 1}, {"max_cost": 1e300}],
+)
+def test_a_run_budget_past_the_cap_is_refused_before_any_hold(
+    fleet: Fleet, api: httpx.Client, budget: dict[str, float]
+) -> None:
+    # Held at every level of the org, 2**63 - 1 used to be accepted (201) and
+    # then overflow every later hold of the org: 503 for all its tenants.
+    body = {"model": "sim-8b", "messages": [{"role": "user", "content": marker()}]}
+    r = api.post("/v1/runs", json={**body, "budget": budget})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "budget"
+    chat = api.post("/v1/chat/completions", json={**body, "max_tokens": 3})
+    assert chat.status_code == 200, chat.text
+
+
 # -- authority and arguments ----------------------------------------------------------
 
 
