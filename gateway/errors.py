@@ -44,6 +44,9 @@ class GatewayError(JetserveError):
     type = "server_error"
     code = "internal_error"
     retryable = False
+    # The run itself ended with it (a worker's error frame), not this gateway's
+    # reading of it: a retry following the run may then release its claim.
+    from_run = False
 
     def __init__(
         self,
@@ -299,12 +302,16 @@ _BY_STATUS: dict[int, type[GatewayError]] = {
 def from_frame(status: int, code: str, message: str) -> GatewayError:
     """Map a worker's error frame to the error the client sees."""
     cls = _BY_STATUS.get(status)
+    err: GatewayError
     if cls is None:
         # Another 4xx from the engine (422, 413...): the request was bad; our own
         # clients see the statuses we document.
         cls = BadRequest if 400 <= status < 500 else UpstreamFailed
-        return cls(message, code=code, status=502 if cls is UpstreamFailed else None)
-    return cls(message, code=code)
+        err = cls(message, code=code, status=502 if cls is UpstreamFailed else None)
+    else:
+        err = cls(message, code=code)
+    err.from_run = True
+    return err
 
 
 def _usd(micros: int) -> str:

@@ -473,7 +473,8 @@ class Fleet:
         """The ports of the engines started with :meth:`start_engine`."""
         return list(self._engine_ports)
 
-    def start_gateway(self, wait: bool = True) -> Proc:
+    def start_gateway(self, *extra: str, wait: bool = True) -> Proc:
+        """One more gateway replica; ``extra``: flags after the fleet's (later ones win)."""
         n = len(self.gateways)
         shared = self.spec.gateways_share_port
         if shared and n > 0:
@@ -518,6 +519,7 @@ class Fleet:
             *self._span_args(f"gateway{n}"),
             *self._bus_flags,
             *self.spec.gateway_args,
+            *extra,
             env={**self.secret_env, **self._env(Role.GATEWAY, "gateway")},
         )
         self.gateways.append(gw)

@@ -150,8 +150,10 @@ class Books:
             log.error("idempotency release failed: %r", exc)
 
     async def idem_fail(self, claim: Claim, raw: bytes, exc: GatewayError) -> None:
+        """The run failed (``exc.from_run``) or this session did: the store decides
+        whose claim it is to release (gateway/tenancy/idempotency.py, ownership)."""
         try:
-            await self.idempotency.fail(claim, raw, exc)
+            await self.idempotency.fail(claim, raw, exc, run_failed=exc.from_run)
         except GatewayError as err:
             log.error("idempotency release failed: %s", err.message)
         except (RedisError, OSError) as err:

@@ -416,6 +416,9 @@ class Dispatcher:
             self, _request_of(request_id, first), queue, duplicate=False, meta=first, subs=subs
         )
         stream.skip_through = last_seq
+        # Another session's run (a resume, a retry attached to it): giving up on
+        # it here ends this reading, not the run another client may still read.
+        stream.follows = True
         if not follower:
             with contextlib.suppress(nats.errors.Error):
                 await self._nc.publish(resumed_subject(request_id), b"")
@@ -466,6 +469,8 @@ class FrameStream(FrameReader):
 
     # Why a started stream went quiet, as the client reads it.
     silence_message = "The worker serving this request stopped responding mid-stream."
+    # Reads a run another session owns (resumed, attached, followed): never cancels it.
+    follows = False
 
     def __init__(
         self,
@@ -565,6 +570,8 @@ class FrameStream(FrameReader):
     async def cancel(self, reason: str = "client_disconnected") -> None:
         if not self.done:
             self.done = True
+            if self.follows:
+                return  # the run's own gateway decides about it (see resume)
             if self.started:
                 await self._d.cancel(self.req.id, reason)
             else:
@@ -586,9 +593,6 @@ class FollowedStream(FrameStream):
 
     async def on_first_token(self, attempt: int) -> None:
         await FrameReader.on_first_token(self, attempt)
-
-    async def cancel(self, reason: str = "client_disconnected") -> None:
-        self.done = True
 
 
 def error_from_frame(frame: ErrorFrame) -> GatewayError:

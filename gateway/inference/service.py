@@ -24,7 +24,14 @@ import msgspec
 import nats.errors
 
 from gateway.config import GatewayConfig
-from gateway.errors import BadRequest, BudgetExceeded, GatewayError, NotFound, RateLimited
+from gateway.errors import (
+    BadRequest,
+    BudgetExceeded,
+    Conflict,
+    GatewayError,
+    NotFound,
+    RateLimited,
+)
 from gateway.inference import rollout
 from gateway.inference.books import Books
 from gateway.inference.coalesce import Coalescer
@@ -204,7 +211,15 @@ class InferenceService:
                         span.end("attached")
                         return attached
                     # Nothing queued by the first run (its gateway died first): run it
-                    # here, under the same request id.
+                    # here, under the same request id, as the claim's owner now.
+                    owned = await self.idempotency.take_over(claim)
+                    if owned is None:
+                        raise Conflict(
+                            "The request with this Idempotency-Key ended or was released "
+                            "while this retry waited for it; send it again.",
+                            code="idempotency_conflict",
+                        )
+                    claim = owned
             span.set("jetserve.request_id", req.id)
             req = self._split(req)
             return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span, gone)

@@ -15,6 +15,16 @@ request, and:
   with the same request id after ``takeover_s`` (the work queue's
   ``Nats-Msg-Id`` de-duplication stores the request once even if it was queued).
 
+Ownership. The session that made the claim (or took it over) owns it: it
+releases the claim for a retry (a 429/5xx, a cancel) only while the claim is
+still the one it made (a script compares the request id and the owner's token: a
+late release never deletes a later run's claim, nor one another session took
+over). A retry following the run owns nothing: its own failure (its link to
+NATS, a silent stream) is not the run's and leaves the claim as it is; the run's
+own outcome (its answer, or an error frame it ended with, ``run_failed``) it
+records as the owner would, so a retryable failure of a run whose gateway died
+can still be retried and a finished one is replayed.
+
 The window (``ttl_s``, ``GatewayConfig.idempotency_window_s``) counts from the
 first claim; the frames capture and the work queue's de-duplication window must
 be at least as long (the runtime checks it), so whatever a retry can find in
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +57,7 @@ class Stored(msgspec.Struct, frozen=True):
     response: dict[str, Any] | None = None  # None when done: a stream, replayed from frames
     request_id: str = ""
     created: float = 0.0  # the first claim (unix seconds)
+    owner: str = ""  # the owning session's token ("": a claim from before owners)
 
 
 _enc = msgspec.json.Encoder()
@@ -59,6 +71,31 @@ class Claim:
     replay: Stored | None = None  # set: answer with this, run nothing
     attach: bool = False  # the first run is in flight or streamed: follow its frames
     created: float = 0.0
+    owner: str = ""  # this session's token when it owns the claim; "": it follows
+
+
+# Release or complete a claim only while it is the one the caller holds (the
+# same run's request id; the same owner, when the caller names one). The gen key
+# is refreshed apart (another hash slot on a cluster); it holds the same value.
+_GUARDED_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, s = pcall(cjson.decode, raw)
+if not ok or s['request_id'] ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '' and s['owner'] and s['owner'] ~= ARGV[3] then return 0 end
+if ARGV[1] == 'complete' then
+  redis.call('SET', KEYS[1], ARGV[4], 'KEEPTTL')
+  return 1
+end
+if ARGV[1] == 'own' then
+  if s['state'] ~= 'pending' then return 0 end
+  redis.call('SET', KEYS[1], ARGV[4], 'KEEPTTL')
+  return 1
+end
+if s['state'] ~= 'pending' then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
 
 
 def key_hash(tenant: str, idempotency_key: str) -> str:
@@ -70,6 +107,7 @@ class IdempotencyStore:
         self._redis = client
         self.ttl_s = ttl_s
         self._poll = poll_s
+        self._guard = client.register_script(_GUARDED_LUA)  # EVALSHA, loaded on NOSCRIPT
 
     async def claim(self, tenant: str, idem_key: str, body: bytes, deadline: float) -> Claim:
         if not idem_key or len(idem_key) > 255:
@@ -85,12 +123,13 @@ class IdempotencyStore:
                 gen_key = PREFIX + "gen:" + kh
                 generation = int(await self._redis.get(gen_key) or 0) + 1
                 request_id = f"{kh[:24]}{generation:08x}"
+                owner = secrets.token_hex(8)
                 pending = _enc.encode(
-                    Stored("pending", body_hash, request_id=request_id, created=now)
+                    Stored("pending", body_hash, request_id=request_id, created=now, owner=owner)
                 )
                 if await self._redis.set(rkey, pending, nx=True, ex=max(1, int(self.ttl_s))):
                     await self._redis.set(gen_key, generation, ex=int(self.ttl_s) + 86_400)
-                    return Claim(request_id, kh, created=now)
+                    return Claim(request_id, kh, created=now, owner=owner)
                 raw = await self._redis.get(rkey)
                 if raw is None:
                     continue  # released between our SET and GET: claim again
@@ -114,9 +153,11 @@ class IdempotencyStore:
 
     async def complete(
         self, claim: Claim, body: bytes, status: int, response: dict[str, Any] | None
-    ) -> None:
+    ) -> bool:
         """The run's answer (``response`` None: a stream, replayed from its frames),
-        kept until the window that began with the first claim ends."""
+        kept until the window that began with the first claim ends: the run's own
+        outcome, so a follower may store it too; only while the claim is still this
+        run's (and, for an owner, its own) (False: not stored)."""
         stored = Stored(
             "done",
             hashlib.sha256(body).hexdigest(),
@@ -124,17 +165,47 @@ class IdempotencyStore:
             response,
             claim.request_id,
             claim.created,
+            claim.owner,
         )
-        await self._redis.set(PREFIX + claim.key_hash, _enc.encode(stored), keepttl=True)
+        return await self._guarded("complete", claim, claim.owner, _enc.encode(stored))
 
-    async def release(self, claim: Claim) -> None:
-        """Let a retry run again, under a new request id."""
+    async def take_over(self, claim: Claim) -> Claim | None:
+        """Own a claim whose first run queued nothing within ``takeover_s`` (its
+        gateway died, it is thought): from now on the first session's release or
+        answer changes nothing. None: the claim changed meanwhile (ended, released)."""
+        owner = secrets.token_hex(8)
+        raw = await self._redis.get(PREFIX + claim.key_hash)
+        if raw is None:
+            return None
+        stored = msgspec.structs.replace(_dec.decode(raw), owner=owner)
+        if stored.request_id != claim.request_id or stored.state != "pending":
+            return None
+        if not await self._guarded("own", claim, "", _enc.encode(stored)):
+            return None
+        return Claim(claim.request_id, claim.key_hash, created=claim.created, owner=owner)
+
+    async def release(self, claim: Claim, *, run_failed: bool = False) -> bool:
+        """Let a retry run again, under a new request id: by the claim's owner, or
+        by a follower when the run itself failed (``run_failed``); only while the
+        claim is still pending under this run's request id (False: left as it is)."""
+        if not claim.owner and not run_failed:
+            return False  # a follower's own failure is not the run's
+        if not await self._guarded("release", claim, claim.owner, b""):
+            return False
         gen_key = PREFIX + "gen:" + claim.key_hash
         await self._redis.set(gen_key, int(claim.request_id[24:], 16), ex=int(self.ttl_s) + 86_400)
-        await self._redis.delete(PREFIX + claim.key_hash)
+        return True
 
-    async def fail(self, claim: Claim, body: bytes, exc: GatewayError) -> None:
+    async def fail(
+        self, claim: Claim, body: bytes, exc: GatewayError, *, run_failed: bool = False
+    ) -> None:
+        if not claim.owner and not run_failed:
+            return  # a follower's own failure is not the run's: the claim stays
         if exc.retryable or exc.status >= 500:
-            await self.release(claim)
+            await self.release(claim, run_failed=run_failed)
         else:
             await self.complete(claim, body, exc.status, exc.body())
+
+    async def _guarded(self, op: str, claim: Claim, owner: str, value: bytes) -> bool:
+        keys = [PREFIX + claim.key_hash]
+        return bool(await self._guard(keys=keys, args=[op, claim.request_id, owner, value]))

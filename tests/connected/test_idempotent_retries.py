@@ -22,6 +22,7 @@ from gateway.tenancy.idempotency import PREFIX, Stored, key_hash
 from jetserve.fleet import Fleet
 from tests.connected.test_resume import BODY, ledger_records, read_events, reference
 from tests.scrape import metric_sum
+from tests.tcp_cut import CutProxy
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -238,3 +239,64 @@ async def test_a_client_leaving_as_its_answer_is_recorded_leaves_it_recorded(
     assert row["outcome"] in ("stop", "length"), row  # its finish reason, not a cancel
     assert isinstance(row["charge_micros"], int)
     assert row["charge_micros"] > 0
+
+
+async def test_a_retry_that_loses_its_own_link_leaves_the_run_and_its_claim(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The first try runs on gateway 0, which owns the key's claim. A retry on
+    gateway 1 attaches to the run, then gateway 1 loses its link to NATS: that
+    retry ends ``stream_interrupted``, its own failure, not the run's. It used
+    to release the claim (a third try ran the engine again, charged again) and
+    cancel the run by id (the first client's stream ended too)."""
+    fleet = make_fleet(workers=1, gateway_args=["--heartbeat-timeout", "1"])
+    body = {**BODY, "max_tokens": 400, "ignore_eos": True}  # 10 s of tokens
+    started_before = await sim_started(fleet)
+    key = "retry-loses-its-link"
+    async with CutProxy(fleet.nats_nodes[0].port) as proxy:
+        fleet.start_gateway("--nats", proxy.url, wait=False)
+        await asyncio.to_thread(fleet.wait_gateway, 1)  # off the loop: the proxy runs on it
+        url0, url1 = (f"{u}/v1/chat/completions" for u in fleet.base_urls[:2])
+        async with httpx.AsyncClient(timeout=60) as c:
+
+            async def read(url: str) -> tuple[str, str, bool, dict[str, object] | None]:
+                async with c.stream("POST", url, json=body, headers=headers(fleet, key)) as r:
+                    assert r.status_code == 200
+                    texts, _, done, error = await read_events(r)
+                    return r.headers["x-request-id"], "".join(texts), done, error
+
+            first = asyncio.create_task(read(url0))
+
+            async def engine_started() -> bool:
+                return await sim_started(fleet) > started_before
+
+            await until(engine_started, "the engine to start the first try")
+            async with c.stream("POST", url1, json=body, headers=headers(fleet, key)) as r:
+                assert r.status_code == 200
+                attached_id = r.headers["x-request-id"]
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break  # following the run
+                proxy.cut()
+                rest = [line async for line in lines]
+            assert any("stream_interrupted" in line for line in rest), rest
+            # Back on NATS: whatever gateway 1 had queued to send goes out now.
+            before = proxy.accepted
+            proxy.restore()
+
+            async def back() -> bool:
+                return proxy.accepted > before
+
+            await until(back, "gateway 1 back on NATS")
+            third_id, third_text, third_done, third_error = await read(url0)
+            run_id, text, done, error = await first
+    assert attached_id == run_id
+    assert third_id == run_id  # attached to the same run, not a new one
+    assert (error, third_error) == (None, None)
+    assert done
+    assert third_done
+    assert third_text == text
+    assert await sim_started(fleet) - started_before == 1  # the engine worked once
+    rows = [r for r in ledger_records(fleet, run_id) if r["status"] == 200]
+    assert len(rows) == 1, rows
