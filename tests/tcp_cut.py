@@ -12,7 +12,9 @@ from types import TracebackType
 class CutProxy:
     """Forwards ``127.0.0.1:<port>`` to ``127.0.0.1:<target>``. :meth:`cut` closes
     every connection through it and refuses new ones (accepted, then closed: the
-    port stays this proxy's) until :meth:`restore`."""
+    port stays this proxy's) until :meth:`restore`. :meth:`stall` holds what the
+    server sends (the client's bytes still go through: a publish is stored, its
+    acknowledgement waits) until :meth:`flow`."""
 
     def __init__(self, target: int) -> None:
         self.target = target
@@ -22,6 +24,8 @@ class CutProxy:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._down = asyncio.Event()  # set: the server's bytes flow to the client
+        self._down.set()
 
     @property
     def url(self) -> str:
@@ -54,6 +58,12 @@ class CutProxy:
     def restore(self) -> None:
         self.open = True
 
+    def stall(self) -> None:
+        self._down.clear()
+
+    def flow(self) -> None:
+        self._down.set()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.open:
             writer.transport.abort()
@@ -69,14 +79,18 @@ class CutProxy:
             return
         self.accepted += 1
         self._pipes |= {writer, up_writer}
-        for src, dst in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pump(src, dst))
+        for src, dst, gate in ((reader, up_writer, None), (up_reader, writer, self._down)):
+            task = asyncio.create_task(self._pump(src, dst, gate))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, gate: asyncio.Event | None
+    ) -> None:
         with contextlib.suppress(OSError, ConnectionError):
             while data := await src.read(65536):
+                if gate is not None:
+                    await gate.wait()
                 dst.write(data)
                 await dst.drain()
         dst.transport.abort()  # one side gone: the other goes too

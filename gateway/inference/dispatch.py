@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -90,7 +91,10 @@ from streams.wire import (
 
 # How long a gateway waits for the frames capture to hand back tokens that core
 # NATS lost on their way here (a server died between worker and gateway).
+log = logging.getLogger(__name__)
+
 GAP_RECOVERY_S = 3.0
+WITHDRAW_RETRY_S = 1.0  # between tries to store an unconfirmed request's cancel
 
 
 def hedge_subject(subject: str | None, cls: str) -> str:
@@ -146,6 +150,7 @@ class Dispatcher:
         # Requests whose client left while they were being queued (cancelled by id
         # before the stream acknowledged them); the gateway exports it.
         self.cancelled_while_queueing = 0
+        self.unconfirmed_publishes = 0  # refused, and cancelled in case they were stored
 
     def reply_for(self, tenant: str, request_id: str) -> str:
         return reply_subject(tenant, self.gateway_id, request_id, self.topology.frames_partitions)
@@ -239,6 +244,11 @@ class Dispatcher:
             ack = await (sending if gone is None else self._unless_gone(req.id, sending, gone))
         except PublishError as exc:
             self._queues.pop(req.id, None)
+            if isinstance(exc, BusUnavailableError):
+                # No answer is not "not stored": the acknowledgement may be what was
+                # lost. The request is refused, so it must not run (uncharged) if it
+                # was stored: it is cancelled by id until the mark holds.
+                self._own(self._withdraw(req))
             raise publish_failure(exc) from exc
         # A duplicate's frames go where the first publish said, maybe another
         # gateway: this stream may hear nothing, and is no judge of a lost answer.
@@ -256,6 +266,17 @@ class Dispatcher:
                 self._hedges[task] = stream
                 task.add_done_callback(self._forget_hedge)
         return stream
+
+    async def _withdraw(self, req: InferenceRequest) -> None:
+        """Cancel a request whose publish went unconfirmed, until its durable
+        mark is stored (a worker that pulls it then ends it unrun) or its
+        deadline passes (no worker runs it after that)."""
+        self.unconfirmed_publishes += 1
+        while not await self.client.cancel(req.id, "publish_unconfirmed"):
+            if time.time() >= req.deadline:
+                log.warning("request %s: publish unconfirmed, cancel not stored", req.id)
+                return
+            await asyncio.sleep(WITHDRAW_RETRY_S)
 
     async def _send(
         self, req: InferenceRequest, meta: Meta, subject: str, payload: bytes

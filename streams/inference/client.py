@@ -116,18 +116,19 @@ class InferenceClient:
 
     async def cancel(
         self, request_id: str, reason: str, *queued: QueuedAt | None, keep_attempt: int = 0
-    ) -> None:
+    ) -> bool:
         """Tell the worker to stop (all attempts but ``keep_attempt``). With the
         bus down the worker's deadline ends the work instead. ``queued``: where
         the request's messages were stored (stream, sequence), as their
-        publishes' acks said."""
+        publishes' acks said. True when the durable mark was stored."""
         note = encode(Cancel(request_id, reason, keep_attempt))
         # At once for a worker that listens; then the durable mark, then again:
         # a worker subscribes before it reads the mark, so it hears the second
         # publish or reads the mark (streams/marks.py).
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(cancel_subject(request_id), note)
-        if await self._marks.mark(request_id, note):
+        marked = await self._marks.mark(request_id, note)
+        if marked:
             with contextlib.suppress(nats.errors.Error):
                 await self._nc.publish(cancel_subject(request_id), note)
         for at in queued:
@@ -137,6 +138,7 @@ class InferenceClient:
             # message itself (a no-op if a worker already holds it).
             with contextlib.suppress(nats.errors.Error, TimeoutError, APIError):
                 await remove_msg(self._js, *at)
+        return marked
 
     async def still_queued(self, at: QueuedAt) -> bool | None:
         """Whether the request stored at ``at`` is still in its work queue (no
