@@ -63,6 +63,7 @@ from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token
 
 # An ingress's check of the authenticated caller against the parsed request.
 Gate = Callable[[KeyRecord, Parsed], None]
+Caller = Callable[[KeyRecord], None]  # an ingress's check of who called, before the body
 
 log = logging.getLogger(__name__)
 
@@ -149,16 +150,21 @@ class InferenceService:
         headers: Mapping[str, str],
         gate: Gate | None = None,
         gone: asyncio.Event | None = None,
+        caller: Caller | None = None,
     ) -> Admitted | Replayed:
-        """Authenticate, parse, reserve and enqueue. ``gate`` (an ingress's own
-        check of the caller against the request) runs after authentication and
-        parsing and before anything is charged or queued. ``gone``: set by the
+        """Authenticate, parse, reserve and enqueue. ``caller`` (an ingress's
+        check of the authenticated caller, e.g. that its reply goes to its own
+        tenant) runs right after authentication, before the body is read;
+        ``gate`` (its check of the caller against the request) after parsing,
+        and both before anything is charged or queued. ``gone``: set by the
         ingress when the client hangs up; while the request is being queued
         that cancels it by id at once (gateway/inference/dispatch.py)."""
         key: KeyRecord | None = None
         parsed: Parsed | None = None
         try:
             key = await self.tenancy.authenticate(headers.get("authorization"))
+            if caller is not None:
+                caller(key)
             parsed, body = parse_body(raw, KINDS[op])
             if gate is not None:
                 gate(key, parsed)

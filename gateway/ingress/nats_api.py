@@ -12,6 +12,12 @@ The reply subject and ``Jetserve-Stream-To`` must be inboxes of the caller's own
 tenant (gateway/ingress/nats_targets.py), checked before anything is charged or
 queued: a request without such a reply subject is dropped unanswered (there is
 nowhere safe to answer), a foreign ``Jetserve-Stream-To`` gets a 403 error reply.
+The reply subject is checked against the key's tenant right after the key is
+authenticated, before the body is read, so every answer about the request (a
+400 quoting what was wrong with the body included) goes to the caller's own
+tenant. Only the refusal of the key itself (401 ``invalid_api_key``, or 503
+while the key store is down: fixed texts, nothing of the request) is answered
+to the tenant inbox named, with no key to check it against.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
 from gateway.inference.openai_types import Parsed
 from gateway.inference.service import Gate, InferenceService
 from gateway.inference.sessions import Replayed
@@ -70,8 +76,9 @@ class NatsIngress:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _dropped(self, msg: Msg, why: str) -> None:
-        self._gw.metrics.rejected.labels(NotOwnInbox.code).inc()
+    def _dropped(self, msg: Msg, why: str, *, counted: bool = False) -> None:
+        if not counted:  # admission counts what it refused
+            self._gw.metrics.rejected.labels(NotOwnInbox.code).inc()
         log.warning("nats ingress: dropped a request on %s: %s", msg.subject, why)
 
     async def _reply(self, msg: Msg, body: Any, status: int = 200) -> None:
@@ -85,12 +92,17 @@ class NatsIngress:
             self._dropped(msg, "reply subject is not a tenant inbox")
             return
         stream_to = headers.get(STREAM_TO.lower())
+        shown = _Shown(msg.reply)
         try:
-            adm = await self._gw.admit(op, msg.data, headers, _gate(msg.reply, stream_to))
+            adm = await self._gw.admit(op, msg.data, headers, _gate(stream_to), caller=shown.check)
         except ForeignReply:  # the reply inbox is another tenant's: answer nobody
-            self._dropped(msg, "reply subject is another tenant's inbox")
+            self._dropped(msg, "reply subject is another tenant's inbox", counted=True)
             return
         except GatewayError as exc:
+            if not shown.own and not _refuses_the_key(exc):
+                # Cannot be (the key is checked first), and never answered if it were.
+                self._dropped(msg, f"{exc.code} before the caller was known", counted=True)
+                return
             await self._reply(msg, exc.body(), exc.status)
             return
         if isinstance(adm, Replayed):
@@ -121,12 +133,28 @@ class ForeignReply(NotOwnInbox):
     """The reply subject is another tenant's inbox: there is no one to answer."""
 
 
-def _gate(reply: str, stream_to: str | None) -> Gate:
-    """The caller's targets against its key, before admission."""
+def _refuses_the_key(exc: GatewayError) -> bool:
+    """The key's own refusal: a fixed text, nothing of the request in it."""
+    return isinstance(exc, AuthenticationFailed | Unavailable)
+
+
+class _Shown:
+    """Whether the authenticated caller's tenant owns the reply inbox."""
+
+    def __init__(self, reply: str) -> None:
+        self._reply = reply
+        self.own = False
+
+    def check(self, key: KeyRecord) -> None:
+        if inbox_tenant(self._reply) != key.tenant:
+            raise ForeignReply("The reply subject is another tenant's inbox.")
+        self.own = True
+
+
+def _gate(stream_to: str | None) -> Gate:
+    """The caller's stream target against its key, before admission."""
 
     def gate(key: KeyRecord, parsed: Parsed) -> None:
-        if inbox_tenant(reply) != key.tenant:
-            raise ForeignReply("The reply subject is another tenant's inbox.")
         if stream_to is not None:
             check_target(stream_to, key.tenant, f"'{STREAM_TO}'")
         elif getattr(parsed, "stream", False):

@@ -268,6 +268,39 @@ async def test_a_reply_subject_outside_the_callers_inbox_is_dropped(
         await watcher.close()
 
 
+async def test_a_bad_body_with_a_reply_to_another_tenant_is_never_answered_there(
+    fleet: Fleet, as_role: Connector
+) -> None:
+    """Demo's key, a body that does not parse, and acme's inbox as the reply: the
+    reply subject is checked against the key before the body is read, so acme's
+    inbox gets nothing (it used to get the 400, quoting the parse error)."""
+    probe: Probe = await as_role(Role.SERVICE, "demo")
+    watcher = await fleet.connect(Role.ADMIN)
+    seen: list[bytes] = []
+
+    async def record(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    await watcher.subscribe("_INBOX.tenant.acme.>", cb=record)
+    await watcher.flush()
+    log = fleet.workdir / "gateway0.log"
+    dropped_before = log.read_text().count("dropped a request")
+    try:
+        hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
+        victim = "_INBOX.tenant.acme.victim.1"
+        await probe.nc.publish(INGRESS_CHAT, b'{"messages": "x"}', reply=victim, headers=hdrs)
+        await probe.nc.flush()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + WITHIN_S
+        while log.read_text().count("dropped a request") == dropped_before:
+            assert loop.time() < end, "the gateway did not drop the request"
+            await asyncio.sleep(0.05)
+        await watcher.flush()
+        assert seen == []
+    finally:
+        await watcher.close()
+
+
 async def test_connecting_without_a_credential_is_refused(fleet: Fleet) -> None:
     anon = Client()
     try:
