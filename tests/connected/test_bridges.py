@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 import websockets
+import websockets.exceptions
 
 from jetserve.fleet import Fleet
 from streams.auth import Role
