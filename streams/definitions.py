@@ -290,6 +290,8 @@ class Topology:
             name=name,
             # Exactly the served class subjects: a publish to anything else fails
             # fast (no responders) instead of being stored and never consumed.
+            # (The pools are one wildcard: a pool token nobody pulls is stored,
+            # until max_age; only gateways and workers may publish there.)
             subjects=subjects,
             retention=RetentionPolicy.WORK_QUEUE,
             discard=DiscardPolicy.NEW,
