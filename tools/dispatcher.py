@@ -303,10 +303,12 @@ class ToolDispatcher:
             except ToolCallError as rexc:
                 return ambiguous(ctx, tool.name, f"{reason}; reconcile failed: {rexc.message}")
             if found is None:
-                # It did not happen (yet). The intent stays: a later call with
-                # this key reconciles again before running, so a late effect of
-                # this attempt is never doubled.
-                return from_outcome(ctx, tool.name, Outcome.failure(reason, retryable=True))
+                # Not applied yet, but the call may still be running (a remote
+                # tool goes on to the run's deadline) and land later. The model's
+                # retry would be a new call under a new key, which this intent
+                # cannot guard: as a failure the effect could happen twice. So it
+                # is ambiguous; the intent stays, for a reconcile later.
+                return ambiguous(ctx, tool.name, f"{reason}; not applied yet, and may still be")
             settled = await self.ledger.record_outcome(
                 key, found, eff.revision, settled_by="reconciled"
             )

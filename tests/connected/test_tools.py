@@ -23,6 +23,7 @@ from nats.js.api import StorageType
 from jetserve.services import Service
 from streams.auth import Role
 from streams.connect import connect
+from tests.waits import until
 from tools import (
     EffectLedger,
     EffectLedgerConfig,
@@ -423,6 +424,7 @@ SERVER = """
 import asyncio, os, sys
 from streams.auth import Role
 from streams.connect import BusAuth, connect
+from tests.waits import until
 from tools import Outcome, ToolFailure, serve_tool
 
 applied = {}
@@ -439,6 +441,8 @@ async def transfer(args, ctx):
         return applied[ctx.key]
     if balances[args["from"]] < args["amount"]:
         raise ToolFailure("insufficient funds", retryable=False)
+    if args["amount"] == 17:  # slow: the effect lands after the caller's timeout
+        await asyncio.sleep(1.0)
     balances[args["from"]] -= args["amount"]
     balances[args["to"]] += args["amount"]
     applied[ctx.key] = {"amount": args["amount"], "entered": entered, "pid": os.getpid()}
@@ -594,6 +598,21 @@ async def test_remote_failures_are_structured(
     assert r.ok
     assert r.source == "reconciled"
     assert r.result["amount"] == 13
+
+    # A remote timeout before the effect lands, which it does later (the tool
+    # server goes on): not a retryable failure (the model's retry would be a new
+    # call under a new key, and the money would move twice) but ambiguous; the
+    # intent stays, and a later look with the key finds the effect.
+    late = '{"from": "alice", "to": "bob", "amount": 17}'
+    r = as_result(await d.call("transfer", late, ctx("l1"), ALL_REMOTE))
+    assert r.status == "ambiguous"
+    assert r.error.startswith("timeout; not applied yet, and may still be")
+
+    async def landed() -> bool:
+        again = as_result(await d.call("transfer", late, ctx("l1"), ALL_REMOTE))
+        return again.ok and again.source == "reconciled"
+
+    await until(landed, "the late effect, found by its key")
 
     # Schema-invalid arguments never leave this process.
     r = as_result(await d.call("transfer", '{"from": "alice"}', ctx("v1"), ALL_REMOTE))
