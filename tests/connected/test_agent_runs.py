@@ -210,6 +210,24 @@ def test_a_run_budget_past_the_cap_is_refused_before_any_hold(
     assert chat.status_code == 200, chat.text
 
 
+def test_two_calls_of_one_turn_under_one_id_both_run(fleet: Fleet, api: httpx.Client) -> None:
+    # Some engines repeat tool call ids within a turn: the second call used to
+    # count as answered with the first's answer, and never ran.
+    m = marker()
+    first = call("transfer", {"from": "alice", "to": "bob", "amount": 1}, "call_0")
+    second = call("transfer", {"from": "alice", "to": "bob", "amount": 2}, "call_0")
+    both = {"tool_calls": first["tool_calls"] + second["tool_calls"]}
+    script(fleet, ("user", m, both), ("tool", m, {"content": "Sent 1 and 2."}))
+    run = wait(api, create(api, f"{m}: send 1, then 2", ["transfer"])["id"])
+    assert run["status"] == "completed", run
+    answers = tool_messages(run)
+    assert len(answers) == 2
+    assert len({a["tool_call_id"] for a in answers}) == 2
+    effects = bank_effects(fleet, run["id"])
+    assert len(effects) == 2  # both transfers, each under its own key
+    assert len({e["key"] for e in effects}) == 2
+
+
 # -- authority and arguments ----------------------------------------------------------
 
 

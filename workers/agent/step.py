@@ -203,9 +203,15 @@ class Stepper:
             self.metrics.tokens.labels("input").inc(reply.usage.prompt_tokens)
             self.metrics.tokens.labels("output").inc(reply.usage.completion_tokens)
             if reply.tool_calls:
+                seen: set[str] = set()
                 for i, call in enumerate(reply.tool_calls):
-                    if not call.get("id"):  # the model gave none: a stable one
+                    # None given, or one an earlier call of this turn has (some
+                    # engines repeat ids): a stable one of its own. Two calls under
+                    # one id would share a ledger key, and the second's answer
+                    # would count as given once the first's is.
+                    if not call.get("id") or call["id"] in seen:
                         call["id"] = f"call_{h.run.step}_{i}"
+                    seen.add(call["id"])
                 await h.save(messages=[*h.run.messages, message], spent=spent, model_call=None)
                 continue
             await self.finish(
