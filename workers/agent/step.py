@@ -179,6 +179,11 @@ class Stepper:
                 return Verdict("ack", next_step=h.run.step)
             calls = unanswered_calls(h.run.messages)
             if calls:
+                # The stored cancel (and the deadline) before each call: a
+                # cancel's notice is core NATS, and one this executor missed (a
+                # reconnect) must not let the turn's effects go ahead.
+                if await self.halted(h):
+                    return ACK
                 if not await self.tool_call(h, calls[0], guard):
                     return park(h) if h.run.status in PARKED else ACK
                 continue
