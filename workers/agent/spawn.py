@@ -176,8 +176,11 @@ class Spawner:
         elif not have.run.terminal:
             await self.store.nudge(p.child_id, have.run.step, "start")
 
-    async def resume(self, h: RunHandle) -> bool:
-        """The parent woke up: fold in a finished child (True), or keep waiting."""
+    async def resume(self, h: RunHandle) -> bool | Run:
+        """The parent woke up: fold in a finished child (True), or keep waiting
+        (False). A child that ended ``ambiguous`` is returned instead: its effect's
+        outcome is unknown, so it is never fed to the parent's model as a failure
+        (the model could do it again); the parent ends ambiguous too (:meth:`folded`)."""
         run = h.run
         p = run.pending_child
         assert p is not None
@@ -187,16 +190,22 @@ class Spawner:
             return False
         child = have.run
         status: RunStatus = child.status
+        if status == "ambiguous":
+            return child
         if status == "completed":
             content = msgspec.json.encode({"result": child.result}).decode()
         else:
             content = _error(f"sub-agent {status}: {child.reason}")
-        await h.answer(
-            p.call_id,
-            SPAWN_TOOL,
-            content,
-            pending_child=None,
-            carved=run.carved.minus(p.budget),
-            children_spent=run.children_spent.plus(child.spent.plus(child.children_spent)),
-        )
+        await h.answer(p.call_id, SPAWN_TOOL, content, **self.folded(run, child))
         return True
+
+    @staticmethod
+    def folded(run: Run, child: Run) -> dict[str, Any]:
+        """The parent's changes for an ended child: its carve back, its spend added."""
+        p = run.pending_child
+        assert p is not None
+        return {
+            "pending_child": None,
+            "carved": run.carved.minus(p.budget),
+            "children_spent": run.children_spent.plus(child.spent.plus(child.children_spent)),
+        }

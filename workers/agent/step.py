@@ -36,6 +36,7 @@ from streams.agent import (
     SPAWN_TOOL,
     ModelCall,
     PendingApproval,
+    Run,
     RunStatus,
     Spend,
     StepMsg,
@@ -140,8 +141,15 @@ class Stepper:
         if run.status == "queued":
             await h.save(status="running", step_started=time.time())
         elif run.status == "awaiting_child":
-            if not await self.spawner.resume(h):
+            resumed = await self.spawner.resume(h)
+            if resumed is False:
                 return park(h)
+            if isinstance(resumed, Run):  # the child ended ambiguous: so does the parent
+                reason = f"sub-agent {resumed.id} ambiguous: {resumed.reason}"
+                changes = self.spawner.folded(run, resumed)
+                changes["ambiguous_key"] = resumed.ambiguous_key
+                await self.finish(h, "ambiguous", reason, **changes)
+                return ACK
         elif run.status == "awaiting_approval":
             pending = run.pending_approval
             assert pending is not None
