@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -238,8 +239,9 @@ class Executor:
             try:
                 async with kept(store, msg, held, work, self.cfg.lease_s):
                     try:
-                        done, _ = await asyncio.wait({work}, timeout=self.cfg.step_timeout_s)
+                        done = await self._watch(work, guard)
                     except asyncio.CancelledError:  # draining past its grace: redelivered
+                        await _effect_ended(guard)  # an effect in flight first records its outcome
                         await stop_task(work)
                         raise
             finally:
@@ -259,6 +261,23 @@ class Executor:
                 continue
             return await self._failed(nudge, exc, delivery)
         return Verdict("nak", 0.5)
+
+    async def _watch(self, work: asyncio.Task[Verdict | None], guard: Guard) -> bool:
+        """Whether the step ended before the watchdog: ``step_timeout_s`` of it
+        with no effectful call in flight. An effect is never cut half-way (it is
+        bounded by its tool's own timeout); the step gets a fresh window after it."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.cfg.step_timeout_s
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=max(0.0, until - loop.time()))
+            if done:
+                return True
+            effect = guard.effect
+            if effect is None or effect.done():
+                return False
+            either: set[asyncio.Future[Any]] = {work, effect}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            until = loop.time() + self.cfg.step_timeout_s
 
     async def _stuck(self, nudge: StepMsg, delivery: int) -> Verdict:
         cfg = self.cfg
@@ -311,3 +330,12 @@ async def _settle_msg(msg: Msg, verdict: Verdict) -> None:
             await msg.term()
         else:
             await msg.nak(delay=verdict.delay or None)
+
+
+async def _effect_ended(guard: Guard) -> None:
+    """Wait for the effectful call in flight, if any, to record its outcome (the
+    step is being cut: a drain past its grace). Cancelled again meanwhile, give up."""
+    effect = guard.effect
+    if effect is not None and not effect.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({effect})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from streams.agent import Run
 from streams.tasks import stop_task
@@ -20,6 +20,19 @@ class Guard:
     def __init__(self, run_id: str) -> None:
         self.cancelled = asyncio.Event()
         self.scope: frozenset[str] = frozenset({run_id})
+        # The effectful call in flight, if any: the executor's watchdog and drain
+        # wait for it (bounded by the tool's own timeout) instead of cutting it.
+        self.effect: asyncio.Future[Any] | None = None
+
+    async def effectful(self, work: Awaitable[T]) -> T:
+        """``await work`` (an effectful tool call), never cut half-way: a cancel of
+        the step reaches this await, not the call, which goes on to record its
+        outcome (the executor waits for it: :attr:`effect`)."""
+        task = asyncio.ensure_future(work)
+        self.effect = task
+        result = await asyncio.shield(task)
+        self.effect = None
+        return result
 
     def bind(self, run: Run) -> None:
         self.scope = frozenset({run.id, *run.ancestors})

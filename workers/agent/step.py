@@ -351,7 +351,7 @@ class Stepper:
         if tool is not None and tool.tier is Tier.READ_ONLY:
             out = await guard.interruptible(work)
         else:
-            out = await work
+            out = await guard.effectful(work)
         if isinstance(out, NeedsApproval):
             pending = PendingApproval(
                 call_id=out.call_id,
