@@ -14,6 +14,7 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     ├── ResumeWindowExceeded     410 a stream whose start the frames capture no longer holds
     ├── ClientTooSlow            408 the client read the stream too slowly; it was ended
     ├── Conflict                 409 a run id taken or settled; an approval not pending
+    │   └── IdempotencyConflict  409 the key's run ended or was taken meanwhile (retryable)
     ├── RateLimited              429 queue full / rate limit (carries Retry-After;
     │                            a rate limit's exact wait also as retry-after-ms)
     ├── BudgetExceeded           429 ``insufficient_quota``: a budget is spent (not retryable)
@@ -171,6 +172,14 @@ class Conflict(GatewayError):
     status = 409
     type = "invalid_request_error"
     code = "conflict"
+
+
+class IdempotencyConflict(Conflict):
+    """The run an Idempotency-Key names ended, or was taken, while this retry
+    waited to take it over: retry, and the key's next run starts."""
+
+    code = "idempotency_conflict"
+    retryable = True
 
 
 class RateLimited(GatewayError):

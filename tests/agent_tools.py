@@ -23,10 +23,14 @@ _SLOW_EFFECT = {
 async def _slow_effect(args: dict[str, Any], ctx: ToolContext) -> Any:
     """The effect (a line in the book, named by the call's key), then a wait
     before the answer: an effect that takes longer than a step may."""
-    with Path(args["book"]).open("a") as book:
-        book.write(ctx.key + "\n")
+    await asyncio.to_thread(_append, Path(args["book"]), ctx.key)
     await asyncio.sleep(float(args["seconds"]))
     return {"key": ctx.key}
+
+
+def _append(book: Path, line: str) -> None:
+    with book.open("a") as f:
+        f.write(line + "\n")
 
 
 def slow_effects() -> list[Tool]:

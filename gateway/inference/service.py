@@ -14,21 +14,23 @@ queue full) get a ledger record too. Never any prompt or completion text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
 import nats.errors
+from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BadRequest,
     BudgetExceeded,
-    Conflict,
     GatewayError,
+    IdempotencyConflict,
     NotFound,
     RateLimited,
 )
@@ -59,11 +61,16 @@ from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriter
 from gateway.tracing import Span, Tracer
 from streams.logs import log_event
+from streams.tasks import stop_task
 from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token
 
 # An ingress's check of the authenticated caller against the parsed request.
 Gate = Callable[[KeyRecord, Parsed], None]
 Caller = Callable[[KeyRecord], None]  # an ingress's check of who called, before the body
+_CHANGED = (
+    "The request with this Idempotency-Key ended or was released while this retry "
+    "waited for it; send it again."
+)
 
 log = logging.getLogger(__name__)
 
@@ -220,21 +227,38 @@ class InferenceService:
                     # here, under the same request id, as the claim's owner now.
                     owned = await self.idempotency.take_over(claim)
                     if owned is None:
-                        raise Conflict(
-                            "The request with this Idempotency-Key ended or was released "
-                            "while this retry waited for it; send it again.",
-                            code="idempotency_conflict",
-                        )
+                        raise IdempotencyConflict(_CHANGED)
                     claim = owned
             span.set("jetserve.request_id", req.id)
             req = self._split(req)
-            return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span, gone)
+            if claim is None or not claim.owner:
+                return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span, gone)
+            async with self._admitting(claim):
+                return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span, gone)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             span.end(exc.code)
             if claim is not None:
                 await self.books.idem_fail(claim, raw, exc)
             raise
+
+    @contextlib.asynccontextmanager
+    async def _admitting(self, claim: Claim) -> AsyncIterator[None]:
+        """While its run is admitted, the claim's owner says it is alive, so a
+        retry follows it instead of taking it over (idempotency.alive)."""
+        every = self.cfg.idempotency_takeover_s / 3
+
+        async def keep() -> None:
+            while True:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.idempotency.admitting(claim, self.cfg.idempotency_takeover_s)
+                await asyncio.sleep(every)
+
+        task = asyncio.create_task(keep())
+        try:
+            yield
+        finally:
+            await stop_task(task)
 
     async def _attach(
         self,
@@ -252,7 +276,11 @@ class InferenceService:
             stream = await self.dispatcher.resume(key.tenant, claim.request_id, 0)
             if stream is not None:
                 break
-            if time.time() >= claim.created + self.cfg.idempotency_takeover_s:
+            # Nothing queued yet: taken over only once its owner has stopped saying
+            # it is still admitting it (a hold, a fair gate's wait can be long).
+            if time.time() >= claim.created + self.cfg.idempotency_takeover_s and not (
+                await self.idempotency.alive(claim)
+            ):
                 return None
             await asyncio.sleep(0.05)  # the first run is between its claim and its queueing
         assert stream.meta is not None
@@ -303,7 +331,18 @@ class InferenceService:
             await self.books.append(self.books.refusal(req, key, f"rejected:{kind}", exc))
             raise
         if reservation.settled:
+            if claim is not None:
+                # A run taken over whose first owner's hold was settled meanwhile
+                # (the orphan sweep recorded it): this id is spent; the key's next
+                # try runs under a new one (retryable: the claim is released).
+                raise IdempotencyConflict(_CHANGED)
             raise BadRequest("This request id was already served.", code="duplicate_request")
+        if reservation.replayed and claim is not None:
+            # A taken-over run holds its first owner's hold: it ends before that
+            # hold's expiry, so the orphan sweep never settles it while it runs.
+            latest = reservation.expires_at - self.cfg.settle_grace_s
+            if req.deadline > latest:
+                req = msgspec.structs.replace(req, deadline=max(time.time(), latest))
         span.event("held")
         meta = self._meta(req, scope, reservation.cost_micros)
         try:

@@ -47,6 +47,7 @@ from gateway.errors import BadRequest, GatewayError, Timeout, Unavailable
 from streams.redis_client import RedisClient
 
 PREFIX = "jetserve:idem:"
+_ALIVE = PREFIX + "alive:"  # the owner, while it admits its run (short-lived)
 HEADER = "idempotency-key"
 
 
@@ -168,6 +169,16 @@ class IdempotencyStore:
             claim.owner,
         )
         return await self._guarded("complete", claim, claim.owner, _enc.encode(stored))
+
+    async def admitting(self, claim: Claim, for_s: float) -> None:
+        """Say the claim's owner is alive and still admitting its run (a hold, the
+        fair gate's wait, the publish), for ``for_s``: a retry does not take over a
+        run that is merely slow to be queued (:meth:`alive`)."""
+        await self._redis.set(_ALIVE + claim.key_hash, claim.owner, px=max(1, int(for_s * 1000)))
+
+    async def alive(self, claim: Claim) -> bool:
+        """Whether the claim's owner said lately that it is still admitting."""
+        return bool(await self._redis.exists(_ALIVE + claim.key_hash))
 
     async def take_over(self, claim: Claim) -> Claim | None:
         """Own a claim whose first run queued nothing within ``takeover_s`` (its

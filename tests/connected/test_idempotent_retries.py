@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.tenancy.accounting import Accountant, Scope
 from gateway.tenancy.idempotency import PREFIX, Stored, key_hash
 from jetserve.fleet import Fleet
 from tests.connected.test_resume import BODY, ledger_records, read_events, reference
@@ -132,6 +133,132 @@ async def test_a_claim_whose_gateway_died_before_queueing_is_taken_over(fleet: F
     assert again.headers["idempotent-replayed"] == "true"
     assert await sim_started(fleet) - started_before == 1
     assert len(ledger_records(fleet, request_id)) == 1
+
+
+async def test_a_claim_whose_owner_is_still_admitting_it_is_not_taken_over(
+    fleet: Fleet,
+) -> None:
+    """The first run claimed the key long ago and is still being admitted (a
+    fair gate's wait, a slow hold: written here as its gateway does, the claim and
+    its owner's "still admitting" mark, kept fresh). A retry must not run it
+    beside it; it used to, after 5 s. Once the owner falls silent (its gateway
+    died), the retry takes it over."""
+    raw = msgspec.json.encode({**BODY, "stream": False})
+    key = "still-admitting"
+    kh = key_hash(fleet.spec.tenant, key)
+    request_id = f"{kh[:24]}{1:08x}"
+    slow = Stored(
+        "pending",
+        hashlib.sha256(raw).hexdigest(),
+        request_id=request_id,
+        created=time.time() - 60,  # long past the takeover delay
+        owner="0123456789abcdef",
+    )
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    alive = PREFIX + "alive:" + kh
+    try:
+        await rds.set(PREFIX + kh, msgspec.json.encode(slow), ex=600)
+        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
+        await rds.set(alive, slow.owner, px=5000)
+        started_before = await sim_started(fleet)
+        hdrs = {**headers(fleet, key, slow=False), "Content-Type": "application/json"}
+        async with httpx.AsyncClient(timeout=60) as c:
+            url = f"{fleet.base_url}/v1/chat/completions"
+            retry = asyncio.create_task(c.post(url, content=raw, headers=hdrs))
+            # Twice the takeover delay, the owner saying it is alive every second.
+            for _ in range(10):
+                await rds.set(alive, slow.owner, px=5000)
+                await asyncio.sleep(1.0)
+            assert not retry.done()  # it follows, it does not take over
+            assert await sim_started(fleet) == started_before
+            await rds.delete(alive)  # the owner's gateway died
+            r = await retry
+    finally:
+        await rds.aclose()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == request_id
+    assert await sim_started(fleet) - started_before == 1
+
+
+async def test_a_takeover_of_a_run_the_sweep_recorded_starts_the_keys_next_run(
+    fleet: Fleet,
+) -> None:
+    """The first run's gateway died after its hold and before queueing; past the
+    hold's expiry the orphan sweep recorded it, settling its request id. A retry
+    that takes the claim over finds that id spent: it used to answer 400
+    ``duplicate_request`` and store it, so every retry of the key got that 400
+    for the rest of the window. Now 409 ``idempotency_conflict`` (retryable), the
+    claim released, and the next retry runs, under the key's next id."""
+    raw = msgspec.json.encode({**BODY, "stream": False})
+    key = "swept-before-queueing"
+    kh = key_hash(fleet.spec.tenant, key)
+    request_id = f"{kh[:24]}{1:08x}"
+    dead = Stored(
+        "pending",
+        hashlib.sha256(raw).hexdigest(),
+        request_id=request_id,
+        created=time.time() - 60,
+        owner="fedcba9876543210",
+    )
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        await rds.set(PREFIX + kh, msgspec.json.encode(dead), ex=600)
+        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
+        books = Accountant(rds)
+        org = fleet.spec.tenant  # a tenant's org is its own id unless named
+        scope = Scope(org, fleet.spec.tenant, fleet.key_id)
+        await books.reserve(scope, request_id, 10, 10, hold_s=1)
+        await books.reconcile(request_id, 0, org=org)  # what the sweep does
+    finally:
+        await rds.aclose()
+    started_before = await sim_started(fleet)
+    hdrs = {**headers(fleet, key, slow=False), "Content-Type": "application/json"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        url = f"{fleet.base_url}/v1/chat/completions"
+        r = await c.post(url, content=raw, headers=hdrs)
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["code"] == "idempotency_conflict"
+        again = await c.post(url, content=raw, headers=hdrs)
+    assert again.status_code == 200, again.text
+    assert again.headers["x-request-id"] == f"{kh[:24]}{2:08x}"
+    assert await sim_started(fleet) - started_before == 1
+
+
+async def test_a_takeover_ends_before_the_first_runs_hold_expires(fleet: Fleet) -> None:
+    """The first run's gateway died after its hold and before queueing. The retry
+    that takes it over holds that hold, whose expiry the first run's deadline
+    set: the retry's run is cut to end before it (less the sweep's grace), or the
+    orphan sweep would settle it as lost while it ran (a 200 recorded as 502)."""
+    raw = msgspec.json.encode({**BODY, "stream": False})
+    key = "held-then-died"
+    kh = key_hash(fleet.spec.tenant, key)
+    request_id = f"{kh[:24]}{1:08x}"
+    dead = Stored(
+        "pending",
+        hashlib.sha256(raw).hexdigest(),
+        request_id=request_id,
+        created=time.time() - 60,
+        owner="0f1e2d3c4b5a6978",
+    )
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        await rds.set(PREFIX + kh, msgspec.json.encode(dead), ex=600)
+        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
+        org = fleet.spec.tenant
+        # The first run's hold: its expiry 1 s past the sweep's grace (60 s).
+        await Accountant(rds).reserve(
+            Scope(org, fleet.spec.tenant, fleet.key_id), request_id, 10, 10, hold_s=61
+        )
+    finally:
+        await rds.aclose()
+    hdrs = {
+        **headers(fleet, key, slow=False),
+        "X-Sim-Fault": "slow:100",  # 40 tokens: 4 s, past the 1 s the hold leaves
+        "Content-Type": "application/json",
+    }
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(f"{fleet.base_url}/v1/chat/completions", content=raw, headers=hdrs)
+    assert r.status_code == 504, r.text  # its deadline: the first run's, not a fresh one
 
 
 async def test_a_cancelled_streaming_run_is_run_again_by_its_retry(fleet: Fleet) -> None:
