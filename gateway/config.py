@@ -124,6 +124,9 @@ class GatewayConfig:
     request_read_timeout_s: float = 30.0
     ws_max_message_bytes: int = 1024 * 1024  # a larger message closes the socket (1009)
     ws_max_inflight: int = 16  # requests per socket; past it that request gets a 429
+    # NATS ingress: requests of one tenant in flight on this replica (a service's
+    # connection is no socket of ours to count); past it a 429 ``too_many_inflight``.
+    nats_max_inflight: int = 1024
     ws_idle_timeout_s: float = 300.0  # no frame and nothing in flight: closed (1000)
     ws_ticket_ttl_s: int = 30  # POST /v1/ws/tickets: single use, this long
     # ``?api_key=`` on the upgrade puts the key in URLs (proxy logs, history): off.

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -31,7 +33,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
+from gateway.errors import (
+    AuthenticationFailed,
+    BadRequest,
+    GatewayError,
+    RateLimited,
+    Unavailable,
+)
 from gateway.inference.openai_types import Parsed
 from gateway.inference.service import Gate, InferenceService
 from gateway.inference.sessions import Replayed
@@ -59,6 +67,10 @@ class NatsIngress:
         self._gw = gw
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+        # Requests in flight per tenant (authenticated): a service's connection is
+        # not a socket of ours, so the bound (WebSocket: per socket) is per tenant.
+        self._inflight: Counter[str] = Counter()
+        self.max_inflight = gw.cfg.nats_max_inflight
 
     async def start(self) -> None:
         for subject in _OPS:
@@ -92,7 +104,29 @@ class NatsIngress:
             self._dropped(msg, "reply subject is not a tenant inbox")
             return
         stream_to = headers.get(STREAM_TO.lower())
-        shown = _Shown(msg.reply)
+        shown = _Shown(msg.reply, self._enter)
+        try:
+            await self._admitted_and_served(msg, op, headers, stream_to, shown)
+        finally:
+            if shown.tenant is not None:
+                self._inflight[shown.tenant] -= 1
+                if not self._inflight[shown.tenant]:
+                    del self._inflight[shown.tenant]
+
+    def _enter(self, tenant: str) -> None:
+        """Count one more request of ``tenant`` in flight, or refuse it (429)."""
+        if self._inflight[tenant] >= self.max_inflight:
+            raise RateLimited(
+                f"At most {self.max_inflight} requests of a tenant in flight over NATS "
+                "on this gateway; wait for one to finish.",
+                code="too_many_inflight",
+                retry_after=1.0,
+            )
+        self._inflight[tenant] += 1
+
+    async def _admitted_and_served(
+        self, msg: Msg, op: Op, headers: dict[str, str], stream_to: str | None, shown: _Shown
+    ) -> None:
         try:
             adm = await self._gw.admit(op, msg.data, headers, _gate(stream_to), caller=shown.check)
         except ForeignReply:  # the reply inbox is another tenant's: answer nobody
@@ -139,16 +173,21 @@ def _refuses_the_key(exc: GatewayError) -> bool:
 
 
 class _Shown:
-    """Whether the authenticated caller's tenant owns the reply inbox."""
+    """Whether the authenticated caller's tenant owns the reply inbox; then the
+    request counts against its tenant's requests in flight (``tenant`` set)."""
 
-    def __init__(self, reply: str) -> None:
+    def __init__(self, reply: str, enter: Callable[[str], None]) -> None:
         self._reply = reply
+        self._enter = enter
         self.own = False
+        self.tenant: str | None = None
 
     def check(self, key: KeyRecord) -> None:
         if inbox_tenant(self._reply) != key.tenant:
             raise ForeignReply("The reply subject is another tenant's inbox.")
         self.own = True
+        self._enter(key.tenant)
+        self.tenant = key.tenant
 
 
 def _gate(stream_to: str | None) -> Gate:

@@ -205,6 +205,13 @@ def _edge_limits(g: argparse.ArgumentParser) -> None:
         help="requests in flight per WebSocket; past it a request gets a 429 error frame",
     )
     g.add_argument(
+        "--nats-max-inflight",
+        type=int,
+        default=1024,
+        help="requests of one tenant in flight through the NATS ingress on this replica; "
+        "past it a request gets a 429 reply (too_many_inflight)",
+    )
+    g.add_argument(
         "--ws-idle-timeout",
         type=float,
         default=300.0,
@@ -467,6 +474,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         request_read_timeout_s=args.request_read_timeout,
         ws_max_message_bytes=args.ws_max_message_bytes,
         ws_max_inflight=args.ws_max_inflight,
+        nats_max_inflight=args.nats_max_inflight,
         ws_idle_timeout_s=args.ws_idle_timeout,
         ws_ticket_ttl_s=args.ws_ticket_ttl,
         ws_allow_query_key=args.ws_allow_query_key,

@@ -119,6 +119,34 @@ async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
         await nc.close()
 
 
+async def test_a_tenants_requests_in_flight_over_nats_are_bounded(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # A service's connection is not a socket of the gateway's: the bound is the
+    # tenant's requests in flight on a replica (the WebSocket's is per socket).
+    fleet = make_fleet(workers=1, gateway_args=["--nats-max-inflight", "2"])
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
+    try:
+        hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
+        slow = {**hdrs, "X-Sim-Fault": "slow:100"}  # 4 s each: in flight together
+        body = msgspec.json.encode({**BODY, "max_tokens": 40})
+
+        async def ask(headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+            r = await nc.request(INGRESS_CHAT, body, timeout=30, headers=headers)
+            assert r.headers
+            return r.headers["Jetserve-Status"], msgspec.json.decode(r.data)
+
+        answers = await asyncio.gather(*(ask(slow) for _ in range(3)))
+        statuses = sorted(status for status, _ in answers)
+        assert statuses == ["200", "200", "429"], answers
+        (refused,) = [a for status, a in answers if status == "429"]
+        assert refused["error"]["code"] == "too_many_inflight"
+        status, _ = await ask(hdrs)  # the two ended: room again
+        assert status == "200"
+    finally:
+        await nc.close()
+
+
 def _books(fleet: Fleet) -> tuple[list[dict[str, Any]], int]:
     """The tenant's ledger records and its reserved (held) micro-dollars."""
     with fleet.admin() as admin:
