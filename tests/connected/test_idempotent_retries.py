@@ -51,6 +51,34 @@ def headers(fleet: Fleet, key: str, slow: bool = True) -> dict[str, str]:
     return out
 
 
+async def left_claim(
+    fleet: Fleet, key: str, raw: bytes, owner: str = "", hold_s: float | None = None
+) -> tuple[str, str]:
+    """A first run's claim of ``key``, written as its gateway leaves it: made a
+    minute ago (long past the takeover delay) by ``owner``, nothing queued; with
+    ``hold_s``, its hold too (expiring that long from now). (key hash, request id)."""
+    kh = key_hash(fleet.spec.tenant, key)
+    request_id = f"{kh[:24]}{1:08x}"
+    stored = Stored(
+        "pending",
+        hashlib.sha256(raw).hexdigest(),
+        request_id=request_id,
+        created=time.time() - 60,
+        owner=owner,
+    )
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        await rds.set(PREFIX + kh, msgspec.json.encode(stored), ex=600)
+        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
+        if hold_s is not None:
+            org = fleet.spec.tenant  # a tenant's org is its own id unless named
+            scope = Scope(org, fleet.spec.tenant, fleet.key_id)
+            await Accountant(rds).reserve(scope, request_id, 10, 10, hold_s=hold_s)
+    finally:
+        await rds.aclose()
+    return kh, request_id
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["json", "sse"])
 async def test_retry_after_the_gateway_dies_attaches_instead_of_running_again(
     make_fleet: Callable[..., Fleet], streaming: bool
@@ -108,20 +136,7 @@ async def test_a_claim_whose_gateway_died_before_queueing_is_taken_over(fleet: F
     request id, once."""
     raw = msgspec.json.encode({**BODY, "stream": False})
     key = "died-before-queueing"
-    kh = key_hash(fleet.spec.tenant, key)
-    request_id = f"{kh[:24]}{1:08x}"
-    stale = Stored(
-        "pending",
-        hashlib.sha256(raw).hexdigest(),
-        request_id=request_id,
-        created=time.time() - 60,  # long past the takeover delay
-    )
-    rds = aioredis.Redis.from_url(fleet.redis_url)
-    try:
-        await rds.set(PREFIX + kh, msgspec.json.encode(stale), ex=600)
-        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
-    finally:
-        await rds.aclose()
+    _, request_id = await left_claim(fleet, key, raw)  # a claim from before owners
     started_before = await sim_started(fleet)
     hdrs = {**headers(fleet, key, slow=False), "Content-Type": "application/json"}
     async with httpx.AsyncClient(timeout=30) as c:
@@ -144,22 +159,12 @@ async def test_a_claim_whose_owner_is_still_admitting_it_is_not_taken_over(
     beside it; it used to, after 5 s. Once the owner falls silent (its gateway
     died), the retry takes it over."""
     raw = msgspec.json.encode({**BODY, "stream": False})
-    key = "still-admitting"
-    kh = key_hash(fleet.spec.tenant, key)
-    request_id = f"{kh[:24]}{1:08x}"
-    slow = Stored(
-        "pending",
-        hashlib.sha256(raw).hexdigest(),
-        request_id=request_id,
-        created=time.time() - 60,  # long past the takeover delay
-        owner="0123456789abcdef",
-    )
+    key, owner = "still-admitting", "0123456789abcdef"
+    kh, request_id = await left_claim(fleet, key, raw, owner)
     rds = aioredis.Redis.from_url(fleet.redis_url)
     alive = PREFIX + "alive:" + kh
     try:
-        await rds.set(PREFIX + kh, msgspec.json.encode(slow), ex=600)
-        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
-        await rds.set(alive, slow.owner, px=5000)
+        await rds.set(alive, owner, px=5000)
         started_before = await sim_started(fleet)
         hdrs = {**headers(fleet, key, slow=False), "Content-Type": "application/json"}
         async with httpx.AsyncClient(timeout=60) as c:
@@ -167,7 +172,7 @@ async def test_a_claim_whose_owner_is_still_admitting_it_is_not_taken_over(
             retry = asyncio.create_task(c.post(url, content=raw, headers=hdrs))
             # Twice the takeover delay, the owner saying it is alive every second.
             for _ in range(10):
-                await rds.set(alive, slow.owner, px=5000)
+                await rds.set(alive, owner, px=5000)
                 await asyncio.sleep(1.0)
             assert not retry.done()  # it follows, it does not take over
             assert await sim_started(fleet) == started_before
@@ -191,24 +196,10 @@ async def test_a_takeover_of_a_run_the_sweep_recorded_starts_the_keys_next_run(
     claim released, and the next retry runs, under the key's next id."""
     raw = msgspec.json.encode({**BODY, "stream": False})
     key = "swept-before-queueing"
-    kh = key_hash(fleet.spec.tenant, key)
-    request_id = f"{kh[:24]}{1:08x}"
-    dead = Stored(
-        "pending",
-        hashlib.sha256(raw).hexdigest(),
-        request_id=request_id,
-        created=time.time() - 60,
-        owner="fedcba9876543210",
-    )
+    kh, request_id = await left_claim(fleet, key, raw, "fedcba9876543210", hold_s=1)
     rds = aioredis.Redis.from_url(fleet.redis_url)
-    try:
-        await rds.set(PREFIX + kh, msgspec.json.encode(dead), ex=600)
-        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
-        books = Accountant(rds)
-        org = fleet.spec.tenant  # a tenant's org is its own id unless named
-        scope = Scope(org, fleet.spec.tenant, fleet.key_id)
-        await books.reserve(scope, request_id, 10, 10, hold_s=1)
-        await books.reconcile(request_id, 0, org=org)  # what the sweep does
+    try:  # what the sweep does
+        await Accountant(rds).reconcile(request_id, 0, org=fleet.spec.tenant)
     finally:
         await rds.aclose()
     started_before = await sim_started(fleet)
@@ -231,26 +222,8 @@ async def test_a_takeover_ends_before_the_first_runs_hold_expires(fleet: Fleet) 
     orphan sweep would settle it as lost while it ran (a 200 recorded as 502)."""
     raw = msgspec.json.encode({**BODY, "stream": False})
     key = "held-then-died"
-    kh = key_hash(fleet.spec.tenant, key)
-    request_id = f"{kh[:24]}{1:08x}"
-    dead = Stored(
-        "pending",
-        hashlib.sha256(raw).hexdigest(),
-        request_id=request_id,
-        created=time.time() - 60,
-        owner="0f1e2d3c4b5a6978",
-    )
-    rds = aioredis.Redis.from_url(fleet.redis_url)
-    try:
-        await rds.set(PREFIX + kh, msgspec.json.encode(dead), ex=600)
-        await rds.set(PREFIX + "gen:" + kh, 1, ex=600)
-        org = fleet.spec.tenant
-        # The first run's hold: its expiry 1 s past the sweep's grace (60 s).
-        await Accountant(rds).reserve(
-            Scope(org, fleet.spec.tenant, fleet.key_id), request_id, 10, 10, hold_s=61
-        )
-    finally:
-        await rds.aclose()
+    # The first run's hold: its expiry 1 s past the sweep's grace (60 s).
+    await left_claim(fleet, key, raw, "0f1e2d3c4b5a6978", hold_s=61)
     hdrs = {
         **headers(fleet, key, slow=False),
         "X-Sim-Fault": "slow:100",  # 40 tokens: 4 s, past the 1 s the hold leaves

@@ -11,12 +11,10 @@ from collections.abc import Callable
 
 import httpx
 import msgspec
-import nats.js.errors
 import pytest
 
 from jetserve.fleet import Fleet
-from streams.definitions import DEFAULT_TOPOLOGY
-from streams.marks import CancelMarks
+from tests.marks import until_marked
 from tests.scrape import fleet_sum
 from tests.tcp_cut import CutProxy
 from tests.waits import until
@@ -56,19 +54,7 @@ async def test_a_refused_request_whose_publish_went_unconfirmed_never_runs(
         # Recorded through the outbox, once the gateway's link flows again.
         await until(lambda: asyncio.to_thread(refusals), "the refusal's ledger record")
         (request_id,) = refusals()
-        nc = await fleet.connect()
-        try:
-            marks = await CancelMarks(nc.jetstream(), DEFAULT_TOPOLOGY).open()
-
-            async def marked() -> bool:
-                try:
-                    return (await marks.get(request_id)).value is not None
-                except nats.js.errors.KeyNotFoundError:
-                    return False
-
-            await until(marked, "the refused request's cancel mark")
-        finally:
-            await nc.close()
+        await until_marked(fleet, request_id, "the refused request's cancel mark")
         # A worker now: it pulls the stored request, and ends it unrun.
         await asyncio.to_thread(fleet.start_worker)
         metrics = [f"http://127.0.0.1:{fleet.worker_metrics_ports[0]}/metrics"]

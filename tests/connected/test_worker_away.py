@@ -8,12 +8,10 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
-import nats.js.errors
 import pytest
 
 from jetserve.fleet import Fleet
-from streams.definitions import DEFAULT_TOPOLOGY
-from streams.marks import CancelMarks
+from tests.marks import until_marked
 from tests.scrape import fleet_sum
 from tests.tcp_cut import CutProxy
 from tests.waits import until
@@ -52,19 +50,7 @@ async def test_a_cancel_sent_while_the_worker_was_away_stops_the_stream_it_runs(
             proxy.cut()  # the worker is away; the engine goes on generating
         # The client hung up: the gateway cancels, live (the worker, away, does
         # not hear it) and in the durable mark.
-        nc = await fleet.connect()
-        try:
-            marks = await CancelMarks(nc.jetstream(), DEFAULT_TOPOLOGY).open()
-
-            async def marked() -> bool:
-                try:
-                    return (await marks.get(request_id)).value is not None
-                except nats.js.errors.KeyNotFoundError:
-                    return False
-
-            await until(marked, "the cancel's durable mark")
-        finally:
-            await nc.close()
+        await until_marked(fleet, request_id, "the cancel's durable mark")
         before = proxy.accepted
         proxy.restore()
         await until(lambda: _true(proxy.accepted > before), "the worker back on NATS")
