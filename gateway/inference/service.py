@@ -94,6 +94,7 @@ class InferenceService:
         kv: KvRouting | None = None,
     ) -> None:
         self.cfg = cfg
+        self._arms_key = rollout.arms_key(cfg.key_secret)  # the canary split is keyed
         self.tenancy = tenancy
         self.accountant = accountant
         self.idempotency = idempotency
@@ -380,7 +381,7 @@ class InferenceService:
         policy = record.contract.rollout if record is not None else None
         if record is None or policy is None or policy.canary is None:
             return req
-        which = rollout.arm(policy.canary, req.route, req.id, req.cls, req.tenant)
+        which = rollout.arm(policy.canary, req.route, req.id, req.cls, req.tenant, self._arms_key)
         if not which:
             return req  # outside the canary's scope: the candidates already omit it
         return msgspec.structs.replace(

@@ -92,12 +92,13 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def chosen(contract: RouteContract, req: InferenceRequest) -> str | None:
-    """The shadow candidate when ``req`` is to be copied, else None."""
+def chosen(contract: RouteContract, req: InferenceRequest, key: bytes) -> str | None:
+    """The shadow candidate when ``req`` is to be copied, else None (``key``:
+    rollout.arms_key, as for the canary split)."""
     policy = contract.rollout.shadow if contract.rollout is not None else None
     if policy is None or req.op == "embedding" or req.cls == RequestClass.AGENT.value:
         return None
-    if rollout.position(f"{req.route}\x00shadow", req.id) >= policy.share:
+    if rollout.position(f"{req.route}\x00shadow", req.id, key) >= policy.share:
         return None
     return policy.candidate
 
@@ -114,6 +115,7 @@ class Shadows:
         accountant: Accountant,
     ) -> None:
         self.cfg = cfg
+        self._arms_key = rollout.arms_key(cfg.key_secret)
         self.accountant = accountant  # the operator tenant's holds and charges
         self.dispatcher = dispatcher
         self.pools = pools
@@ -128,7 +130,7 @@ class Shadows:
     def maybe(self, req: InferenceRequest, contract: RouteContract) -> bool:
         """Copy ``req`` to the shadow candidate if the rollout says so (returns at
         once); whether a copy runs (then :meth:`served` must follow)."""
-        candidate = chosen(contract, req)
+        candidate = chosen(contract, req, self._arms_key)
         if candidate is None or self.pools is None:
             return False
         if req.adapter and not self.pools.holders(req.adapter, [candidate]):

@@ -28,6 +28,12 @@ from tests.routes_cli import cli, jetserve_cli
 from tests.scrape import fleet_sum, metric_sum
 from tests.waits import until
 
+
+def arms_key(fleet: Fleet) -> bytes:
+    """The key the fleet's gateways split a route's requests with (its key secret's)."""
+    return rollout.arms_key(fleet.key_secret.encode())
+
+
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(240)]
 
 ROUTES = (
@@ -193,7 +199,8 @@ async def test_a_canary_serves_only_its_share_of_its_scope(fleet: Fleet, other_k
     for request_id in ids:
         r = by_id[request_id]
         assert r["route_revision"] == applied["revision"]
-        want = rollout.arm(canary.canary, "r-split", request_id, "interactive", tenant)
+        key = arms_key(fleet)
+        want = rollout.arm(canary.canary, "r-split", request_id, "interactive", tenant, key)
         assert r["rollout_arm"] == want, r
         # The canary arm only on the canary deployment; the stable arm never on it.
         assert r["deployment"] == ("dep-canary" if want == "canary" else "dep-stable"), r
@@ -433,7 +440,9 @@ async def test_the_guard_rolls_a_failing_canary_back_within_its_window(fleet: Fl
             assert r["rollout_arm"] == ""
             assert code == 200
             continue
-        arm = rollout.arm(split.canary, "r-guard", request_id, "interactive", fleet.spec.tenant)
+        arm = rollout.arm(
+            split.canary, "r-guard", request_id, "interactive", fleet.spec.tenant, arms_key(fleet)
+        )
         assert r["rollout_arm"] == arm
         if arm == "canary":
             assert code >= 500, r
@@ -508,7 +517,7 @@ async def test_shadow_copies_are_run_recorded_never_returned_and_charged_to_the_
             id=request_id, op="chat", cls="interactive", model="r-shadow", body={}, reply="",
             deadline=0.0, route="r-shadow",
         )  # fmt: skip
-        return shadow.chosen(contract_, probe) == "dep-canary"
+        return shadow.chosen(contract_, probe, arms_key(fleet)) == "dep-canary"
 
     want = [i for i in ids if copied(i)]
     assert want, "no id of 17 drew a copy at 50%"

@@ -153,38 +153,52 @@ def test_a_ledger_record_without_an_arm_still_decodes() -> None:
 
 # -- the split -----------------------------------------------------------------
 CANARY = CanaryPolicy(candidate="new", share=0.1, classes=("interactive",), tenants=("acme",))
+KEY = rollout.arms_key(b"s" * 32)
+
+
+def test_the_split_is_keyed_so_a_client_cannot_pick_its_arm() -> None:
+    # An Idempotency-Key names its request id: with a plain hash a tenant could
+    # find keys offline that land on the arm it wants. Keyed with the gateways'
+    # secret, the arms of the same ids differ from one secret to another.
+    ids = [f"{n:032x}" for n in range(400)]
+    other = rollout.arms_key(b"t" * 32)
+    mine = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme", KEY) for i in ids]
+    theirs = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme", other) for i in ids]
+    assert mine != theirs
+    assert 0.05 <= theirs.count("canary") / len(ids) <= 0.15
 
 
 def test_a_ten_percent_canary_gets_ten_percent_of_its_scope_and_none_outside() -> None:
     ids = [uuid.uuid4().hex for _ in range(2000)]
-    arms = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme") for i in ids]
+    arms = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme", KEY) for i in ids]
     share = arms.count("canary") / len(arms)
     assert 0.07 <= share <= 0.13, share
     assert arms.count("canary") + arms.count("stable") == len(arms)
     # Outside the scope: no arm at all (and the candidates omit the canary).
-    assert {rollout.arm(CANARY, "sim-8b", i, "batch", "acme") for i in ids} == {""}
-    assert {rollout.arm(CANARY, "sim-8b", i, "interactive", "other") for i in ids} == {""}
+    assert {rollout.arm(CANARY, "sim-8b", i, "batch", "acme", KEY) for i in ids} == {""}
+    assert {rollout.arm(CANARY, "sim-8b", i, "interactive", "other", KEY) for i in ids} == {""}
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_four_hundred_ids_land_within_three_points(seed: int) -> None:
     ids = [uuid.UUID(int=(seed << 64) + n).hex for n in range(400)]
     # Request ids are random: these are fixed ones, so the check cannot flake.
-    share = sum(rollout.arm(CANARY, "sim-8b", i, "interactive", "acme") == "canary" for i in ids)
+    arms = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme", KEY) for i in ids]
+    share = arms.count("canary")
     assert 0.07 <= share / 400 <= 0.13, share
 
 
 def test_the_split_is_deterministic_and_raising_the_share_only_adds_to_the_canary() -> None:
     ids = [uuid.uuid4().hex for _ in range(500)]
-    first = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme") for i in ids]
-    again = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme") for i in ids]
+    first = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme", KEY) for i in ids]
+    again = [rollout.arm(CANARY, "sim-8b", i, "interactive", "acme", KEY) for i in ids]
     assert first == again
     wider = msgspec.structs.replace(CANARY, share=0.3)
     for i, before in zip(ids, first, strict=True):
         if before == "canary":
-            assert rollout.arm(wider, "sim-8b", i, "interactive", "acme") == "canary"
+            assert rollout.arm(wider, "sim-8b", i, "interactive", "acme", KEY) == "canary"
     none = msgspec.structs.replace(CANARY, share=0.0)
-    assert {rollout.arm(none, "sim-8b", i, "interactive", "acme") for i in ids} == {"stable"}
+    assert {rollout.arm(none, "sim-8b", i, "interactive", "acme", KEY) for i in ids} == {"stable"}
 
 
 def test_arms_name_their_candidates() -> None:

@@ -10,13 +10,15 @@ import msgspec
 import pytest
 
 from gateway.admin.rollout_analysis import ERROR_RATE_FLOOR, analyse, p95, shadow_summary
-from gateway.inference import shadow
+from gateway.inference import rollout, shadow
 from jetserve.commands.routes import format_status
 from streams.request_ledger import LedgerRecord
 from streams.routes import RouteRecord, ShadowPolicy, contract_from_builtins, fingerprints
 from streams.wire import InferenceRequest, Op, Usage
 
 NOW = 10_000.0
+
+KEY = rollout.arms_key(b"s" * 32)
 
 
 def route(revision: int = 2, **guard: Any) -> RouteRecord:
@@ -221,9 +223,9 @@ def test_what_is_shadowed() -> None:
             id=f"{n:032x}", op=op, cls=cls, model="r", body={}, reply="", deadline=0.0, route="r"
         )
 
-    picked = [shadow.chosen(c, req(n)) for n in range(2000)]
+    picked = [shadow.chosen(c, req(n), KEY) for n in range(2000)]
     assert set(picked) == {"new", None}
     assert 0.22 <= picked.count("new") / 2000 <= 0.28
-    assert picked == [shadow.chosen(c, req(n)) for n in range(2000)]
-    assert {shadow.chosen(c, req(n, op="embedding")) for n in range(200)} == {None}
-    assert {shadow.chosen(c, req(n, cls="agent")) for n in range(200)} == {None}
+    assert picked == [shadow.chosen(c, req(n), KEY) for n in range(2000)]
+    assert {shadow.chosen(c, req(n, op="embedding"), KEY) for n in range(200)} == {None}
+    assert {shadow.chosen(c, req(n, cls="agent"), KEY) for n in range(200)} == {None}
