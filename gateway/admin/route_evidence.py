@@ -265,7 +265,11 @@ async def show(request: Request) -> Response:
     if cur is None:
         raise not_found(name)
     current = cur[0]
-    start = revision_param(request, "revision") or current.revision
+    asked = revision_param(request, "revision")
+    if asked is not None and asked > current.revision:
+        # Read revision by revision down from it: a huge number was an endless scan.
+        raise revision_not_found(name, asked)
+    start = asked or current.revision
     found = await newest(await _kv(request), name, start)
     price_version: str = request.app.state.rt.cfg.prices.version
     if found is None:

@@ -663,6 +663,12 @@ async def test_evidence_is_kept_per_revision_and_its_triggers_fire(fleet: Fleet)
         assert evidence["fingerprints"] == r1["fingerprints"]
         fresh = (await c.get("/admin/routes/r-evid/evidence")).json()
         assert (fresh["due"], fresh["triggers"]) == (False, [])
+        # A revision past the route's: 404 at once (it was read down from, one
+        # revision at a time, a scan without end for a huge number).
+        past = {"revision": 10**12}
+        beyond = await c.get("/admin/routes/r-evid/evidence", params=past)
+        assert beyond.status_code == 404, beyond.text
+        assert beyond.json()["error"]["code"] == "revision_not_found"
         bad = await c.put("/admin/routes/r-evid/evidence", json={"revision": 9})
         assert bad.status_code == 404
         odd = await c.put("/admin/routes/r-evid/evidence", json={"approve": "x"})
