@@ -159,6 +159,10 @@ class GuardPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_ttft_p95_ratio: Annotated[float, msgspec.Meta(gt=0.0)] = 1.5
 
 
+# A route's deployment pools at most: its candidates, each also once per adapter.
+MAX_POOLS_PER_ROUTE = 16
+
+
 class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     canary: CanaryPolicy | None = None
     shadow: ShadowPolicy | None = None
@@ -193,6 +197,14 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             seen.add(dep.name)
         if len(set(self.adapters)) != len(self.adapters):
             raise ValueError("adapters: an adapter appears twice")
+        pools = len(self.candidates) * (1 + len(self.adapters))
+        if pools > MAX_POOLS_PER_ROUTE:
+            # Each pool is ~132 consumers of the work queue, whose cap (8192) the
+            # whole fleet shares (docs/scale.md): one contract must not take it all.
+            raise ValueError(
+                f"candidates x (1 + adapters) = {pools} deployment pools; at most "
+                f"{MAX_POOLS_PER_ROUTE} per route"
+            )
         if self.name in self.adapters:
             raise ValueError(f"adapters: {self.name!r} is the route's own name")
         if self.rollout is None:

@@ -84,6 +84,8 @@ def test_defaults_match_the_documented_contract() -> None:
         (raw(adapters=["a", "a"]), "appears twice"),
         (raw(adapters=["sim-8b"]), "the route's own name"),
         (raw(adapters=["has space"]), "$.adapters"),
+        # One candidate, 16 adapters: 17 pools of ~132 work-queue consumers each.
+        (raw(adapters=[f"lora-{n}" for n in range(16)]), "deployment pools"),
         (
             raw(candidates=[{"name": "d", "adapter": "vllm", "engine": "e", "model": "m"}]),
             "adapter",
