@@ -66,7 +66,10 @@ IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "metadata"})
 # than its own (requests that arrive together differ by milliseconds).
 DEADLINE_SLACK_S = 1.0
 
-Submit = Callable[[], Awaitable[FrameStream]]
+# Publish the request; its argument says whether it may be shared (a group's
+# leader's): a shared request is not cancelled by id when its own client hangs
+# up while it is queued (the members that joined meanwhile read it).
+Submit = Callable[[bool], Awaitable[FrameStream]]
 
 
 def coalesce_key(req: InferenceRequest, policy: CoalescePolicy | None) -> str | None:
@@ -115,7 +118,7 @@ class Coalescer:
         """Follow an identical in-flight request, or run ``submit`` and lead."""
         key = coalesce_key(req, policy)
         if key is None:
-            return await submit()
+            return await submit(False)
         group = self._groups.get(key)
         if group is not None:
             await group.ready.wait()
@@ -142,7 +145,7 @@ class Coalescer:
     async def _upstream(self, group: _Group, req: InferenceRequest, submit: Submit) -> FrameStream:
         """Lead (publish) or follow another replica's execution of this key."""
         if self.fleet is None:
-            return await submit()
+            return await submit(True)
         claim = await self.fleet.claim(
             group.key, req.id, req.tenant, req.deadline, req.deadline - DEADLINE_SLACK_S
         )
@@ -153,11 +156,11 @@ class Coalescer:
                 self.on_coalesced()
                 return followed
             await self.fleet.leave(group.key, claim.request_id, leads=False)
-            return await submit()  # its own, unshared: the other's capture never came
+            return await submit(True)  # its own: the other's capture never came
         if claim.kind != "lead":
-            return await submit()
+            return await submit(True)
         try:
-            upstream = await submit()
+            upstream = await submit(True)
         except BaseException:
             await self.fleet.end(group.key, req.id)
             raise

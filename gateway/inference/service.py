@@ -448,7 +448,7 @@ class InferenceService:
         shared = contract.coalesce.cross_tenant if contract is not None else False
         coalesce = contract.coalesce if contract is not None else self.cfg.coalesce
 
-        async def publish() -> FrameStream:
+        async def publish(grouped: bool) -> FrameStream:
             # A routed request goes to a candidate's pool, whose workers alone pull it.
             pool = ""
             if req.adapter and self.pools is not None:
@@ -461,8 +461,14 @@ class InferenceService:
                 req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool, req.adapter
             )
             sent = msgspec.structs.replace(req, prefix_keys=keys) if keys else req
+            # A group's request (others may join while it is queued) is not its
+            # client's alone to cancel: the group ends it when its last member leaves.
             return await self.dispatcher.submit(
-                sent, meta, subject, hedge if hedge.enabled and not excess else None, gone
+                sent,
+                meta,
+                subject,
+                hedge if hedge.enabled and not excess else None,
+                None if grouped else gone,
             )
 
         # A canary-arm request never shares an execution: a follower would be

@@ -1,0 +1,77 @@
+"""A coalescing group's leader whose client hangs up while its request is being
+queued (the publish stored, its acknowledgement late): the request is the
+group's now, not its client's alone. Its followers (here one on another
+replica, reading the leader's capture) are served; before, the leader's hang-up
+cancelled the request by id at once, and they got an error for a cancel their
+own clients never sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from jetserve.fleet import Fleet
+from tests.connected.test_coalescing import long_chat, sim_stats, stream
+from tests.tcp_cut import CutProxy
+from tests.waits import until
+
+pytestmark = pytest.mark.connected
+
+
+async def test_a_leader_gone_while_queued_leaves_the_request_to_its_followers(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Real latencies, and an answer long enough to be generating still when the
+    # leader's hang-up is heard (a cancel then would cut it short).
+    fleet = make_fleet(workers=1, profile="h100-8b", gateway_args=["--coalesce"])
+    body = long_chat(1000)
+    async with (
+        CutProxy(fleet.nats_nodes[0].port) as proxy,
+        httpx.AsyncClient(timeout=60) as c,
+    ):
+        # Gateway 1 reaches NATS through the proxy: what the server sends it
+        # (the publish's acknowledgement, the frames) can be held.
+        fleet.start_gateway("--nats", proxy.url, wait=False)
+        await asyncio.to_thread(fleet.wait_gateway, 1)  # off the loop: the proxy runs on it
+        started = int((await sim_stats(c, fleet))["started"])
+
+        def reserved() -> int:
+            with fleet.admin() as admin:
+                return int(admin.get_limits("tenant", fleet.spec.tenant)["reserved_micros"])
+
+        proxy.stall()
+        # A later deadline than the follower's (sent seconds after it): a group is
+        # joined only by requests whose deadline it meets.
+        patient = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "300"}
+
+        async def lead() -> None:
+            as_streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            url = f"{fleet.base_urls[1]}/v1/chat/completions"
+            async with c.stream("POST", url, json=as_streamed, headers=patient) as r:
+                await r.aread()
+
+        leader = asyncio.create_task(lead())
+
+        async def stored() -> bool:  # queued: the worker runs it, the ack is held
+            return int((await sim_stats(c, fleet))["started"]) > started
+
+        await until(stored, "the leader's request stored and started")
+        held = await asyncio.to_thread(reserved)
+        # On the other replica: it follows the leader's run through its capture.
+        follower = asyncio.create_task(stream(c, fleet, body, at=0))
+
+        async def following() -> bool:  # its hold taken: it waits for the group now
+            return await asyncio.to_thread(reserved) > held
+
+        await until(following, "the follower admitted, waiting for the group")
+        leader.cancel()  # the leader's client hangs up, its request still being queued
+        with pytest.raises(asyncio.CancelledError):
+            await leader
+        await asyncio.sleep(0.5)  # the gateway hears the hang-up (not a pass condition)
+        proxy.flow()
+        _, text = await follower  # the whole answer, no error chunk (stream asserts)
+        assert (await sim_stats(c, fleet))["started"] == started + 1  # one generation
+    assert len(text.split()) > 500
