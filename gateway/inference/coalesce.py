@@ -352,7 +352,11 @@ class MemberStream(FrameStream):
 
     def __init__(self, group: _Group, upstream: FrameStream, req: InferenceRequest) -> None:
         owner = group.owner
-        super().__init__(owner.dispatcher, req, FrameBuffer(owner.max_buffered), duplicate=False)
+        # Following another replica's run, the upstream replays its capture at
+        # once, faster than any client reads: a bound would end a fast reader as
+        # too slow (as a resume's did); unbounded, it is at most a whole answer.
+        limit = None if group.fleet == "follow" else owner.max_buffered
+        super().__init__(owner.dispatcher, req, FrameBuffer(limit), duplicate=False)
         self.group = group
         self.coalesced_with = "" if req.id == upstream.req.id else upstream.req.id
 

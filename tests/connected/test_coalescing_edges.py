@@ -1,13 +1,10 @@
-"""A coalescing group's leader whose client hangs up while its request is being
-queued (the publish stored, its acknowledgement late): the request is the
-group's now, not its client's alone. Its followers (here one on another
-replica, reading the leader's capture) are served; before, the leader's hang-up
-cancelled the request by id at once, and they got an error for a cancel their
-own clients never sent."""
+"""Coalescing at its edges: a leader that leaves while its request is queued,
+and a follower that joins a long run on another replica."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import httpx
@@ -24,6 +21,12 @@ pytestmark = pytest.mark.connected
 async def test_a_leader_gone_while_queued_leaves_the_request_to_its_followers(
     make_fleet: Callable[..., Fleet],
 ) -> None:
+    """A group's leader whose client hangs up while its request is being queued
+    (the publish stored, its acknowledgement late): the request is the group's
+    now, not its client's alone. Its followers (here one on another replica,
+    reading the leader's capture) are served; before, the leader's hang-up
+    cancelled the request by id at once, and they got an error (or waited to
+    their deadline) for a cancel their own clients never sent."""
     # Real latencies, and an answer long enough to be generating still when the
     # leader's hang-up is heard (a cancel then would cut it short).
     fleet = make_fleet(workers=1, profile="h100-8b", gateway_args=["--coalesce"])
@@ -75,3 +78,45 @@ async def test_a_leader_gone_while_queued_leaves_the_request_to_its_followers(
         _, text = await follower  # the whole answer, no error chunk (stream asserts)
         assert (await sim_stats(c, fleet))["started"] == started + 1  # one generation
     assert len(text.split()) > 500
+
+
+async def test_a_follower_on_another_replica_joins_a_long_run_and_reads_it_all(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The follower's replica replays the leader's capture at once, far faster
+    than any client reads: with members' buffers bounded (64 frames here) a fast
+    client following a run past that many tokens ended ``client_too_slow``."""
+    fleet = make_fleet(
+        workers=1,
+        gateways=2,
+        profile="h100-8b",
+        gateway_args=["--coalesce", "--max-buffered-frames", "64"],
+    )
+    body = long_chat(600)
+    async with httpx.AsyncClient(timeout=60) as c:
+        far_along = asyncio.Event()
+        seen = 0
+
+        async def lead() -> tuple[str, str]:
+            nonlocal seen
+            # A deadline past the follower's (sent seconds later): one it may follow.
+            headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Jetserve-Timeout": "300"}
+            parts: list[str] = []
+            as_streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            url = f"{fleet.base_urls[0]}/v1/chat/completions"
+            async with c.stream("POST", url, json=as_streamed, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            parts.append(choice["delta"].get("content") or "")
+                        seen += 1
+                        if seen >= 150:  # the capture holds more than the bound now
+                            far_along.set()
+            return r.headers["x-request-id"], "".join(parts)
+
+        leader = asyncio.create_task(lead())
+        await far_along.wait()
+        _, followed = await stream(c, fleet, body, at=1)  # no error chunk (stream asserts)
+        _, led = await leader
+        assert (await sim_stats(c, fleet))["started"] == 1  # it followed, not ran again
+    assert followed == led
