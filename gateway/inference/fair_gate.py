@@ -197,7 +197,9 @@ class _ClassGate:
             self._passed(self.cls, "in_turn")
             self._watch.published(self.cls)
             return False
-        queue = self._queues.setdefault(tenant, deque())
+        # Into the map only with its waiter: a refusal below must not leave an
+        # empty queue behind, counted as a tenant waiting by every estimate after.
+        queue = self._queues.get(tenant) or deque()
         if len(queue) >= MAX_WAITING:
             raise RateLimited(
                 "Too many of this tenant's requests are waiting in this class; retry later.",
@@ -210,6 +212,7 @@ class _ClassGate:
         self._seq += 1
         waiter = _Waiter(tag, self._seq, tenant, asyncio.get_running_loop().create_future())
         queue.append(waiter)
+        self._queues[tenant] = queue
         self._count(1)
         self._ensure_releasing()
         try:

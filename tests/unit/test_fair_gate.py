@@ -147,6 +147,26 @@ async def test_a_light_tenant_passes_a_short_burst_at_once() -> None:
     await gate.stop()
 
 
+async def test_a_refused_request_leaves_no_queue_of_its_tenant_behind() -> None:
+    gate, load = gate_and_load()
+    load.depth, load.rate, load.at = 10, 4.0, time.monotonic()
+    for n in range(20):
+        assert await gate.enter(CLS, f"t{n}", time.time() + 30) is False  # in turn
+        with pytest.raises(RateLimited):  # its next, behind the backlog: past 1 s
+            await gate.enter(CLS, f"t{n}", time.time() + 1)
+    load.depth, load.since, load.at = 10, 0, time.monotonic()  # a new look
+    assert await gate.enter(CLS, "a", time.time() + 30) is False
+    # a's next starts after ~(11 + 1) / 4 s: inside an 8 s deadline, so it waits its
+    # turn. The twenty refused tenants, waiting for nothing, used to be counted as
+    # twenty queues ahead ((11 + 21) / 4 s): it was refused too.
+    waiting = asyncio.create_task(gate.enter(CLS, "a", time.time() + 8))
+    await asyncio.sleep(0)
+    assert gate.of(CLS).waiting == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await gate.stop()
+
+
 async def test_the_answer_time_counts_toward_the_deadline_as_the_shedder_counts_it() -> None:
     gate, load = gate_and_load()
     load.depth, load.rate, load.at = 10, 4.0, time.monotonic()
