@@ -76,7 +76,7 @@ class Books:
             deployment=final.deployment if final else "",
             fingerprint=self._fingerprint(req, final),
             worker=final.worker if final else "",
-            hedged=adm.stream.hedge_queued is not None,
+            hedged=adm.stream.hedged,
             coalesced_with=coalesced.coalesced_with if coalesced else "",
             first_token_ms=first_token_ms,
             idempotency_key_hash=claim.key_hash if claim else "",

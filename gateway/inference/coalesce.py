@@ -364,6 +364,17 @@ class MemberStream(FrameStream):
         """Whether this member's ledger record carries the execution's charge."""
         return await self.group.charges(self)
 
+    @property
+    def hedged(self) -> bool:
+        """Whether the shared execution raced a second copy (its upstream's)."""
+        upstream = self.group.upstream
+        return upstream is not None and upstream.hedged
+
+    async def hedge_settled(self) -> None:
+        upstream = self.group.upstream
+        if upstream is not None:
+            await upstream.hedge_settled()
+
     def feed(self, frame: Token | Final | ErrorFrame | Heartbeat) -> None:
         self._queue.offer(frame)  # too slow: this member ends; the others go on
 

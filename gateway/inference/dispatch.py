@@ -577,6 +577,11 @@ class FrameStream(FrameReader):
         if self.hedge_task is not None and not self.hedge_sending:
             self.hedge_task.cancel()
 
+    @property
+    def hedged(self) -> bool:
+        """Whether a second copy of this request was queued (the books say so)."""
+        return self.hedge_queued is not None
+
     async def hedge_settled(self) -> None:
         """Wait for a copy being seen through (its publish, then the race it may
         settle): the books say whether the request was hedged, which its

@@ -45,16 +45,22 @@ def metric(fleet: Fleet, name: str, **labels: str) -> float:
     return total
 
 
+@pytest.mark.parametrize("coalesce", [False, True], ids=["plain", "coalescable"])
 async def test_a_late_first_token_is_hedged_and_the_loser_cancelled(
-    make_fleet: Callable[..., Fleet],
+    make_fleet: Callable[..., Fleet], coalesce: bool
 ) -> None:
     # Replica 0's engine stalls every first token 4 s and holds one request at
     # a time; replica 1 is healthy. Hedge after 0.3 s, every request may hedge.
+    # Coalescable (T=0, --coalesce), each request leads its own group: its books
+    # used to read the group's member, which never knew of the hedge (hedged:
+    # false on every record).
     fleet = make_fleet(
         workers=0,
         engine_per_worker=True,
-        gateway_args=["--hedge", "0.3", "--hedge-max-extra", "1.0"],
-    )
+        gateway_args=[
+            "--hedge", "0.3", "--hedge-max-extra", "1.0", *(["--coalesce"] if coalesce else [])
+        ],
+    )  # fmt: skip
     fleet.start_worker("--max-inflight", "1", sim_args=["--fault-rate", "stall:4000=1.0"])
     fleet.start_worker()
     stalled_sim = fleet.worker_sim_ports[0]
@@ -64,7 +70,7 @@ async def test_a_late_first_token_is_hedged_and_the_loser_cancelled(
             t0 = time.monotonic()
             r = await client.post(
                 f"{fleet.base_url}/v1/chat/completions",
-                json=body(i),
+                json={**body(i), **({"temperature": 0} if coalesce else {})},
                 headers={"Authorization": f"Bearer {fleet.api_key}"},
             )
             assert r.status_code == 200, r.text
