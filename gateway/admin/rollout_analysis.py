@@ -185,7 +185,12 @@ def shadow_summary(records: Iterable[LedgerRecord], route: str, revision: int) -
 
 
 def in_arms(records: Iterable[Sampled], route: str, revision: int) -> list[Sampled]:
-    """The records that count: the route's, at ``revision``, served on an arm."""
+    """The records that count: the route's, at ``revision``, on an arm; served, or
+    refused by the arm itself (a 5xx after the split: its deployment has no pool,
+    or no worker holds the adapter asked for). A refusal of the caller (its
+    budget, its rate, a bad body: 4xx) says nothing of the arm. Before, every
+    refusal was left out, and a canary that refused all its share looked like
+    one still collecting samples."""
     return [
         r
         for r in records
@@ -193,7 +198,7 @@ def in_arms(records: Iterable[Sampled], route: str, revision: int) -> list[Sampl
         and r.route_revision == revision
         and r.rollout_arm in ARMS
         and not r.shadow
-        and not r.policy.startswith("rejected")
+        and (not r.policy.startswith("rejected") or r.status >= 500)
     ]
 
 

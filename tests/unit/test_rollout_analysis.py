@@ -135,6 +135,17 @@ def test_only_this_revisions_served_arm_records_in_the_window_count() -> None:
     assert a.guard.canary.requests == 4
 
 
+def test_a_canary_that_refuses_its_share_fails() -> None:
+    # Refused after the split by the arm itself (its pool missing, no worker with
+    # the adapter: 503): the canary's failures, though nothing was served. They
+    # used to be left out with every refusal, and the canary read "collecting".
+    refused = rec("canary", status=503)
+    refused = msgspec.structs.replace(refused, policy="rejected:adapter_unavailable")
+    a = analyse(route(), [rec("stable")] * 10 + [refused] * 10, NOW)
+    assert a.decision == "failing", a.reason
+    assert a.arms["canary"].errors == 10
+
+
 def test_a_revision_without_a_canary_says_so() -> None:
     plain = route()
     plain = msgspec.structs.replace(
