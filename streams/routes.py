@@ -197,14 +197,7 @@ class RouteContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             seen.add(dep.name)
         if len(set(self.adapters)) != len(self.adapters):
             raise ValueError("adapters: an adapter appears twice")
-        pools = len(self.candidates) * (1 + len(self.adapters))
-        if pools > MAX_POOLS_PER_ROUTE:
-            # Each pool is ~132 consumers of the work queue, whose cap (8192) the
-            # whole fleet shares (docs/scale.md): one contract must not take it all.
-            raise ValueError(
-                f"candidates x (1 + adapters) = {pools} deployment pools; at most "
-                f"{MAX_POOLS_PER_ROUTE} per route"
-            )
+
         if self.name in self.adapters:
             raise ValueError(f"adapters: {self.name!r} is the route's own name")
         if self.rollout is None:
@@ -367,10 +360,26 @@ def encode(value: RouteContract | RouteRecord) -> bytes:
     return _encoder.encode(raw)
 
 
+def check_new(contract: RouteContract) -> RouteContract:
+    """The rules a contract meets to be applied now, beyond its fields' own (a
+    stored record is never refused by a rule added later: a gateway would stop
+    serving it, and nobody could read it to replace it). Raises
+    ``msgspec.ValidationError``."""
+    pools = len(contract.candidates) * (1 + len(contract.adapters))
+    if pools > MAX_POOLS_PER_ROUTE:
+        # Each pool is ~132 consumers of the work queue, whose cap (8192) the
+        # whole fleet shares (docs/scale.md): one contract must not take it all.
+        raise msgspec.ValidationError(
+            f"adapters: candidates x (1 + adapters) = {pools} deployment pools; at most "
+            f"{MAX_POOLS_PER_ROUTE} per route"
+        )
+    return contract
+
+
 def decode_contract(data: bytes | str) -> RouteContract:
-    """Raises ``msgspec.ValidationError`` (bad field, with its path) or
-    ``msgspec.DecodeError`` (not JSON)."""
-    return _contract_decoder.decode(data)
+    """A contract to apply. Raises ``msgspec.ValidationError`` (bad field, with its
+    path) or ``msgspec.DecodeError`` (not JSON)."""
+    return check_new(_contract_decoder.decode(data))
 
 
 def decode_record(data: bytes) -> RouteRecord:
@@ -378,5 +387,5 @@ def decode_record(data: bytes) -> RouteRecord:
 
 
 def contract_from_builtins(value: Any) -> RouteContract:
-    """Validate an already-parsed mapping (e.g. from YAML) as a contract."""
-    return msgspec.convert(value, RouteContract)
+    """Validate an already-parsed mapping (e.g. from YAML) as a contract to apply."""
+    return check_new(msgspec.convert(value, RouteContract))

@@ -45,6 +45,7 @@ from streams.kv_log import KvLog, KvMessage
 from streams.routes import (
     RouteContract,
     RouteRecord,
+    check_new,
     decode_record,
     diff_contracts,
     encode,
@@ -344,7 +345,7 @@ def _parse_apply(raw: bytes) -> tuple[RouteContract, int | None]:
         )
     try:
         # Strict: no str -> number coercion; unknown fields are rejected.
-        return msgspec.convert(body, RouteContract), expected
+        return check_new(msgspec.convert(body, RouteContract)), expected
     except msgspec.ValidationError as exc:
         raise BadRequest(f"Invalid route contract: {exc}", param=_path_of(exc)) from exc
 

@@ -259,6 +259,17 @@ def test_yaml_contract_with_a_bare_on_key(tmp_path: Path) -> None:
     assert c.retry.on == ("engine_unavailable",)
 
 
+def test_a_rule_for_new_contracts_never_refuses_a_stored_one() -> None:
+    # Past the pools cap: refused when applied, but a record stored before the cap
+    # still decodes (a gateway refusing it would stop serving the route, and the
+    # admin API could not read it to replace it).
+    big = raw(adapters=[f"lora-{n}" for n in range(16)])
+    with pytest.raises(msgspec.ValidationError):
+        contract_from_builtins(big)
+    stored = msgspec.convert(big, RouteContract)
+    assert msgspec.json.decode(msgspec.json.encode(stored), type=RouteContract) == stored
+
+
 def test_a_contract_without_adapters_keeps_its_encoding_and_fingerprint() -> None:
     """``adapters`` came later: unset, a record encodes and hashes as before (an
     older gateway, which refuses unknown fields, still reads it)."""
