@@ -24,6 +24,7 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     │   ├── StreamInterrupted    502 part of the response was lost in transit
     │   └── AnswerLost           502 a worker took the request; its answer was lost
     │                            before the first token (retryable: nothing was sent)
+    ├── ClientLeft               499 the client left before its request was admitted
     └── Timeout                  504 the request's deadline passed
 """
 
@@ -287,6 +288,16 @@ class StreamInterrupted(UpstreamFailed):
 
 class AnswerLost(UpstreamFailed):
     code = "answer_lost"
+    retryable = True
+
+
+class ClientLeft(GatewayError):
+    """499: the client went away before its request was admitted (retryable: it
+    was not run)."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_disconnected"
     retryable = True
 
 

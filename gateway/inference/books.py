@@ -149,11 +149,14 @@ class Books:
         except (RedisError, OSError) as exc:
             log.error("idempotency release failed: %r", exc)
 
-    async def idem_fail(self, claim: Claim, raw: bytes, exc: GatewayError) -> None:
-        """The run failed (``exc.from_run``) or this session did: the store decides
-        whose claim it is to release (gateway/tenancy/idempotency.py, ownership)."""
+    async def idem_fail(
+        self, claim: Claim, raw: bytes, exc: GatewayError, run_over: bool = False
+    ) -> None:
+        """The run failed (``exc.from_run``; ``run_over``: its deadline passed, so
+        it is over whatever this session heard) or this session did: the store
+        decides whose claim it is to release (gateway/tenancy/idempotency.py)."""
         try:
-            await self.idempotency.fail(claim, raw, exc, run_failed=exc.from_run)
+            await self.idempotency.fail(claim, raw, exc, run_failed=exc.from_run or run_over)
         except GatewayError as err:
             log.error("idempotency release failed: %s", err.message)
         except (RedisError, OSError) as err:

@@ -29,10 +29,12 @@ from gateway.config import GatewayConfig
 from gateway.errors import (
     BadRequest,
     BudgetExceeded,
+    ClientLeft,
     GatewayError,
     IdempotencyConflict,
     NotFound,
     RateLimited,
+    Timeout,
 )
 from gateway.inference import rollout
 from gateway.inference.books import Books
@@ -220,7 +222,7 @@ class InferenceService:
                     req, claim.request_id, self.dispatcher.reply_for(key.tenant, claim.request_id)
                 )
                 if claim.attach:
-                    attached = await self._attach(op, parsed, key, req, raw, claim)
+                    attached = await self._attach(op, parsed, key, req, raw, claim, gone)
                     if attached is not None:
                         span.end("attached")
                         return attached
@@ -269,10 +271,13 @@ class InferenceService:
         req: InferenceRequest,
         raw: bytes,
         claim: Claim,
+        gone: asyncio.Event | None = None,
     ) -> Admitted | None:
         """A retry of a run in flight or streamed: follow its frames from the
         start (any replica's, its gateway alive or not). None: the first run
-        queued nothing within ``takeover_s`` of its claim, so this one runs it."""
+        queued nothing within ``takeover_s`` of its claim, so this one runs it.
+        It waits at most to its own deadline, and not for a client that left."""
+        wait = 0.05  # the first run is between its claim and its queueing
         while True:
             stream = await self.dispatcher.resume(key.tenant, claim.request_id, 0)
             if stream is not None:
@@ -283,7 +288,12 @@ class InferenceService:
                 await self.idempotency.alive(claim)
             ):
                 return None
-            await asyncio.sleep(0.05)  # the first run is between its claim and its queueing
+            if time.time() >= req.deadline:
+                raise Timeout("A request with this Idempotency-Key is still being admitted.")
+            if gone is not None and gone.is_set():
+                raise ClientLeft("The client left while its retry waited for the first run.")
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 1.0)
         assert stream.meta is not None
         reservation = Reservation(
             request_id=claim.request_id,
@@ -630,7 +640,11 @@ class InferenceService:
     async def fail(self, adm: Session, exc: GatewayError) -> None:
         then = None
         if isinstance(adm, Admitted) and adm.claim is not None:
-            then = functools.partial(self.books.idem_fail, adm.claim, adm.raw, exc)
+            # A retry attached to a run that went silent without an error frame
+            # (its worker died mid-stream): once the run's deadline has passed the
+            # run is over, and the key is released for the next try.
+            over = adm.attached and time.time() >= adm.stream.req.deadline
+            then = functools.partial(self.books.idem_fail, adm.claim, adm.raw, exc, over)
         await self.finish(adm, exc.code, exc.status, then=then)
 
     async def abandon(

@@ -73,6 +73,7 @@ class Claim:
     attach: bool = False  # the first run is in flight or streamed: follow its frames
     created: float = 0.0
     owner: str = ""  # this session's token when it owns the claim; "": it follows
+    seen: str = ""  # a follower's: the owner's token when it found the claim
 
 
 # Release or complete a claim only while it is the one the caller holds (the
@@ -89,7 +90,8 @@ if ARGV[1] == 'complete' then
   return 1
 end
 if ARGV[1] == 'own' then
-  if s['state'] ~= 'pending' then return 0 end
+  -- Compare-and-set on the value read: two retries never both take it over.
+  if raw ~= ARGV[5] or s['state'] ~= 'pending' then return 0 end
   redis.call('SET', KEYS[1], ARGV[4], 'KEEPTTL')
   return 1
 end
@@ -144,7 +146,10 @@ class IdempotencyStore:
                 if stored.state == "done" and stored.response is not None:
                     return Claim(stored.request_id or kh[:32], kh, stored)
                 if stored.request_id:
-                    return Claim(stored.request_id, kh, attach=True, created=stored.created)
+                    return Claim(
+                        stored.request_id, kh, attach=True, created=stored.created,
+                        seen=stored.owner,
+                    )  # fmt: skip
                 # A claim from before request ids were stored: wait for it.
                 if time.time() >= deadline:
                     raise Timeout("A request with this Idempotency-Key is still running.")
@@ -178,21 +183,30 @@ class IdempotencyStore:
 
     async def alive(self, claim: Claim) -> bool:
         """Whether the claim's owner said lately that it is still admitting."""
-        return bool(await self._redis.exists(_ALIVE + claim.key_hash))
+        try:
+            return bool(await self._redis.exists(_ALIVE + claim.key_hash))
+        except (RedisError, OSError) as exc:
+            raise Unavailable("Idempotency store unavailable.") from exc
 
     async def take_over(self, claim: Claim) -> Claim | None:
         """Own a claim whose first run queued nothing within ``takeover_s`` (its
         gateway died, it is thought): from now on the first session's release or
-        answer changes nothing. None: the claim changed meanwhile (ended, released)."""
+        answer changes nothing. None: the claim changed meanwhile (ended, released,
+        or another retry took it over first)."""
         owner = secrets.token_hex(8)
-        raw = await self._redis.get(PREFIX + claim.key_hash)
-        if raw is None:
-            return None
-        stored = msgspec.structs.replace(_dec.decode(raw), owner=owner)
-        if stored.request_id != claim.request_id or stored.state != "pending":
-            return None
-        if not await self._guarded("own", claim, "", _enc.encode(stored)):
-            return None
+        try:
+            raw = await self._redis.get(PREFIX + claim.key_hash)
+            if raw is None:
+                return None
+            stored = msgspec.structs.replace(_dec.decode(raw), owner=owner)
+            if stored.request_id != claim.request_id or stored.state != "pending":
+                return None
+            # Only from the owner it found it with (a takeover since is another's),
+            # and only as it reads it now (two at once: one wins).
+            if not await self._guarded("own", claim, claim.seen, _enc.encode(stored), raw):
+                return None
+        except (RedisError, OSError) as exc:
+            raise Unavailable("Idempotency store unavailable.") from exc
         return Claim(claim.request_id, claim.key_hash, created=claim.created, owner=owner)
 
     async def release(self, claim: Claim, *, run_failed: bool = False) -> bool:
@@ -217,6 +231,9 @@ class IdempotencyStore:
         else:
             await self.complete(claim, body, exc.status, exc.body())
 
-    async def _guarded(self, op: str, claim: Claim, owner: str, value: bytes) -> bool:
+    async def _guarded(
+        self, op: str, claim: Claim, owner: str, value: bytes, expected: bytes | str = b""
+    ) -> bool:
         keys = [PREFIX + claim.key_hash]
-        return bool(await self._guard(keys=keys, args=[op, claim.request_id, owner, value]))
+        args: list[bytes | str] = [op, claim.request_id, owner, value, expected]
+        return bool(await self._guard(keys=keys, args=args))

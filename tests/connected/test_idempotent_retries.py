@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.tenancy.accounting import Accountant, Scope
-from gateway.tenancy.idempotency import PREFIX, Stored, key_hash
+from gateway.tenancy.idempotency import PREFIX, Claim, IdempotencyStore, Stored, key_hash
 from jetserve.fleet import Fleet
 from tests.connected.test_resume import BODY, ledger_records, read_events, reference
 from tests.scrape import metric_sum
@@ -183,6 +183,48 @@ async def test_a_claim_whose_owner_is_still_admitting_it_is_not_taken_over(
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == request_id
     assert await sim_started(fleet) - started_before == 1
+
+
+async def test_two_retries_never_both_take_a_claim_over(fleet: Fleet) -> None:
+    """A takeover is a compare-and-set on the claim as it was read: of two retries
+    that found the same dead first run, one owns it, the other finds it changed
+    (it used to own it too: both ran it, and the loser's release freed the key)."""
+    raw = msgspec.json.encode({**BODY, "stream": False})
+    kh, request_id = await left_claim(fleet, "taken-twice", raw, "00112233aabbccdd")
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        store = IdempotencyStore(rds, ttl_s=600)
+        found = Claim(
+            request_id, kh, attach=True, created=time.time() - 60, seen="00112233aabbccdd"
+        )
+        first = await store.take_over(found)
+        second = await store.take_over(found)  # found the same dead owner: taken since
+    finally:
+        await rds.aclose()
+    assert first is not None
+    assert first.owner
+    assert second is None
+
+
+async def test_a_retry_waits_for_an_admitting_first_run_only_to_its_own_deadline(
+    fleet: Fleet,
+) -> None:
+    raw = msgspec.json.encode({**BODY, "stream": False})
+    key, owner = "admitting-past-my-deadline", "8899aabbccddeeff"
+    kh, _ = await left_claim(fleet, key, raw, owner)
+    rds = aioredis.Redis.from_url(fleet.redis_url)
+    try:
+        await rds.set(PREFIX + "alive:" + kh, owner, px=60_000)  # alive all along
+        hdrs = {
+            **headers(fleet, key, slow=False),
+            "Content-Type": "application/json",
+            "X-Jetserve-Timeout": "2",
+        }
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"{fleet.base_url}/v1/chat/completions", content=raw, headers=hdrs)
+    finally:
+        await rds.aclose()
+    assert r.status_code == 504, r.text  # it polled past it, for as long as the owner lived
 
 
 async def test_a_takeover_of_a_run_the_sweep_recorded_starts_the_keys_next_run(
