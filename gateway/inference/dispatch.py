@@ -76,6 +76,7 @@ from streams.subjects import (
     request_subject,
     resumed_subject,
 )
+from streams.tasks import stop_task
 from streams.wire import (
     HEDGE_ATTEMPT_BASE,
     ErrorFrame,
@@ -166,6 +167,8 @@ class Dispatcher:
             await self._sub.unsubscribe()
         if self._closing:
             await asyncio.wait(self._closing, timeout=5)
+        for chore in list(self._closing):  # e.g. a cancel retried until the bus is back
+            await stop_task(chore)
         # No new copy while stopping; one being published is seen through (it may
         # be stored: its cancel by sequence must not be cut off), for at most
         # its publish's timeout and a margin.

@@ -23,13 +23,14 @@ def test_an_effect_longer_than_the_step_timeout_runs_to_its_outcome(
     fleet = make_fleet(
         workers=1,
         agents=1,
-        agent_args=["--step-timeout", "2", "--tools-module", "tests.agent_tools:slow_effects"],
+        agent_args=["--step-timeout", "5", "--tools-module", "tests.agent_tools:slow_effects"],
     )
     book = tmp_path / "book.txt"
     m = marker()
     script(
         fleet,
-        ("user", m, call("slow_effect", {"book": str(book), "seconds": 4})),
+        # Past the step's 5 s on its own (the model call before it is well inside).
+        ("user", m, call("slow_effect", {"book": str(book), "seconds": 8})),
         ("tool", m, {"content": "written"}),
     )
     headers = {"Authorization": f"Bearer {fleet.api_key}"}

@@ -87,6 +87,9 @@ class Executor:
             self._serve, graceful_timeout_s=cfg.drain_timeout_s, name=f"executor {cfg.executor_id}"
         )
         self._guards: dict[str, Guard] = {}
+        # Effectful calls that outlived their step (its lease lost, a drain cut
+        # twice): owned here until they record their outcome, awaited at the end.
+        self._effects: set[asyncio.Future[Any]] = set()
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._store: RunStore | None = None
@@ -145,6 +148,8 @@ class Executor:
                 await notices.unsubscribe()
             log.info("agent executor %s drained", cfg.executor_id)
         finally:
+            if self._effects:  # each bounded by its tool's timeout
+                await asyncio.wait(self._effects, timeout=cfg.drain_timeout_s)
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await nc.flush(timeout=2)
             await nc.close()
@@ -246,6 +251,7 @@ class Executor:
                         raise
             finally:
                 self._guards.pop(nudge.run_id, None)
+                self._adopt(guard)
             if not done:
                 await stop_task(work)  # a dropped cancel would wait out the step
                 if held.lost:
@@ -278,6 +284,19 @@ class Executor:
             either: set[asyncio.Future[Any]] = {work, effect}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             until = loop.time() + self.cfg.step_timeout_s
+
+    def _adopt(self, guard: Guard) -> None:
+        """Own the effectful call a step left running, until it ends."""
+        effect = guard.effect
+        if effect is None or effect.done():
+            return
+        self._effects.add(effect)
+        effect.add_done_callback(self._effect_done)
+
+    def _effect_done(self, effect: asyncio.Future[Any]) -> None:
+        self._effects.discard(effect)
+        if not effect.cancelled() and (exc := effect.exception()) is not None:
+            log.error("an effectful call left by its step failed", exc_info=exc)
 
     async def _stuck(self, nudge: StepMsg, delivery: int) -> Verdict:
         cfg = self.cfg

@@ -30,9 +30,11 @@ class Guard:
         outcome (the executor waits for it: :attr:`effect`)."""
         task = asyncio.ensure_future(work)
         self.effect = task
-        result = await asyncio.shield(task)
-        self.effect = None
-        return result
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():  # else cut from the step: the executor adopts it
+                self.effect = None
 
     def bind(self, run: Run) -> None:
         self.scope = frozenset({run.id, *run.ancestors})

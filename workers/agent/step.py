@@ -223,7 +223,11 @@ class Stepper:
                     # one id would share a ledger key, and the second's answer
                     # would count as given once the first's is.
                     if not call.get("id") or call["id"] in seen:
-                        call["id"] = f"call_{h.run.step}_{i}"
+                        made, n = f"call_{h.run.step}_{i}", 0
+                        while made in seen or any(c.get("id") == made for c in reply.tool_calls):
+                            n += 1  # the model's own ids may look like ours
+                            made = f"call_{h.run.step}_{i}_{n}"
+                        call["id"] = made
                     seen.add(call["id"])
                 await h.save(messages=[*h.run.messages, message], spent=spent, model_call=None)
                 continue

@@ -705,6 +705,10 @@ class Worker:
             )
         except WorkerError as exc:
             await self._fail(msg, sender, exc, req)
+        except nats.errors.Error:
+            # The bus, not a bug (a reconnect's full buffer, a closed connection):
+            # as before, unacked, the request comes back for another attempt.
+            raise
         except Exception as exc:  # noqa: BLE001 - not swallowed: the request fails with it
             # A bug (an adapter's, this worker's): the request ends now, in one
             # error frame, not at its deadline. Its frames to the log, not its
