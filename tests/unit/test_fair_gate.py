@@ -25,6 +25,17 @@ def gate_and_load(burst: float = 1.0) -> tuple[FairGate, Any]:
     return FairGate(watch, burst=burst), watch.loads[CLS]
 
 
+async def waits_its_turn(gate: FairGate, tenant: str, deadline_in: float) -> None:
+    """One more request of ``tenant`` waits (neither passes nor is refused); then
+    it leaves, and the gate stops."""
+    waiting = asyncio.create_task(gate.enter(CLS, tenant, time.time() + deadline_in))
+    await asyncio.sleep(0)
+    assert gate.of(CLS).waiting == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await gate.stop()
+
+
 async def test_a_class_without_a_queue_lets_requests_straight_through() -> None:
     gate, load = gate_and_load()
     for _ in range(50):  # no rate known yet: never held
@@ -139,12 +150,7 @@ async def test_a_light_tenant_passes_a_short_burst_at_once() -> None:
     for _ in range(int(IN_TURN_BURST)):
         assert await asyncio.wait_for(gate.enter(CLS, "b", time.time() + 30), 1) is False
     # ...then it waits its turn like anyone.
-    waiting = asyncio.create_task(gate.enter(CLS, "b", time.time() + 30))
-    await asyncio.sleep(0)
-    assert gate.of(CLS).waiting == 1
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
-    await gate.stop()
+    await waits_its_turn(gate, "b", 30)
 
 
 async def test_a_refused_request_leaves_no_queue_of_its_tenant_behind() -> None:
@@ -159,12 +165,7 @@ async def test_a_refused_request_leaves_no_queue_of_its_tenant_behind() -> None:
     # a's next starts after ~(11 + 1) / 4 s: inside an 8 s deadline, so it waits its
     # turn. The twenty refused tenants, waiting for nothing, used to be counted as
     # twenty queues ahead ((11 + 21) / 4 s): it was refused too.
-    waiting = asyncio.create_task(gate.enter(CLS, "a", time.time() + 8))
-    await asyncio.sleep(0)
-    assert gate.of(CLS).waiting == 1
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
-    await gate.stop()
+    await waits_its_turn(gate, "a", 8)
 
 
 async def test_the_answer_time_counts_toward_the_deadline_as_the_shedder_counts_it() -> None:
