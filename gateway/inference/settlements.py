@@ -270,6 +270,18 @@ class Settlements:
                 if failed >= SCAN_FAILURES_IN_A_ROW:
                     raise
                 continue
+            except _BUS_ERRORS:
+                raise  # the bus: the next scan retries
+            except Exception as exc:  # not swallowed: kept aside, said loudly
+                # Not a store that is down: a record no store will take (or a bug).
+                # Retried at every scan it would stop the scanner there, every
+                # settlement after it with it: kept in the dead-letter queue instead.
+                log.exception("outbox seq %d cannot be applied: dead-lettered", p.seq)
+                why = f"settlement not applicable: {type(exc).__name__}"
+                await dead_letter(self._js, p.subject, p.data, why, p.seq)
+                await self._delete(p.seq)
+                self._on_outcome("dead_lettered")
+                continue
             failed = 0
             await self._delete(p.seq)
             self._on_outcome("from_outbox")
@@ -386,3 +398,5 @@ async def keep_books(settlements: Settlements, scan_s: float = 5.0, sweep_s: flo
             log.warning("outbox scan deferred: %s", exc.message)
         except _BUS_ERRORS as exc:
             log.warning("outbox scan deferred: %r", exc)
+        except Exception:  # not swallowed: logged; the duty goes on (it would end for good)
+            log.exception("outbox scan or orphan sweep failed; trying again next round")

@@ -77,6 +77,45 @@ async def test_a_dead_gateways_record_is_applied_once_and_poison_is_dead_lettere
         await nc.close()
 
 
+async def test_a_settlement_no_store_takes_is_set_aside_and_the_rest_applied(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A decodable settlement the ledger will never take (its tenant id is not a
+    subject token: a bug's, or an old gateway's) used to stop the scanner at it for
+    good (the error escaped its loop): nothing stored after it was applied again.
+    It is dead-lettered now, and the next one applied."""
+    fleet = make_fleet(workers=0, gateway_args=FAST_BOOKS)
+    nc = await fleet.connect()
+    try:
+        js = nc.jetstream()
+        outbox = Outbox(js)
+        full = RateLimited("The request queue is full.", code="queue_full", retry_after=1.0)
+
+        def refused(tenant: str, request_id: str) -> Settlement:
+            head = RecordHead(
+                scope=Scope(tenant, tenant, "k"), request_id=request_id, op="chat",
+                cls="interactive", model="sim-8b", created=time.time(), price_version="v1",
+                gateway="gwbug0000000",
+            )  # fmt: skip
+            return Settlement(record=head.refused("rejected:queue_full", full), writer="gwbug")
+
+        bad = await outbox.publish("gwbug0000000", refused("no such.tenant", "poisoned"))
+        await outbox.publish("gwbug0000000", refused(fleet.spec.tenant, "after-the-poison"))
+
+        async def applied() -> bool:
+            return len(ledger_of(fleet, "after-the-poison")) == 1
+
+        await until(applied, "the settlement after the poisoned one applied")
+        dead = await js.get_last_msg(
+            "JETSERVE_DLQ", dlq_subject(DEFAULT_OUTBOX.subject("gwbug0000000"))
+        )
+        assert dead.headers is not None
+        assert dead.headers["Jetserve-Dlq-Seq"] == str(bad)
+        assert await outbox.count() == 0
+    finally:
+        await nc.close()
+
+
 async def test_an_applied_settlement_is_removed_and_a_second_removal_is_a_no_op(
     make_fleet: Callable[..., Fleet],
 ) -> None:
