@@ -39,7 +39,7 @@ from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
-from streams.outbox import Outbox, Settlement, SettlementBatch
+from streams.outbox import Outbox, Settlement, SettlementBatch, encode_settlement
 from streams.request_ledger import LedgerRecord
 from streams.subjects import frames_filter
 from streams.tasks import stop_task
@@ -262,7 +262,7 @@ class Settlements:
                 continue
             try:
                 for one in p.settlements:  # each idempotent: a batch's retry re-applies all
-                    await self.apply(one)
+                    await self._apply_or_set_aside(p.subject, p.seq, one)
             except (GatewayError, LedgerWriteError):
                 # One that fails must not hold up the rest; several in a row: a
                 # store is down, stop (the next scan retries, from the oldest).
@@ -270,23 +270,27 @@ class Settlements:
                 if failed >= SCAN_FAILURES_IN_A_ROW:
                     raise
                 continue
-            except _BUS_ERRORS:
-                raise  # the bus: the next scan retries
-            except Exception as exc:  # not swallowed: kept aside, said loudly
-                # Not a store that is down: a record no store will take (or a bug).
-                # Retried at every scan it would stop the scanner there, every
-                # settlement after it with it: kept in the dead-letter queue instead.
-                log.exception("outbox seq %d cannot be applied: dead-lettered", p.seq)
-                why = f"settlement not applicable: {type(exc).__name__}"
-                await dead_letter(self._js, p.subject, p.data, why, p.seq)
-                await self._delete(p.seq)
-                self._on_outcome("dead_lettered")
-                continue
             failed = 0
             await self._delete(p.seq)
             self._on_outcome("from_outbox")
             applied += 1
         return applied
+
+    async def _apply_or_set_aside(self, subject: str, seq: int, s: Settlement) -> None:
+        """:meth:`apply`; a settlement no store will take (a record the ledger
+        refuses for good, or a bug) goes to the dead-letter queue instead, alone
+        (a batch's others are applied): retried at every scan it would stop the
+        scanner there, every settlement after it with it. A store that is down
+        (GatewayError, LedgerWriteError) or the bus raises as before."""
+        try:
+            await self.apply(s)
+        except (GatewayError, LedgerWriteError, *_BUS_ERRORS):
+            raise
+        except Exception as exc:  # not swallowed: kept aside, said loudly
+            log.exception("a settlement in outbox seq %d cannot be applied: dead-lettered", seq)
+            why = f"settlement not applicable: {type(exc).__name__}"
+            await dead_letter(self._js, subject, encode_settlement(s), why, seq)
+            self._on_outcome("dead_lettered")
 
     # -- orphans ---------------------------------------------------------------------
     async def sweep(self) -> int:

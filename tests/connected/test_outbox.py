@@ -15,7 +15,13 @@ from gateway.errors import RateLimited
 from gateway.tenancy.limits import Scope
 from gateway.tenancy.records import RecordHead
 from jetserve.fleet import Fleet
-from streams.outbox import DEFAULT_OUTBOX, Outbox, Settlement
+from streams.outbox import (
+    DEFAULT_OUTBOX,
+    Outbox,
+    Settlement,
+    SettlementBatch,
+    decode_settlements,
+)
 from streams.subjects import dlq_subject
 from tests.waits import until
 
@@ -99,18 +105,22 @@ async def test_a_settlement_no_store_takes_is_set_aside_and_the_rest_applied(
             )  # fmt: skip
             return Settlement(record=head.refused("rejected:queue_full", full), writer="gwbug")
 
-        bad = await outbox.publish("gwbug0000000", refused("no such.tenant", "poisoned"))
+        poison = refused("no such.tenant", "poisoned")
+        # In a batch, before a good one; then a message of its own after it.
+        batch = SettlementBatch(settlements=[poison, refused(fleet.spec.tenant, "beside-it")])
+        bad = await outbox.publish_batch("gwbug0000000", batch, "batch:gwbug:1")
         await outbox.publish("gwbug0000000", refused(fleet.spec.tenant, "after-the-poison"))
 
         async def applied() -> bool:
-            return len(ledger_of(fleet, "after-the-poison")) == 1
+            return all(len(ledger_of(fleet, i)) == 1 for i in ("beside-it", "after-the-poison"))
 
-        await until(applied, "the settlement after the poisoned one applied")
+        await until(applied, "the settlements beside and after the poisoned one applied")
         dead = await js.get_last_msg(
             "JETSERVE_DLQ", dlq_subject(DEFAULT_OUTBOX.subject("gwbug0000000"))
         )
         assert dead.headers is not None
         assert dead.headers["Jetserve-Dlq-Seq"] == str(bad)
+        assert decode_settlements(dead.data or b"") == [poison]  # alone: its batch-mate applied
         assert await outbox.count() == 0
     finally:
         await nc.close()
