@@ -71,7 +71,7 @@ class GatewayMetrics:
         self.settlements = Counter(
             "jetserve_gateway_settlements",
             "Settlements of the books by path: inline, deferred (left in the outbox), "
-            "from_outbox, orphan, released, outbox_retry, hold_missing, dead_lettered",
+            "from_outbox, orphan, released, outbox_retry, hold_missing, dead_lettered, split",
             ["path"],
             registry=r,
         )

@@ -21,6 +21,7 @@ never given up: it waits in the outbox.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -39,6 +40,7 @@ from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriteError, LedgerWriter
 from streams.deadletter import dead_letter
 from streams.definitions import Topology
+from streams.errors import JetserveError
 from streams.outbox import Outbox, Settlement, SettlementBatch, encode_settlement
 from streams.request_ledger import LedgerRecord
 from streams.subjects import frames_filter
@@ -225,21 +227,28 @@ class Settlements:
 
     async def apply(self, s: Settlement) -> None:
         """Charge, then record; raise what a store answered (the caller keeps ``s``)."""
+        record = await self._charge(s)
+        if record is not None:
+            await self._ledger.append(record)
+
+    async def _charge(self, s: Settlement) -> LedgerRecord | None:
+        """The hold reconciled to ``s``'s charge; the record to write with it
+        (None: another writer settled the request first, and records it)."""
         record = s.record
-        if s.actual_micros is not None:
-            state, charge = await self._accountant.settle_as(
-                record.request_id, s.actual_micros, s.writer, org=record.org or record.tenant
-            )
-            if state == "other":
-                return  # another writer settled it first, and recorded it
-            if state == "none":
-                # No hold and no marker: Redis lost it (a restart without its
-                # append-only file). The request is still recorded, uncharged.
-                log.error("no hold for %s: recorded without a charge", record.request_id)
-                self._on_outcome("hold_missing")
-                charge = 0
-            record = msgspec.structs.replace(record, charge_micros=charge)
-        await self._ledger.append(record)
+        if s.actual_micros is None:
+            return record
+        state, charge = await self._accountant.settle_as(
+            record.request_id, s.actual_micros, s.writer, org=record.org or record.tenant
+        )
+        if state == "other":
+            return None
+        if state == "none":
+            # No hold and no marker: Redis lost it (a restart without its
+            # append-only file). The request is still recorded, uncharged.
+            log.error("no hold for %s: recorded without a charge", record.request_id)
+            self._on_outcome("hold_missing")
+            charge = 0
+        return msgspec.structs.replace(record, charge_micros=charge)
 
     async def _delete(self, seq: int) -> None:
         try:
@@ -260,15 +269,21 @@ class Settlements:
                 await dead_letter(self._js, p.subject, p.data, "undecodable settlement", p.seq)
                 await self._delete(p.seq)
                 continue
-            try:
-                for one in p.settlements:  # each idempotent: a batch's retry re-applies all
-                    await self._apply_or_set_aside(p.subject, p.seq, one)
-            except (GatewayError, LedgerWriteError):
+            rest: list[Settlement] = []
+            why: JetserveError | None = None
+            for one in p.settlements:
+                left, exc = await self._apply_part(p.subject, p.seq, one)
+                if left is not None:
+                    rest.append(left)
+                    why = exc
+            if why is not None:
+                if rest != p.settlements:
+                    await self._keep_rest(p.seq, rest)
                 # One that fails must not hold up the rest; several in a row: a
                 # store is down, stop (the next scan retries, from the oldest).
                 failed += 1
                 if failed >= SCAN_FAILURES_IN_A_ROW:
-                    raise
+                    raise why
                 continue
             failed = 0
             await self._delete(p.seq)
@@ -276,21 +291,57 @@ class Settlements:
             applied += 1
         return applied
 
-    async def _apply_or_set_aside(self, subject: str, seq: int, s: Settlement) -> None:
-        """:meth:`apply`; a settlement no store will take (a record the ledger
-        refuses for good, or a bug) goes to the dead-letter queue instead, alone
-        (a batch's others are applied): retried at every scan it would stop the
-        scanner there, every settlement after it with it. A store that is down
-        (GatewayError, LedgerWriteError) or the bus raises as before."""
+    async def _apply_part(
+        self, subject: str, seq: int, s: Settlement
+    ) -> tuple[Settlement | None, JetserveError | None]:
+        """:meth:`apply` for the scanner: what of ``s`` is left to apply (None:
+        nothing) and the store's error that left it.
+
+        Charged but not recorded (the ledger down): the record with its charge
+        is what is left, and no charge. Applied again whole after Redis's
+        done marker expired (``settled_ttl_s``), it would be recorded charged 0.
+
+        A settlement no store will take (a record the ledger refuses for good,
+        or a bug) goes to the dead-letter queue instead, alone (a batch's others
+        are applied): retried at every scan it would stop the scanner there,
+        every settlement after it with it. The bus's errors are raised."""
         try:
-            await self.apply(s)
-        except (GatewayError, LedgerWriteError, *_BUS_ERRORS):
+            record = await self._charge(s)
+            if record is None:
+                return None, None
+            try:
+                await self._ledger.append(record)
+            except LedgerWriteError as exc:
+                if s.actual_micros is None:
+                    return s, exc
+                return Settlement(record=record, writer=s.writer), exc
+            return None, None
+        except (GatewayError, LedgerWriteError) as exc:
+            return s, exc
+        except _BUS_ERRORS:
             raise
         except Exception as exc:  # not swallowed: kept aside, said loudly
             log.exception("a settlement in outbox seq %d cannot be applied: dead-lettered", seq)
             why = f"settlement not applicable: {type(exc).__name__}"
             await dead_letter(self._js, subject, encode_settlement(s), why, seq)
             self._on_outcome("dead_lettered")
+            return None, None
+
+    async def _keep_rest(self, seq: int, rest: list[Settlement]) -> None:
+        """Part of outbox message ``seq`` is applied: store what is left as a
+        message of its own, then delete ``seq``. Kept whole, its applied part
+        would be applied again at every scan while the rest waits (a store down
+        for one org, for hours), and after the ledger's duplicate window and
+        Redis's done marker, recorded twice. A republish (the delete lost) is
+        stored once: its id is the original's and the rest's."""
+        data = encode_settlement(SettlementBatch(settlements=rest))
+        msg_id = f"rest:{self.gateway_id}:{seq}:{hashlib.sha256(data).hexdigest()[:24]}"
+        stored = await self.outbox.publish_batch(
+            self.gateway_id, SettlementBatch(settlements=rest), msg_id
+        )
+        if stored is not None:  # (None: too big for one message; kept whole, as before)
+            await self._delete(seq)
+            self._on_outcome("split")
 
     # -- orphans ---------------------------------------------------------------------
     async def sweep(self) -> int:

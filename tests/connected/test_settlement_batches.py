@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as redis
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from gateway.inference.settlements import Settlements
 from gateway.tenancy.accounting import Accountant
@@ -32,7 +33,7 @@ from streams.outbox import (
     decode_settlements,
     ensure_outbox,
 )
-from streams.request_ledger import DEFAULT_LEDGER, ensure_ledger
+from streams.request_ledger import DEFAULT_LEDGER, LedgerTopology, ensure_ledger
 from streams.wire import Usage
 from tests.waits import until
 
@@ -208,3 +209,93 @@ async def test_the_caller_goes_on_once_stored_and_the_apply_follows(
     assert await acct.settle("after-0", 0, "gw1", org=SCOPE.org) == (True, 123)  # charged once
     await books.aclose()
     await patient.aclose()
+
+
+def books_of(js: JetStreamContext, acct: Accountant, ledger: LedgerWriter) -> Settlements:
+    return Settlements(
+        js, Outbox(js), acct, ledger, "gw1", DEFAULT_TOPOLOGY, PriceBook(), grace_s=0.0
+    )
+
+
+async def held(nc: Client) -> list[list[Settlement]]:
+    """The settlements of each message the outbox holds now, oldest first."""
+    out = []
+    async for p in Outbox(nc.jetstream()).pending():
+        assert p.settlements is not None
+        out.append(p.settlements)
+    return out
+
+
+async def test_a_batch_applied_in_part_keeps_only_its_rest_in_the_outbox(
+    nc: Client, rds: redis.Redis
+) -> None:
+    """One settlement of a batch cannot be applied for a long while (its org's
+    keys unreadable: a Redis Cluster shard down, say); its batch-mate can. The
+    scan used to keep the whole batch and apply the mate again at every scan: after
+    the ledger's duplicate window (600 s) it was recorded twice. Now the rest is
+    stored as a message of its own and the batch deleted."""
+    js = nc.jetstream()
+    acct = Accountant(rds, timeout_s=0.5)
+    books = books_of(js, acct, LedgerWriter(js, attempts=2, backoff_s=0.05))
+    stuck_scope = Scope("shard-down", "shard-down", "k2")
+    await acct.reserve(SCOPE, "split-good", 1000, 10)
+    await acct.reserve(stuck_scope, "split-stuck", 1000, 10)
+    head = RecordHead(
+        stuck_scope, "split-stuck", "chat", "interactive", "sim-8b", time.time(), "v1", "gw1"
+    )
+    stuck = Settlement(
+        record=head.settled(
+            policy="admitted", attempts=1, usage=Usage(3, 5), charge_micros=77,
+            reserved_micros=1000, outcome="stop", status=200, duration_ms=1.0,
+        ),
+        writer="gw1",
+        actual_micros=77,
+    )  # fmt: skip
+    good = settlement("split-good", 66)
+    # The stuck org's hold made unreadable (a string where the script wants a hash).
+    resv = acct.keys.resv(stuck_scope.org, "split-stuck")
+    dumped, ttl = await rds.dump(resv), await rds.pttl(resv)
+    assert dumped is not None
+    await rds.set(resv, "unreadable")
+    _, before = await stored(nc)
+    await asyncio.gather(books.settle(stuck), books.settle(good))  # one batch
+    await books.flush()
+    assert (await stored(nc))[1] == before + 1  # the inline apply left it whole
+
+    await books.scan()
+    assert await held(nc) == [[stuck]]  # the applied mate is not kept with it
+    assert (await recorded(nc))["split-good"] == 66
+
+    await rds.restore(resv, ttl, dumped, replace=True)  # the shard is back
+    await books.scan()
+    assert await held(nc) == []
+    recs = {r.request_id: r.charge_micros async for r in LedgerReader(js).query("shard-down")}
+    assert recs == {"split-stuck": 77}
+    assert (await recorded(nc))["split-good"] == 66  # once (recorded() checks)
+    await books.aclose()
+
+
+async def test_a_settlement_charged_but_not_recorded_keeps_its_charge(
+    nc: Client, rds: redis.Redis
+) -> None:
+    """Redis charged a settlement; the ledger did not take its record for longer
+    than Redis keeps the done marker (30 min). Applied again whole, it found no
+    hold and no marker and was recorded charged 0. What is left after the charge
+    is the record with its charge, and only that is applied again."""
+    js = nc.jetstream()
+    late = LedgerTopology(stream="JETSERVE_LEDGER_LATE", subject_prefix="jetserve.ledgerlate")
+    acct = Accountant(rds, timeout_s=0.5)
+    books = books_of(js, acct, LedgerWriter(js, late, attempts=2, backoff_s=0.05))
+    await acct.reserve(SCOPE, "charged-unrecorded", 1000, 10)
+    await books.settle(settlement("charged-unrecorded", 250))  # the ledger has no stream yet
+    await books.flush()
+    await books.scan()
+    assert len(await held(nc)) == 1  # waiting for the ledger
+    await rds.delete(acct.keys.done(SCOPE.org, "charged-unrecorded"))  # the marker expired
+
+    await ensure_ledger(js, late)  # the ledger is back
+    await books.scan()
+    assert await held(nc) == []
+    recs = [r async for r in LedgerReader(js, late).query(SCOPE.tenant)]
+    assert [(r.request_id, r.charge_micros) for r in recs] == [("charged-unrecorded", 250)]
+    await books.aclose()
