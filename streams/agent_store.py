@@ -10,6 +10,9 @@ KV keys (run ids are ``run_<hex>``; call ids are made safe with ``agent.token``)
     <run>.lease                 LeaseRecord     one owner at a time (create / CAS, expiry)
     <run>.cancel                CancelRequest   create-only: the first request stands
     <run>.approval.<step>.<call> ApprovalDecision create-only: the first decision stands
+    <key>.runs.<run>            (empty)         a root run its API key started, until it ends
+    <key>.cancel                CancelRequest   the key was revoked: every run it started
+                                                stops (a run checks its key as an ancestor)
 
 Every write of a record names the revision it read (``update``): an owner whose
 lease lapsed and was taken over cannot overwrite the new owner's progress, it
@@ -60,6 +63,8 @@ from streams.headers import Header
 from streams.subjects import AGENT_SETTLE, AGENT_STEP, run_cancel_subject, run_events_subject
 
 Clock = Callable[[], float]
+# A watch of a key's index answers each entry (or that there are none) within this.
+WATCH_STEP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,12 @@ def lease_key(run_id: str) -> str:
 
 def cancel_key(run_id: str) -> str:
     return f"{run_id}.cancel"
+
+
+def key_runs_key(key_id: str, run_id: str = "*") -> str:
+    """The index entry of a root run under the API key that started it (``*``:
+    all of them, a watch filter)."""
+    return f"{key_id}.runs.{run_id}"
 
 
 def approval_key(run_id: str, step: int, call_id: str) -> str:
@@ -154,6 +165,38 @@ class RunStore:
                 f"{self.topo.max_record_bytes} (conversation too long)"
             )
         return data
+
+    # -- runs by API key ------------------------------------------------------------
+
+    async def index_run(self, run: Run) -> None:
+        """Note a root run under its key: revoking the key finds it
+        (:meth:`runs_of_key`), parked on an approval or not."""
+        try:
+            await self.kv.put(key_runs_key(run.key_id, run.id), b"")
+        except (NatsError, TimeoutError) as exc:
+            raise _store_error(exc) from exc
+
+    async def unindex_run(self, run: Run) -> None:
+        """The run ended: its key's index no longer names it (redone on redelivery)."""
+        try:
+            await self.kv.delete(key_runs_key(run.key_id, run.id))
+        except (NatsError, TimeoutError) as exc:
+            raise _store_error(exc) from exc
+
+    async def runs_of_key(self, key_id: str) -> list[str]:
+        """The root runs ``key_id`` started that had not ended when asked (a
+        filtered watch of its index: the bucket's other keys are not read)."""
+        try:
+            watcher = await self.kv.watch(key_runs_key(key_id), meta_only=True, ignore_deletes=True)
+            try:
+                found = []
+                while (entry := await watcher.updates(timeout=WATCH_STEP_S)) is not None:
+                    found.append(entry.key.rsplit(".", 1)[-1])
+                return found
+            finally:
+                await watcher.stop()
+        except (NatsError, TimeoutError) as exc:
+            raise _store_error(exc) from exc
 
     # -- leases -------------------------------------------------------------------
 

@@ -177,8 +177,12 @@ async def rotate_key(request: Request) -> Response:
 
 
 async def revoke_key(request: Request) -> Response:
+    """Revoke the key, then stop the agent runs it started (a rotation keeps
+    them: the old key is retired, not compromised)."""
     record = await _tenancy(request).revoke_key(request.path_params["key_id"])
-    return web.json_response({"key": _key_view(record)})
+    runs = _runtime(request).runs
+    stopped = await runs.key_revoked(record.key_id) if runs is not None else 0
+    return web.json_response({"key": _key_view(record), "runs_cancelled": stopped})
 
 
 def _level_of(request: Request) -> tuple[Level, str]:

@@ -166,6 +166,8 @@ class RunsService:
             # leaves a nudge for a run that does not exist, which is dropped).
             # Then the "queued" event, so it is the run's first whatever an
             # executor publishes as soon as the record exists.
+            # Indexed under its key first: revoking the key finds it (key_revoked).
+            await self.store.index_run(run)
             again = await self.store.nudge(run.id, 0, "start")
             await self.store.publish_status(run)
             stored = await self.store.create(run)
@@ -325,6 +327,30 @@ class RunsService:
         except RunStoreError as exc:
             raise Unavailable("The run store is unavailable.") from exc
         return run
+
+    async def key_revoked(self, key_id: str) -> int:
+        """Stop every run ``key_id`` started (the admin API revoked it); how many
+        were still going. The key's recorded cancel stands above each run's tree
+        (workers/agent/step.py, ``halting_ids``), so a run created in the moment
+        before the revocation reached every replica stops at its first step; the
+        notice interrupts steps in flight, and each run found is nudged, so one
+        parked on an approval ends now, not at its deadline."""
+        try:
+            await self.store.request_cancel(key_id, "its API key was revoked")
+            going = []
+            for run_id in await self.store.runs_of_key(key_id):
+                stored = await self.store.get(run_id)
+                if stored is not None and not stored.run.terminal:
+                    going.append(stored.run)
+            await self.store.notify_cancel(key_id)
+            for run in going:
+                await self.store.nudge(run.id, run.step, "cancel", suffix="cancel")
+        except RunStoreError as exc:
+            raise Unavailable(
+                "The key is revoked, but its runs could not all be stopped: "
+                "the run store is unavailable. Revoke it again to retry."
+            ) from exc
+        return len(going)
 
     # -- events -----------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ class Guard:
                 self.effect = None
 
     def bind(self, run: Run) -> None:
-        self.scope = frozenset({run.id, *run.ancestors})
+        # A cancel notice names a run, an ancestor, or the revoked key that started them.
+        self.scope = frozenset({run.id, *run.ancestors, *([run.key_id] if run.key_id else [])})
 
     async def interruptible(self, work: Awaitable[T]) -> T:
         """``await work`` unless a cancel notice arrives first (StepInterrupted)."""

@@ -161,10 +161,11 @@ class Stepper:
         """Cancel and deadline, checked every step (and after an interruption)."""
         run = h.run
         # The root first: a cancel high in the tree names where it came from,
-        # whichever level noticed it first.
-        cancel = await self.store.cancel_request([*reversed(run.ancestors), run.id])
+        # whichever level noticed it first. Above the root, the API key that
+        # started the tree: revoking it cancels every run it started.
+        cancel = await self.store.cancel_request(halting_ids(run))
         if cancel is not None:
-            who = "" if cancel.run_id == run.id else f" (run {cancel.run_id})"
+            who = "" if cancel.run_id in (run.id, run.key_id) else f" (run {cancel.run_id})"
             await self.finish(h, "cancelled", cancel.reason + who)
             return True
         if time.time() >= run.deadline:
@@ -402,7 +403,15 @@ class Stepper:
         if run.parent:
             await self.store.nudge(run.parent, run.parent_step, "child", suffix=f"child-{run.id}")
         else:
+            if run.key_id:
+                await self.store.unindex_run(run)
             await self.store.request_settle(run.id)
+
+
+def halting_ids(run: Run) -> list[str]:
+    """Whose recorded cancel stops ``run``, highest first: the API key that
+    started its tree (revoked), its ancestors from the root, itself."""
+    return [*([run.key_id] if run.key_id else []), *reversed(run.ancestors), run.id]
 
 
 def park(h: RunHandle) -> Verdict:
