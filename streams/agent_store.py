@@ -190,11 +190,11 @@ class RunStore:
             watcher = await self.kv.watch(key_runs_key(key_id), meta_only=True, ignore_deletes=True)
             try:
                 found = []
-                while (entry := await watcher.updates(timeout=WATCH_STEP_S)) is not None:
+                while (entry := await watcher.updates(WATCH_STEP_S)) is not None:  # type: ignore[no-untyped-call]
                     found.append(entry.key.rsplit(".", 1)[-1])
                 return found
             finally:
-                await watcher.stop()
+                await watcher.stop()  # type: ignore[no-untyped-call]
         except (NatsError, TimeoutError) as exc:
             raise _store_error(exc) from exc
 
