@@ -47,7 +47,7 @@ class GatewayMetrics:
             "Requests the fair gate let go while engaged, per class and way: in_turn "
             "(at once, to the class subject), excess (waited, to the excess subject), "
             "waited (then to the class subject: its tenant alone in the class, "
-            "or its last waiting)",
+            "or its last waiting), left (its client hung up while it waited: never published)",
             ["cls", "way"],
             registry=r,
         )

@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.errors import GatewayError, RateLimited
+from gateway.errors import ClientLeft, GatewayError, RateLimited
 from gateway.inference.shedding import SAFETY, ClassLoad, QueueWatch
 from streams.tasks import stop_task
 
@@ -179,7 +179,12 @@ class _ClassGate:
 
     # -- entering -------------------------------------------------------------
     async def enter(
-        self, tenant: str, deadline: float, weight: float = 1.0, service_s: float = 0.0
+        self,
+        tenant: str,
+        deadline: float,
+        weight: float = 1.0,
+        service_s: float = 0.0,
+        gone: asyncio.Event | None = None,
     ) -> bool:
         """Whether the request goes to the class's excess subject."""
         step = 1.0 / weight
@@ -217,11 +222,14 @@ class _ClassGate:
         self._ensure_releasing()
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
-                backlogged = await asyncio.shield(waiter.turn)
+                backlogged = await _turn_or_gone(waiter.turn, gone)
         except TimeoutError:
             raise DeadlinePassed(
                 "The request's deadline passed while it waited for its tenant's turn."
             ) from None
+        except ClientLeft:
+            self._passed(self.cls, "left")
+            raise
         finally:
             if not waiter.turn.done():  # timed out or cancelled: out of the queue
                 waiter.turn.cancel()
@@ -286,6 +294,21 @@ class _ClassGate:
             await stop_task(self._task)
 
 
+async def _turn_or_gone(turn: asyncio.Future[bool], gone: asyncio.Event | None) -> bool:
+    """The turn's answer; ClientLeft if the client hung up first (its request
+    leaves the queue unpublished: published, it was only cancelled at once by id)."""
+    if gone is None:
+        return await asyncio.shield(turn)
+    left = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({turn, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if turn.done():
+        return turn.result()  # its turn came: the publish watches ``gone`` from here
+    raise ClientLeft("The client left while its request waited for its tenant's turn.")
+
+
 class FairGate:
     """One :class:`_ClassGate` per class, made on first use."""
 
@@ -317,12 +340,14 @@ class FairGate:
         deadline: float,
         weight: float = 1.0,
         service_s: float = 0.0,
+        gone: asyncio.Event | None = None,
     ) -> bool:
         """Return when this request may be published (at once, mostly): whether
         to the class's excess subject. Raise a 429 or 504 refusal when its turn
-        would come, or came, too late. ``weight``: the tenant's share weight;
+        would come, or came, too late, and 499 when ``gone`` is set (the client
+        hung up) while it waits. ``weight``: the tenant's share weight;
         ``service_s``: the answer's expected time once started."""
-        return await self.of(cls).enter(tenant, deadline, weight, service_s)
+        return await self.of(cls).enter(tenant, deadline, weight, service_s, gone)
 
     async def stop(self) -> None:
         for gate in self._gates.values():

@@ -363,8 +363,9 @@ class InferenceService:
                 # The tenant's turn (at once unless the class has a queue); counted
                 # as published to the queue watch when it comes.
                 excess = await self.fair_gate.enter(
-                    req.cls, req.tenant, req.deadline, reservation.weight, self._service_s(req)
-                )
+                    req.cls, req.tenant, req.deadline, reservation.weight, self._service_s(req),
+                    gone,
+                )  # fmt: skip
             elif self.queue_watch is not None and self.cfg.shed:
                 # Counted as queued until the next look at the queue (a coalesced
                 # follower too: a slight overestimate, on the safe side).

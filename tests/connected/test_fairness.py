@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import msgspec
 import pytest
 
 from jetserve.fleet import Fleet
@@ -86,3 +87,62 @@ async def test_a_second_tenant_is_served_ahead_of_a_flood(
     }
     assert passes.get("excess", 0) >= FLOOD_CLIENTS, passes  # the flood went apart
     assert passes.get("in_turn", 0) >= 1, passes  # the other tenant's, at once
+
+
+async def test_a_client_that_leaves_while_held_for_its_turn_is_never_published(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Patient clients keep the class backed up, so the gate holds the tenant's
+    requests; impatient ones give up after 0.3 s, while held. Their requests leave
+    the gate unpublished, recorded as refused 499 (they used to wait on for their
+    turn, be published, then be cancelled at once by id)."""
+    fleet = make_fleet(
+        workers=1, sim_args=["--max-num-seqs", "1"], worker_args=["--max-inflight", "1"]
+    )
+    url = f"{fleet.base_url}/v1/chat/completions"
+    headers = {
+        "Authorization": f"Bearer {fleet.api_key}",
+        "X-Sim-Fault": "slow:12",
+        "X-Jetserve-Timeout": "60",
+    }
+    metrics_url = f"http://127.0.0.1:{fleet.gateway_metrics_ports[0]}/metrics"
+    stop = asyncio.Event()
+
+    async def patient(c: httpx.AsyncClient, n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            r = await c.post(url, json=body(f"patient {n}.{i}"), headers=headers)
+            assert r.status_code == 200, r.text
+            i += 1
+
+    async def impatient(n: int) -> None:
+        async with httpx.AsyncClient(timeout=0.3) as c:
+            i = 0
+            while not stop.is_set():
+                try:
+                    await c.post(url, json=body(f"impatient {n}.{i}"), headers=headers)
+                except httpx.TimeoutException:
+                    pass  # gone: what it leaves behind is the point
+                i += 1
+
+    def left(metrics: str) -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("jetserve_gateway_fair_passes_total{") and 'way="left"' in line
+        )
+
+    async with httpx.AsyncClient(timeout=90) as c:
+        clients = [asyncio.create_task(patient(c, n)) for n in range(FLOOD_CLIENTS)]
+        clients += [asyncio.create_task(impatient(n)) for n in range(4)]
+        end = time.monotonic() + 120
+        while left((await c.get(metrics_url)).text) < 3:
+            assert time.monotonic() < end, "no client left while held by the gate"
+            await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*clients)
+    with fleet.admin() as admin:
+        rows = [msgspec.json.decode(x) for x in admin.ledger(fleet.spec.tenant).splitlines() if x]
+    held_and_left = [r for r in rows if r["policy"] == "rejected:client_disconnected"]
+    assert len(held_and_left) >= 3, [r["policy"] for r in rows][-20:]
+    assert {r["status"] for r in held_and_left} == {499}

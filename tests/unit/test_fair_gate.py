@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from gateway.errors import RateLimited
+from gateway.errors import ClientLeft, RateLimited
 from gateway.inference.fair_gate import IN_TURN_BURST, MIN_BACKLOG, DeadlinePassed, FairGate
 from gateway.inference.shedding import QueueWatch
 from streams.definitions import DEFAULT_TOPOLOGY
@@ -166,6 +166,29 @@ async def test_a_refused_request_leaves_no_queue_of_its_tenant_behind() -> None:
     # turn. The twenty refused tenants, waiting for nothing, used to be counted as
     # twenty queues ahead ((11 + 21) / 4 s): it was refused too.
     await waits_its_turn(gate, "a", 8)
+
+
+async def test_a_request_whose_client_left_leaves_the_queue_unpublished() -> None:
+    """It used to wait on for its turn, then be published, then cancelled at once
+    by id: a publish and a removal for nothing, at the moment the class is busiest."""
+    left: list[tuple[str, str]] = []
+    watch = QueueWatch(cast(Any, None), DEFAULT_TOPOLOGY)
+    gate = FairGate(watch, passed=lambda cls, way: left.append((cls, way)), burst=1.0)
+    load = watch.loads[CLS]
+    load.depth, load.rate, load.at = 100, 10.0, time.monotonic()  # a queue: a's next waits
+    assert await gate.enter(CLS, "a", time.time() + 30) is False  # in turn
+    gone = asyncio.Event()
+    waiting = asyncio.create_task(gate.enter(CLS, "a", time.time() + 30, gone=gone))
+    await asyncio.sleep(0)
+    assert gate.of(CLS).waiting == 1
+    published = load.since
+    gone.set()
+    with pytest.raises(ClientLeft):
+        await asyncio.wait_for(waiting, 5)
+    assert gate.of(CLS).waiting == 0
+    assert (CLS, "left") in left
+    assert load.since == published  # not counted in the class's backlog
+    await gate.stop()
 
 
 async def test_the_answer_time_counts_toward_the_deadline_as_the_shedder_counts_it() -> None:
