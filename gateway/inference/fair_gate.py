@@ -50,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.errors import ClientLeft, GatewayError, RateLimited
 from gateway.inference.shedding import SAFETY, ClassLoad, QueueWatch
@@ -300,8 +301,9 @@ async def _turn_or_gone(turn: asyncio.Future[bool], gone: asyncio.Event | None) 
     if gone is None:
         return await asyncio.shield(turn)
     left = asyncio.ensure_future(gone.wait())
+    either: set[asyncio.Future[Any]] = {turn, left}
     try:
-        await asyncio.wait({turn, left}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     finally:
         left.cancel()
     if turn.done():
