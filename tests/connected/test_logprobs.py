@@ -5,6 +5,7 @@ deterministic, so the engine's own answer to the same request is the reference."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -96,3 +97,34 @@ async def test_top_logprobs_without_logprobs_is_refused_before_any_work(fleet: F
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "top_logprobs"
     assert too_many.status_code == 400
+
+
+async def test_an_answer_chunk_over_the_bus_limit_ends_in_one_error_not_at_the_deadline(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """TGI with tools answers in one piece: the whole reply and its logprobs in one
+    frame, here over NATS's 1 MB. The publish failed, the worker took it for the
+    bus and left the request unacked: redelivered, run again on the engine every
+    ack wait, and the client got 504 at its deadline. Now: one 400 at once."""
+    fleet = make_fleet(workers=1, worker_args=["--engine-dialect", "tgi"])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {
+        "model": "sim-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [tool],
+        "tool_choice": "auto",
+        "logprobs": True,
+        "top_logprobs": 5,
+        "max_tokens": 6000,
+    }
+    headers = {
+        "Authorization": f"Bearer {fleet.api_key}",
+        "X-Sim-Script": msgspec.json.encode({"content": "ab " * 4000}).decode(),
+        "X-Jetserve-Timeout": "300",
+    }
+    async with httpx.AsyncClient(timeout=300) as c:
+        r = await c.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=headers)
+        stats = (await c.get(f"{fleet.sim_url}/sim/stats")).json()
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "response_too_large"
+    assert stats["requests"] == 1  # run once, not once per redelivery

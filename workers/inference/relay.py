@@ -30,6 +30,11 @@ from workers.errors import ResponseTooLarge
 
 CAPTURE_EVERY_S = 0.25  # the longest a token waits for the capture
 CAPTURE_MAX_BYTES = 256 << 10  # a batch is flushed before it grows past this (logprobs)
+# Room for a capture batch's envelope around one frame: a frame this far under the
+# bus's limit is always captured too.
+FRAME_MARGIN = 1 << 10
+# An error frame's message at most (an engine's error body may be anything).
+MAX_ERROR_CHARS = 4096
 
 
 class FrameSender:
@@ -70,11 +75,22 @@ class FrameSender:
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
     ) -> None:
-        self.seq += 1
-        frame = Token(self.seq, text, tool_calls, finish_reason, self._attempt, logprobs, index)
+        frame = Token(self.seq + 1, text, tool_calls, finish_reason, self._attempt, logprobs, index)
         data = encode(frame)
+        if len(data) > self._nc.max_payload - FRAME_MARGIN:
+            # Before it is sent: the caller fails the request in one error frame.
+            # Published, the bus refused it, and the request was redelivered (and
+            # run again on the engine) until its deadline, with no answer.
+            raise ResponseTooLarge(
+                f"One chunk of the answer is {len(data)} bytes (its text, tool calls "
+                f"and logprobs), over the message bus's limit of {self._nc.max_payload}: "
+                "ask for fewer logprobs or a shorter echo."
+            )
+        self.seq += 1
         now = self._last_sent = time.monotonic()
         await self._nc.publish(self._live, data)
+        if self._batch and self._batch_bytes + len(data) > CAPTURE_MAX_BYTES:
+            await self._flush()  # a batch stays under the bus's limit whatever its frames
         if not self._batch:
             self._batch_at = now
         self._batch.append(frame)
@@ -112,6 +128,8 @@ class FrameSender:
     async def error(self, code: str, message: str, *, status: int, retryable: bool) -> None:
         self.closed = True
         self.outcome = code
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + " [truncated]"
         await self._terminal(
             encode(ErrorFrame(self.seq + 1, code, message, retryable, status, self._attempt))
         )

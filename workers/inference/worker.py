@@ -54,6 +54,7 @@ from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import (
     DeadlineExceeded,
     EngineStreamBroken,
+    ResponseTooLarge,
     WorkerError,
     WorkerStopping,
 )
@@ -705,6 +706,11 @@ class Worker:
             )
         except WorkerError as exc:
             await self._fail(msg, sender, exc, req)
+        except nats.errors.MaxPayloadError:
+            # A frame the relay let through over the bus's limit: no retry helps
+            # (redelivered, it would run again on the engine, every ack wait).
+            too_big = ResponseTooLarge("A frame of the answer is over the message bus's limit.")
+            await self._fail(msg, sender, too_big, req)
         except nats.errors.Error:
             # The bus, not a bug (a reconnect's full buffer, a closed connection):
             # as before, unacked, the request comes back for another attempt.
