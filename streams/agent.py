@@ -20,6 +20,7 @@ Schema evolution: a new field must have a default, so older peers keep decoding.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import uuid
 from typing import Any, Literal
@@ -300,9 +301,15 @@ def is_run_id(value: str) -> bool:
     return value.startswith("run_") and is_safe_id(value)
 
 
+_DIGEST = re.compile(r"h[0-9a-f]{32}")  # what token() makes of an unsafe value
+
+
 def token(value: str) -> str:
-    """``value`` as one KV key / subject token: itself when safe, else a digest."""
-    if is_safe_id(value):
+    """``value`` as one KV key / subject token: itself when safe, else a digest.
+    One to one: a safe value shaped like a digest is digested too, so no value
+    (a client's tool-call id ``h<32 hex>``) can stand for another's key (an
+    approval of ``x.y`` would have approved a hidden call ``h`` + sha256(``x.y``))."""
+    if is_safe_id(value) and not _DIGEST.fullmatch(value):
         return value
     return "h" + hashlib.sha256(value.encode()).hexdigest()[:32]
 

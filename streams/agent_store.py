@@ -300,7 +300,10 @@ class RunStore:
             return None
         except NatsError as exc:
             raise RunStoreError(f"run store read failed: {exc}") from exc
-        return decode_approval(entry.value) if entry.value else None
+        decision = decode_approval(entry.value) if entry.value else None
+        if decision is not None and decision.call_id != call_id:
+            return None  # another call's (keys are tokens of ids): never this one's
+        return decision
 
     # -- publishing ---------------------------------------------------------------
 

@@ -6,6 +6,7 @@ the run and the ledger record who approved."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -19,6 +20,7 @@ import pytest
 from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role
 from streams.subjects import INGRESS_RUNS
+from tests.connected.test_agent_runs import TERMINAL, bank_effects
 from tests.refusals import checked_fleet
 
 pytestmark = pytest.mark.connected
@@ -220,3 +222,43 @@ def test_self_approval_only_where_the_gateway_allows_it(fleet: Fleet, keys: Keys
         permissive.stop()
     done = wait_for(fleet, keys.creator, run["id"], {"completed"})
     assert [a["key_id"] for a in done["approvals"]] == [keys.creator.key_id]
+
+
+def test_approving_one_call_approves_no_other_whose_id_is_its_key(fleet: Fleet, keys: Keys) -> None:
+    """Decisions are stored under a token of the call id: ``x.y`` (not a subject
+    token) became ``h`` + its digest, which is itself a valid id. A run's turn with
+    both ids ran both payouts on one approval of ``x.y``: the approver saw 1 to
+    carol and also paid 999999 to mallory."""
+    shown = "x.y"
+    hidden = "h" + hashlib.sha256(shown.encode()).hexdigest()[:32]
+
+    def payout(call_id: str, to: str, amount: int) -> dict[str, Any]:
+        args = json.dumps({"to": to, "amount": amount})
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": "payout", "arguments": args},
+        }
+
+    body = {
+        "model": "sim-8b",
+        "tools": ["payout"],
+        "messages": [
+            {"role": "user", "content": "pay carol 1"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [payout(shown, "carol", 1), payout(hidden, "mallory", 999999)]},
+        ],
+    }  # fmt: skip
+    r = httpx.post(f"{fleet.base_url}/v1/runs", json=body, headers=keys.creator.headers, timeout=30)
+    assert r.status_code == 201, r.text
+    run = wait_for(fleet, keys.creator, r.json()["id"], {"awaiting_approval"})
+    assert run["pending_approval"]["call_id"] == shown
+    assert decide(fleet, keys.approver, run).status_code == 202
+    # The hidden call now asks for its own approval (denied here), never rides on x.y's.
+    run = wait_for(fleet, keys.creator, run["id"], {"awaiting_approval", *TERMINAL})
+    assert run["status"] == "awaiting_approval", run
+    assert run["pending_approval"]["call_id"] == hidden
+    assert decide(fleet, keys.approver, run, approve=False).status_code == 202
+    run = wait_for(fleet, keys.creator, run["id"], TERMINAL)
+    paid = [e["to"] for e in bank_effects(fleet, run["id"])]
+    assert paid == ["carol"], paid

@@ -85,6 +85,8 @@ def test_ids_are_safe_tokens_and_deterministic_where_they_must_be() -> None:
     assert token("call_1") == "call_1"
     assert token("call 1.*>") != "call 1.*>"
     assert token("call 1.*>").isalnum()
+    # One to one: a safe id shaped like another id's digest is digested too.
+    assert token(token("x.y")) != token("x.y")
     assert approval_key("run_a", 2, "call_1") == "run_a.approval.2.call_1"
     assert step_msg_id("run_a", 2) == "run_a:2"
     assert step_msg_id("run_a", 2, "x") == "run_a:2:x"
