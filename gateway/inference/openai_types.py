@@ -107,12 +107,19 @@ Parsed = ChatRequest | CompletionRequest | EmbeddingRequest
 ParsedType = type[ChatRequest] | type[CompletionRequest] | type[EmbeddingRequest]
 
 
+# Sequences one request may ask for: n (or best_of) x the prompts of a batch.
+MAX_SEQUENCES = 2048  # OpenAI's own bound on a batch's inputs
+TOO_DEEP = "Request body is nested too deeply."
+
+
 def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
     """Decode and validate; returns the typed view and the raw dict to forward."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object.")
     try:
@@ -128,6 +135,14 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
     best_of = typed.best_of if isinstance(typed, CompletionRequest) else None
     if best_of is not None and best_of < getattr(typed, "n", 1):
         raise BadRequest("'best_of' must be at least 'n'.", param="best_of")
+    if sequences_of(typed) > MAX_SEQUENCES:
+        # Before any hold: each choice is state in the gateway (and a sequence in
+        # the engine); n x a batch of 100,000 prompts was 1.6 M of them, built at once.
+        raise BadRequest(
+            f"A request may ask for at most {MAX_SEQUENCES} sequences: 'n' (or "
+            "'best_of') times the prompts of a batch.",
+            param="n",
+        )
     return typed, body
 
 

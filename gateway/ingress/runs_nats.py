@@ -107,6 +107,8 @@ class RunsNatsIngress:
             ref = msgspec.json.decode(data, type=_Ref)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise BadRequest(f"Invalid body: {exc}") from None
+        except RecursionError:
+            raise BadRequest("Invalid body: nested too deeply.") from None
         if op == "get":
             return 200, view(await self._runs.get(auth, ref.run_id))
         run = await self._runs.cancel(auth, ref.run_id)

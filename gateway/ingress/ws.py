@@ -184,6 +184,9 @@ class _Connection:
                 except msgspec.DecodeError as exc:
                     await self.error("", BadRequest(f"Bad message: {exc}"))
                     continue
+                except RecursionError:  # the socket and its requests go on
+                    await self.error("", BadRequest("Bad message: nested too deeply."))
+                    continue
                 if isinstance(msg, WsCancel):
                     await self.cancel(msg.id)
                     continue

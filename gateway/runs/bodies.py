@@ -46,6 +46,8 @@ def decode_body(raw: bytes, kind: type[T]) -> T:
         raise BadRequest(f"Invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Invalid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("Invalid JSON: nested too deeply.") from None
 
 
 def check_messages(messages: list[dict[str, Any]]) -> None:

@@ -1,0 +1,60 @@
+"""Bodies that cost the gateway more than their bytes show are refused before any
+work, in OpenAI's error shape: a batch of prompts times ``n`` (each choice is state
+in the gateway: 1.6 M of them were built at once, 800 MB, the event loop stalled
+for seconds), and JSON nested deeper than the decoder recurses (a 500 in plain
+text over HTTP; over a WebSocket, the socket and its requests were dropped)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+import pytest
+import websockets
+
+from jetserve.fleet import Fleet
+
+pytestmark = pytest.mark.connected
+
+DEEP = b"[" * 5000 + b"]" * 5000
+
+
+def refused_400(r: httpx.Response) -> dict[str, object]:
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error: dict[str, object] = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+async def test_a_batch_times_n_past_the_bound_is_refused_before_any_hold(fleet: Fleet) -> None:
+    body = {"model": "sim-8b", "prompt": ["a"] * 20_000, "n": 16, "max_tokens": 1}
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(f"{fleet.base_url}/v1/completions", json=body, headers=auth)
+        assert refused_400(r)["param"] == "n"
+        small = {**body, "prompt": "a", "n": 4}
+        r = await c.post(f"{fleet.base_url}/v1/completions", json=small, headers=auth)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 4
+
+
+async def test_json_nested_too_deeply_is_a_400_over_http_and_the_websocket(fleet: Fleet) -> None:
+    auth = {"Authorization": f"Bearer {fleet.api_key}", "Content-Type": "application/json"}
+    deep = b'{"model":"sim-8b","messages":[{"role":"user","content":' + DEEP + b"}]}"
+    async with httpx.AsyncClient(timeout=30) as c:
+        for path in ("/v1/chat/completions", "/v1/runs"):
+            r = await c.post(f"{fleet.base_url}{path}", content=deep, headers=auth)
+            assert "nested too deeply" in str(refused_400(r)["message"]), path
+    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws"
+    async with websockets.connect(url, additional_headers=auth) as ws:
+        await ws.send('{"type":"request","id":"a","body":{"x":' + DEEP.decode() + "}}")
+        error = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
+        assert error["type"] == "error", error
+        assert error["error"]["type"] == "invalid_request_error"
+        # The socket goes on: a request after it is answered.
+        body = {"model": "sim-8b", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+        await ws.send(msgspec.json.encode({"type": "request", "id": "b", "body": body}).decode())
+        answer = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
+        assert (answer["id"], answer["type"]) == ("b", "response"), answer
