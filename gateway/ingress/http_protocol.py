@@ -131,8 +131,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         if real.get_protocol() is not self:
             return  # upgraded: the WebSocket's own idle bound applies
-        if self.cycle is not None and self.cycle.response_started:
-            real.close()  # an answer is under way: nothing else can be said
+        if self.pipeline or (self.cycle is not None and self.cycle.response_started):
+            # An answer is under way (this request's, or an earlier one's while
+            # this one waits its turn): nothing else can be said in order.
+            self._close_unanswered()
             return
         if self.cycle is not None and not self.cycle.response_complete:
             # The app waits for the body: it hears a disconnect, and what it
@@ -212,10 +214,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_timer = self.loop.call_later(self.linger_s, real.close)
 
     def _refuse_head(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request's head, over the bound while the answer to the
+            # one before it is still to be written: a refusal now would land inside
+            # that answer (a streamed one's body, which then failed with no outcome).
+            # Nothing can be said in order: close; the earlier request hears the
+            # disconnect and ends as a client that left.
+            self._close_unanswered()
+            return
         err = HeadersTooLarge(
             f"Request head over the gateway's limit of {self.max_head_bytes} bytes."
         )
         self._refuse(b"431 Request Header Fields Too Large", err)
+
+    def _close_unanswered(self) -> None:
+        assert self._real is not None
+        self._disarm_read_timer()
+        self.lingering = True  # what still arrives is dropped unread
+        self._real.close()
 
     def _refuse(self, status: bytes, err: GatewayError) -> None:
         """Answer ``err`` on the connection itself (no request cycle to answer

@@ -107,8 +107,11 @@ class EventStreamResponse(Response):
                     # the connection, which is the only signal left to give.
                     raise ClientTooSlow("The client read the stream too slowly; it was ended.")
         if not pump.cancelled() and (exc := pump.exception()) is not None:
-            if isinstance(exc, OSError):  # the write failed: the client is gone
-                await self._on_disconnect("client_disconnected")
+            # The write failed (OSError: the client is gone; RuntimeError: the
+            # connection was closed under the response) or anything else did: the
+            # request still ends in one recorded outcome, then a non-OSError is raised.
+            await self._on_disconnect("client_disconnected")
+            if isinstance(exc, OSError):
                 return
             raise exc
 

@@ -106,11 +106,16 @@ class _Connection:
         self.admitted[msg.id] = adm
         try:
             await self._relay(msg, adm)
-        except (WebSocketDisconnect, OSError):
-            # The socket failed under a send: the client is gone, and the request
-            # still ends in one recorded outcome (nothing, once it has), cancelled
-            # as by the socket's close.
+        except Exception as exc:
+            # The socket failed under a send: the client is gone (starlette raises
+            # WebSocketDisconnect or OSError for the first failed send, RuntimeError
+            # for every send after it, uvicorn RuntimeError for a send after its
+            # close), and the request still ends in one recorded outcome (nothing,
+            # once it has), cancelled as by the socket's close. Anything else too,
+            # then raised: a bug must not leave a request without its outcome.
             await self.gw.abandon(adm, "client_cancelled")
+            if not isinstance(exc, WebSocketDisconnect | OSError | RuntimeError):
+                raise
         finally:
             self.admitted.pop(msg.id, None)
 

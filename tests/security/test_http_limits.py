@@ -5,15 +5,18 @@ and a 10 MiB header are thrown at it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import msgspec
 import pytest
 
 from jetserve.fleet import Fleet, FleetSpec
+from tests.connected.test_bridges import _books
 from tests.refusals import checked_fleet
 from tests.security.memory import MIB, Growth
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -167,3 +170,47 @@ async def test_a_10mib_header_leaves_memory_flat(warm: Fleet, client: httpx.Asyn
     print(f"10 MiB header: gateway memory grew {grown / MIB:.2f} MiB")
     assert r.status_code == 431
     assert grown < RSS_BOUND
+
+
+async def test_a_pipelined_head_over_the_bound_does_not_break_the_stream_before_it(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """While a streamed answer is being written, the client pipelines a request
+    whose head is over the bound. The 431 was written into the middle of the
+    stream's body; the stream's next write then failed with a RuntimeError that
+    ended it with no outcome (no ledger record, its hold left to the orphan
+    sweep). Now the connection is closed (nothing can be said in order) and the
+    streamed request ends as a client that left: one record (cancelled), no hold."""
+    fleet = make_fleet(workers=1)
+    body = msgspec.json.encode({
+        "model": "sim-8b", "stream": True, "max_tokens": 3000, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "pipelined"}],
+    })  # fmt: skip
+    reader, writer = await asyncio.open_connection("127.0.0.1", fleet.gateway_port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + fleet.api_key.encode()
+            + b"\r\nX-Sim-Fault: slow:10\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        got = b""
+        while b"data: " not in got:
+            got += await asyncio.wait_for(reader.read(65536), 30)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70_000)
+        rest = b""
+        while piece := await asyncio.wait_for(reader.read(65536), 60):  # closed: b""
+            rest += piece
+        assert b"431" not in rest  # never inside the stream
+    finally:
+        writer.close()
+
+    async def recorded() -> bool:
+        rows, reserved = await asyncio.to_thread(_books, fleet)
+        return len(rows) == 1 and reserved == 0
+
+    await until(recorded, "the streamed request's one record and its hold given back")
+    rows, _ = await asyncio.to_thread(_books, fleet)
+    assert rows[0]["outcome"] == "cancelled", rows  # the hang-up, as the ledger records it
