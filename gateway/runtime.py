@@ -152,7 +152,7 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         # The lane counts are the stream's: every gateway and worker uses them.
         cfg = dataclasses.replace(cfg, topology=await ensure_topology(js, cfg.topology))
         ledger_topo = dataclasses.replace(DEFAULT_LEDGER, replicas=cfg.topology.replicas)
-        await ensure_ledger(js, ledger_topo)
+        await ensure_ledger(js, ledger_topo, update=False)  # changed only by an operator
         outbox_topo = dataclasses.replace(DEFAULT_OUTBOX, replicas=cfg.topology.replicas)
         await ensure_outbox(js, outbox_topo)
         # The hedge budget is the fleet's (Redis), not this replica's.

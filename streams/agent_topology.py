@@ -133,8 +133,9 @@ async def ensure_agent(
     Each consumer is provisioned by the processes that read it (``executor``: the
     step consumer, else the settle consumer), so an executor started with its own
     ``ack_wait_s`` is never reset by a gateway starting later, and vice versa."""
-    await ensure_stream(js, topo.stream_config())
-    await ensure_stream(js, topo.events_config())
+    # An executor's credential may create the streams, not change them (streams/auth.py).
+    await ensure_stream(js, topo.stream_config(), update=not executor)
+    await ensure_stream(js, topo.events_config(), update=not executor)
     consumer = topo.step_consumer_config() if executor else topo.settle_consumer_config()
     await patiently(f"consumer {consumer.durable_name}", js.add_consumer, topo.stream, consumer)
     return await ensure_bucket(js, topo.kv_config())

@@ -95,6 +95,11 @@ class Permissions:
 
 
 _READ_STREAM = ("INFO", "MSG.GET")
+# Create it if nobody has yet, never change it: with UPDATE a worker's or an
+# executor's credential could add any subject to a stream it may read (its
+# bucket's), and so record every tenant's API traffic (keys, prompts, answers).
+# A create of a stream that exists with another config is refused by the server.
+_MAKE_STREAM = ("INFO", "MSG.GET", "CREATE")
 _OWN_STREAM = ("INFO", "MSG.GET", "CREATE", "UPDATE")
 
 
@@ -127,11 +132,13 @@ def _consumers(stream: str, *, manage: bool, names: tuple[str, ...] = (">",)) ->
     return out
 
 
-def _kv(bucket: str, *, own: bool) -> list[str]:
-    """Read, watch and put one KV bucket (``own``: create or update it too)."""
+def _kv(bucket: str, *, own: bool, make: bool = False) -> list[str]:
+    """Read, watch and put one KV bucket (``own``: create or update it too;
+    ``make``: create it if absent, never update it)."""
     stream = f"KV_{bucket}"
+    ops = _OWN_STREAM if own else _MAKE_STREAM if make else _READ_STREAM
     return [
-        *_stream(stream, _OWN_STREAM if own else _READ_STREAM),
+        *_stream(stream, ops),
         *_consumers(stream, manage=True),
         f"$KV.{bucket}.>",
     ]
@@ -141,7 +148,7 @@ def _marks(bucket: str, *, write: bool = False, watch: bool = False) -> list[str
     """A mark bucket (streams/marks.py): bind or create it and read by key;
     ``write``: put too; ``watch``: read them all (an ordered consumer)."""
     stream = f"KV_{bucket}"
-    subjects = _stream(stream, _OWN_STREAM)
+    subjects = _stream(stream, _MAKE_STREAM)
     if watch:
         subjects += _consumers(stream, manage=True)
     return [*subjects, f"$KV.{bucket}.>"] if write else subjects
@@ -190,7 +197,7 @@ def permissions(
                 *(x for q in _request_streams(topo) for x in _stream(q, _READ_STREAM)),
                 *(s for name in frames for s in _stream(name, ("INFO",))),
                 *(x for q in _request_streams(topo) for x in _consumers(q, manage=False)),
-                *_kv(MEMBERS_BUCKET, own=True),
+                *_kv(MEMBERS_BUCKET, own=False, make=True),
                 *_marks(CANCELS_BUCKET, watch=True),  # cancels sent before it listened
                 *_marks(FAILURES_BUCKET, write=True),  # attempts that really failed
                 reply,  # frames, to whichever gateway or executor asked
@@ -214,11 +221,11 @@ def permissions(
                 *(s for name in frames for s in _stream(name, _READ_STREAM)),
                 # Resume a model call.
                 *(s for name in frames for s in _consumers(name, manage=True)),
-                *_stream(agent.stream, _OWN_STREAM),
-                *_stream(agent.events_stream, _OWN_STREAM),
+                *_stream(agent.stream, _MAKE_STREAM),
+                *_stream(agent.events_stream, _MAKE_STREAM),
                 *_consumers(agent.stream, manage=True),
-                *_kv(agent.bucket, own=True),
-                *_kv(EFFECTS_BUCKET, own=True),
+                *_kv(agent.bucket, own=False, make=True),
+                *_kv(EFFECTS_BUCKET, own=False, make=True),
                 *_marks(CANCELS_BUCKET, write=True),  # a cancelled model call's mark
                 "$JS.API.STREAM.NAMES",
                 request_subject(RequestClass.AGENT),  # its model calls
@@ -239,10 +246,13 @@ def permissions(
         )
     # The gateway: the control plane. It provisions the request-path streams,
     # publishes requests, reads replies and answers services on their inboxes.
-    owned = [*_request_streams(topo), *frames, topo.dlq_stream, ledger.stream, agent.stream]
+    owned = [*_request_streams(topo), *frames, topo.dlq_stream, agent.stream]
     owned += [agent.events_stream, outbox.stream]
     publish = [s for name in owned for s in _stream(name, _OWN_STREAM)]
-    publish += [s for name in owned for s in _consumers(name, manage=True)]
+    # The ledger, the audit trail: created, never changed (lower limits would purge
+    # it); an operator changes its config with the admin credential.
+    publish += _stream(ledger.stream, _MAKE_STREAM)
+    publish += [s for name in (*owned, ledger.stream) for s in _consumers(name, manage=True)]
     publish += [*_kv(ROUTES_BUCKET, own=True), *_kv(agent.bucket, own=True)]
     publish += _kv(LEASES_BUCKET, own=True)  # the rollout guard's election
     publish += _kv(EVIDENCE_BUCKET, own=True)  # evidence per route revision

@@ -52,8 +52,10 @@ async def patiently(
             log.warning("provisioning: no answer in time about %s; asking again", what)
 
 
-async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
-    """Create the stream, or update it in place; safe with concurrent callers."""
+async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: bool = True) -> None:
+    """Create the stream, or update it in place (``update`` False: leave one that
+    exists as it is: the caller's credential may create it, never change it,
+    streams/auth.py); safe with concurrent callers."""
     name = want.name
     assert name is not None
     what = f"stream {name}"
@@ -68,6 +70,8 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
                 await patiently(what, js.stream_info, name)
             except NotFoundError:
                 raise ProvisioningError(f"cannot create stream {name}: {exc}") from exc
+    if not update:
+        return
     try:
         await patiently(what, js.update_stream, want)
     except APIError as exc:  # a change the server refuses (storage type, deny_delete)

@@ -155,7 +155,10 @@ class LedgerTopology:
 DEFAULT_LEDGER = LedgerTopology()
 
 
-async def ensure_ledger(js: JetStreamContext, topo: LedgerTopology = DEFAULT_LEDGER) -> None:
-    """Create the ledger stream or bring it to ``topo``; safe to call from every
-    process at start-up, concurrently."""
-    await ensure_stream(js, topo.stream_config())
+async def ensure_ledger(
+    js: JetStreamContext, topo: LedgerTopology = DEFAULT_LEDGER, *, update: bool = True
+) -> None:
+    """Create the ledger stream or bring it to ``topo`` (``update`` False: create
+    it if absent, else leave it: a gateway's credential may not change the audit
+    trail, streams/auth.py); safe to call from every process at start-up."""
+    await ensure_stream(js, topo.stream_config(), update=update)

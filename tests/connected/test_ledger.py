@@ -96,10 +96,12 @@ async def consumers(js: JetStreamContext) -> int:
 async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -> None:
     url = f"nats://127.0.0.1:{nats_server.port}"
     conns = [await connect(url, f"p{i}", nats_server.bus_auth(Role.GATEWAY)) for i in range(4)]
+    admin = await connect(url, "admin", nats_server.bus_auth(Role.ADMIN))
     try:
-        await asyncio.gather(*(ensure_ledger(nc.jetstream()) for nc in conns))
+        # Gateways create it (concurrently), and never change it (streams/auth.py).
+        await asyncio.gather(*(ensure_ledger(nc.jetstream(), update=False) for nc in conns))
         js = conns[0].jetstream()
-        await ensure_ledger(js)
+        await ensure_ledger(js, update=False)
         cfg = (await js.stream_info(STREAM)).config
         assert cfg.subjects == ["jetserve.ledger.*"]
         assert cfg.retention == "limits"
@@ -107,12 +109,15 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
         assert cfg.max_age == 90 * 86_400
         assert cfg.duplicate_window == 600
         assert cfg.deny_delete
-        # A changed limit is applied in place, concurrently too.
         short = LedgerTopology(max_age_s=7 * 86_400)
-        await asyncio.gather(*(ensure_ledger(nc.jetstream(), short) for nc in conns))
+        await ensure_ledger(js, short, update=False)  # a gateway's: left as it is
+        assert (await js.stream_info(STREAM)).config.max_age == 90 * 86_400
+        # The operator's credential applies a changed limit in place, concurrently too.
+        admins = [admin.jetstream(), admin.jetstream()]
+        await asyncio.gather(*(ensure_ledger(a, short) for a in admins))
         assert (await js.stream_info(STREAM)).config.max_age == 7 * 86_400
     finally:
-        for nc in conns:
+        for nc in (*conns, admin):
             await nc.close()
 
 

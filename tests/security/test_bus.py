@@ -24,8 +24,11 @@ from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
 from jetserve.fleet import Fleet, FleetSpec
-from streams.auth import Role, inbox_prefix
+from streams.agent_topology import DEFAULT_AGENT
+from streams.auth import EFFECTS_BUCKET, MEMBERS_BUCKET, Role, inbox_prefix
 from streams.definitions import DEFAULT_TOPOLOGY
+from streams.marks import CANCELS_BUCKET, FAILURES_BUCKET
+from streams.request_ledger import DEFAULT_LEDGER
 from streams.routes import ROUTES_BUCKET
 from streams.subjects import INGRESS_CHAT, KV_INDEX_SUBJECT, RequestClass, request_subject
 from tests.waits import until_sync
@@ -101,6 +104,11 @@ async def _messages(fleet: Fleet, stream: str) -> int:
 
 
 # (role, publish or subscribe, subject): each must be refused by nats-server.
+WORKER_BUCKETS = (CANCELS_BUCKET, FAILURES_BUCKET, MEMBERS_BUCKET)
+AGENT_STREAMS = (
+    DEFAULT_AGENT.stream, DEFAULT_AGENT.events_stream, f"KV_{DEFAULT_AGENT.bucket}",
+    f"KV_{EFFECTS_BUCKET}", f"KV_{CANCELS_BUCKET}",
+)  # fmt: skip
 FORBIDDEN = [
     # A service: straight onto the work queue (skipping keys, budgets, limits),
     # into every tenant's replies, another tenant's inbox, the JetStream API.
@@ -149,6 +157,13 @@ FORBIDDEN = [
     # Even the gateway may not delete or purge a stream.
     (Role.GATEWAY, "publish", f"$JS.API.STREAM.DELETE.{TOPO.stream}"),
     (Role.GATEWAY, "publish", f"$JS.API.STREAM.PURGE.{TOPO.frames_stream}"),
+    # ... nor lower the ledger's limits (a purge by another name: max_msgs=1).
+    (Role.GATEWAY, "publish", f"$JS.API.STREAM.UPDATE.{DEFAULT_LEDGER.stream}"),
+    # A worker or an executor may create the streams of its buckets, never change
+    # them: with the API's subjects added to one it could read, its credential
+    # recorded every tenant's keys, prompts and answers.
+    *((Role.WORKER, "publish", f"$JS.API.STREAM.UPDATE.KV_{b}") for b in WORKER_BUCKETS),
+    *((Role.AGENT, "publish", f"$JS.API.STREAM.UPDATE.{s}") for s in AGENT_STREAMS),
 ]
 
 
