@@ -180,6 +180,9 @@ class Run(msgspec.Struct, frozen=True, kw_only=True, tag="run"):
     price: RunPrice = RunPrice()
     org: str = ""
     key_id: str = ""
+    # The creating key's party across rotations (its lineage's first key id):
+    # a rotated key of the creator may not approve the run either.
+    key_party: str = ""
     parent: str = ""  # "" for a root run
     root: str = ""  # the root of the tree ("" = this run)
     ancestors: tuple[str, ...] = ()  # parent first; a cancel of any of them cancels this run

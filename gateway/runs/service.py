@@ -152,6 +152,7 @@ class RunsService:
             tenant=key.tenant,
             org=scope.org,
             key_id=key.key_id,
+            key_party=key.party,
             model=body.model,
             deadline=deadline,
             budget=budget,
@@ -253,7 +254,8 @@ class RunsService:
                 code="approve_scope_required",
             )
         run = await self._run(key, run_id)
-        if run.key_id == key.key_id and not self.gw.cfg.allow_self_approval:
+        creator = run.key_party or run.key_id
+        if key.party == creator and not self.gw.cfg.allow_self_approval:
             raise PermissionDenied(
                 "The key that created this run may not decide its gated calls "
                 "(separation of duties): ask another key with the 'approve' scope.",

@@ -113,6 +113,14 @@ class KeyRecord(msgspec.Struct, frozen=True):
     revoked: bool = False
     scopes: Scopes = Scopes()
     prefix: str = ""  # the first characters of the key, to tell keys apart in listings
+    # The first key of its rotations ("": this one): rotated, a key is the same
+    # party (separation of duties compares lineages, gateway/runs/service.py).
+    lineage: str = ""
+
+    @property
+    def party(self) -> str:
+        """Who holds the key, across rotations: the lineage's first key id."""
+        return self.lineage or self.key_id
 
 
 _enc = msgspec.json.Encoder()
@@ -238,6 +246,7 @@ class Tenancy:
         name: str = "",
         scopes: Scopes | None = None,
         plaintext: str | None = None,
+        lineage: str = "",
     ) -> tuple[str, KeyRecord]:
         if plaintext is not None and len(plaintext) < MIN_KEY_CHARS:
             raise BadRequest(
@@ -255,6 +264,7 @@ class Tenancy:
             scopes=scopes,
             # Enough to tell keys apart in a listing, never enough to matter.
             prefix=key[:8],
+            lineage=lineage,
         )
         digest = hash_key(key, self._secret)
         # Three keys, three slots on a cluster: in this order, a failure half-way
@@ -316,7 +326,9 @@ class Tenancy:
         _, old = await self._record_by_id(key_id)
         if old.revoked:
             raise BadRequest(f"Key '{key_id}' is revoked.", code="conflict", status=409)
-        key, record = await self.create_key(old.tenant, name=old.name, scopes=old.scopes)
+        key, record = await self.create_key(
+            old.tenant, name=old.name, scopes=old.scopes, lineage=old.party
+        )
         await self.revoke_key(key_id)
         return key, record
 

@@ -262,3 +262,21 @@ def test_approving_one_call_approves_no_other_whose_id_is_its_key(fleet: Fleet, 
     run = wait_for(fleet, keys.creator, run["id"], TERMINAL)
     paid = [e["to"] for e in bank_effects(fleet, run["id"])]
     assert paid == ["carol"], paid
+
+
+def test_a_rotated_key_of_the_creator_may_not_approve_its_runs(fleet: Fleet, keys: Keys) -> None:
+    """Rotation makes a new key id for the same party: comparing key ids let the
+    creator rotate its key (it keeps the approve scope) and approve its own run."""
+    creator = new_key(fleet, "rotating-creator", ["inference", "approve"])
+    run = gated_run(fleet, creator)
+    with fleet.admin() as admin:
+        rotated = admin.rotate_key(creator.key_id)
+    successor = Key(rotated["api_key"], rotated["key"]["key_id"])
+    assert successor.key_id != creator.key_id
+    assert rotated["key"]["lineage"] == creator.key_id
+    refused(decide(fleet, successor, run), "self_approval_forbidden")
+    with fleet.admin() as admin:  # and its rotation in turn: the same party still
+        again = admin.rotate_key(successor.key_id)
+    refused(decide(fleet, Key(again["api_key"], again["key"]["key_id"]), run),
+            "self_approval_forbidden")  # fmt: skip
+    assert decide(fleet, keys.approver, run).status_code == 202  # another party may

@@ -152,6 +152,7 @@ class Spawner:
                 tenant=parent.tenant,
                 org=parent.org,
                 key_id=parent.key_id,
+                key_party=parent.key_party,
                 model=parent.model,
                 deadline=p.deadline,
                 budget=p.budget,
