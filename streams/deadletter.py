@@ -25,10 +25,14 @@ async def dead_letter(
     headers = {Header.DLQ_REASON.value: reason[:MAX_REASON], Header.DLQ_SOURCE.value: source}
     if seq is not None:
         headers[Header.DLQ_SEQ.value] = str(seq)
+    # The reason stays with the message, not in the log: it may quote an engine's
+    # error, and an engine may echo the prompt in it (no prompt text in logs).
     try:
         await js.publish(dlq_subject(source), data, headers=headers, timeout=5.0)
     except (APIError, nats.errors.Error, TimeoutError) as exc:
-        log.error("dead-lettering a message from %s failed (%s): %s", source, reason, exc)
+        log.error("dead-lettering a message from %s (seq %s) failed: %r", source, seq, exc)
         return False
-    log.warning("dead-lettered a message from %s: %s", source, reason)
+    log.warning(
+        "dead-lettered a message from %s (seq %s); its reason is in its headers", source, seq
+    )
     return True

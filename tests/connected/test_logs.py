@@ -98,6 +98,9 @@ async def test_refusals_errors_cancels_and_dead_letters_are_json_events(
     assert ended["outcome"] == "cancelled"  # the hang-up, as the ledger records it
     for name in ("gateway0", "worker0"):
         assert SECRET not in (fleet.workdir / f"{name}.log").read_text()
+    # Nor the engine's error text (an engine may echo the prompt in it): the
+    # dead letter's reason quoted it, and was logged whole.
+    assert "Internal server error (simulated)" not in (fleet.workdir / "worker0.log").read_text()
 
 
 @pytest.mark.timeout(180)
