@@ -61,3 +61,20 @@ def test_tgi_worker_serves_chat_through_gateway(make_fleet: Callable[..., Fleet]
     assert "".join(parts) == "one two three "
     assert usage is not None
     assert usage["completion_tokens"] == 4
+
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    # An explicit null max_completion_tokens is its absence: max_tokens still
+    # bounds the answer (it hid it: TGI ran on past the hold, to the context).
+    long = {
+        "model": "sim-8b",
+        "messages": [{"role": "user", "content": "Go on."}],
+        "max_tokens": 5,
+        "max_completion_tokens": None,
+    }
+    script = {"X-Sim-Script": json.dumps({"content": "word " * 100})}
+    r = httpx.post(
+        f"{fleet.base_url}/v1/chat/completions", json=long, headers={**auth, **script}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert r.json()["choices"][0]["finish_reason"] == "length"

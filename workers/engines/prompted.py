@@ -61,7 +61,12 @@ def check_fields(
 
 
 def max_tokens(body: Mapping[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    """The answer's length limit: ``max_completion_tokens``, else ``max_tokens``. An
+    explicit null of the first is its absence (it hid ``max_tokens``: TGI ran to
+    the context length, past the hold; Triton's engine cut at its default 16)."""
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
     return int(value) if value is not None else None
 
 
