@@ -35,7 +35,7 @@ from sim.inbound import (
     decode,
     embedding_inputs,
 )
-from sim.malformed import with_malformed
+from sim.malformed import openai_error_event, with_malformed
 from sim.planning import plan_chat, plan_completion
 from sim.records import RequestRecord
 from sim.responses import GuardedResponse
@@ -102,7 +102,7 @@ async def chat(request: Request) -> Response:
     plan = plan_chat(sim, req, request.headers)
     job = new_job(sim, plan, chat=True, request_id=rid, model=model, fault=fault)
     job.record.traceparent = request.headers.get("traceparent")
-    return with_malformed(fault, start(sim, job))
+    return with_malformed(fault, start(sim, job), openai_error_event)
 
 
 @_api
@@ -117,7 +117,7 @@ async def completions(request: Request) -> Response:
     plan = plan_completion(sim, req, request.headers)
     job = new_job(sim, plan, chat=False, request_id=rid, model=model, fault=fault)
     job.record.traceparent = request.headers.get("traceparent")
-    return with_malformed(fault, start(sim, job))
+    return with_malformed(fault, start(sim, job), openai_error_event)
 
 
 def _embedding_tokens(sim: Simulator, req: EmbeddingRequest) -> list[list[int]]:

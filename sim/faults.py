@@ -16,6 +16,10 @@ class FaultKind(StrEnum):
     STALL = "stall"  # stall: hang after the first token; stall:MS: delay the first token
     SLOW = "slow"  # slow:MS  every inter-token latency forced to MS
     MALFORMED = "malformed"  # malformed:N  stream event N (0-based) is not JSON
+    # inband:STATUS  the stream's first event is the engine's error event (200 and
+    # the headers already sent): vLLM's {"error": {..., "code"}}, TGI's
+    # {"error", "error_type"} (429: overloaded, 4xx: validation, else generation)
+    INBAND = "inband"
 
 
 STATUS_FAULTS = {FaultKind.RATE_LIMIT: 429, FaultKind.UNAVAILABLE: 503, FaultKind.INTERNAL: 500}
@@ -35,7 +39,8 @@ class Fault(msgspec.Struct, frozen=True):
 
 
 def parse_fault(spec: str) -> Fault:
-    """`429`, `503`, `500`, `drop:N`, `stall`, `stall:MS`, `slow:MS`, `malformed:N`."""
+    """`429`, `503`, `500`, `drop:N`, `stall`, `stall:MS`, `slow:MS`, `malformed:N`,
+    `inband:STATUS`."""
     head, _, tail = spec.strip().partition(":")
     try:
         kind = FaultKind(head.lower())
@@ -53,8 +58,12 @@ def parse_fault(spec: str) -> Fault:
             raise ValueError(f"fault argument must be >= 0: {spec!r}")
     elif kind in (FaultKind.DROP, FaultKind.MALFORMED):
         arg = 0
+    elif kind is FaultKind.INBAND:
+        arg = 500
     elif kind is FaultKind.SLOW:
         raise ValueError(f"slow needs milliseconds, e.g. slow:50: {spec!r}")
+    if kind is FaultKind.INBAND and not 400 <= (arg or 0) <= 599:
+        raise ValueError(f"inband takes an error status, e.g. inband:400: {spec!r}")
     return Fault(kind, arg)
 
 

@@ -39,7 +39,7 @@ from sim.dialects.generation import (
     start,
 )
 from sim.dialects.tgi_params import MAX_BEST_OF, MAX_TOP_N_TOKENS, TgiParameters, tgi_spec, top_n
-from sim.malformed import with_malformed
+from sim.malformed import tgi_error_event, with_malformed
 from sim.responses import GuardedResponse
 from sim.simulator import Simulator
 
@@ -208,7 +208,8 @@ async def _generate(request: Request, stream: bool) -> Response:
     if isinstance(accepted, Response):
         return accepted
     req, reply = accepted
-    return with_malformed(reply.fault, GuardedResponse(_body(sim, req, reply, rid, stream)))
+    body = GuardedResponse(_body(sim, req, reply, rid, stream))
+    return with_malformed(reply.fault, body, tgi_error_event)
 
 
 async def generate_stream(request: Request) -> Response:

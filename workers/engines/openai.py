@@ -74,6 +74,8 @@ class _Chunk(msgspec.Struct):
     choices: list[_ChoiceIn] = []
     usage: _Usage | None = None
     model: str = ""
+    # vLLM's in-band failure (the headers were sent 200): {"message", "type", "code"}.
+    error: dict[str, Any] | None = None
 
 
 class _EmbeddingItem(msgspec.Struct):
@@ -232,6 +234,14 @@ class OpenAIAdapter(EngineAdapter):
                 chunk = _chunk_decoder.decode(data)
             except msgspec.DecodeError as exc:
                 raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
+            if chunk.error is not None:
+                # Its status is the event's code: a 400 stays the caller's, with
+                # the engine's message; a 5xx before a token is retried elsewhere.
+                # (Read as a chunk without choices, it ended "without a finish
+                # reason": a 502, the message and the status lost.)
+                code = chunk.error.get("code")
+                status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+                raise_for_status(status, msgspec.json.encode({"error": chunk.error}))
             model = chunk.model or model
             if chunk.usage is not None:
                 usage = chunk.usage.to_wire()

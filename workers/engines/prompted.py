@@ -16,11 +16,12 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import httpx
 import msgspec
 
+from workers.engines.http import raise_for_status
 from workers.errors import EngineRejected, EngineStreamBroken, EngineUnsupported
 
 # Fields that describe the call rather than the generation: the adapters consume them.
@@ -214,6 +215,18 @@ class _Failing(Protocol):
 E = TypeVar("E", bound=_Failing)
 
 
+def _raise_in_band(error: str, kind: str | None) -> NoReturn:
+    """An error event of the stream (TGI answers 200 and sends every error of a
+    stream this way): an overload is retried (429), a validation error is the
+    caller's (400, with the engine's message); anything else broke the stream."""
+    body = msgspec.json.encode({"error": {"message": error}})
+    if kind == "overloaded":
+        raise_for_status(429, body)
+    if kind == "validation":
+        raise_for_status(400, body)
+    raise EngineStreamBroken(f"engine failed mid-stream: {error}")
+
+
 async def sse_events(
     response: httpx.Response, decoder: msgspec.json.Decoder[E]
 ) -> AsyncIterator[E]:
@@ -225,5 +238,5 @@ async def sse_events(
         except msgspec.DecodeError as exc:
             raise EngineStreamBroken(f"malformed chunk from engine: {exc}") from exc
         if event.error is not None:
-            raise EngineStreamBroken(f"engine failed mid-stream: {event.error}")
+            _raise_in_band(event.error, getattr(event, "error_type", None))
         yield event
