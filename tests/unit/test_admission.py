@@ -125,6 +125,29 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="4096",model_name="m"} 1.0
     assert (load.num_gpu_blocks, load.block_size) == (4096, 16)
 
 
+async def test_data_parallel_engine_cores_read_as_one_engine_with_their_blocks() -> None:
+    """vLLM with two data-parallel cores labels each core's gauges (``engine``).
+    Summed, their KV usage read 0.95 at 48% and 47%: the worker stopped pulling at
+    half the engine's capacity; and the blocks were the last core's alone."""
+    text = """
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.48
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.47
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4096",model_name="m"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4096",model_name="m"} 1.0
+"""
+    load = parse_vllm_metrics(text)
+    assert load.kv_usage == pytest.approx(0.475)
+    assert (load.waiting, load.running) == (0.0, 7.0)
+    assert (load.num_gpu_blocks, load.block_size) == (8192, 16)
+    adm = Admission(AdmissionConfig(max_inflight=16))
+    await adm.observe(load)
+    assert adm.free_slots() > 0  # room in both cores: it pulls
+
+
 async def _until(cond: Callable[[], bool]) -> None:
     """Until ``cond`` holds (the waits poll on their own timer: a condition, not a sleep)."""
 

@@ -11,23 +11,42 @@ _METRIC_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
+# Fractions, one sample per engine core (label ``engine``): averaged, not summed.
+# Summed, two data-parallel cores at 48% read 96%, and the worker stopped pulling
+# at half the engine's capacity.
+_FRACTIONS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
 def vllm_sums(text: str) -> tuple[dict[str, float], dict[str, str]]:
     """vLLM's samples summed over label sets (one engine may serve several model
-    names, or run several engine cores), and the labels of ``cache_config_info``."""
+    names, or run several engine cores; its usage fractions averaged), and the
+    labels of ``cache_config_info``, ``num_gpu_blocks`` summed over the cores."""
     sums: dict[str, float] = {}
-    cache: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    caches: dict[str, dict[str, str]] = {}  # per engine core
     for line in text.splitlines():
         m = _METRIC_LINE.match(line)
         if m is None:
             continue
         name, labels, value = m.group(1), m.group(2) or "", m.group(3)
         if name == "vllm:cache_config_info":
-            cache = dict(_LABEL.findall(labels))
+            found = dict(_LABEL.findall(labels))
+            caches[found.get("engine", "")] = found
             continue
         try:
             sums[name] = sums.get(name, 0.0) + float(value)
         except ValueError:
             continue
+        counts[name] = counts.get(name, 0) + 1
+    for name in _FRACTIONS:
+        if name in sums:
+            sums[name] /= counts[name]
+    cache: dict[str, str] = {}
+    for core in caches.values():
+        cache = {**core, **cache}
+    blocks = [c["num_gpu_blocks"] for c in caches.values() if c.get("num_gpu_blocks", "").isdigit()]
+    if blocks:
+        cache["num_gpu_blocks"] = str(sum(int(b) for b in blocks))
     return sums, cache
 
 
