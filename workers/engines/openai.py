@@ -240,8 +240,12 @@ class OpenAIAdapter(EngineAdapter):
                 # (Read as a chunk without choices, it ended "without a finish
                 # reason": a 502, the message and the status lost.)
                 code = chunk.error.get("code")
-                status = code if isinstance(code, int) and 400 <= code <= 599 else 500
-                raise_for_status(status, msgspec.json.encode({"error": chunk.error}))
+                if isinstance(code, int) and 400 <= code <= 599:
+                    raise_for_status(code, msgspec.json.encode({"error": chunk.error}))
+                # A code that is no status (an OpenAI-style name: another gateway's,
+                # jetserve's own mid-stream error): the stream broke, in its words.
+                message = chunk.error.get("message")
+                raise EngineStreamBroken(str(message or "engine failed mid-stream"))
             model = chunk.model or model
             if chunk.usage is not None:
                 usage = chunk.usage.to_wire()
