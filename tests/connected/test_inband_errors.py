@@ -48,3 +48,29 @@ async def test_an_in_band_error_keeps_its_status_and_message(
     assert r.status_code in (429, 503), r.text
     assert r.json()["error"]["code"] != "stream_interrupted"
     assert calls > 1  # retried
+
+
+async def test_a_stream_broken_before_its_first_token_is_tried_once_more(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """The engine closes the stream after its 200 and before a token (an engine
+    restarting while the request queued): nothing was emitted, so it is tried
+    once more (it was a 502 at once); once only, so a request that breaks its
+    engine each time does not take down engine after engine. Broken after a
+    token, it is never retried (the client saw text)."""
+    fleet = make_fleet(workers=1)
+    r, calls = await served(fleet, "drop:0")
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "stream_interrupted"
+    assert calls == 2
+    headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "drop:3"}
+    async with httpx.AsyncClient(timeout=120) as c:
+        before = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["requests"]
+        async with c.stream(
+            "POST", f"{fleet.base_url}/v1/chat/completions",
+            json={**BODY, "stream": True}, headers=headers,
+        ) as s:  # fmt: skip
+            text = (await s.aread()).decode()
+        after = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["requests"]
+    assert "stream_interrupted" in text
+    assert after - before == 1

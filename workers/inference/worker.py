@@ -96,6 +96,10 @@ async def _end(msg: Msg) -> None:
         await msg.term()
 
 
+# Attempts of a request whose engine stream broke before its first token.
+BROKEN_STREAM_ATTEMPTS = 2
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     nats_url: str
@@ -772,6 +776,12 @@ class Worker:
         topo = self.cfg.topology
         limit = topo.limits.max_attempts
         eligible = exc.retryable
+        if isinstance(exc, EngineStreamBroken):
+            # The engine's stream broke before its first token (an engine restarting
+            # while the request queued or prefilled, after its 200): nothing was
+            # emitted, so another attempt is safe. One only: a request that breaks
+            # its engine each time must not take down engine after engine.
+            eligible, limit = True, min(limit, BROKEN_STREAM_ATTEMPTS)
         if req is not None:
             limit = min(limit, req.retry_max or limit)
             eligible = eligible and (not req.retry_on or exc.code in req.retry_on)
