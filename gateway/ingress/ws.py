@@ -44,6 +44,7 @@ from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.sse import client_events
 from gateway.ingress.ws_auth import authenticate_socket
 from gateway.web import refuse
+from streams.tasks import stop_task
 from streams.wire import Op
 
 
@@ -105,7 +106,12 @@ class _Connection:
             return
         self.admitted[msg.id] = adm
         try:
-            await self._relay(msg, adm)
+            if not await self._relay_or_overflow(msg, adm):
+                # A client too slow to read: its frame buffer overflowed while a send
+                # was blocked on the socket (holding the send lock). Its request ends
+                # now, recorded once; before, nothing read the overflow, and the
+                # request stayed unended for as long as the client held the socket.
+                await self.gw.abandon(adm, "client_too_slow")
         except Exception as exc:
             # The socket failed under a send: the client is gone (starlette raises
             # WebSocketDisconnect or OSError for the first failed send, RuntimeError
@@ -118,6 +124,22 @@ class _Connection:
                 raise
         finally:
             self.admitted.pop(msg.id, None)
+
+    async def _relay_or_overflow(self, msg: WsRequest, adm: Admitted) -> bool:
+        """:meth:`_relay`, unless the request's frame buffer overflows first
+        (False: the relay is stopped, the blocked send with it)."""
+        relay = asyncio.ensure_future(self._relay(msg, adm))
+        overflow = asyncio.ensure_future(adm.stream.overflowed.wait())
+        try:
+            await asyncio.wait({relay, overflow}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            overflow.cancel()
+            if not relay.done():
+                await stop_task(relay)
+        if relay.cancelled():
+            return False
+        relay.result()  # its error, raised
+        return True
 
     async def _relay(self, msg: WsRequest, adm: Admitted) -> None:
         """The answer, as response, chunk, done and error messages."""

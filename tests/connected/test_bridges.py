@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -242,3 +245,57 @@ async def test_a_websocket_dropped_mid_stream_ends_each_request_once(
     rows, _ = await asyncio.to_thread(_books, fleet)
     # Cancelled by the socket's close (or by a send that failed first).
     assert [r["outcome"] for r in rows] == ["client_cancelled"] * 4, rows
+
+
+def _ws_frame(text: bytes) -> bytes:
+    """One masked text frame, as a client sends it."""
+    mask = os.urandom(4)
+    n = len(text)
+    head = bytes([0x81]) + (
+        bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n)
+    )
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(text))
+
+
+async def test_a_websocket_client_that_stops_reading_has_its_stream_ended_once(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A client sends a streamed request over a WebSocket, then never reads: the
+    relay blocks in a send, the frame buffer overflows and the engine is stopped,
+    but nothing read the overflow, so the request had no outcome (no record, its
+    hold kept) for as long as the client held its socket open. Now it ends
+    ``client_too_slow``, recorded once, its hold given back."""
+    fleet = make_fleet(
+        workers=1, gateway_args=["--max-buffered-frames", "64", "--client-send-buffer", "16384"]
+    )
+    body = {
+        "model": "sim-8b", "stream": True, "max_tokens": 6000, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "far more than any buffer"}],
+    }  # fmt: skip
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", fleet.gateway_port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        key = base64.b64encode(os.urandom(16))
+        writer.write(
+            b"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key + b"\r\n"
+            b"Sec-WebSocket-Version: 13\r\nX-Sim-Fault: slow:3\r\n"
+            b"Authorization: Bearer " + fleet.api_key.encode() + b"\r\n\r\n"
+        )
+        assert b" 101 " in await reader.readuntil(b"\r\n\r\n")
+        request = {"type": "request", "id": "s", "body": body}
+        writer.write(_ws_frame(msgspec.json.encode(request)))
+        await writer.drain()  # and never read again
+
+        async def recorded() -> bool:
+            rows, reserved = await asyncio.to_thread(_books, fleet)
+            return len(rows) == 1 and reserved == 0
+
+        await until(recorded, "the stuck stream's one record and its hold given back")
+        rows, _ = await asyncio.to_thread(_books, fleet)
+        assert rows[0]["outcome"] == "client_too_slow", rows
+    finally:
+        writer.close()
