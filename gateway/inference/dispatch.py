@@ -519,6 +519,7 @@ class FrameStream(FrameReader):
         # ``hedge_queued``; ``copies``, counted by FrameReader, is how many may answer).
         self.hedge_task: asyncio.Task[None] | None = None
         self.hedge_sending = False  # the copy's publish has begun: seen through, not cancelled
+        self.on_close: Callable[[], None] | None = None  # called once, at close
 
     async def next_event(self, heartbeat_timeout: float, wait_limit: float | None = None) -> Event:
         """The next token, final or error frame. Raises TimeoutError only when
@@ -612,6 +613,9 @@ class FrameStream(FrameReader):
         if self._subs:
             subs, self._subs = self._subs, ()
             self._d.defer_unsubscribe(subs)
+        if self.on_close is not None:
+            closed, self.on_close = self.on_close, None
+            closed()
 
 
 class FollowedStream(FrameStream):

@@ -76,6 +76,9 @@ _CHANGED = (
 
 log = logging.getLogger(__name__)
 
+# Resumed streams a tenant may hold open at once on one gateway replica.
+MAX_RESUMES = 64
+
 
 class InferenceService:
     def __init__(
@@ -116,6 +119,7 @@ class InferenceService:
         dispatcher.on_hedge = lambda cls, outcome: metrics.hedges.labels(cls, outcome).inc()
         dispatcher.on_queue_check = lambda result: metrics.queue_checks.labels(result).inc()
         self._background: set[asyncio.Task[None]] = set()  # lingering streams, owned
+        self._resuming: dict[str, int] = {}  # tenant -> resumed streams open here
         self.tracer = Tracer(f"jetserve-gateway-{cfg.gateway_id}", cfg.otel_exporter)
         self.coalescer = Coalescer(
             dispatcher,
@@ -736,13 +740,38 @@ class InferenceService:
     ) -> Resumed:
         """The stream after the client's ``Last-Event-ID`` (gateway/inference/event_ids.py)."""
         key = await self.tenancy.authenticate(authorization)
-        stream = await self.dispatcher.resume(key.tenant, request_id, tokens_through(last_event_id))
+        tenant = key.tenant
+        if self._resuming.get(tenant, 0) >= MAX_RESUMES:
+            # A resume holds what it replays (up to a whole answer) for as long as
+            # its client takes to read it, at no charge: without a bound, a tenant's
+            # resumes that never read grew the gateway by ~1 MB each.
+            raise RateLimited(
+                f"At most {MAX_RESUMES} resumed streams of a tenant at once on this "
+                "gateway; finish one first.",
+                code="too_many_resumes",
+                retry_after=1.0,
+            )
+        self._resuming[tenant] = self._resuming.get(tenant, 0) + 1
+        try:
+            stream = await self.dispatcher.resume(tenant, request_id, tokens_through(last_event_id))
+        except BaseException:
+            self._resumed_end(tenant)
+            raise
         if stream is None:
+            self._resumed_end(tenant)
             raise NotFound(
                 f"No resumable stream '{request_id}' for this key's tenant.",
                 code="stream_not_found",
             )
+        stream.on_close = functools.partial(self._resumed_end, tenant)
         return Resumed(stream, include_usage, last_event_id)
+
+    def _resumed_end(self, tenant: str) -> None:
+        left = self._resuming.get(tenant, 0) - 1
+        if left > 0:
+            self._resuming[tenant] = left
+        else:
+            self._resuming.pop(tenant, None)
 
     async def aclose(self) -> None:
         """Wait for lingering disconnected streams (bounded by their grace)."""

@@ -5,6 +5,7 @@ event of a stream (SSE or WebSocket), each on the other replica."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 import websockets
 
+from gateway.inference.service import MAX_RESUMES
 from jetserve.fleet import Fleet, FleetSpec
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import frames_filter
@@ -382,3 +384,33 @@ async def test_the_capture_keeps_tokens_batched_and_refuses_a_resume_past_its_st
         )
         assert r.status_code == 410, r.text
         assert r.json()["error"]["code"] == "resume_window_exceeded"
+
+
+async def test_a_tenant_holds_a_bounded_number_of_resumes_open(fleet: Fleet) -> None:
+    """Resumes are free (no hold) and each keeps what it replays for as long as
+    its client takes to read it: 150 that never read grew the gateway by ~1 MB
+    each. A tenant holds at most MAX_RESUMES open on a replica; the next is a 429
+    until one ends."""
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    limits = httpx.Limits(max_connections=MAX_RESUMES + 8)
+    slow = {**auth, "X-Sim-Fault": "slow:200"}
+    body = {**BODY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    async with (
+        httpx.AsyncClient(timeout=60, limits=limits) as c,
+        c.stream("POST", f"{fleet.base_url}/v1/chat/completions", json=body, headers=slow) as r,
+    ):
+        url = f"{fleet.base_url}/v1/requests/{r.headers['x-request-id']}/stream"
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(MAX_RESUMES):  # following the running stream, never read
+                resumed = await held.enter_async_context(c.stream("GET", url, headers=auth))
+                assert resumed.status_code == 200
+            over = await c.get(url, headers=auth)
+            assert over.status_code == 429, over.text
+            assert over.json()["error"]["code"] == "too_many_resumes"
+        # All of them closed: resumes are served again once the gateway saw them end.
+
+        async def served_again() -> bool:
+            async with c.stream("GET", url, headers=auth) as again:
+                return again.status_code == 200
+
+        await until(served_again, "the closed resumes counted out")
