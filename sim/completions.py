@@ -14,7 +14,7 @@ from sim import logprobs as lp
 from sim import outbound as out
 from sim.engine import Sequence
 from sim.faults import Fault, FaultKind
-from sim.planning import Event, Plan, Text, ToolArgs, ToolStart, event_token
+from sim.planning import Event, Plan, Text, Thought, ToolArgs, ToolStart, event_token
 from sim.records import RequestRecord
 from sim.responses import Dropped, GuardedResponse
 from sim.simulator import Simulator
@@ -231,6 +231,7 @@ class _Choice:
         natural = job.natural_finish if index == 0 else "stop"
         self.reason = "length" if len(events) > job.max_tokens else natural
         self.calls: dict[int, tuple[str, str, list[str]]] = {}
+        self.reasoning: list[str] = []
 
     def live(self, i: int) -> bool:
         return self.finish is None and i < self.num
@@ -238,6 +239,12 @@ class _Choice:
     def step(self, i: int, ev: Event) -> list[object]:
         """The stream chunks token ``i`` makes (none while a stop string may start)."""
         job, final = self.job, i == self.num - 1
+        if isinstance(ev, Thought):
+            self.finish = self.reason if final else None
+            if not job.chat:
+                return []  # completions have no reasoning field
+            d = out.ChatDelta(reasoning_content=ev.piece)
+            return [_chat_chunk(job, d, self.finish, index=self.index)]
         if isinstance(ev, Text):
             self.logprobs.add(ev.piece, i)
             delta = self.scanner.push(ev.piece)
@@ -265,7 +272,9 @@ class _Choice:
 
     def collect(self, i: int, ev: Event) -> None:
         """Token ``i`` of a whole (non-streamed) reply."""
-        if isinstance(ev, Text):
+        if isinstance(ev, Thought):
+            self.reasoning.append(ev.piece)
+        elif isinstance(ev, Text):
             self.logprobs.add(ev.piece, i)
             self.scanner.push(ev.piece)
             if self.scanner.matched is not None:
@@ -292,7 +301,9 @@ class _Choice:
             for cid, name, args in self.calls.values()
         ]
         message = out.AssistantMessage(
-            content=None if (tool_calls and not text) else text, tool_calls=tool_calls
+            content=None if (tool_calls and not text) else text,
+            tool_calls=tool_calls,
+            reasoning_content="".join(self.reasoning) if self.reasoning else msgspec.UNSET,
         )
         return out.ChatChoice(
             index=self.index,

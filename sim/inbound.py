@@ -125,6 +125,8 @@ class ScriptedToolCall(msgspec.Struct, frozen=True, kw_only=True):
 class ScriptedResponse(msgspec.Struct, frozen=True, kw_only=True):
     content: str | None = None
     tool_calls: list[ScriptedToolCall] | None = None
+    # Streamed first as ``delta.reasoning_content``, as vLLM's reasoning parsers do.
+    reasoning: str | None = None
 
 
 class ScriptMatch(msgspec.Struct, frozen=True, kw_only=True):

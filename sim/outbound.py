@@ -50,6 +50,7 @@ class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +89,8 @@ class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    # Only when the reply reasoned (unset: left out of the body).
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):

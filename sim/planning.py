@@ -45,11 +45,18 @@ class ToolArgs(msgspec.Struct, frozen=True):
     piece: str
 
 
-Event = Text | ToolStart | ToolArgs  # one output token each
+class Thought(msgspec.Struct, frozen=True):
+    """A reasoning token (``reasoning_content``), before the answer's."""
+
+    piece: str
+
+
+Event = Text | Thought | ToolStart | ToolArgs  # one output token each
 
 
 def _scripted_events(sim: Simulator, resp: ScriptedResponse) -> tuple[list[Event], str]:
-    events: list[Event] = [Text(p) for p in sim.tokenizer.pieces(resp.content or "")]
+    events: list[Event] = [Thought(p) for p in sim.tokenizer.pieces(resp.reasoning or "")]
+    events += [Text(p) for p in sim.tokenizer.pieces(resp.content or "")]
     for i, call in enumerate(resp.tool_calls or []):
         name = str(call.function.get("name", ""))
         args = call.function.get("arguments", "")

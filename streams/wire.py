@@ -107,6 +107,7 @@ class Token(msgspec.Struct, frozen=True, tag="token", omit_defaults=True):
     # ``{"content": [...]}`` or the completions lists), relayed untouched.
     logprobs: dict[str, Any] | None = None
     index: int = 0  # the choice this delta belongs to (``n`` > 1, or a batch of prompts)
+    reasoning: str | None = None  # a reasoning model's thinking, relayed as ``reasoning_content``
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", omit_defaults=True):

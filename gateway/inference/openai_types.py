@@ -297,6 +297,7 @@ class ChunkWriter:
         finish_reason: str | None,
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
+        reasoning: str | None = None,
     ) -> list[dict[str, Any]]:
         """The chunks of one choice's delta: choice 0's first is preceded by the role
         chunk (its own event id, see sse.py); another choice's first delta carries
@@ -320,6 +321,8 @@ class ChunkWriter:
         elif index and index not in self._roles:
             delta["role"] = "assistant"
         self._roles.add(index)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:
@@ -357,6 +360,7 @@ class ChoiceResult:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None  # None: the final frame's
     logprobs: dict[str, Any] | None = None
+    reasoning: str = ""  # a reasoning model's thinking (``reasoning_content``)
 
 
 def completion_response(
@@ -380,6 +384,8 @@ def completion_response(
             }
             if c.tool_calls:
                 message["tool_calls"] = c.tool_calls
+            if c.reasoning:
+                message["reasoning_content"] = c.reasoning
             rendered.append(
                 {
                     "index": c.index,

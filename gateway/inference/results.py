@@ -32,6 +32,7 @@ class _Choice:
         self.calls = ToolCalls()
         self.logprobs: list[dict[str, Any] | None] = []
         self.finish: str | None = None
+        self.reasoning: list[str] = []
 
     def add(self, token: Token) -> None:
         self.text.append(token.text)
@@ -39,6 +40,8 @@ class _Choice:
             self.calls.add(token.tool_calls)
         if token.logprobs:
             self.logprobs.append(token.logprobs)
+        if token.reasoning:
+            self.reasoning.append(token.reasoning)
         self.finish = token.finish_reason or self.finish
 
     def result(self) -> ChoiceResult:
@@ -48,6 +51,7 @@ class _Choice:
             self.calls.merged(),
             self.finish,
             merge_logprobs(self.logprobs),
+            "".join(self.reasoning),
         )
 
 

@@ -198,7 +198,8 @@ def _token_chunks(
         if finish is not None:
             finished.add(index)
         logprobs = merge_logprobs([t.logprobs for t in group])
-        *roles, content = writer.delta(text, calls, finish, logprobs, index)
+        thought = "".join(t.reasoning for t in group if t.reasoning) or None
+        *roles, content = writer.delta(text, calls, finish, logprobs, index, thought)
         for role in roles:  # the chat role chunk, before the first token
             yield ClientEvent("chunk", role, event_id=ROLE_ID)
         yield ClientEvent("chunk", content, event_id=content_id(group[-1].seq))

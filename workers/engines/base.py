@@ -29,6 +29,7 @@ class Delta:
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None  # the engine's, for this delta
     index: int = 0  # its choice
+    reasoning: str | None = None  # a reasoning model's thinking (``reasoning_content``)
 
 
 @dataclass(frozen=True, slots=True)

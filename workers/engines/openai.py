@@ -60,6 +60,11 @@ class _Usage(msgspec.Struct):
 class _DeltaIn(msgspec.Struct):
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # A reasoning parser's output: vLLM's ``reasoning_content`` (``reasoning`` in
+    # its later versions). Dropped, a reasoning model's answer came back empty
+    # when its whole budget went on thinking.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _ChoiceIn(msgspec.Struct):
@@ -251,14 +256,17 @@ class OpenAIAdapter(EngineAdapter):
                 usage = chunk.usage.to_wire()
             for choice in chunk.choices:
                 text = choice.text or ""
-                calls = None
+                calls = thought = None
                 if choice.delta is not None:
                     text = choice.delta.content or text
                     calls = choice.delta.tool_calls
+                    thought = choice.delta.reasoning_content or choice.delta.reasoning
                 if choice.finish_reason:
                     finish = choice.finish_reason
-                if text or calls or choice.finish_reason or choice.logprobs:
-                    yield Delta(text, calls, choice.finish_reason, choice.logprobs, choice.index)
+                if text or calls or thought or choice.finish_reason or choice.logprobs:
+                    yield Delta(
+                        text, calls, choice.finish_reason, choice.logprobs, choice.index, thought
+                    )
         if finish is None:
             raise EngineStreamBroken("engine stream ended without a finish reason")
         yield Done(finish, usage or Usage(), model)

@@ -74,8 +74,11 @@ class FrameSender:
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
+        reasoning: str | None = None,
     ) -> None:
-        frame = Token(self.seq + 1, text, tool_calls, finish_reason, self._attempt, logprobs, index)
+        frame = Token(
+            self.seq + 1, text, tool_calls, finish_reason, self._attempt, logprobs, index, reasoning
+        )
         data = encode(frame)
         if len(data) > self._nc.max_payload - FRAME_MARGIN:
             # Before it is sent: the caller fails the request in one error frame.

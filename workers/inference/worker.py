@@ -674,6 +674,7 @@ class Worker:
                                 event.finish_reason,
                                 event.logprobs,
                                 event.index,
+                                event.reasoning,
                             )
                             if sender.seq == 1:
                                 ttft = (time.monotonic() - started_at) * 1000
