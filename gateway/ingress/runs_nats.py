@@ -13,8 +13,9 @@ The reply is the run (as ``GET /v1/runs/{id}`` shows it) or the decision, with
 header ``Jetserve-Status``; an error is OpenAI error JSON with its status. The
 reply subject must be an inbox of the key's own tenant (nats_targets.py), or the
 request is dropped unanswered.
-Events: subscribe to ``jetserve.run.<tenant>.<run id>`` (or read the
-``JETSERVE_RUN_EVENTS`` stream from any sequence).
+Events: subscribe to ``jetserve.run.<tenant>.<run id>`` (live: a service's
+credential has no JetStream API; a replay from any event is ``GET
+/v1/runs/{id}/events`` with ``Last-Event-ID``).
 """
 
 from __future__ import annotations

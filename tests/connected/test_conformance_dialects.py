@@ -78,3 +78,19 @@ def test_tgi_worker_serves_chat_through_gateway(make_fleet: Callable[..., Fleet]
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+    # A history whose tool call's arguments are not JSON is the caller's error (a
+    # 400 in its words), not the worker's (it was a 500 internal_error).
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    history = {
+        "model": "sim-8b",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+    }
+    r = httpx.post(f"{fleet.base_url}/v1/chat/completions", json=history, headers=auth, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "arguments are not JSON" in r.json()["error"]["message"]

@@ -117,7 +117,12 @@ def render_chatml(
             for call in m["tool_calls"]:
                 fn = call.get("function", {})
                 args = fn.get("arguments", "{}")
-                parsed = json.loads(args) if isinstance(args, str) and args else args
+                try:
+                    parsed = json.loads(args) if isinstance(args, str) and args else args
+                except ValueError as exc:  # the client's history: its error, a 400
+                    raise EngineRejected(
+                        f"messages: a tool call's arguments are not JSON: {exc}"
+                    ) from exc
                 payload = json.dumps({"name": fn.get("name"), "arguments": parsed})
                 body += f"\n<tool_call>\n{payload}\n</tool_call>"
         elif role == "tool":
