@@ -134,10 +134,14 @@ async def embeddings(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     gw = gateway_of(request)
-    await gw.tenancy.authenticate(request.headers.get("authorization"))
+    key = await gw.tenancy.authenticate(request.headers.get("authorization"))
+    # What this key may call: a key scoped to some models (a tenant's own LoRA
+    # adapters, say) learns nothing of the fleet's other names.
+    allowed = key.scopes.models
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "jetserve", "parent": parent}
         for m, parent in gw.models()
+        if "*" in allowed or m in allowed
     ]
     return json_response({"object": "list", "data": data})
 

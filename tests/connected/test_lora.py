@@ -190,3 +190,21 @@ async def test_an_adapter_loaded_at_run_time_is_served_without_a_restart(fleet: 
         gone = await chat(c, fleet, "hot-lora")
         assert gone.status_code == 404, gone.text
         assert gone.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_key_scoped_to_some_models_lists_only_those(fleet: Fleet) -> None:
+    """A key scoped to one model (a tenant's own adapter, say) is shown that one:
+    /v1/models listed the whole fleet's names, other tenants' adapters included."""
+    async with httpx.AsyncClient(timeout=60) as c:
+
+        async def adapter_listed() -> bool:
+            return ADAPTER in await listed(c, fleet)
+
+        await until(adapter_listed, "the gateway listing the adapter")
+        with fleet.admin() as admin:
+            scoped = admin.create_key(fleet.spec.tenant, "one-model", {"models": [ADAPTER]})
+        r = await c.get(
+            f"{fleet.base_url}/v1/models", headers={"Authorization": f"Bearer {scoped['api_key']}"}
+        )
+    assert r.status_code == 200, r.text
+    assert [m["id"] for m in r.json()["data"]] == [ADAPTER]
