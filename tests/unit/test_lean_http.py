@@ -17,7 +17,7 @@ from jetserve.services import free_port
 from tests.waits import until
 from workers.engines import lean_conn
 from workers.engines.base import Delta, Done
-from workers.engines.lean_http import LeanClient, LeanResponse
+from workers.engines.lean_http import MAX_SSE_LINE, LeanClient, LeanResponse
 from workers.engines.openai import OpenAIAdapter
 from workers.errors import (
     EngineRateLimited,
@@ -162,6 +162,23 @@ async def test_sse_lines_split_at_every_byte_boundary() -> None:
     last = LeanResponse(Pieces([b"data: 1\n", b"data: 2"]))  # type: ignore[arg-type]
     assert [p async for p in last.sse_data()] == [b"1", b"2"]  # a last line without "\n"
     assert not last.ended
+
+
+async def test_a_line_without_end_is_cut_at_the_bound_and_long_lines_are_whole() -> None:
+    """A line that never ends grew the worker without bound (and was copied whole
+    at every read); past MAX_SSE_LINE the stream is broken. A long line within it
+    comes out whole, read in many small pieces."""
+    long = b"x" * (1 << 20)
+    pieces = [b"data: " + long[: 1 << 10]] + [
+        long[i : i + 4096] for i in range(1 << 10, 1 << 20, 4096)
+    ]
+    response = LeanResponse(Pieces([*pieces, b"\n\ndata: [DONE]\n\n"]))  # type: ignore[arg-type]
+    assert [p async for p in response.sse_data()] == [long]
+    endless = [b"data: "] + [b"y" * (1 << 20)] * (MAX_SSE_LINE // (1 << 20) + 2)
+    response = LeanResponse(Pieces(endless))  # type: ignore[arg-type]
+    with pytest.raises(EngineStreamBroken, match="line over"):
+        async for _ in response.sse_data():
+            pass
 
 
 async def test_chunks_splitting_lines_midway(start: Start) -> None:

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from workers.engines.http import PROBE_TIMEOUT_S, StatusCheck, raise_for_status
 from workers.engines.lean_conn import Conn, Stale
-from workers.errors import EngineError, EngineRejected, EngineUnavailable
+from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
 
 POOL_TIMEOUT_S = 30.0  # as engine_client's pool timeout
 _END = b"[DONE]"  # the OpenAI stream's last event
@@ -240,6 +240,10 @@ class LeanResponse:
         return SSEData(self)
 
 
+# An SSE line from an engine at most (a frame must fit the bus's 1 MB besides).
+MAX_SSE_LINE = 4 << 20
+
+
 class SSEData:
     """The payload of each ``data:`` line, as bytes (msgspec decodes them as
     they are), until ``[DONE]`` or the body's end. Other lines are skipped."""
@@ -260,6 +264,11 @@ class SSEData:
         while True:
             nl = buf.find(b"\n", pos)
             if nl < 0:
+                if len(buf) - pos > MAX_SSE_LINE:
+                    # A line no engine sends (its frame must fit the bus's 1 MB):
+                    # cut here, before it grows the worker (and the copy of it each
+                    # read makes, kept for the speed of ordinary lines) without bound.
+                    raise EngineStreamBroken(f"an engine stream line over {MAX_SSE_LINE} bytes")
                 more = await self._conn.read()
                 if more:
                     buf = buf[pos:] + more if pos < len(buf) else more
