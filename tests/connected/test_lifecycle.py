@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Callable
 
@@ -174,3 +175,55 @@ async def test_a_stopping_worker_hands_back_a_request_waiting_for_kv_blocks(
         assert handed == 1
         assert await streaming == "length"
     assert await asyncio.to_thread(fleet.workers[0].proc.wait, 30) == 0
+
+
+async def test_a_request_cancelled_while_waiting_for_kv_blocks_gives_its_place_up(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """A long stream holds most of the KV blocks; a big request waits for them at
+    the head of the worker's block queue. Its client leaves: the worker kept it
+    there until the long stream ended (nothing behind it got blocks, and the
+    worker pulled nothing meanwhile), and only then ended it. It gives its place
+    up at once now, ended while the long stream still runs, engine untouched."""
+    fleet = make_fleet(workers=1, sim_args=["--num-gpu-blocks", "100"])
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    body = {**CHAT, "max_tokens": 800, "ignore_eos": True}
+    metrics = [f"http://127.0.0.1:{port}/metrics" for port in fleet.worker_metrics_ports]
+    async with httpx.AsyncClient(timeout=120) as c:
+        first_token, finished = asyncio.Event(), asyncio.Event()
+
+        async def long_stream() -> None:
+            async with c.stream(
+                "POST", f"{fleet.base_url}/v1/chat/completions",
+                json={**body, "stream": True},
+                headers={**auth, "X-Sim-Fault": "slow:50"},  # 40 s of tokens
+            ) as r:  # fmt: skip
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        first_token.set()
+            finished.set()
+
+        streaming = asyncio.create_task(long_stream())
+        await first_token.wait()
+        big = asyncio.create_task(
+            c.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth)
+        )
+
+        async def waiting() -> float:
+            return await fleet_sum(metrics, "jetserve_worker_block_waits_total")
+
+        await until(waiting, "the big request waiting for KV blocks")
+        big.cancel()  # its client leaves
+        with contextlib.suppress(asyncio.CancelledError):
+            await big
+
+        async def ended_at_the_worker() -> float:
+            return await fleet_sum(metrics, "jetserve_worker_requests_total", outcome="cancelled")
+
+        await until(ended_at_the_worker, "the worker ending the cancelled request")
+        assert not finished.is_set()  # while the long stream still holds its blocks
+        engine = (await c.get(f"{fleet.sim_url}/sim/stats")).json()
+        assert engine["requests"] == 1  # the long stream's only
+        streaming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await streaming

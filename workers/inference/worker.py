@@ -502,14 +502,33 @@ class Worker:
         self.metrics.block_waits.labels(req.cls).inc()
         waiting = asyncio.create_task(self.admission.reserve_blocks(tokens))
         beat = self.cfg.topology.limits.ack_wait_s / 3
-        try:
-            while not (await asyncio.wait({waiting}, timeout=beat))[0]:
-                with contextlib.suppress(nats.errors.Error):
-                    await msg.in_progress()
-        finally:
-            if not waiting.done():
-                await stop_task(waiting)
-        return waiting.result()
+        attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
+        watch = self._cancels
+        assert watch is not None
+        with watch.watch(req.id, attempt) as cancelled:
+            gone = asyncio.ensure_future(cancelled.wait())
+            try:
+                while True:
+                    left = max(0.0, req.deadline - time.time())
+                    done, _ = await asyncio.wait(
+                        {waiting, gone},
+                        timeout=min(beat, left),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    if waiting in done:
+                        return waiting.result()
+                    if gone in done or time.time() >= req.deadline:
+                        # Cancelled, or past its deadline, while it waited: it gives
+                        # its place up (the queue's head: nothing else of this worker
+                        # got blocks behind it) with none reserved, and _serve ends
+                        # it, engine untouched.
+                        return 0
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.in_progress()
+            finally:
+                gone.cancel()
+                if not waiting.done():
+                    await stop_task(waiting)
 
     async def _serve(self, msg: Msg, req: InferenceRequest) -> None:
         nc = self._nc
