@@ -52,6 +52,9 @@ class WsRequest(msgspec.Struct, tag="request"):
     id: str
     body: dict[str, Any]
     op: Op = "chat"
+    # This request's own Idempotency-Key (a socket's requests are many: a key in
+    # the upgrade's headers would have been every one's, refused as reused).
+    idempotency_key: str | None = None
 
 
 class WsCancel(msgspec.Struct, tag="cancel"):
@@ -89,8 +92,11 @@ class _Connection:
     async def run_request(self, msg: WsRequest) -> None:
         gone = asyncio.Event()
         self.admitting[msg.id] = gone
+        headers = self.headers
+        if msg.idempotency_key is not None:
+            headers = {**headers, "idempotency-key": msg.idempotency_key}
         try:
-            adm = await self.gw.admit(msg.op, _encoder.encode(msg.body), self.headers, gone=gone)
+            adm = await self.gw.admit(msg.op, _encoder.encode(msg.body), headers, gone=gone)
         except GatewayError as exc:
             if not gone.is_set():
                 await self.error(msg.id, exc)
@@ -251,13 +257,23 @@ class _Connection:
 
 async def websocket_endpoint(ws: WebSocket) -> None:
     gw: InferenceService = ws.app.state.gateway
+    headers = {k.lower(): v for k, v in ws.headers.items()}
+    if "idempotency-key" in headers:
+        # Every request of the socket would carry it: the second, another body,
+        # was refused as the key reused. Before accept (and before a ticket is
+        # spent): the upgrade gets the 400.
+        await refuse(ws.scope, ws.send, BadRequest(
+            "Idempotency-Key is per request: send it as 'idempotency_key' in each "
+            "request message, not in the WebSocket's upgrade.",
+            param="Idempotency-Key",
+        ))  # fmt: skip
+        return
     try:
         auth = await authenticate_socket(ws, gw.cfg.ws_allow_query_key)
     except GatewayError as exc:
         # Before accept: the upgrade is answered with the status and an error body.
         await refuse(ws.scope, ws.send, exc)
         return
-    headers = {k.lower(): v for k, v in ws.headers.items()}
     headers.pop("sec-websocket-protocol", None)  # may hold a secret; nothing reads it
     headers["authorization"] = auth.authorization
     await ws.accept(subprotocol=auth.subprotocol)

@@ -299,3 +299,31 @@ async def test_a_websocket_client_that_stops_reading_has_its_stream_ended_once(
         assert rows[0]["outcome"] == "client_too_slow", rows
     finally:
         writer.close()
+
+
+async def test_idempotency_keys_over_a_websocket_are_per_request(fleet: Fleet) -> None:
+    """An Idempotency-Key in the upgrade was every request's: the socket's second
+    request, another body, got 422 idempotency_key_reused. It is refused at the
+    upgrade now; each request message carries its own, and a retry under one
+    replays its first answer."""
+    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws"
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    with pytest.raises(websockets.exceptions.InvalidStatus) as info:
+        async with websockets.connect(url, additional_headers={**auth, "Idempotency-Key": "k"}):
+            pass
+    assert info.value.response.status_code == 400
+    async with websockets.connect(url, additional_headers=auth) as ws:
+
+        async def answer(rid: str, key: str, text: str) -> dict[str, Any]:
+            body = {**BODY, "messages": [{"role": "user", "content": text}]}
+            request = {"type": "request", "id": rid, "body": body, "idempotency_key": key}
+            await ws.send(msgspec.json.encode(request).decode())
+            msg: dict[str, Any] = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
+            assert (msg["id"], msg["type"]) == (rid, "response"), msg
+            return msg
+
+        first = await answer("a", "key-one-0123456789", "first")
+        other = await answer("b", "key-two-0123456789", "second")
+        again = await answer("c", "key-one-0123456789", "first")
+    assert first["data"]["id"] != other["data"]["id"]
+    assert again["data"] == first["data"]  # replayed, not run again
