@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 
 import nats.errors
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
@@ -51,7 +51,12 @@ async def _note_gone(receive: Receive, gone: asyncio.Event) -> None:
 
 async def _serve(request: Request, op: Op) -> Response:
     gw = gateway_of(request)
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        # Gone while its body arrived: nothing was admitted, nothing to answer
+        # (it was an "Exception in ASGI application" traceback, at a client's will).
+        return Response(status_code=499)
     # A hang-up while the request is being queued cancels it by id at once: on a
     # loaded bus the queueing can outlast a short answer (dispatch.py).
     gone = asyncio.Event()

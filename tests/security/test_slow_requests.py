@@ -69,3 +69,26 @@ async def test_whole_requests_on_a_kept_connection_are_served(fleet: Fleet) -> N
         for _ in range(3):  # one connection, each request whole at once
             r = await c.get("/v1/models", headers={"Authorization": f"Bearer {fleet.api_key}"})
             assert r.status_code == 200, r.text
+
+
+async def test_a_client_that_leaves_mid_body_leaves_no_traceback(fleet: Fleet) -> None:
+    """Gone while its body arrived (and at the 408, whose refusal closes the body
+    under the app): the app's read raised ClientDisconnect, logged as "Exception in
+    ASGI application" with a traceback each time, at any client's will."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + fleet.api_key.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", fleet.gateway_port)
+    writer.write(head + b'{"model":')
+    await writer.drain()
+    writer.close()  # gone, the body half sent
+    await writer.wait_closed()
+    assert _refusal(await _answer(fleet, head + b'{"model":'))["code"] == "request_timeout"
+    async with httpx.AsyncClient(base_url=fleet.base_url) as c:  # still serving
+        r = await c.get("/v1/models", headers={"Authorization": f"Bearer {fleet.api_key}"})
+        assert r.status_code == 200
+    log = (fleet.workdir / "gateway0.log").read_text()
+    assert "Exception in ASGI application" not in log
+    assert "ClientDisconnect" not in log
