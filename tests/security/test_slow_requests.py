@@ -80,7 +80,7 @@ async def test_a_client_that_leaves_mid_body_leaves_no_traceback(fleet: Fleet) -
         b"Authorization: Bearer " + fleet.api_key.encode() + b"\r\n"
         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     )
-    reader, writer = await asyncio.open_connection("127.0.0.1", fleet.gateway_port)
+    _, writer = await asyncio.open_connection("127.0.0.1", fleet.gateway_port)
     writer.write(head + b'{"model":')
     await writer.drain()
     writer.close()  # gone, the body half sent
