@@ -17,14 +17,21 @@ from sim.faults import Fault, FaultKind
 BAD_EVENT = b'data: {"choices": [{"delta": {"content": "unterminated\n\n'
 
 
-class _Malformed(Response):
-    def __init__(self, inner: Response, at: int) -> None:
+class _Wrapped(Response):
+    """A response whose body messages pass through this one on their way out."""
+
+    def __init__(self, inner: Response) -> None:
         # Response.__init__ would render content; the inner response sends its own.
         self._inner = inner
-        self._at = at
         self.background = None
         self.status_code = inner.status_code
         self.raw_headers = inner.raw_headers
+
+
+class _Malformed(_Wrapped):
+    def __init__(self, inner: Response, at: int) -> None:
+        super().__init__(inner)
+        self._at = at
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = 0
@@ -41,13 +48,10 @@ class _Malformed(Response):
         await self._inner(scope, receive, corrupt)
 
 
-class _InBand(Response):
+class _InBand(_Wrapped):
     def __init__(self, inner: Response, event: bytes) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._event = event
-        self.background = None
-        self.status_code = inner.status_code
-        self.raw_headers = inner.raw_headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ended = False

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable
+from typing import NamedTuple
 
 import httpx
 import msgspec
@@ -114,47 +115,60 @@ async def test_gateway_sigterm_finishes_open_streams_then_exits(
     assert await asyncio.to_thread(gw.proc.wait, 10) == 0
 
 
-async def test_a_stopping_worker_hands_back_a_request_waiting_for_kv_blocks(
-    make_fleet: Callable[..., Fleet],
-) -> None:
-    # 100 blocks of 16 tokens, 90 % of them the worker's budget: one request of
-    # 800 tokens fits, a second waits for it. Stopped meanwhile, the worker
-    # used to keep the waiter through its drain and serve it after the first
-    # had ended (or let it go after the server's ack wait, without a nak).
-    fleet = make_fleet(workers=1, sim_args=["--num-gpu-blocks", "100"])
+class BlockWait(NamedTuple):
+    streaming: asyncio.Task[str | None]  # the long stream: its finish reason
+    waiter: asyncio.Task[httpx.Response]  # the request waiting for its blocks
+
+
+async def a_request_waiting_for_blocks(
+    c: httpx.AsyncClient, fleet: Fleet, slow_ms: int
+) -> BlockWait:
+    """On a worker of 100 blocks of 16 tokens (90 % of them its budget), a stream
+    of 800 tokens (``slow_ms`` each) holds the blocks a second request of 800
+    needs: returned once that one waits for them."""
     auth = {"Authorization": f"Bearer {fleet.api_key}"}
     body = {**CHAT, "max_tokens": 800, "ignore_eos": True}
     metrics = [f"http://127.0.0.1:{port}/metrics" for port in fleet.worker_metrics_ports]
+    first_token = asyncio.Event()
+
+    async def long_stream() -> str | None:
+        finish = None
+        async with c.stream(
+            "POST", f"{fleet.base_url}/v1/chat/completions",
+            json={**body, "stream": True}, headers={**auth, "X-Sim-Fault": f"slow:{slow_ms}"},
+        ) as r:  # fmt: skip
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = msgspec.json.decode(line[6:])
+                    assert "error" not in chunk, chunk
+                    first_token.set()
+                    for ch in chunk["choices"]:
+                        finish = ch["finish_reason"] or finish
+        return finish
+
+    streaming = asyncio.create_task(long_stream())
+    await first_token.wait()
+    waiter = asyncio.create_task(
+        c.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth)
+    )
+
+    async def waiting() -> float:
+        return await fleet_sum(metrics, "jetserve_worker_block_waits_total")
+
+    await until(waiting, "the second request waiting for KV blocks")
+    return BlockWait(streaming, waiter)
+
+
+async def test_a_stopping_worker_hands_back_a_request_waiting_for_kv_blocks(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # One request of 800 tokens fits, a second waits for it. Stopped meanwhile,
+    # the worker used to keep the waiter through its drain and serve it after the
+    # first had ended (or let it go after the server's ack wait, without a nak).
+    fleet = make_fleet(workers=1, sim_args=["--num-gpu-blocks", "100"])
+    metrics = [f"http://127.0.0.1:{port}/metrics" for port in fleet.worker_metrics_ports]
     async with httpx.AsyncClient(timeout=120) as c:
-        first_token = asyncio.Event()
-
-        async def long_stream() -> str | None:
-            finish = None
-            async with c.stream(
-                "POST",
-                f"{fleet.base_url}/v1/chat/completions",
-                json={**body, "stream": True},
-                headers={**auth, "X-Sim-Fault": "slow:25"},  # 20 s of tokens
-            ) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = msgspec.json.decode(line[6:])
-                        assert "error" not in chunk, chunk
-                        first_token.set()
-                        for ch in chunk["choices"]:
-                            finish = ch["finish_reason"] or finish
-            return finish
-
-        streaming = asyncio.create_task(long_stream())
-        await first_token.wait()
-        waiter = asyncio.create_task(
-            c.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth)
-        )
-
-        async def waiting() -> float:
-            return await fleet_sum(metrics, "jetserve_worker_block_waits_total")
-
-        await until(waiting, "the second request waiting for KV blocks")
+        streaming, waiter = await a_request_waiting_for_blocks(c, fleet, 25)  # 20 s of tokens
         fleet.start_worker(wait=False)
         second = [f"http://127.0.0.1:{fleet.worker_metrics_ports[1]}/metrics"]
 
@@ -186,33 +200,9 @@ async def test_a_request_cancelled_while_waiting_for_kv_blocks_gives_its_place_u
     worker pulled nothing meanwhile), and only then ended it. It gives its place
     up at once now, ended while the long stream still runs, engine untouched."""
     fleet = make_fleet(workers=1, sim_args=["--num-gpu-blocks", "100"])
-    auth = {"Authorization": f"Bearer {fleet.api_key}"}
-    body = {**CHAT, "max_tokens": 800, "ignore_eos": True}
     metrics = [f"http://127.0.0.1:{port}/metrics" for port in fleet.worker_metrics_ports]
     async with httpx.AsyncClient(timeout=120) as c:
-        first_token, finished = asyncio.Event(), asyncio.Event()
-
-        async def long_stream() -> None:
-            async with c.stream(
-                "POST", f"{fleet.base_url}/v1/chat/completions",
-                json={**body, "stream": True},
-                headers={**auth, "X-Sim-Fault": "slow:50"},  # 40 s of tokens
-            ) as r:  # fmt: skip
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        first_token.set()
-            finished.set()
-
-        streaming = asyncio.create_task(long_stream())
-        await first_token.wait()
-        big = asyncio.create_task(
-            c.post(f"{fleet.base_url}/v1/chat/completions", json=body, headers=auth)
-        )
-
-        async def waiting() -> float:
-            return await fleet_sum(metrics, "jetserve_worker_block_waits_total")
-
-        await until(waiting, "the big request waiting for KV blocks")
+        streaming, big = await a_request_waiting_for_blocks(c, fleet, 50)  # 40 s of tokens
         big.cancel()  # its client leaves
         with contextlib.suppress(asyncio.CancelledError):
             await big
@@ -221,7 +211,7 @@ async def test_a_request_cancelled_while_waiting_for_kv_blocks_gives_its_place_u
             return await fleet_sum(metrics, "jetserve_worker_requests_total", outcome="cancelled")
 
         await until(ended_at_the_worker, "the worker ending the cancelled request")
-        assert not finished.is_set()  # while the long stream still holds its blocks
+        assert not streaming.done()  # while the long stream still holds its blocks
         engine = (await c.get(f"{fleet.sim_url}/sim/stats")).json()
         assert engine["requests"] == 1  # the long stream's only
         streaming.cancel()
