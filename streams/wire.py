@@ -184,6 +184,7 @@ class Extra(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
     index: int = 0
+    reasoning: str | None = None  # a reasoning token's thinking (its text is "")
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens", omit_defaults=True):
@@ -201,9 +202,13 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens", omit_defaults=True):
     def of(cls, tokens: list[Token]) -> Tokens:
         """``tokens``: consecutive, of one attempt."""
         extras = {
-            i: Extra(t.tool_calls, t.finish_reason, t.logprobs, t.index)
+            i: Extra(t.tool_calls, t.finish_reason, t.logprobs, t.index, t.reasoning)
             for i, t in enumerate(tokens)
-            if t.tool_calls is not None or t.finish_reason or t.logprobs is not None or t.index
+            if t.tool_calls is not None
+            or t.finish_reason
+            or t.logprobs is not None
+            or t.index
+            or t.reasoning is not None
         }
         return cls(tokens[0].seq, [t.text for t in tokens], extras, tokens[0].attempt)
 
@@ -221,6 +226,7 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens", omit_defaults=True):
                     self.attempt,
                     x.logprobs,
                     x.index,
+                    x.reasoning,
                 )
             )
         return out

@@ -65,3 +65,28 @@ async def test_reasoning_is_relayed_as_the_engine_sends_it(fleet: Fleet, max_tok
         assert thought
         assert SCRIPT["reasoning"].startswith(thought)
         assert (text, finish) == ("", "length")
+
+
+async def test_a_resume_and_a_retried_key_replay_the_thinking_too(fleet: Fleet) -> None:
+    """Replays come from the frames capture, whose batches kept a token's text
+    and extras but not its thinking: a resume from the start and an
+    Idempotency-Key retry came back without it."""
+    script = {"X-Sim-Script": msgspec.json.encode(SCRIPT).decode()}
+    auth = {"Authorization": f"Bearer {fleet.api_key}", **script}
+    body = {**BODY, "stream": True}
+    url = f"{fleet.base_url}/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=60) as c:
+        keyed = {**auth, "Idempotency-Key": "think-once-0123456789"}
+        async with c.stream("POST", url, json=body, headers=keyed) as r:
+            request_id = r.headers["x-request-id"]
+            live = streamed([line async for line in r.aiter_lines()])
+        async with c.stream(
+            "GET", f"{fleet.base_url}/v1/requests/{request_id}/stream",
+            headers={**auth, "Last-Event-ID": "0"},
+        ) as r:  # fmt: skip
+            resumed = streamed([line async for line in r.aiter_lines()])
+        async with c.stream("POST", url, json=body, headers=keyed) as r:
+            retried = streamed([line async for line in r.aiter_lines()])
+    assert live[0] == SCRIPT["reasoning"]
+    assert resumed == live
+    assert retried == live
