@@ -283,7 +283,7 @@ class InferenceService:
         It waits at most to its own deadline, and not for a client that left."""
         wait = 0.05  # the first run is between its claim and its queueing
         while True:
-            stream = await self.dispatcher.resume(key.tenant, claim.request_id, 0)
+            stream = await self._replay(key.tenant, claim.request_id, 0)
             if stream is not None:
                 break
             # Nothing queued yet: taken over only once its owner has stopped saying
@@ -740,31 +740,38 @@ class InferenceService:
     ) -> Resumed:
         """The stream after the client's ``Last-Event-ID`` (gateway/inference/event_ids.py)."""
         key = await self.tenancy.authenticate(authorization)
-        tenant = key.tenant
+        stream = await self._replay(key.tenant, request_id, tokens_through(last_event_id))
+        if stream is None:
+            raise NotFound(
+                f"No resumable stream '{request_id}' for this key's tenant.",
+                code="stream_not_found",
+            )
+        return Resumed(stream, include_usage, last_event_id)
+
+    async def _replay(self, tenant: str, request_id: str, through: int) -> FrameStream | None:
+        """The capture of ``request_id`` after token ``through``, then live: a
+        resume, or an Idempotency-Key retry following its first run. Bounded per
+        tenant: a replay holds what it replays (up to a whole answer) for as long
+        as its client takes to read it, at no charge, and those that never read
+        grew the gateway by ~1 MB each."""
         if self._resuming.get(tenant, 0) >= MAX_RESUMES:
-            # A resume holds what it replays (up to a whole answer) for as long as
-            # its client takes to read it, at no charge: without a bound, a tenant's
-            # resumes that never read grew the gateway by ~1 MB each.
             raise RateLimited(
-                f"At most {MAX_RESUMES} resumed streams of a tenant at once on this "
-                "gateway; finish one first.",
+                f"At most {MAX_RESUMES} resumed or followed streams of a tenant at once "
+                "on this gateway; finish one first.",
                 code="too_many_resumes",
                 retry_after=1.0,
             )
         self._resuming[tenant] = self._resuming.get(tenant, 0) + 1
         try:
-            stream = await self.dispatcher.resume(tenant, request_id, tokens_through(last_event_id))
+            stream = await self.dispatcher.resume(tenant, request_id, through)
         except BaseException:
             self._resumed_end(tenant)
             raise
         if stream is None:
             self._resumed_end(tenant)
-            raise NotFound(
-                f"No resumable stream '{request_id}' for this key's tenant.",
-                code="stream_not_found",
-            )
+            return None
         stream.on_close = functools.partial(self._resumed_end, tenant)
-        return Resumed(stream, include_usage, last_event_id)
+        return stream
 
     def _resumed_end(self, tenant: str) -> None:
         left = self._resuming.get(tenant, 0) - 1

@@ -387,26 +387,35 @@ async def test_the_capture_keeps_tokens_batched_and_refuses_a_resume_past_its_st
 
 
 async def test_a_tenant_holds_a_bounded_number_of_resumes_open(fleet: Fleet) -> None:
-    """Resumes are free (no hold) and each keeps what it replays for as long as
-    its client takes to read it: 150 that never read grew the gateway by ~1 MB
-    each. A tenant holds at most MAX_RESUMES open on a replica; the next is a 429
-    until one ends."""
+    """Resumes, and Idempotency-Key retries that follow their first run, are free
+    (no hold) and each keeps what it replays for as long as its client takes to
+    read it: 150 that never read grew the gateway by ~1 MB each. A tenant holds at
+    most MAX_RESUMES of them open on a replica; the next is a 429 until one ends."""
     auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    keyed = {**auth, "Idempotency-Key": "followed-0123456789"}
     limits = httpx.Limits(max_connections=MAX_RESUMES + 8)
-    slow = {**auth, "X-Sim-Fault": "slow:200"}
     body = {**BODY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    chat = f"{fleet.base_url}/v1/chat/completions"
     async with (
         httpx.AsyncClient(timeout=60, limits=limits) as c,
-        c.stream("POST", f"{fleet.base_url}/v1/chat/completions", json=body, headers=slow) as r,
+        c.stream("POST", chat, json=body, headers={**keyed, "X-Sim-Fault": "slow:200"}) as r,
     ):
         url = f"{fleet.base_url}/v1/requests/{r.headers['x-request-id']}/stream"
         async with contextlib.AsyncExitStack() as held:
-            for _ in range(MAX_RESUMES):  # following the running stream, never read
-                resumed = await held.enter_async_context(c.stream("GET", url, headers=auth))
-                assert resumed.status_code == 200
-            over = await c.get(url, headers=auth)
-            assert over.status_code == 429, over.text
-            assert over.json()["error"]["code"] == "too_many_resumes"
+            for i in range(MAX_RESUMES):  # following the running stream, never read
+                opened = (
+                    c.stream("GET", url, headers=auth)
+                    if i % 2
+                    else c.stream("POST", chat, json=body, headers=keyed)  # its retries
+                )
+                followed = await held.enter_async_context(opened)
+                assert followed.status_code == 200
+            for over in (
+                await c.get(url, headers=auth),
+                await c.post(chat, json=body, headers=keyed),
+            ):
+                assert over.status_code == 429, over.text
+                assert over.json()["error"]["code"] == "too_many_resumes"
         # All of them closed: resumes are served again once the gateway saw them end.
 
         async def served_again() -> bool:
