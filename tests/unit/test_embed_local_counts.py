@@ -59,7 +59,7 @@ async def test_local_counts_are_the_engines_without_a_tokenize_call(
     sim, engine = await start()
     singles = [await engine.embed(body(t), f"single-{i}", {}) for i, t in enumerate(TEXTS)]
     counter = LocalTokenCounter(sim_tokenizer)
-    assert counter.count(TEXTS) == [s.usage.prompt_tokens for s in singles]
+    assert await counter.count(TEXTS) == [s.usage.prompt_tokens for s in singles]
     before = await stats(sim)
     batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05, counter=counter)
     got = await asyncio.gather(
@@ -174,3 +174,28 @@ def test_the_worker_refuses_to_start_with_a_tokenizer_it_cannot_load(tmp_path: P
     )  # fmt: skip
     assert done.returncode == 2
     assert "cannot load tokenizer" in done.stderr
+
+
+async def test_counting_runs_off_the_event_loop(sim_tokenizer: Path) -> None:
+    """A batch of long inputs took the tokenizer seconds: counted on the event loop,
+    it stalled the worker's other streams past the gateway's heartbeat timeout."""
+    counter = LocalTokenCounter(sim_tokenizer)
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticking() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(ticking())
+    await asyncio.sleep(0)
+    before = ticks
+    texts = ["many words here " * 20_000] * 8
+    counts = await counter.count(texts)
+    during = ticks - before
+    stop.set()
+    await ticker
+    assert counts == counter.count_now(texts)
+    assert during > 0  # the loop went on while the tokenizer ran

@@ -73,7 +73,7 @@ def test_the_models_tokenizer_counts_as_vllm_does(vllm_embed_server: VllmServer)
             ]
             for t in TEXTS
         ]
-    assert counter.count(TEXTS) == engine  # [CLS] and [SEP] included, never truncated
+    assert counter.count_now(TEXTS) == engine  # [CLS] and [SEP] included, never truncated
     assert engine[2] == 2  # an empty input is [CLS] [SEP]
 
 

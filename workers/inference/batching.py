@@ -319,7 +319,9 @@ class EmbedBatcher:
         text_counts: list[int] = []
         if texts and self.counter is not None:
             special = body.get("add_special_tokens", True)
-            text_counts = self.counter.count(texts, special if isinstance(special, bool) else True)
+            text_counts = await self.counter.count(
+                texts, special if isinstance(special, bool) else True
+            )
         elif texts:
             model = str(body.get("model", ""))
             found = await self.engine.count_tokens(model, texts, headers)

@@ -17,6 +17,7 @@ engine's total anyway.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,13 @@ class LocalTokenCounter:
         self._tok = tok
         self.path = file
 
-    def count(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[int]:
-        """Token count of each text, as the engine counts an embedding input."""
-        encoded = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+    async def count(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[int]:
+        """Token count of each text, as the engine counts an embedding input. In
+        a thread (the tokenizer releases the GIL): on the event loop, a batch of
+        long inputs stalled it for seconds, and the worker's other streams went
+        silent past the gateway's heartbeat timeout."""
+        return await asyncio.to_thread(self.count_now, list(texts), add_special_tokens)
+
+    def count_now(self, texts: list[str], add_special_tokens: bool = True) -> list[int]:
+        encoded = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [len(e.ids) for e in encoded]
