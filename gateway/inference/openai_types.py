@@ -135,6 +135,13 @@ def parse_body(raw: bytes, kind: ParsedType) -> tuple[Parsed, dict[str, Any]]:
     best_of = typed.best_of if isinstance(typed, CompletionRequest) else None
     if best_of is not None and best_of < getattr(typed, "n", 1):
         raise BadRequest("'best_of' must be at least 'n'.", param="best_of")
+    if isinstance(typed, EmbeddingRequest) and _inputs(typed) > MAX_SEQUENCES:
+        # Each input is a vector the engine computes and the worker holds before the
+        # answer's size is known: 20,000 short ones were a 41 MB answer, refused only
+        # after the engine had embedded them all.
+        raise BadRequest(
+            f"An embeddings request may carry at most {MAX_SEQUENCES} inputs.", param="input"
+        )
     if sequences_of(typed) > MAX_SEQUENCES:
         # Before any hold: each choice is state in the gateway (and a sequence in
         # the engine); n x a batch of 100,000 prompts was 1.6 M of them, built at once.
@@ -152,6 +159,15 @@ def _prompts(parsed: object) -> int:
     prompt = getattr(parsed, "prompt", None)
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
         return len(prompt)
+    return 1
+
+
+def _inputs(req: EmbeddingRequest) -> int:
+    """An embeddings request's inputs: a list of texts or of token-id lists has one
+    per item; a text, or one list of token ids, is one."""
+    items = req.input
+    if isinstance(items, list) and items and not all(isinstance(t, int) for t in items):
+        return len(items)
     return 1
 
 

@@ -58,3 +58,25 @@ async def test_json_nested_too_deeply_is_a_400_over_http_and_the_websocket(fleet
         await ws.send(msgspec.json.encode({"type": "request", "id": "b", "body": body}).decode())
         answer = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
         assert (answer["id"], answer["type"]) == ("b", "response"), answer
+
+
+async def test_an_embeddings_request_past_the_bound_is_refused_before_the_engine(
+    fleet: Fleet,
+) -> None:
+    """20,000 short inputs (a 41 MB answer) were embedded in full, then refused as
+    too large for the bus: the engine's work, for nothing. At most 2048 inputs."""
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        before = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["embeddings"]
+        body = {"model": "sim-embed", "input": ["a"] * 20_000}
+        r = await c.post(f"{fleet.base_url}/v1/embeddings", json=body, headers=auth)
+        assert refused_400(r)["param"] == "input"
+        after = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["embeddings"]
+        assert after == before
+        fine = await c.post(
+            f"{fleet.base_url}/v1/embeddings",
+            json={"model": "sim-embed", "input": ["a"] * 8},
+            headers=auth,
+        )
+    assert fine.status_code == 200, fine.text
+    assert len(fine.json()["data"]) == 8
