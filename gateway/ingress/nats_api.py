@@ -94,8 +94,20 @@ class NatsIngress:
         log.warning("nats ingress: dropped a request on %s: %s", msg.subject, why)
 
     async def _reply(self, msg: Msg, body: Any, status: int = 200) -> None:
-        if msg.reply:
-            await self._nc.publish(msg.reply, _encoder.encode(body), headers={STATUS: str(status)})
+        if not msg.reply:
+            return
+        data = _encoder.encode(body)
+        if len(data) > self._nc.max_payload:
+            # An answer the bus cannot carry (embeddings as floats are ~4x their
+            # packed frames): it went unanswered, the publish's error lost in a
+            # task. The caller learns why, and how to ask for less.
+            too_big = BadRequest(
+                f"The answer is {len(data)} bytes, over the message bus's limit of "
+                f"{self._nc.max_payload}: send fewer inputs, or ask for base64.",
+                code="response_too_large",
+            )
+            data, status = _encoder.encode(too_big.body()), too_big.status
+        await self._nc.publish(msg.reply, data, headers={STATUS: str(status)})
 
     async def _serve(self, msg: Msg) -> None:
         headers = {k.lower(): v for k, v in (msg.headers or {}).items()}

@@ -18,7 +18,7 @@ import websockets.exceptions
 
 from jetserve.fleet import Fleet
 from streams.auth import Role
-from streams.subjects import INGRESS_CHAT
+from streams.subjects import INGRESS_CHAT, INGRESS_EMBEDDINGS
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -327,3 +327,28 @@ async def test_idempotency_keys_over_a_websocket_are_per_request(fleet: Fleet) -
         again = await answer("c", "key-one-0123456789", "first")
     assert first["data"]["id"] != other["data"]["id"]
     assert again["data"] == first["data"]  # replayed, not run again
+
+
+async def test_an_answer_over_the_bus_limit_gets_an_error_reply_over_nats(fleet: Fleet) -> None:
+    """Embeddings as floats are ~4x their packed frames: rendered for a NATS caller,
+    400 vectors were over the bus's message size, the reply's publish failed in a
+    task nobody read, and the caller waited out its timeout. It gets an error."""
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
+    try:
+        hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
+        body = {"model": "sim-embed", "input": [f"text {i}" for i in range(400)]}
+        reply = await nc.request(
+            INGRESS_EMBEDDINGS, msgspec.json.encode(body), timeout=30, headers=hdrs
+        )
+        assert reply.headers is not None
+        assert reply.headers["Jetserve-Status"] == "400"
+        assert msgspec.json.decode(reply.data)["error"]["code"] == "response_too_large"
+        packed = {**body, "encoding_format": "base64"}  # what the error advises
+        reply = await nc.request(
+            INGRESS_EMBEDDINGS, msgspec.json.encode(packed), timeout=30, headers=hdrs
+        )
+        assert reply.headers is not None
+        assert reply.headers["Jetserve-Status"] == "200"
+        assert len(msgspec.json.decode(reply.data)["data"]) == 400
+    finally:
+        await nc.close()
