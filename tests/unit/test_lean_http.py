@@ -18,12 +18,13 @@ from tests.waits import until
 from workers.engines import lean_conn
 from workers.engines.base import Delta, Done
 from workers.engines.lean_http import MAX_SSE_LINE, LeanClient, LeanResponse
-from workers.engines.openai import OpenAIAdapter
+from workers.engines.openai import OpenAIAdapter, _status_of
 from workers.errors import (
     EngineRateLimited,
     EngineRejected,
     EngineStreamBroken,
     EngineUnavailable,
+    ResponseTooLarge,
 )
 
 SSE_HEAD = (
@@ -176,7 +177,7 @@ async def test_a_line_without_end_is_cut_at_the_bound_and_long_lines_are_whole()
     assert [p async for p in response.sse_data()] == [long]
     endless = [b"data: "] + [b"y" * (1 << 20)] * (MAX_SSE_LINE // (1 << 20) + 2)
     response = LeanResponse(Pieces(endless))  # type: ignore[arg-type]
-    with pytest.raises(EngineStreamBroken, match="line over"):
+    with pytest.raises(ResponseTooLarge, match="line is over"):
         async for _ in response.sse_data():
             pass
 
@@ -411,3 +412,15 @@ def test_on_uvloop(scenario: Callable[[Start], Awaitable[None]]) -> None:
 
 async def _async(value: object) -> object:
     return value
+
+
+def test_an_in_band_errors_status_comes_from_its_code_or_its_type() -> None:
+    """vLLM's int code; a proxy's code as a string (LiteLLM's "400"); an OpenAI
+    error's type when its code is a name. A string code read as no status made a
+    client's error a broken stream: retried once, then a 502."""
+    assert _status_of({"code": 400}) == 400
+    assert _status_of({"code": "400"}) == 400
+    assert _status_of({"code": "context_length_exceeded", "type": "invalid_request_error"}) == 400
+    assert _status_of({"code": "rate_limited", "type": "rate_limit_error"}) == 429
+    assert _status_of({"code": "stream_interrupted", "type": "server_error"}) is None
+    assert _status_of({"message": "boom"}) is None

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from workers.engines.http import PROBE_TIMEOUT_S, StatusCheck, raise_for_status
 from workers.engines.lean_conn import Conn, Stale
-from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
+from workers.errors import EngineError, EngineRejected, EngineUnavailable, ResponseTooLarge
 
 POOL_TIMEOUT_S = 30.0  # as engine_client's pool timeout
 _END = b"[DONE]"  # the OpenAI stream's last event
@@ -268,7 +268,10 @@ class SSEData:
                     # A line no engine sends (its frame must fit the bus's 1 MB):
                     # cut here, before it grows the worker (and the copy of it each
                     # read makes, kept for the speed of ordinary lines) without bound.
-                    raise EngineStreamBroken(f"an engine stream line over {MAX_SSE_LINE} bytes")
+                    raise ResponseTooLarge(
+                        f"An engine stream line is over {MAX_SSE_LINE} bytes: no frame can "
+                        "carry it (ask for fewer logprobs or a shorter echo)."
+                    )
                 more = await self._conn.read()
                 if more:
                     buf = buf[pos:] + more if pos < len(buf) else more

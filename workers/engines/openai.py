@@ -57,6 +57,20 @@ class _Usage(msgspec.Struct):
         )
 
 
+def _status_of(error: Mapping[str, Any]) -> int | None:
+    """An in-band error's HTTP status: its ``code`` (vLLM's int; a proxy's "400"),
+    else what its OpenAI ``type`` names; None when it says none."""
+    code = error.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and 400 <= code <= 599:
+        return code
+    return _TYPE_STATUS.get(str(error.get("type", "")))
+
+
+_TYPE_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}
+
+
 class _DeltaIn(msgspec.Struct):
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -244,9 +258,9 @@ class OpenAIAdapter(EngineAdapter):
                 # the engine's message; a 5xx before a token is retried elsewhere.
                 # (Read as a chunk without choices, it ended "without a finish
                 # reason": a 502, the message and the status lost.)
-                code = chunk.error.get("code")
-                if isinstance(code, int) and 400 <= code <= 599:
-                    raise_for_status(code, msgspec.json.encode({"error": chunk.error}))
+                status = _status_of(chunk.error)
+                if status is not None:
+                    raise_for_status(status, msgspec.json.encode({"error": chunk.error}))
                 # A code that is no status (an OpenAI-style name: another gateway's,
                 # jetserve's own mid-stream error): the stream broke, in its words.
                 message = chunk.error.get("message")
