@@ -332,10 +332,11 @@ class Settlements:
         message of its own, then delete ``seq``. Kept whole, its applied part
         would be applied again at every scan while the rest waits (a store down
         for one org, for hours), and after the ledger's duplicate window and
-        Redis's done marker, recorded twice. A republish (the delete lost) is
-        stored once: its id is the original's and the rest's."""
+        Redis's done marker, recorded twice. A republish (the delete lost), or
+        another gateway's scan of the same message, is stored once: its id is the
+        original's sequence and the rest's, whoever scans."""
         data = encode_settlement(SettlementBatch(settlements=rest))
-        msg_id = f"rest:{self.gateway_id}:{seq}:{hashlib.sha256(data).hexdigest()[:24]}"
+        msg_id = f"rest:{seq}:{hashlib.sha256(data).hexdigest()[:24]}"
         stored = await self.outbox.publish_batch(
             self.gateway_id, SettlementBatch(settlements=rest), msg_id
         )

@@ -38,7 +38,7 @@ from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.config import GatewayConfig
-from gateway.errors import BadRequest, GatewayError, RateLimited
+from gateway.errors import BadRequest, ClientTooSlow, GatewayError, RateLimited
 from gateway.inference.service import InferenceService
 from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.sse import client_events
@@ -46,6 +46,8 @@ from gateway.ingress.ws_auth import authenticate_socket
 from gateway.web import refuse
 from streams.tasks import stop_task
 from streams.wire import Op
+
+TOO_SLOW = "The client read the stream too slowly; it was ended."
 
 
 class WsRequest(msgspec.Struct, tag="request"):
@@ -113,11 +115,14 @@ class _Connection:
         self.admitted[msg.id] = adm
         try:
             if not await self._relay_or_overflow(msg, adm):
-                # A client too slow to read: its frame buffer overflowed while a send
-                # was blocked on the socket (holding the send lock). Its request ends
+                # A client too slow to read: its frame buffer overflowed (a send
+                # blocked on the socket, holding the send lock). Its request ends
                 # now, recorded once; before, nothing read the overflow, and the
                 # request stayed unended for as long as the client held the socket.
                 await self.gw.abandon(adm, "client_too_slow")
+                # Then it is told, if it reads at all (else this waits for the
+                # socket's end, which cancels it: the outcome is recorded already).
+                await self.error(msg.id, ClientTooSlow(TOO_SLOW))
         except Exception as exc:
             # The socket failed under a send: the client is gone (starlette raises
             # WebSocketDisconnect or OSError for the first failed send, RuntimeError
