@@ -52,6 +52,13 @@ async def patiently(
             log.warning("provisioning: no answer in time about %s; asking again", what)
 
 
+# What a stream left as it is (``update=False``) is compared on.
+_COMPARED = (
+    "subjects", "retention", "storage", "discard", "max_age", "max_bytes",
+    "max_msg_size", "duplicate_window", "num_replicas", "deny_delete",
+)  # fmt: skip
+
+
 async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: bool = True) -> None:
     """Create the stream, or update it in place (``update`` False: leave one that
     exists as it is: the caller's credential may create it, never change it,
@@ -71,6 +78,20 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: boo
             except NotFoundError:
                 raise ProvisioningError(f"cannot create stream {name}: {exc}") from exc
     if not update:
+        info = await patiently(what, js.stream_info, name)
+        differ = [
+            f for f in _COMPARED
+            if getattr(want, f) is not None and getattr(want, f) != getattr(info.config, f)
+        ]  # fmt: skip
+        if differ:
+            # Left as it is (this credential may not change it), but said: a
+            # deployment moved to 3 replicas kept its audit ledger at one, unseen.
+            log.warning(
+                "stream %s differs from this version's config in %s; an operator "
+                "applies it with the admin credential",
+                name,
+                ", ".join(differ),
+            )
         return
     try:
         await patiently(what, js.update_stream, want)

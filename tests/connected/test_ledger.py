@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -93,7 +94,9 @@ async def consumers(js: JetStreamContext) -> int:
     return (await js.stream_info(STREAM)).state.consumer_count
 
 
-async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -> None:
+async def test_provisioning_is_idempotent_and_concurrent(
+    nats_server: Service, caplog: pytest.LogCaptureFixture
+) -> None:
     url = f"nats://127.0.0.1:{nats_server.port}"
     conns = [await connect(url, f"p{i}", nats_server.bus_auth(Role.GATEWAY)) for i in range(4)]
     admin = await connect(url, "admin", nats_server.bus_auth(Role.ADMIN))
@@ -110,8 +113,10 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
         assert cfg.duplicate_window == 600
         assert cfg.deny_delete
         short = LedgerTopology(max_age_s=7 * 86_400)
-        await ensure_ledger(js, short, update=False)  # a gateway's: left as it is
+        with caplog.at_level(logging.WARNING, logger="streams.provision"):
+            await ensure_ledger(js, short, update=False)  # a gateway's: left as it is
         assert (await js.stream_info(STREAM)).config.max_age == 90 * 86_400
+        assert any("differs" in r.message and "max_age" in r.message for r in caplog.records)
         # The operator's credential applies a changed limit in place, concurrently too.
         admins = [admin.jetstream(), admin.jetstream()]
         await asyncio.gather(*(ensure_ledger(a, short) for a in admins))
