@@ -60,11 +60,10 @@ from streams.errors import (
     RunTooLargeError,
 )
 from streams.headers import Header
+from streams.kv_log import KvLog
 from streams.subjects import AGENT_SETTLE, AGENT_STEP, run_cancel_subject, run_events_subject
 
 Clock = Callable[[], float]
-# A watch of a key's index answers each entry (or that there are none) within this.
-WATCH_STEP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -184,19 +183,18 @@ class RunStore:
             raise _store_error(exc) from exc
 
     async def runs_of_key(self, key_id: str) -> list[str]:
-        """The root runs ``key_id`` started that had not ended when asked (a
-        filtered watch of its index: the bucket's other keys are not read)."""
+        """The root runs ``key_id`` started (ended ones included, where their
+        entry's delete marker is still kept: the caller reads each run). The
+        leader's subject list of the key's index, not a watch: a watch's end of
+        "the initial values" can come before them (streams/kv_log.py), and a
+        revocation then found no run to stop."""
+        log = KvLog.of(self.kv)
+        subject = log.subject(key_runs_key(key_id))
         try:
-            watcher = await self.kv.watch(key_runs_key(key_id), meta_only=True, ignore_deletes=True)
-            try:
-                found = []
-                while (entry := await watcher.updates(WATCH_STEP_S)) is not None:  # type: ignore[no-untyped-call]
-                    found.append(entry.key.rsplit(".", 1)[-1])
-                return found
-            finally:
-                await watcher.stop()  # type: ignore[no-untyped-call]
+            info = await self.js.stream_info(log.stream, subjects_filter=subject)
         except (NatsError, TimeoutError) as exc:
             raise _store_error(exc) from exc
+        return sorted(s.rsplit(".", 1)[-1] for s in info.state.subjects or {})
 
     # -- leases -------------------------------------------------------------------
 
