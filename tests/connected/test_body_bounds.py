@@ -80,3 +80,25 @@ async def test_an_embeddings_request_past_the_bound_is_refused_before_the_engine
         )
     assert fine.status_code == 200, fine.text
     assert len(fine.json()["data"]) == 8
+
+
+async def test_an_embeddings_packing_the_relay_cannot_carry_is_refused_not_corrupted(
+    fleet: Fleet,
+) -> None:
+    """vLLM packs base64 vectors by ``embed_dtype`` and ``endianness``; the frames
+    carry float32 little-endian as the engine packed them, so a float client got
+    half-length or byte-swapped vectors, with no error. A 400 now, the engine
+    untouched; the defaults are served."""
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    url = f"{fleet.base_url}/v1/embeddings"
+    async with httpx.AsyncClient(timeout=60) as c:
+        before = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["embeddings"]
+        for odd in ({"embed_dtype": "float16"}, {"endianness": "big"}):
+            body = {"model": "sim-embed", "input": "x", **odd}
+            r = await c.post(url, json=body, headers=auth)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "unsupported_parameter"
+        after = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["embeddings"]
+        assert after == before
+        body = {"model": "sim-embed", "input": "x", "embed_dtype": "float32"}
+        assert (await c.post(url, json=body, headers=auth)).status_code == 200

@@ -9,6 +9,8 @@ from gateway.errors import BadRequest
 from gateway.inference.openai_types import (
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
+    bound_prompt_tokens,
     choices_of,
     merge_logprobs,
     parse_body,
@@ -87,3 +89,21 @@ def test_choices_count_n_per_prompt_of_a_batch() -> None:
     assert choices_of(completion([[1, 2], [3]])) == 2
     with pytest.raises(BadRequest):  # capped before any work
         completion("x", 17)
+
+
+def test_a_batchs_hold_allows_each_inputs_special_tokens() -> None:
+    """A BERT-style model adds [CLS] and [SEP] to every input: 500 empty inputs
+    cost 1000 tokens, and were held as 32 (one allowance per request), so
+    concurrent requests could overrun a budget. Each input gets its allowance."""
+    empty, _ = parse_body(
+        msgspec.json.encode({"model": "sim-embed", "input": [""] * 500}), EmbeddingRequest
+    )
+    assert bound_prompt_tokens(empty) >= 2 * 500
+    one, _ = parse_body(
+        msgspec.json.encode({"model": "sim-embed", "input": "abc"}), EmbeddingRequest
+    )
+    assert bound_prompt_tokens(one) == 3 + 16 + 16  # unchanged for a single input
+    prompts, _ = parse_body(
+        msgspec.json.encode({"model": "sim-8b", "prompt": [""] * 100}), CompletionRequest
+    )
+    assert bound_prompt_tokens(prompts) >= 100  # a BOS each, at least

@@ -33,7 +33,13 @@ from workers.engines.lean_http import LeanClient, lean_probe, lean_scrape
 from workers.engines.served import Served, read_served
 from workers.engines.translation import STRUCTURED_OUTPUTS, FieldStatus, Translated
 from workers.engines.vllm_metrics import parse_vllm_metrics
-from workers.errors import EngineError, EngineRejected, EngineStreamBroken, EngineUnavailable
+from workers.errors import (
+    EngineError,
+    EngineRejected,
+    EngineStreamBroken,
+    EngineUnavailable,
+    EngineUnsupported,
+)
 
 # The simulator's /version (sim/app.py): an engine that runs each embedding call alone.
 SIM_VERSION_SUFFIX = "+jetserve.sim"
@@ -69,6 +75,13 @@ def _status_of(error: Mapping[str, Any]) -> int | None:
 
 
 _TYPE_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}
+
+
+# vLLM's options for how base64 vectors are packed: the defaults only.
+_PACKING: dict[str, tuple[object, ...]] = {
+    "embed_dtype": (None, "float32"),
+    "endianness": (None, "native", "little"),
+}
 
 
 class _DeltaIn(msgspec.Struct):
@@ -289,6 +302,15 @@ class OpenAIAdapter(EngineAdapter):
         self, body: Mapping[str, Any], request_id: str, headers: Mapping[str, str]
     ) -> Embeddings:
         hdrs = {"X-Request-Id": request_id, "Content-Type": "application/json", **headers}
+        odd = {f: body[f] for f, ok in _PACKING.items() if body.get(f) not in ok}
+        if odd:
+            # vLLM packs base64 vectors by these, and the frames carry float32 as
+            # the engine packed them: passed on, a float client got half-length or
+            # byte-swapped vectors, with no error.
+            raise EngineUnsupported(
+                f"the relay carries float32 little-endian vectors only: {odd} is not "
+                "carried; remove it (the client's own encoding_format applies)"
+            )
         if self._packed is not False:
             try:
                 found = await self._embed(body, hdrs, "base64")
