@@ -75,6 +75,13 @@ class EngineStreamBroken(EngineError):
     status = 502
 
 
+class EngineConnectionLost(EngineStreamBroken):
+    """The engine's connection broke under its stream (an engine restarting):
+    before the first token, worth one more attempt (workers/inference/worker.py).
+    What the engine sent wrong (a malformed chunk, a model's malformed tool call)
+    is not: another attempt would most likely send it again."""
+
+
 class DeadlineExceeded(WorkerError):
     code = "deadline_exceeded"
     status = 504

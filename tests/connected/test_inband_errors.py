@@ -63,6 +63,11 @@ async def test_a_stream_broken_before_its_first_token_is_tried_once_more(
     assert r.status_code == 502, r.text
     assert r.json()["error"]["code"] == "stream_interrupted"
     assert calls == 2
+    # What the engine sent wrong (a malformed chunk) is not tried again: another
+    # attempt would most likely send it again.
+    r, calls = await served(fleet, "malformed:0")
+    assert r.status_code == 502, r.text
+    assert calls == 1
     headers = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "drop:3"}
     async with httpx.AsyncClient(timeout=120) as c:
         before = (await c.get(f"{fleet.sim_url}/sim/stats")).json()["requests"]

@@ -11,7 +11,7 @@ from typing import cast
 
 import httptools
 
-from workers.errors import EngineStreamBroken, EngineUnavailable
+from workers.errors import EngineConnectionLost, EngineUnavailable
 
 LINGER_S = 2.0  # how long a finished stream may take to send its terminator
 _HIGH_WATER = 256 * 1024  # unread body bytes before the socket stops being read
@@ -129,9 +129,9 @@ class Conn(asyncio.Protocol):
             if self.complete:
                 return b""
             if self.broken is not None:
-                raise EngineStreamBroken(self.broken)
+                raise EngineConnectionLost(self.broken)
             if self.closed:
-                raise EngineStreamBroken("engine closed the stream mid-response")
+                raise EngineConnectionLost("engine closed the stream mid-response")
             await self._wait()
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)

@@ -34,6 +34,7 @@ from workers.engines.served import Served, read_served
 from workers.engines.translation import STRUCTURED_OUTPUTS, FieldStatus, Translated
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import (
+    EngineConnectionLost,
     EngineError,
     EngineRejected,
     EngineStreamBroken,
@@ -154,7 +155,7 @@ async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
                 return
             yield data
     except httpx.TransportError as exc:
-        raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
+        raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
 
 
 # vLLM's older structured-output fields, which vLLM 0.32 takes and ignores (measured

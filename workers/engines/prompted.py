@@ -22,7 +22,12 @@ import httpx
 import msgspec
 
 from workers.engines.http import raise_for_status
-from workers.errors import EngineRejected, EngineStreamBroken, EngineUnsupported
+from workers.errors import (
+    EngineConnectionLost,
+    EngineRejected,
+    EngineStreamBroken,
+    EngineUnsupported,
+)
 
 # Fields that describe the call rather than the generation: the adapters consume them.
 METADATA_FIELDS = frozenset({"model", "stream", "stream_options", "user", "n"})
@@ -209,7 +214,7 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
                 if data:
                     yield data
     except httpx.TransportError as exc:
-        raise EngineStreamBroken(f"engine stream broke: {exc!r}") from exc
+        raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
 
 
 class _Failing(Protocol):

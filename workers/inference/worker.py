@@ -53,6 +53,7 @@ from streams.wire import InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import (
     DeadlineExceeded,
+    EngineConnectionLost,
     EngineStreamBroken,
     ResponseTooLarge,
     WorkerError,
@@ -796,11 +797,11 @@ class Worker:
         topo = self.cfg.topology
         limit = topo.limits.max_attempts
         eligible = exc.retryable
-        if isinstance(exc, EngineStreamBroken):
-            # The engine's stream broke before its first token (an engine restarting
-            # while the request queued or prefilled, after its 200): nothing was
-            # emitted, so another attempt is safe. One only: a request that breaks
-            # its engine each time must not take down engine after engine.
+        if isinstance(exc, EngineConnectionLost):
+            # The engine's connection broke before its first token (an engine
+            # restarting while the request queued or prefilled, after its 200):
+            # nothing was emitted, so another attempt is safe. One only: a request
+            # that breaks its engine each time must not take down engine after engine.
             eligible, limit = True, min(limit, BROKEN_STREAM_ATTEMPTS)
         if req is not None:
             limit = min(limit, req.retry_max or limit)
