@@ -188,13 +188,11 @@ class RunStore:
         leader's subject list of the key's index, not a watch: a watch's end of
         "the initial values" can come before them (streams/kv_log.py), and a
         revocation then found no run to stop."""
-        log = KvLog.of(self.kv)
-        subject = log.subject(key_runs_key(key_id))
         try:
-            info = await self.js.stream_info(log.stream, subjects_filter=subject)
+            keys = await KvLog.of(self.kv).keys(key_runs_key(key_id))
         except (NatsError, TimeoutError) as exc:
             raise _store_error(exc) from exc
-        return sorted(s.rsplit(".", 1)[-1] for s in info.state.subjects or {})
+        return [k.rsplit(".", 1)[-1] for k in keys]
 
     # -- leases -------------------------------------------------------------------
 

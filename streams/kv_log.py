@@ -92,9 +92,10 @@ class KvLog:
         out.append(head)
         return out
 
-    async def keys(self) -> list[str]:
-        """Every key with a stored message (deleted keys' markers included)."""
-        info = await self.js.stream_info(self.stream, subjects_filter=f"{self.prefix}>")
+    async def keys(self, pattern: str = ">") -> list[str]:
+        """Every key (matching ``pattern``, a subject filter) with a stored message
+        (deleted keys' markers included)."""
+        info = await self.js.stream_info(self.stream, subjects_filter=self.subject(pattern))
         subjects = info.state.subjects or {}
         return sorted(s[len(self.prefix) :] for s in subjects if s.startswith(self.prefix))
 

@@ -16,6 +16,7 @@ from jetserve.fleet import Fleet
 from streams.agent import Budget, Run, new_run_id
 from streams.agent_store import RunStore
 from tests.connected.test_agent_runs import bank_effects, call, create, marker, script, wait
+from tests.waits import until_sync
 
 pytestmark = pytest.mark.connected
 
@@ -47,10 +48,11 @@ def test_revoking_a_key_cancels_its_runs_and_no_other(
         in_sleep = create(api, sleeping, ["sleep"], timeout=3600)["id"]
         untouched = create(mine, other, ["sleep"])["id"]
         assert wait(api, on_approval, {"awaiting_approval"})["status"] == "awaiting_approval"
-        end = time.monotonic() + 30
-        while len(api.get(f"/v1/runs/{in_sleep}").json()["messages"]) < 2:
-            assert time.monotonic() < end, "the sleep never started"
-            time.sleep(0.02)
+
+        def sleeping_now() -> bool:
+            return len(api.get(f"/v1/runs/{in_sleep}").json()["messages"]) >= 2
+
+        asyncio.run(until_sync(sleeping_now, "the run inside its 300 s sleep"))
 
         with fleet.admin() as admin:
             revoked = admin.revoke_key(doomed["key"]["key_id"])
