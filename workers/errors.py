@@ -64,7 +64,8 @@ class EngineUnsupported(EngineRejected):
 
 class ResponseTooLarge(EngineRejected):
     """The engine answered, but the answer's one frame (all of a request's
-    embeddings) is over the bus's message size: the request asks too much."""
+    embeddings) is over the bus's message size, or a stream line or whole answer
+    is over what a worker reads of an engine (workers/engines/http.py)."""
 
     code = "response_too_large"
     status = 400

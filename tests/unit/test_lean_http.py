@@ -17,7 +17,8 @@ from jetserve.services import free_port
 from tests.waits import until
 from workers.engines import lean_conn
 from workers.engines.base import Delta, Done
-from workers.engines.lean_http import MAX_SSE_LINE, LeanClient, LeanResponse
+from workers.engines.http import MAX_BODY, MAX_SSE_LINE
+from workers.engines.lean_http import LeanClient, LeanResponse
 from workers.engines.openai import OpenAIAdapter, _status_of
 from workers.errors import (
     EngineRateLimited,
@@ -424,3 +425,51 @@ def test_an_in_band_errors_status_comes_from_its_code_or_its_type() -> None:
     assert _status_of({"code": "rate_limited", "type": "rate_limit_error"}) == 429
     assert _status_of({"code": "stream_interrupted", "type": "server_error"}) is None
     assert _status_of({"message": "boom"}) is None
+
+
+def whole(status: int, body: bytes) -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "httpx"])
+async def test_engine_reads_are_bounded_before_decoding(start: Start, lean: bool) -> None:
+    """An engine (broken, or not the one configured) could grow a worker without
+    bound: httpx's lines and whole-body reads kept everything until the end, and
+    so did the lean client's whole reads. Every path now stops at its bound: a
+    stream line (MAX_SSE_LINE), an answer (MAX_BODY), an error body (cut to
+    MAX_ERROR_BODY, its message to 4096 characters)."""
+    endless = chunked(b"data: " + b"y" * (MAX_SSE_LINE + 1))  # one line, never ended
+    huge = whole(200, b'{"data":[],"pad":"' + b"z" * MAX_BODY + b'"}')
+    noisy = whole(400, b'{"error":{"message":"' + b"m" * (1 << 20) + b'","type":"x"}}')
+    _, client = await start(replies(endless, huge, noisy))
+    url = f"http://127.0.0.1:{client._port}/base"
+    async with OpenAIAdapter(url, lean_streams=lean) as adapter:
+        assert (adapter._lean is not None) is lean
+        with pytest.raises(ResponseTooLarge, match="line is over"):
+            [e async for e in adapter.generate("chat", {"model": "m"}, "r1", {})]
+        with pytest.raises(ResponseTooLarge, match="answer is over"):
+            await adapter.embed({"model": "m", "input": ["a"]}, "r2", {})
+        with pytest.raises(EngineRejected) as rejected:
+            await adapter.embed({"model": "m", "input": ["a"]}, "r3", {})
+        assert rejected.value.status == 400
+        assert 0 < len(str(rejected.value)) <= 4096
+
+
+async def test_httpx_lines_match_the_lean_reader_at_every_split(start: Start) -> None:
+    """The httpx path (https engines) reads SSE lines as the lean client does, with
+    CR, LF and CRLF ends, wherever the body is split."""
+    sse = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\r\n\r\n: c\rdata: ' + (
+        b'{"choices":[{"index":0,"delta":{"content":"b"},"finish_reason":"stop"}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    answers = [chunked(sse[:cut], sse[cut:]) for cut in range(1, len(sse))]
+    _, client = await start(replies(*answers))
+    url = f"http://127.0.0.1:{client._port}/base"
+    async with OpenAIAdapter(url, lean_streams=False) as adapter:
+        for cut in range(1, len(sse)):
+            events = [e async for e in adapter.generate("chat", {"model": "m"}, "r", {})]
+            deltas = [e.text for e in events if isinstance(e, Delta)]
+            assert deltas == ["a", "b"], cut
+            done = events[-1]
+            assert isinstance(done, Done), cut
+            assert done.finish_reason == "stop", cut

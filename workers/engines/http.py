@@ -5,14 +5,27 @@ mapping from an engine's HTTP status to a worker error (``workers.errors``)."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable
 
 import httpx
 import msgspec
 
-from workers.errors import EngineRateLimited, EngineRejected, EngineUnavailable
+from workers.errors import (
+    EngineConnectionLost,
+    EngineRateLimited,
+    EngineRejected,
+    EngineUnavailable,
+    ResponseTooLarge,
+)
 
 PROBE_TIMEOUT_S = 2.0
+# What a worker reads of an engine at most, before it decodes anything: an engine
+# (broken, or not the one configured) must not grow a worker without bound.
+MAX_SSE_LINE = 4 << 20  # an SSE line (a frame must fit the bus's 1 MB besides)
+MAX_BODY = 16 << 20  # a whole answer (embeddings as JSON floats: ~4x their frame)
+MAX_ERROR_BODY = 64 << 10  # an error body: the message is cut to 4096 anyway
+_EOL = re.compile(r"\r\n|\r|\n")
 
 StatusCheck = Callable[[int, bytes], None]
 
@@ -87,10 +100,62 @@ async def open_stream(
         raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
     try:
         if response.status_code >= 400:
-            check(response.status_code, await response.aread())
+            check(response.status_code, await read_body(response, MAX_ERROR_BODY, cut=True))
         yield response
     finally:
         await response.aclose()
+
+
+async def read_body(response: httpx.Response, cap: int, *, cut: bool = False) -> bytes:
+    """A streamed response's body, at most ``cap`` bytes: past it ResponseTooLarge,
+    or (``cut``, for error bodies) the first ``cap`` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > cap:
+                if not cut:
+                    raise ResponseTooLarge(f"The engine's answer is over {cap} bytes.")
+                parts.append(chunk[: cap - size + len(chunk)])
+                break
+            parts.append(chunk)
+    except httpx.TransportError as exc:
+        raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
+    return b"".join(parts)
+
+
+def line_too_long() -> ResponseTooLarge:
+    return ResponseTooLarge(
+        f"An engine stream line is over {MAX_SSE_LINE} bytes: no frame can carry it "
+        "(ask for fewer logprobs or a shorter echo)."
+    )
+
+
+async def lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A streamed response's lines (CR, LF or CRLF ends, as httpx's ``aiter_lines``),
+    each at most MAX_SSE_LINE characters: a line that never ends breaks the stream
+    instead of growing the worker. A CRLF split between two reads gives one extra
+    empty line, which SSE readers skip as they skip every blank separator."""
+    pending: list[str] = []
+    size = 0
+    try:
+        async for text in response.aiter_text():
+            start = 0
+            for end in _EOL.finditer(text):
+                pending.append(text[start : end.start()])
+                yield "".join(pending)
+                pending.clear()
+                size, start = 0, end.end()
+            if start < len(text):
+                pending.append(text[start:])
+                size += len(text) - start
+                if size > MAX_SSE_LINE:
+                    raise line_too_long()
+    except httpx.TransportError as exc:
+        raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
+    if pending:
+        yield "".join(pending)
 
 
 async def probe(client: httpx.AsyncClient, path: str) -> bool:

@@ -21,7 +21,15 @@ from collections.abc import Mapping
 from types import TracebackType
 from urllib.parse import urlsplit
 
-from workers.engines.http import PROBE_TIMEOUT_S, StatusCheck, raise_for_status
+from workers.engines.http import (
+    MAX_BODY,
+    MAX_ERROR_BODY,
+    MAX_SSE_LINE,
+    PROBE_TIMEOUT_S,
+    StatusCheck,
+    line_too_long,
+    raise_for_status,
+)
 from workers.engines.lean_conn import Conn, Stale
 from workers.errors import EngineError, EngineRejected, EngineUnavailable, ResponseTooLarge
 
@@ -179,7 +187,7 @@ class Exchange:
             assert conn is not None
             response = self._response = LeanResponse(conn)
             if response.status >= 400:
-                self._check(response.status, await response.read())
+                self._check(response.status, await response.read(MAX_ERROR_BODY, cut=True))
         except BaseException:
             self._finish()
             raise
@@ -230,18 +238,24 @@ class LeanResponse:
         self.status = conn.status
         self.ended = False  # the stream's end marker was read
 
-    async def read(self) -> bytes:
+    async def read(self, cap: int = MAX_BODY, *, cut: bool = False) -> bytes:
+        """The rest of the body, at most ``cap`` bytes: past it ResponseTooLarge,
+        or (``cut``, for error bodies) the first ``cap`` bytes (the connection is
+        then closed, not reused: the rest is unread)."""
         parts = []
+        size = 0
         while chunk := await self._conn.read():
+            size += len(chunk)
+            if size > cap:
+                if not cut:
+                    raise ResponseTooLarge(f"The engine's answer is over {cap} bytes.")
+                parts.append(chunk[: cap - size + len(chunk)])
+                break
             parts.append(chunk)
         return b"".join(parts)
 
     def sse_data(self) -> SSEData:
         return SSEData(self)
-
-
-# An SSE line from an engine at most (a frame must fit the bus's 1 MB besides).
-MAX_SSE_LINE = 4 << 20
 
 
 class SSEData:
@@ -268,10 +282,7 @@ class SSEData:
                     # A line no engine sends (its frame must fit the bus's 1 MB):
                     # cut here, before it grows the worker (and the copy of it each
                     # read makes, kept for the speed of ordinary lines) without bound.
-                    raise ResponseTooLarge(
-                        f"An engine stream line is over {MAX_SSE_LINE} bytes: no frame can "
-                        "carry it (ask for fewer logprobs or a shorter echo)."
-                    )
+                    raise line_too_long()
                 more = await self._conn.read()
                 if more:
                     buf = buf[pos:] + more if pos < len(buf) else more

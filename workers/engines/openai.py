@@ -21,11 +21,14 @@ from streams.vectors import Vector, check_packed
 from streams.wire import Op, Usage
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad
 from workers.engines.http import (
+    MAX_BODY,
     PROBE_TIMEOUT_S,
     engine_client,
+    lines,
     open_stream,
     probe,
     raise_for_status,
+    read_body,
     read_version,
     scrape,
 )
@@ -34,11 +37,9 @@ from workers.engines.served import Served, read_served
 from workers.engines.translation import STRUCTURED_OUTPUTS, FieldStatus, Translated
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import (
-    EngineConnectionLost,
     EngineError,
     EngineRejected,
     EngineStreamBroken,
-    EngineUnavailable,
     EngineUnsupported,
 )
 
@@ -146,16 +147,13 @@ _PATHS: dict[Op, str] = {"chat": "/v1/chat/completions", "completion": "/v1/comp
 async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
     """httpx's lines as the lean client's ``sse_data`` gives them: the ``data:``
     payloads until ``[DONE]``; a transport failure is a broken stream."""
-    try:
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # comments, blank separators
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            yield data
-    except httpx.TransportError as exc:
-        raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
+    async for line in lines(response):
+        if not line.startswith("data:"):
+            continue  # comments, blank separators
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield data
 
 
 # vLLM's older structured-output fields, which vLLM 0.32 takes and ignores (measured
@@ -333,14 +331,13 @@ class OpenAIAdapter(EngineAdapter):
             # httpx's send path was ~40% of an embedding worker's CPU, on a box
             # where the engine wants every core (issue 17).
             async with self._lean.stream("/v1/embeddings", content, hdrs) as lean:
-                data = await lean.read()
+                data = await lean.read(MAX_BODY)
         else:
-            try:
-                response = await self._client.post("/v1/embeddings", content=content, headers=hdrs)
-            except httpx.TransportError as exc:
-                raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
-            raise_for_status(response.status_code, response.content)
-            data = response.content
+            request = self._client.build_request(
+                "POST", "/v1/embeddings", content=content, headers=hdrs
+            )
+            async with open_stream(self._client, request) as response:
+                data = await read_body(response, MAX_BODY)
         try:
             parsed = _embedding_decoder.decode(data)
         except msgspec.DecodeError as exc:

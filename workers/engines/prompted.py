@@ -21,9 +21,8 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import httpx
 import msgspec
 
-from workers.engines.http import raise_for_status
+from workers.engines.http import lines, raise_for_status
 from workers.errors import (
-    EngineConnectionLost,
     EngineRejected,
     EngineStreamBroken,
     EngineUnsupported,
@@ -207,14 +206,11 @@ class StopTrimmer:
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
     """The `data:` payloads of an SSE stream (TGI and Triton both use SSE)."""
-    try:
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                data = line[5:].strip()
-                if data:
-                    yield data
-    except httpx.TransportError as exc:
-        raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
+    async for line in lines(response):
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data:
+                yield data
 
 
 class _Failing(Protocol):

@@ -23,10 +23,12 @@ from workers.engines import translation as t
 from workers.engines.base import Delta, Done, Embeddings, EngineAdapter, EngineLoad, closing
 from workers.engines.fanout import merged
 from workers.engines.http import (
+    MAX_BODY,
     engine_client,
     open_stream,
     probe,
     raise_for_status,
+    read_body,
     read_version,
     scrape,
 )
@@ -287,8 +289,8 @@ class TGIAdapter(EngineAdapter):
         request = self._request("/generate", req, 0, request_id, headers)
         async with open_stream(self._client, request, _raise) as response:
             try:
-                reply = _whole_decoder.decode(await response.aread())
-            except (msgspec.DecodeError, httpx.TransportError) as exc:
+                reply = _whole_decoder.decode(await read_body(response, MAX_BODY))
+            except msgspec.DecodeError as exc:
                 raise EngineStreamBroken(f"malformed reply from engine: {exc!r}") from exc
         details = reply.details
         if details is None:
