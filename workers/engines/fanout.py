@@ -2,7 +2,9 @@
 by side, their events merged as they come, each Delta carrying its choice's index, and
 one Done whose usage counts the prompt once and every choice's tokens.
 
-Closing the merged stream (a cancelled consumer) closes every request."""
+Closing the merged stream (a cancelled consumer) closes every request. The events
+wait in a bounded queue: a consumer slower than the engine (frames to a slow bus)
+holds the requests back (their sockets stop being read), not the worker's memory."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from workers.engines.base import Delta, Done, closing
 
 Source = Callable[[int], AsyncIterator[Delta | Done]]
 _END = object()
+QUEUED = 64  # events waiting for the consumer, all choices together
 
 
 async def merged(source: Source, n: int) -> AsyncIterator[Delta | Done]:
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue(QUEUED)
 
     async def pump(j: int) -> None:
         try:
