@@ -23,6 +23,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE
 
 from streams.connect import when_reconnected
@@ -32,6 +33,7 @@ from streams.tasks import stop_task
 from streams.wire import decode_cancel
 
 log = logging.getLogger(__name__)
+MAX_NOTES = 100_000  # ~25 MB of notes; past it the marks are read per request
 
 
 def stops(note: bytes, attempt: int) -> bool:
@@ -42,11 +44,15 @@ def stops(note: bytes, attempt: int) -> bool:
 
 
 class CancelWatch:
-    def __init__(self, nc: Client, marks: CancelMarks, keep_s: float) -> None:
+    def __init__(
+        self, nc: Client, marks: CancelMarks, keep_s: float, max_notes: int = MAX_NOTES
+    ) -> None:
         self._nc = nc
         self._marks = marks
         self._keep_s = keep_s  # as long as a mark lives (a request's longest wait)
         self._notes: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # id -> (until, note)
+        self._max_notes = max_notes
+        self._spilled_until = 0.0  # until then a note let go could still matter
         self._live: dict[str, list[tuple[int, asyncio.Event]]] = {}
         self._sub: Subscription | None = None
         self._loaded_at = -1  # the connection's reconnect count when the marks were read
@@ -105,6 +111,22 @@ class CancelWatch:
             self._loaded_at = count
             return True
 
+    async def recall(self, request_id: str) -> None:
+        """Before ``request_id`` starts: while notes that could still matter have
+        been let go (``max_notes``), its mark is read, if it has none here."""
+        if time.monotonic() >= self._spilled_until or request_id in self._notes:
+            return
+        try:
+            kv = await self._marks.open()
+            entry = await kv.get(request_id)
+        except KeyNotFoundError:
+            return
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("cancel mark of %s not read (%r): live cancels only", request_id, exc)
+            return
+        if entry.value:
+            self._note(request_id, entry.value)
+
     async def _on_cancel(self, msg: Msg) -> None:
         self._note(msg.subject.rsplit(".", 1)[-1], msg.data)
 
@@ -114,9 +136,11 @@ class CancelWatch:
         self._notes[request_id] = (now + self._keep_s, note)
         while self._notes:  # oldest first: the same keep for all
             _, (until, _) = next(iter(self._notes.items()))
-            if until > now:
+            if until > now and len(self._notes) <= self._max_notes:
                 break
             self._notes.popitem(last=False)
+            if until > now:
+                self._spilled_until = until
         for attempt, event in self._live.get(request_id, ()):
             if stops(note, attempt):
                 event.set()

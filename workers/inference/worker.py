@@ -559,6 +559,7 @@ class Worker:
         watch = self._cancels
         assert watch is not None
         await watch.fresh()  # reads the marks again only after a reconnect
+        await watch.recall(req.id)  # reads its mark only when notes were let go
         with watch.watch(req.id, attempt) as cancelled:
             if cancelled.is_set():
                 # Cancelled before it started: nobody waits, but a reader of the

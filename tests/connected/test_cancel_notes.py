@@ -1,0 +1,54 @@
+"""A worker's notes of cancels (workers/inference/cancels.py) are bounded, and a
+note let go is read back from the durable marks before its request starts."""
+
+from __future__ import annotations
+
+from jetserve.services import Service
+from streams.auth import Role
+from streams.connect import connect
+from streams.definitions import DEFAULT_TOPOLOGY
+from streams.inference.client import InferenceClient
+from streams.marks import CancelMarks
+from streams.provision import ensure_topology
+from tests.waits import until
+from workers.inference.cancels import CancelWatch
+
+
+async def test_notes_are_bounded_and_one_let_go_is_read_from_its_mark(
+    nats_server: Service,
+) -> None:
+    """Every cancel of the fleet was kept an hour in every worker: hundreds a second
+    grew each worker by hundreds of MB. Past ``max_notes`` the oldest are let go,
+    and a request without a note is then looked up in the marks before it starts:
+    a cancel is still never missed."""
+    url = f"nats://127.0.0.1:{nats_server.port}"
+    gw = await connect(url, "gw", nats_server.bus_auth(Role.GATEWAY))
+    wk = await connect(url, "wk", nats_server.bus_auth(Role.WORKER))
+    try:
+        await ensure_topology(gw.jetstream(), DEFAULT_TOPOLOGY)
+        client = InferenceClient(gw, gw.jetstream(), DEFAULT_TOPOLOGY)
+        marks = CancelMarks(wk.jetstream(), DEFAULT_TOPOLOGY)
+        watch = CancelWatch(wk, marks, keep_s=3600, max_notes=3)
+        await watch.start()
+        ids = [f"req{i}" for i in range(8)]
+        for rid in ids:
+            assert await client.cancel(rid, "client_disconnected")
+        await until(lambda: _async("req7" in watch._notes), "the last cancel heard")
+        assert len(watch._notes) == 3  # the bound, not the eight heard
+        assert list(watch._notes) == ids[-3:]
+        with watch.watch("req0", 1) as before:
+            assert not before.is_set()  # let go: the in-memory check alone misses it
+        await watch.recall("req0")
+        with watch.watch("req0", 1) as cancelled:
+            assert cancelled.is_set()  # read back from its durable mark
+        await watch.recall("req-never-cancelled")
+        with watch.watch("req-never-cancelled", 1) as other:
+            assert not other.is_set()
+        await watch.stop()
+    finally:
+        await wk.close()
+        await gw.close()
+
+
+async def _async(value: bool) -> bool:
+    return value
