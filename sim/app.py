@@ -128,11 +128,20 @@ def _embedding_tokens(sim: Simulator, req: EmbeddingRequest) -> list[list[int]]:
     dim = sim.cfg.embedding_dim
     if req.dimensions is not None and not 1 <= req.dimensions <= dim:
         raise BadRequest(f"dimensions must be in [1, {dim}]", "dimensions")
+    keep = req.truncate_prompt_tokens
+    if keep is not None and (keep < -1 or keep == 0):
+        raise BadRequest(
+            "truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens"
+        )
+    if keep == -1:
+        keep = sim.max_model_len
     token_lists: list[list[int]] = []
     for item in embedding_inputs(req.input):
         ids = sim.tokenizer.encode(item) if isinstance(item, str) else item
         if isinstance(item, list):
             sim.check_token_ids(item)
+        if keep is not None:
+            ids = ids[-keep:]
         if len(ids) > sim.max_model_len:
             raise BadRequest(
                 f"This model's maximum context length is {sim.max_model_len} tokens. "

@@ -105,6 +105,8 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     encoding_format: str = "float"
     dimensions: int | None = None
+    # vLLM's: each input cut to its last K tokens (-1: to the model's length).
+    truncate_prompt_tokens: int | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

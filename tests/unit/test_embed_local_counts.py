@@ -74,6 +74,31 @@ async def test_local_counts_are_the_engines_without_a_tokenize_call(
     await batcher.aclose()
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["tokenizer", "tokenize-calls"])
+async def test_truncated_inputs_are_counted_as_the_engine_cuts_them(
+    start: Start, sim_tokenizer: Path, local: bool
+) -> None:
+    """With ``truncate_prompt_tokens`` the engine cuts each input to K tokens: the
+    inputs were counted whole, the counts disagreed with the engine's total, and
+    each request's usage was a share by length instead of its own (the batch's
+    sum stayed right, one tenant paid for another's tokens)."""
+    sim, engine = await start()
+    kw = {"truncate_prompt_tokens": 3}
+    singles = [await engine.embed(body(t, **kw), f"single-{i}", {}) for i, t in enumerate(TEXTS)]
+    assert {s.usage.prompt_tokens for s in singles} == {0, 1, 3}  # some cut, some not
+    counter = LocalTokenCounter(sim_tokenizer) if local else None
+    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=0.05, counter=counter)
+    before = await stats(sim)
+    got = await asyncio.gather(
+        *(batcher.embed(body(t, **kw), f"r{i}", {}, later()) for i, t in enumerate(TEXTS))
+    )
+    assert (await stats(sim))["embeddings"] - before["embeddings"] == 1
+    for one, batched in zip(singles, got, strict=True):
+        assert batched.vectors == one.vectors
+        assert batched.usage == one.usage
+    await batcher.aclose()
+
+
 async def test_without_a_tokenizer_the_engine_counts_each_input(start: Start) -> None:
     sim, engine = await start()
     before = await stats(sim)

@@ -329,7 +329,14 @@ class EmbedBatcher:
                 return None
             text_counts = list(found)
         it = iter(text_counts)
-        return [next(it) if isinstance(i, str) else len(i) for m in live for i in m.items]
+        counts = [next(it) if isinstance(i, str) else len(i) for m in live for i in m.items]
+        keep = body.get("truncate_prompt_tokens")
+        if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
+            # The engine cuts each input to K tokens (its special ones within
+            # them): counted whole, a batch's usage disagreed with the engine's
+            # total and was split by length instead of exactly.
+            counts = [min(c, keep) for c in counts]
+        return counts
 
     def _split(
         self, live: list[_Member], result: Embeddings, counts: list[int] | None
