@@ -48,7 +48,7 @@ from gateway.inference.lanes import LaneRouter
 from gateway.inference.openai_types import Parsed, bound_prompt_tokens, parse_body
 from gateway.inference.pools import PoolView, adapter_unavailable
 from gateway.inference.request_builder import CLASS_HEADER, KINDS, build_request, with_id
-from gateway.inference.results import Result, read_result, render
+from gateway.inference.results import read_result, render
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Replayed, Resumed, Session
 from gateway.inference.settlements import Settlements
@@ -75,6 +75,7 @@ _CHANGED = (
 )
 
 log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
 
 # Resumed streams a tenant may hold open at once on one gateway replica.
 MAX_RESUMES = 64
@@ -793,15 +794,24 @@ class InferenceService:
         await self.books.complete(adm, response)
 
     # -- results -----------------------------------------------------------------
-    async def collect(self, adm: Admitted) -> Result:
-        """Wait for the whole result (non-streaming clients)."""
+    async def answer(self, adm: Admitted, limit: int | None = None) -> dict[str, Any]:
+        """Wait for the whole result (non-streaming clients): the response body,
+        its outcome recorded.
+        ``limit``: the most the caller's transport carries (a NATS reply); a body
+        over it ends the request 400 ``response_too_large``, recorded so, and
+        charged as a failed request is (what was evidently produced): it was
+        recorded ``ok`` and charged in full while its caller got the 400."""
         try:
             result = await read_result(adm, self.cfg.heartbeat_timeout_s)
+            body = render(adm, result)
+            if limit is not None and (size := len(_json.encode(body))) > limit:
+                raise BadRequest(
+                    f"The answer is {size} bytes, over the message bus's limit of {limit}: "
+                    "send fewer inputs, or ask for base64.",
+                    code="response_too_large",
+                )
             await self.finish(adm, "ok", 200, result.final)
         except GatewayError as exc:
             await self.fail(adm, exc)
             raise
-        return result
-
-    def render(self, adm: Admitted, result: Result) -> dict[str, Any]:
-        return render(adm, result)
+        return body

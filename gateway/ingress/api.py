@@ -75,8 +75,7 @@ async def _serve(request: Request, op: Op) -> Response:
         if gone.is_set():
             raise ClientGone
         if not adm.wants_stream or op == "embedding":
-            result = await race_disconnect(request.receive, gw.collect(adm))
-            body = gw.render(adm, result)
+            body = await race_disconnect(request.receive, gw.answer(adm))
             await gw.complete(adm, body)
             return json_response(body, headers=headers)
         first = await race_disconnect(request.receive, _first_event(gw, adm))

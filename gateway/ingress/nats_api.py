@@ -156,8 +156,7 @@ class NatsIngress:
             return
         try:
             if not adm.wants_stream or op == "embedding":
-                result = await self._gw.collect(adm)
-                body = self._gw.render(adm, result)
+                body = await self._gw.answer(adm, self._nc.max_payload)
                 await self._gw.complete(adm, body)
                 await self._reply(msg, body)
                 return

@@ -156,11 +156,10 @@ class _Connection:
         """The answer, as response, chunk, done and error messages."""
         if not adm.wants_stream or msg.op == "embedding":
             try:
-                result = await self.gw.collect(adm)
+                body = await self.gw.answer(adm)
             except GatewayError as exc:
                 await self.error(msg.id, exc)
                 return
-            body = self.gw.render(adm, result)
             await self.gw.complete(adm, body)
             await self.send("response", msg.id, data=body)
             return

@@ -332,7 +332,10 @@ async def test_idempotency_keys_over_a_websocket_are_per_request(fleet: Fleet) -
 async def test_an_answer_over_the_bus_limit_gets_an_error_reply_over_nats(fleet: Fleet) -> None:
     """Embeddings as floats are ~4x their packed frames: rendered for a NATS caller,
     400 vectors were over the bus's message size, the reply's publish failed in a
-    task nobody read, and the caller waited out its timeout. It gets an error."""
+    task nobody read, and the caller waited out its timeout. It gets an error, and
+    the ledger says so: the request was recorded ``ok`` and charged in full while
+    its caller got the 400."""
+    too_big_before = [r for r in (await asyncio.to_thread(_books, fleet))[0] if r["status"] == 400]
     nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
     try:
         hdrs = {"Authorization": f"Bearer {fleet.api_key}"}
@@ -343,6 +346,14 @@ async def test_an_answer_over_the_bus_limit_gets_an_error_reply_over_nats(fleet:
         assert reply.headers is not None
         assert reply.headers["Jetserve-Status"] == "400"
         assert msgspec.json.decode(reply.data)["error"]["code"] == "response_too_large"
+
+        async def recorded() -> list[dict[str, Any]]:
+            rows = [r for r in (await asyncio.to_thread(_books, fleet))[0] if r["status"] == 400]
+            return rows[len(too_big_before) :]
+
+        await until(recorded, "the too-big answer's record")
+        (row,) = await recorded()
+        assert (row["outcome"], row["charge_micros"]) == ("response_too_large", 0), row
         packed = {**body, "encoding_format": "base64"}  # what the error advises
         reply = await nc.request(
             INGRESS_EMBEDDINGS, msgspec.json.encode(packed), timeout=30, headers=hdrs
