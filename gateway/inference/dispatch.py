@@ -549,6 +549,10 @@ class FrameStream(FrameReader):
             await self.cancel("stream_interrupted")
             raise StreamInterrupted(self.silence_message) from None
         except DeadlineExceededError:
+            # Given up on: a request still queued is removed (with no worker for
+            # its queue it stayed there for the stream's hour, counted in the
+            # depth that admission and scaling read), a running one stopped.
+            await self.cancel("deadline_exceeded")
             raise Timeout("The request did not complete before its deadline.") from None
 
     async def last_look(self) -> bool:
