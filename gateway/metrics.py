@@ -226,8 +226,16 @@ class GatewayMetrics:
         )
         self.queue_depth = Gauge(
             "jetserve_queue_depth",
-            "Work-queue lag per class (num_pending + num_ack_pending)",
+            "Work-queue lag per class (num_pending + num_ack_pending) of its shared "
+            "queue: what any worker of the class takes",
             ["cls"],
+            registry=r,
+        )
+        self.pool_queue_depth = Gauge(
+            "jetserve_pool_queue_depth",
+            "Work-queue lag (num_pending + num_ack_pending) of one deployment pool's "
+            "queue of a class: what only that deployment's workers take",
+            ["cls", "deployment"],
             registry=r,
         )
 

@@ -90,7 +90,14 @@ class Runtime:
         watch = self.gateway.queue_watch
         if watch is None:
             return
-        for cls, load in watch.loads.items():
+        pools = self.gateway.pools
+        for key, load in watch.loads.items():
+            cls, _, token = key.partition("@")  # streams.depth.queue_key
+            if token:
+                deployment = pools.deployment_of(token) if pools is not None else None
+                gauge = m.pool_queue_depth.labels(cls, deployment or token)
+                gauge.set(load.depth + load.ack_pending)
+                continue
             m.queue_depth.labels(cls).set(load.depth + load.ack_pending)
             m.consumer_pending.labels(cls).set(load.depth)
             m.consumer_ack_pending.labels(cls).set(load.ack_pending)

@@ -29,6 +29,7 @@ from nats.js.api import ConsumerInfo
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from streams.definitions import Topology
+from streams.pools import pool_consumer_name, pool_of_consumer
 from streams.subjects import PREFIX
 
 log = logging.getLogger(__name__)
@@ -122,24 +123,35 @@ async def consumer_numbers(js: JetStreamContext, stream: str) -> list[ConsumerNu
             return out
 
 
+def queue_key(cls: str, pool: str = "") -> str:
+    """A queue's key in a look: a class's shared queue (``cls``), or one deployment
+    pool's of it (``cls@<pool token>``; a token never holds ``@``)."""
+    return f"{cls}@{pool}" if pool else cls
+
+
 def class_depths(topo: Topology, infos: list[ConsumerNumbers]) -> dict[str, ClassDepth]:
-    """Each class's numbers, summed over the consumers that serve it: the shared
-    ones (plain, lanes, excess) and every deployment pool's (streams/pools.py)."""
-    plain = {topo.consumer_name(cls): cls.value for cls in topo.classes}
+    """Each queue's numbers, summed over the consumers that serve it: a class's
+    shared queue (its plain consumer, lanes, excess), keyed by the class, and each
+    deployment pool's queue of it (streams/pools.py), keyed apart (:func:`queue_key`).
+    Only a pool's own workers take from its queue: summed into the class, a pool
+    with no worker (a route's candidate not started, a typo) held back and scaled
+    the class's shared workers for work they cannot pull."""
     sums = {cls.value: [0, 0, 0, 0, False] for cls in topo.classes}
     for info in infos:
-        cls, _ = topo.consumer_class(info.name)
+        cls, lane = topo.consumer_class(info.name)
         if cls is None:
             continue
-        row = sums[cls]
+        pool = pool_of_consumer(info.name, cls, lane)
+        row = sums.setdefault(queue_key(cls, pool), [0, 0, 0, 0, False])
         row[0] += info.num_pending or 0
         row[1] += info.num_ack_pending or 0
         row[2] += info.delivered.consumer_seq if info.delivered else 0
-        if info.name in plain:
+        plain = pool_consumer_name(pool, cls) if pool else topo.consumer_name(cls)
+        if info.name == plain:
             row[3], row[4] = info.num_waiting or 0, True
     return {
-        cls: ClassDepth(int(p), int(a), int(d), int(w), bool(f))
-        for cls, (p, a, d, w, f) in sums.items()
+        key: ClassDepth(int(p), int(a), int(d), int(w), bool(f))
+        for key, (p, a, d, w, f) in sums.items()
     }
 
 

@@ -41,6 +41,15 @@ def pool_token(deployment: str) -> str:
     return "h" + hashlib.blake2b(deployment.encode(), digest_size=10).hexdigest()
 
 
+def pool_of_consumer(name: str, cls: str, lane: bool) -> str:
+    """The pool token of a consumer of ``cls`` (``pool-<token>-<cls>[-lNN]``), as
+    ``Topology.consumer_class`` read it; "" for a shared one (``workers-...``)."""
+    if not name.startswith("pool-"):
+        return ""
+    head = name.rsplit("-", 1)[0] if lane else name
+    return head[len("pool-") : -len(cls) - 1]
+
+
 def pool_consumer_name(token: str, cls: RequestClass | str) -> str:
     return f"pool-{token}-{RequestClass(cls).value}"
 

@@ -171,6 +171,11 @@ class PoolView:
                     return dep
         return candidates[0]
 
+    def deployment_of(self, token: str) -> str | None:
+        """The deployment (or adapter pool) whose pool ``token`` is, if this
+        gateway made it (for the metrics' labels)."""
+        return next((dep for dep, made in self._made.items() if made == token), None)
+
     async def token(self, deployment: str) -> str:
         """``deployment``'s pool token, its consumers made (once per process)."""
         made = self._made.get(deployment)

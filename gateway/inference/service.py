@@ -62,6 +62,7 @@ from gateway.tenancy.keys import KeyRecord, Tenancy
 from gateway.tenancy.records import RecordHead
 from gateway.tenancy.request_ledger import LedgerWriter
 from gateway.tracing import Span, Tracer
+from streams.depth import queue_key
 from streams.logs import log_event
 from streams.tasks import stop_task
 from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Op, Token
@@ -362,20 +363,25 @@ class InferenceService:
         span.event("held")
         meta = self._meta(req, scope, reservation.cost_micros)
         try:
-            self._shed(req)
+            # The queue it goes to: the class's shared one, or a candidate's pool,
+            # judged by that queue's own depth (a pool's backlog, which only its
+            # own workers take, holds back no one else).
+            pool = await self._pool_of(req)
+            queue = queue_key(req.cls, pool)
+            self._shed(req, queue)
             excess = False
             if self.fair_gate is not None:
-                # The tenant's turn (at once unless the class has a queue); counted
+                # The tenant's turn (at once unless the queue is long); counted
                 # as published to the queue watch when it comes.
                 excess = await self.fair_gate.enter(
-                    req.cls, req.tenant, req.deadline, reservation.weight, self._service_s(req),
+                    queue, req.tenant, req.deadline, reservation.weight, self._service_s(req),
                     gone,
                 )  # fmt: skip
             elif self.queue_watch is not None and self.cfg.shed:
                 # Counted as queued until the next look at the queue (a coalesced
                 # follower too: a slight overestimate, on the safe side).
-                self.queue_watch.published(req.cls)
-            stream = await self._submit(req, meta, claim is not None, excess, gone)
+                self.queue_watch.published(queue)
+            stream = await self._submit(req, meta, claim is not None, excess, gone, pool)
             span.event("queued")
         except GatewayError as exc:
             self._log_refusal(req, exc)
@@ -447,11 +453,13 @@ class InferenceService:
         idempotent: bool,
         excess: bool = False,
         gone: asyncio.Event | None = None,
+        pool: str = "",
     ) -> FrameStream:
         """Publish under the route's policies (lane, hedging), or follow an
         identical request in flight (coalescing; never on the idempotency path).
         ``excess``: a tenant's request past its turn, to the class's excess
-        subject, never hedged (its delay is its tenant's own queue)."""
+        subject, never hedged (its delay is its tenant's own queue). ``pool``:
+        the token of the candidate's pool it goes to (:meth:`_pool_of`)."""
         # The revision the request was built under (a change may land meanwhile).
         record = (
             self.routes.at(req.route, req.route_revision)
@@ -465,14 +473,6 @@ class InferenceService:
         coalesce = contract.coalesce if contract is not None else self.cfg.coalesce
 
         async def publish(grouped: bool) -> FrameStream:
-            # A routed request goes to a candidate's pool, whose workers alone pull it.
-            pool = ""
-            if req.adapter and self.pools is not None:
-                # Only the workers that hold the adapter pull its pool.
-                chosen = self.pools.choose_adapter(req.adapter, req.candidates)
-                pool = await self.pools.token(chosen)
-            elif req.candidates and self.pools is not None:
-                pool = await self.pools.token(self.pools.choose(req.candidates))
             subject, keys = self.lanes.route(
                 req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool, req.adapter
             )
@@ -492,6 +492,19 @@ class InferenceService:
         solo = idempotent or req.rollout_arm == "canary"
         return await self.coalescer.submit(req, None if solo else coalesce, publish)
 
+    async def _pool_of(self, req: InferenceRequest) -> str:
+        """The token of the pool a routed request goes to ("" for the class's shared
+        subjects): its first candidate with a live worker, whose workers alone pull
+        it; for a LoRA adapter, the first whose worker holds it."""
+        if self.pools is None:
+            return ""
+        if req.adapter:
+            chosen = self.pools.choose_adapter(req.adapter, req.candidates)
+            return await self.pools.token(chosen)
+        if req.candidates:
+            return await self.pools.token(self.pools.choose(req.candidates))
+        return ""
+
     def _service_s(self, req: InferenceRequest) -> float:
         """What an answer of this class takes once it started: its median first-token
         delay and answer time (what the fair gate adds to a request's wait)."""
@@ -501,18 +514,18 @@ class InferenceService:
         watch = self.queue_watch
         return watch.first_token_time(req.cls, first_token_s) + watch.answer_time(req.cls)
 
-    def _shed(self, req: InferenceRequest) -> None:
+    def _shed(self, req: InferenceRequest, queue: str) -> None:
         """Refuse early what the queue ahead would keep past its deadline."""
         if self.queue_watch is None or not self.cfg.shed:
             return
         first_token_s, _ = self.dispatcher.hedger.quantile(req.cls, 0.5)
         seconds_left = req.deadline - time.time()
-        retry_after = self.queue_watch.verdict(req.cls, seconds_left, first_token_s)
+        retry_after = self.queue_watch.verdict(req.cls, seconds_left, first_token_s, queue)
         if retry_after is not None:
             log_event(
                 log, "shed", request_id=req.id, tenant=req.tenant, cls=req.cls,
                 seconds_left=round(seconds_left, 3), retry_after=round(retry_after, 3),
-                **self.queue_watch.inputs(req.cls, first_token_s),
+                **self.queue_watch.inputs(req.cls, first_token_s, queue),
             )  # fmt: skip
             raise RateLimited(
                 "The queue ahead of this request would outlast its deadline; retry later.",

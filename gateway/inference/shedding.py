@@ -118,9 +118,8 @@ class QueueWatch:
     def take_look(self, look: DepthLook) -> None:
         """Another gateway's look (it is the fleet's reader)."""
         self.on_look("heard")
-        for cls, found in look.classes.items():
-            if cls in self.loads:
-                self._take(cls, found.pending, found.ack_pending, found.delivered)
+        for key, found in look.classes.items():
+            self._take(key, found.pending, found.ack_pending, found.delivered)
 
     def poke(self) -> None:
         """A follower published after an idle spell: look now."""
@@ -205,8 +204,10 @@ class QueueWatch:
         if self.share is not None:
             await self.share.publish(look)
 
-    def _take(self, cls: str, depth: int, acking: int, delivered: int) -> None:
-        load = self.loads[cls]
+    def _take(self, key: str, depth: int, acking: int, delivered: int) -> None:
+        """A look's numbers of one queue: a class's shared one, or a pool's of it
+        (streams.depth.queue_key; a pool's load is made at its first look)."""
+        load = self.loads.setdefault(key, ClassLoad())
         now = time.monotonic()
         dt = now - load.at
         if load.at and load.depth > 0 and dt > 0:  # busy since the last look
@@ -275,10 +276,10 @@ class QueueWatch:
             return before
         return rate
 
-    def inputs(self, cls: str, first_token_s: float) -> dict[str, Any]:
+    def inputs(self, cls: str, first_token_s: float, queue: str = "") -> dict[str, Any]:
         """What :meth:`verdict` weighs for ``cls`` now, for a refusal's log line:
         a refusal that a fleet then serves fast is traced to the input that was off."""
-        load = self.loads.get(cls) or ClassLoad()
+        load = self.loads.get(queue or cls) or ClassLoad()
         return {
             "depth": load.depth + load.since,
             "rate": round(load.rate, 2) if load.rate is not None else None,
@@ -288,11 +289,15 @@ class QueueWatch:
             "answer_s": _rounded(self.answer_time(cls)),
         }
 
-    def verdict(self, cls: str, seconds_left: float, first_token_s: float) -> float | None:
+    def verdict(
+        self, cls: str, seconds_left: float, first_token_s: float, queue: str = ""
+    ) -> float | None:
         """None: admit. Otherwise the Retry-After (seconds) of a refusal.
         ``first_token_s``: the class's client-side first-token delay, used only
-        until workers have reported their own (:meth:`first_token_time`)."""
-        load = self.loads.get(cls)
+        until workers have reported their own (:meth:`first_token_time`).
+        ``queue``: the queue the request goes to, when not the class's shared one
+        (a deployment pool's: streams.depth.queue_key)."""
+        load = self.loads.get(queue or cls)
         wait = load.expected_wait() if load is not None else None
         if wait is None:
             return None

@@ -173,15 +173,23 @@ async def test_a_candidate_without_workers_is_skipped_and_a_cold_pool_waits(
         (row,) = records(fleet, "r-skip")
         assert (row["deployment"], row["attempts"]) == ("dep-a", 1)
 
-        # No worker serves dep-cold: the request waits in its pool (counted in
-        # the class's queue depth, what scales a pool up from zero) ...
+        # No worker serves dep-cold: the request waits in its pool, counted in the
+        # pool's own queue depth (what scales the pool up from zero), not in the
+        # class's: only dep-cold's workers can take it, so it must neither hold
+        # back (fair gate, shedding) nor scale the class's shared workers ...
         waiting = asyncio.create_task(chat(c, fleet, "r-cold"))
+        depths: list[tuple[float, float]] = []
 
         async def queued() -> bool:
             text = (await c.get(fleet.gateway_metrics_urls[0])).text
-            return metric_sum(text, "jetserve_queue_depth", cls="interactive") >= 1
+            pool = metric_sum(
+                text, "jetserve_pool_queue_depth", cls="interactive", deployment="dep-cold"
+            )
+            depths.append((pool, metric_sum(text, "jetserve_queue_depth", cls="interactive")))
+            return pool >= 1
 
-        await until(queued, "the cold pool's request in the class's queue depth")
+        await until(queued, "the cold pool's request in the pool's queue depth")
+        assert depths[-1][1] == 0, depths  # the class's shared queue: empty
         assert not waiting.done()
         # ... until one comes.
         await asyncio.to_thread(fleet.start_worker, "--deployment-name", "dep-cold", wait=False)
