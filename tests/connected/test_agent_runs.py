@@ -210,6 +210,43 @@ def test_a_run_budget_past_the_cap_is_refused_before_any_hold(
     assert chat.status_code == 200, chat.text
 
 
+@pytest.mark.parametrize(
+    ("calls", "said"),
+    [
+        ([{"type": "function", "function": {"name": "balance", "arguments": "{}"}}], ".id must"),
+        ([{"id": None, "function": {"name": "balance", "arguments": "{}"}}], ".id must"),
+        ([{"id": 5, "function": {"name": "balance", "arguments": "{}"}}], ".id must"),
+        (
+            [
+                {"id": "c1", "function": {"name": "balance", "arguments": "{}"}},
+                {"id": "c1", "function": {"name": "balance", "arguments": "{}"}},
+            ],
+            "repeats",
+        ),
+        ([{"id": "c1", "function": {"name": "balance", "arguments": {"a": 1}}}], "JSON string"),
+        ([{"id": "c1"}], "function.name"),
+        ({"id": "c1"}, "must be a list"),
+    ],
+)
+def test_tool_calls_a_client_sends_are_checked_before_any_hold(
+    fleet: Fleet, api: httpx.Client, calls: object, said: str
+) -> None:
+    """A call the client sent without an id (or with a number) was answered under
+    another id ("None"), so the executor saw it unanswered and ran it again at every
+    pass: 4,050 messages in 20 s, the run record rewritten at each; a spawn_agent
+    call carved the child's budget twice and charged it twice."""
+    messages = [
+        {"role": "user", "content": marker()},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+    ]
+    r = api.post("/v1/runs", json={"model": "sim-8b", "messages": messages, "tools": ["balance"]})
+    assert r.status_code == 400, r.text
+    assert said in r.json()["error"]["message"]
+    bad_answer = [*messages[:1], {"role": "tool", "tool_call_id": 7, "content": "x"}]
+    r = api.post("/v1/runs", json={"model": "sim-8b", "messages": bad_answer})
+    assert r.status_code == 400, r.text
+
+
 def test_two_calls_of_one_turn_under_one_id_both_run(fleet: Fleet, api: httpx.Client) -> None:
     # Some engines repeat tool call ids within a turn: the second call used to
     # count as answered with the first's answer, and never ran.

@@ -218,6 +218,20 @@ def test_unanswered_calls_are_those_of_the_last_assistant_turn() -> None:
     assert unanswered_calls(messages) == []
 
 
+def test_a_call_whose_raw_id_is_not_a_string_is_seen_answered() -> None:
+    """The step answers a call under str(id): a record from before the gateway
+    checked client calls (an id missing, or a number) must not loop."""
+    for raw in (None, 5):
+        call: dict[str, Any] = {"function": {"name": "x", "arguments": "{}"}}
+        if raw is not None:
+            call["id"] = raw
+        messages: list[dict[str, Any]] = [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": str(raw), "content": "1"},
+        ]
+        assert unanswered_calls(messages) == [], raw
+
+
 def test_streamed_tool_call_deltas_merge_into_whole_calls() -> None:
     acc = ToolCalls()
     fn0 = {"name": "transfer", "arguments": ""}

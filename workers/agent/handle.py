@@ -21,8 +21,12 @@ def unanswered_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         m = messages[i]
         if m.get("role") != "assistant":
             continue
-        answered = {t.get("tool_call_id") for t in messages[i + 1 :] if t.get("role") == "tool"}
-        return [c for c in (m.get("tool_calls") or []) if c.get("id") not in answered]
+        # Ids as the answers carry them (str(), as the step reads a call's id): a
+        # call whose raw id is not a string is still seen answered, never re-run.
+        answered = {
+            str(t.get("tool_call_id")) for t in messages[i + 1 :] if t.get("role") == "tool"
+        }
+        return [c for c in (m.get("tool_calls") or []) if str(c.get("id")) not in answered]
     return []
 
 
