@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 _STRAGGLER_GRACE_S = 120.0
 _BATCH = 16  # requests one pull may bring, and settled at once
 _GRACE_S = 5.0  # for settlements in flight at shutdown (then redelivered)
+_RECORD_RETRY_S = 2.0  # a ledger that refused the record: asked again after this
+RUN_SETTLE_WRITER = "run-settle"  # the settlement's name, whichever replica applies it
 
 
 class RunSettler:
@@ -112,11 +114,16 @@ class RunSettler:
         spent = Spend()
         for r in tree:
             spent = spent.plus(r.spent)
+        # Under one writer's name for every replica: a redelivery (this settler
+        # killed between the charge and the record, or the ledger down) is told
+        # "repeat" with the charge applied, and writes the record (the ledger
+        # de-duplicates it by the run's id). Unnamed, it was told "someone else
+        # did it" and the run was charged with no record, ever.
         settled, charge = await self._accountant.settle(
-            root.id, spent.cost_micros, org=root.org or root.tenant
+            root.id, spent.cost_micros, RUN_SETTLE_WRITER, org=root.org or root.tenant
         )
         if not settled:
-            return None  # another replica (or a retry of ours) did it and wrote the record
+            return None  # no hold, or settled by another path (the orphan sweep)
         head = RecordHead(
             scope=Scope(root.org, root.tenant, root.key_id),
             request_id=root.id,
@@ -145,7 +152,10 @@ class RunSettler:
         try:
             await self._ledger.append(record)
         except LedgerWriteError as exc:
+            # Charged, not recorded: the request is redelivered, and its repeat
+            # writes the record (acked here, the record was lost).
             log.error("ledger append for run %s failed: %s", root.id, exc.message)
+            return _RECORD_RETRY_S
         return None
 
     async def _tree(self, root: Run) -> list[Run]:
