@@ -664,7 +664,24 @@ class InferenceService:
             # run is over, and the key is released for the next try.
             over = adm.attached and time.time() >= adm.stream.req.deadline
             then = functools.partial(self.books.idem_fail, adm.claim, adm.raw, exc, over)
+        if _follows(adm) and not exc.from_run and adm.outcome is None:
+            # A reader that only follows the run (a resume, an attached retry) failed
+            # on its own (its link, its pace, its deadline), not the run: the books
+            # are the run's owner's (or, its gateway gone, the orphan sweep's, from
+            # the capture). Settled here, its partial view (11 of 1,200 tokens) was
+            # the run's one record and charge, and the owner's full one was refused.
+            self._detach(adm)
+            if then is not None:
+                await then()
+            return
         await self.finish(adm, exc.code, exc.status, then=then)
+
+    def _detach(self, adm: Session) -> None:
+        """Stop following a run whose books are not this session's."""
+        adm.outcome = "detached"
+        adm.stream.close()
+        if isinstance(adm, Admitted):
+            self.metrics.inflight.dec()
 
     async def abandon(
         self, adm: Session, reason: str = "client_disconnected", *, may_resume: bool = True
@@ -694,13 +711,10 @@ class InferenceService:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             return
-        if isinstance(adm, Resumed) or adm.attached:
+        if isinstance(adm, Resumed) or adm.attached:  # _follows, narrowed
             # A resumed client left: the original gateway (or the one that took
             # the books) decides about the upstream; we only stop following.
-            adm.outcome = "detached"
-            adm.stream.close()
-            if isinstance(adm, Admitted):
-                self.metrics.inflight.dec()
+            self._detach(adm)
             return
         await self._cancel(adm, reason)
 
@@ -828,3 +842,9 @@ class InferenceService:
             await self.fail(adm, exc)
             raise
         return body
+
+
+def _follows(adm: Session) -> bool:
+    """Whether the session only follows a run another session owns the books of:
+    a resumed stream, or a retry attached to its Idempotency-Key's run."""
+    return isinstance(adm, Resumed) or adm.attached

@@ -390,7 +390,8 @@ async def test_a_retry_that_loses_its_own_link_leaves_the_run_and_its_claim(
     gateway 1 attaches to the run, then gateway 1 loses its link to NATS: that
     retry ends ``stream_interrupted``, its own failure, not the run's. It used
     to release the claim (a third try ran the engine again, charged again) and
-    cancel the run by id (the first client's stream ended too)."""
+    cancel the run by id (the first client's stream ended too), and it settled
+    the run's books with what it had relayed."""
     fleet = make_fleet(workers=1, gateway_args=["--heartbeat-timeout", "1"])
     body = {**BODY, "max_tokens": 400, "ignore_eos": True}  # 10 s of tokens
     started_before = await sim_started(fleet)
@@ -423,6 +424,11 @@ async def test_a_retry_that_loses_its_own_link_leaves_the_run_and_its_claim(
                 proxy.cut()
                 rest = [line async for line in lines]
             assert any("stream_interrupted" in line for line in rest), rest
+            # Its failure is not the run's: gateway 1 records no outcome and settles
+            # nothing (it used to settle its partial view: 11 of 1,200 tokens were
+            # the run's one record, and the owner's full settlement was refused).
+            gw1 = (await c.get(fleet.gateway_metrics_urls[1])).text
+            assert metric_sum(gw1, "jetserve_gateway_requests_total") == 0
             # Back on NATS: whatever gateway 1 had queued to send goes out now.
             before = proxy.accepted
             proxy.restore()
@@ -440,5 +446,5 @@ async def test_a_retry_that_loses_its_own_link_leaves_the_run_and_its_claim(
     assert third_done
     assert third_text == text
     assert await sim_started(fleet) - started_before == 1  # the engine worked once
-    rows = [r for r in ledger_records(fleet, run_id) if r["status"] == 200]
-    assert len(rows) == 1, rows
+    rows = ledger_records(fleet, run_id)
+    assert [(r["status"], r["usage"]["completion_tokens"]) for r in rows] == [(200, 400)], rows
