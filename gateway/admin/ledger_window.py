@@ -20,6 +20,7 @@ from collections import deque
 
 import msgspec
 
+from gateway.admin.rollout_analysis import ended
 from gateway.tenancy.request_ledger import LedgerFollow, LedgerFollowLost, LedgerReader
 from streams.request_ledger import LedgerRecord
 
@@ -36,6 +37,7 @@ class Sample(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     policy: str
     status: int
     first_token_ms: float | None
+    duration_ms: float = 0.0
 
 
 def sample(r: LedgerRecord) -> Sample:
@@ -48,11 +50,13 @@ def sample(r: LedgerRecord) -> Sample:
         policy=sys.intern(r.policy),
         status=r.status,
         first_token_ms=r.first_token_ms,
+        duration_ms=r.duration_ms,
     )
 
 
 class LedgerWindow:
-    """Per route, the samples of the last ``horizon_s`` seconds (by ``created``)."""
+    """Per route, the samples of the last ``horizon_s`` seconds (by when each
+    request ended: rollout_analysis.ended)."""
 
     def __init__(self, reader: LedgerReader) -> None:
         self.reader = reader
@@ -88,7 +92,7 @@ class LedgerWindow:
         cutoff = at - self.horizon_s
         for name in list(self._routes):
             kept = self._routes[name]
-            while kept and kept[0].created < cutoff:
+            while kept and ended(kept[0]) < cutoff:
                 kept.popleft()
             if not kept:
                 del self._routes[name]

@@ -53,6 +53,16 @@ class Sampled(Protocol):
     def status(self) -> int: ...
     @property
     def first_token_ms(self) -> float | None: ...
+    @property
+    def duration_ms(self) -> float: ...
+
+
+def ended(r: Sampled) -> float:
+    """When the request ended (its record is written then): what a window of the
+    last minutes counts by. By ``created``, a canary whose requests ran to a
+    deadline as long as the window (60 s each, by default) was never in it: the
+    guard saw 0 canary requests and judged nothing while they all timed out."""
+    return r.created + r.duration_ms / 1000
 
 
 class ArmFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -229,7 +239,7 @@ def analyse(
             shadow=shadow,
         )
     g = rollout.guard
-    recent = [r for r in mine if r.created >= now - g.window_s]
+    recent = [r for r in mine if ended(r) >= now - g.window_s]
     stable = figures(r for r in recent if r.rollout_arm == "stable")
     canary = figures(r for r in recent if r.rollout_arm == "canary")
     enough = min(stable.requests, canary.requests) >= g.min_samples
@@ -292,13 +302,14 @@ def _decide(g: Guard) -> tuple[str, str]:
 async def read_records(
     reader: LedgerReader, record: RouteRecord, since: float | None = None
 ) -> list[LedgerRecord]:
-    """The route's records at its revision (every tenant's), created since
+    """The route's records at its revision (every tenant's), ended since
     ``since`` (default: when the revision took effect, less the clock skew
-    the ledger allows between gateways)."""
+    the ledger allows between gateways): created up to a deadline before it."""
     name, revision = record.contract.name, record.revision
     start = record.updated_at - reader.topo.clock_skew_s
+    ran = record.contract.deadline_s
     out: list[LedgerRecord] = []
-    async for r in reader.query_all(since=max(start, since or start)):
+    async for r in reader.query_all(since=max(start, (since or start) - ran)):
         if r.route == name and r.route_revision == revision:
             out.append(r)
     return out

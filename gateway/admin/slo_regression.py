@@ -34,6 +34,7 @@ from gateway.admin.rollout_analysis import (
     ERROR_RATE_FLOOR,
     ArmFigures,
     Sampled,
+    ended,
     figures,
     read_records,
 )
@@ -56,7 +57,7 @@ def production(records: Iterable[Sampled], record: RouteRecord, since: float) ->
         for r in records
         if r.route == name
         and r.route_revision == revision
-        and r.created >= since
+        and ended(r) >= since
         and not r.shadow
         and not r.policy.startswith("rejected")
     )

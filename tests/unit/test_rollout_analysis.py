@@ -135,6 +135,22 @@ def test_only_this_revisions_served_arm_records_in_the_window_count() -> None:
     assert a.guard.canary.requests == 4
 
 
+def test_requests_that_ran_to_their_deadline_count_when_they_ended() -> None:
+    """A record is written when its request ends; the window counted by when it
+    began. A canary whose requests all ran to a deadline as long as the window
+    (60 s each, the defaults) was never in it: 0 canary requests, "collecting"
+    for ever, while every one of them timed out."""
+    late = rec("canary", status=504, ttft=None, created=NOW - 60.5, duration_ms=60_000.0)
+    a = analyse(route(), [rec("stable")] * 20 + [late] * 20, NOW)
+    assert a.decision == "failing", a.reason
+    assert a.guard is not None
+    assert a.guard.canary.requests == 20
+    # Begun inside the window or not, one that ended before it is out.
+    gone = rec("canary", status=504, ttft=None, created=NOW - 200, duration_ms=60_000.0)
+    out = analyse(route(), [rec("stable")] * 20 + [gone] * 20, NOW)
+    assert out.decision == "collecting", out.reason
+
+
 def test_a_canary_that_refuses_its_share_fails() -> None:
     # Refused after the split by the arm itself (its pool missing, no worker with
     # the adapter: 503): the canary's failures, though nothing was served. They
