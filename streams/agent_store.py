@@ -157,13 +157,18 @@ class RunStore:
         return Stored(run, rev)
 
     def _encode(self, run: Run) -> bytes:
+        limit = self.topo.max_record_bytes
         data = encode(run)
-        if len(data) > self.topo.max_record_bytes:
+        if len(data) > limit:
             raise RunTooLargeError(
-                f"run {run.id}: record of {len(data)} bytes exceeds "
-                f"{self.topo.max_record_bytes} (conversation too long)"
+                f"run {run.id}: record of {len(data)} bytes exceeds {limit} (conversation too long)"
             )
         return data
+
+    def check_new(self, run: Run) -> None:
+        """RunTooLargeError when a new run's record is over the bound (before any
+        hold is taken for it; a run that outgrows the bound later fails at that step)."""
+        self._encode(run)
 
     # -- runs by API key ------------------------------------------------------------
 

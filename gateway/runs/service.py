@@ -65,7 +65,7 @@ from streams.agent import (
     token,
 )
 from streams.agent_store import RunStore
-from streams.errors import RunConflictError, RunExistsError, RunStoreError
+from streams.errors import RunConflictError, RunExistsError, RunStoreError, RunTooLargeError
 from streams.ids import is_safe_id
 from streams.subjects import RequestClass, run_events_subject
 
@@ -129,6 +129,27 @@ class RunsService:
                 await self._started(have)
                 return have, True
         scope = Scope.of(key)
+        run = Run(
+            id=run_id,
+            tenant=key.tenant,
+            org=scope.org,
+            key_id=key.key_id,
+            key_party=key.party,
+            model=body.model,
+            deadline=deadline,
+            budget=budget,
+            price=run_price,
+            tools=tools,
+            messages=body.messages,
+            traceparent=child_traceparent(headers.get("traceparent")),
+            created=now,
+        )
+        try:
+            self.store.check_new(run)
+        except RunTooLargeError as exc:
+            # Before any hold: it was taken, then the store refused the record with a
+            # retryable 503, and every retry held the run's max_cost for a day.
+            raise _too_large(exc) from None
         try:
             held = await self.gw.accountant.reserve(
                 scope,
@@ -147,21 +168,6 @@ class RunsService:
             if have is not None:
                 return have, True
             raise Conflict("This run id was already settled.", code="duplicate_request")
-        run = Run(
-            id=run_id,
-            tenant=key.tenant,
-            org=scope.org,
-            key_id=key.key_id,
-            key_party=key.party,
-            model=body.model,
-            deadline=deadline,
-            budget=budget,
-            price=run_price,
-            tools=tools,
-            messages=body.messages,
-            traceparent=child_traceparent(headers.get("traceparent")),
-            created=now,
-        )
         try:
             # The step first: a record is never left without one (a crash here
             # leaves a nudge for a run that does not exist, which is dropped).
@@ -180,6 +186,11 @@ class RunsService:
                 raise Conflict("This run id is taken.", code="duplicate_request") from None
             await self._started(have)
             return have, True
+        except RunTooLargeError as exc:
+            # Refused whole by the bus (its payload bound below the record's): not
+            # stored, so the hold is given back, and no retry can do better.
+            await self.gw.accountant.settle(run_id, 0, org=scope.org)
+            raise _too_large(exc) from None
         except RunStoreError as exc:
             # The hold stays: the create may have landed unseen (a reply lost in
             # a leader election), and releasing would settle the id, so a retry
@@ -419,3 +430,11 @@ async def _follow(
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
+
+
+def _too_large(exc: RunTooLargeError) -> BadRequest:
+    return BadRequest(
+        f"The run is too large to store: {exc.message}. Send a shorter conversation.",
+        code="run_too_large",
+        param="messages",
+    )

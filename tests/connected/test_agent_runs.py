@@ -247,6 +247,26 @@ def test_tool_calls_a_client_sends_are_checked_before_any_hold(
     assert r.status_code == 400, r.text
 
 
+def test_a_run_too_large_to_store_is_refused_before_any_hold(
+    fleet: Fleet, api: httpx.Client
+) -> None:
+    """The gateway takes 4 MiB bodies and a run record holds 1 MiB: the hold was
+    taken, the store refused the record, and the client got a retryable 503; each
+    retry (SDKs retry 503s) held the run's max_cost until its deadline and more."""
+
+    def reserved() -> int:
+        with fleet.admin() as admin:
+            return int(admin.get_limits("tenant", fleet.spec.tenant)["reserved_micros"])
+
+    before = reserved()
+    big = [{"role": "user", "content": marker() + "x" * 1_100_000}]
+    for _ in range(2):
+        r = api.post("/v1/runs", json={"model": "sim-8b", "messages": big})
+        assert r.status_code == 400, r.text[:400]
+        assert r.json()["error"]["code"] == "run_too_large"
+    assert reserved() == before
+
+
 def test_two_calls_of_one_turn_under_one_id_both_run(fleet: Fleet, api: httpx.Client) -> None:
     # Some engines repeat tool call ids within a turn: the second call used to
     # count as answered with the first's answer, and never ran.
