@@ -100,12 +100,18 @@ class InferenceClient:
         msg_id: str | None = None,
     ) -> PubAck:
         """Enqueue one request (``payload``: its encoding, when already made).
-        QueueFullError when the work queue is full, BusUnavailableError when the
-        bus does not answer, else PublishError."""
+        QueueFullError when the work queue is full, RequestTooLargeError past the
+        bus's message size, BusUnavailableError when the bus does not answer, else
+        PublishError."""
         headers = request_headers(req, msg_id)
-        data = encode(req) if payload is None else payload
+        # Measured against the bus's bound here too: too big, nats-py raises
+        # MaxPayloadError, a nats.errors.Error, which read as the bus being down
+        # (retryable) and a caller retried it to its deadline.
+        data = self.encode(req) if payload is None else payload
         try:
             return await self._js.publish(subject, data, headers=headers, timeout=PUBLISH_TIMEOUT_S)
+        except nats.errors.MaxPayloadError as exc:
+            raise RequestTooLargeError(f"Request of {len(data)} bytes: {exc!r}") from exc
         except APIError as exc:
             text = f"{exc.description}"
             if exc.err_code in QUEUE_FULL_CODES or "maximum messages" in text:

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
@@ -22,11 +23,18 @@ from jetserve.services import Service
 from streams.auth import Role
 from streams.connect import connect
 from streams.definitions import Limits, Topology
+from streams.errors import RequestTooLargeError
 from streams.inference.frames import FrameBuffer
 from streams.marks import CancelMarks
 from streams.provision import ensure_topology
 from streams.routes import HedgePolicy
-from streams.subjects import RequestClass, cancel_subject, live_subject, reply_subject
+from streams.subjects import (
+    RequestClass,
+    cancel_subject,
+    live_subject,
+    reply_subject,
+    request_subject,
+)
 from streams.wire import (
     HEDGE_ATTEMPT_BASE,
     Cancel,
@@ -119,6 +127,22 @@ async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> No
         assert info.value.code == "queue_full"
         assert info.value.headers()["Retry-After"] == "1"
         assert (await js.stream_info("SMALL")).state.messages == 3
+
+
+async def test_a_request_over_the_bus_limit_is_too_large_not_a_bus_outage(
+    nats_server: Service,
+) -> None:
+    """Published without its payload made first (an agent's model call), a request
+    over the server's max_payload raised nats-py's MaxPayloadError, read as the bus
+    being down (retryable): the executor retried it until the step timed out."""
+    topo = Topology(stream="BIG", lanes=16)
+    async with on_bus(nats_server, topo) as (nc, _js, d):
+        req, _ = request(0)
+        big = msgspec.structs.replace(req, body={"pad": "x" * nc.max_payload})
+        with pytest.raises(RequestTooLargeError):
+            await d.client.publish(request_subject("batch"), big)
+        ack = await d.client.publish(request_subject("batch"), req)  # the bus is fine
+        assert ack.seq == 1
 
 
 async def test_token_frames_lost_in_transit_are_recovered_or_end_visibly(

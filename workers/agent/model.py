@@ -44,6 +44,7 @@ from streams.errors import (
     BusUnavailableError,
     DeadlineExceededError,
     PublishError,
+    RequestTooLargeError,
     StreamInterruptedError,
 )
 from streams.inference.client import InferenceClient
@@ -165,6 +166,15 @@ class ModelClient:
                 f"could not enqueue the model call: {exc.message}",
                 code="bus_unavailable",
                 retryable=True,
+            ) from exc
+        except RequestTooLargeError as exc:
+            # The conversation (and the tools' schemas) outgrew the bus's message:
+            # no retry can send it. It was retried as a bus outage until the step
+            # timed out, the run's lease and an executor slot held all along.
+            raise ModelCallFailed(
+                f"the model call is too large to enqueue: {exc.message}",
+                code="request_too_large",
+                retryable=False,
             ) from exc
         except PublishError as exc:
             raise ModelCallFailed(
