@@ -87,6 +87,10 @@ def coalesce_key(req: InferenceRequest, policy: CoalescePolicy | None) -> str | 
         "cls": req.cls,
         "body": {k: v for k, v in body.items() if k not in IGNORED_FIELDS},
         "headers": {k.lower(): v for k, v in req.headers.items()},
+        # Where it may run: a request under a route's new revision (a rollback
+        # away from a deployment) joined one in flight under the old, and was
+        # served by the deployment the change was meant to stop.
+        "route": [req.route, req.route_revision, req.candidates, req.adapter],
     }
     digest = hashlib.sha256(msgspec.json.encode(canonical, order="sorted")).hexdigest()
     scope = "*" if policy.cross_tenant else req.tenant
