@@ -49,7 +49,7 @@ from tools.errors import (
 )
 from tools.registry import InProcess, Reconcile, Registry, Remote, Tier, Tool
 from tools.remote import call_remote, reconcile_remote
-from tools.results import ambiguous, from_effect, from_outcome, refuse, settled
+from tools.results import ambiguous, bounded, from_effect, from_outcome, refuse, settled
 from tools.wire import (
     NeedsApproval,
     Outcome,
@@ -361,7 +361,7 @@ class ToolDispatcher:
             raise EffectUnknownError(f"{type(exc).__name__}: {exc}") from exc
         if found is not None and not isinstance(found, Outcome):
             raise EffectUnknownError(f"reconcile returned {type(found).__name__}, not Outcome")
-        return found
+        return None if found is None else bounded(found)
 
     def _client(self, tool: Tool) -> Client:
         if self.nc is None:
@@ -375,13 +375,13 @@ class ToolDispatcher:
         ToolCallError saying whether the effect is unknown or certainly absent."""
         runs = tool.runs
         if isinstance(runs, Remote):
-            return await call_remote(self._client(tool), runs.subject, args, ctx, budget)
+            return bounded(await call_remote(self._client(tool), runs.subject, args, ctx, budget))
         assert isinstance(runs, InProcess)
         try:
             async with asyncio.timeout(budget) as cm:
                 result = await runs.fn(args, ctx)
         except ToolFailure as f:
-            return Outcome.failure(f.message, f.retryable)
+            return bounded(Outcome.failure(f.message, f.retryable))
         except TimeoutError as exc:
             if cm.expired():
                 raise ToolTimeoutError("timeout") from None
@@ -391,7 +391,7 @@ class ToolDispatcher:
             log.debug("tool %s traceback", tool.name, exc_info=True)
             raise ToolCrashedError(f"tool failed: {type(exc).__name__}: {exc}") from exc
         try:
-            return Outcome.success(to_json_value(result))
+            return bounded(Outcome.success(to_json_value(result)))
         except (TypeError, msgspec.EncodeError) as exc:
             # It ran: this is its (final) outcome, not an unknown one.
             return Outcome.failure(f"tool returned a non-JSON result: {exc}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from tools.effects import Effect, kv_key
 from tools.wire import (
     AMBIGUOUS_MESSAGE,
@@ -16,6 +18,29 @@ from tools.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+# What one call's outcome may hold: it is recorded in the effect ledger and handed
+# to the model in the run's record (1 MiB each, both).
+MAX_RESULT_BYTES = 256 << 10
+MAX_ERROR_CHARS = 4096
+PREVIEW_BYTES = 4096
+
+
+def bounded(outcome: Outcome) -> Outcome:
+    """``outcome``, small enough to record. A result over MAX_RESULT_BYTES stays a
+    success (the tool ran: as a failure a model may retry it into a second effect)
+    holding a marker, its size and a preview; an error message is cut. Recorded
+    whole, a side-effecting tool's large result was refused by the ledger at every
+    redelivery and the run waited to its deadline with the effect done."""
+    if not outcome.ok:
+        if len(outcome.error) <= MAX_ERROR_CHARS:
+            return outcome
+        return Outcome.failure(outcome.error[:MAX_ERROR_CHARS] + " [truncated]", outcome.retryable)
+    data = msgspec.json.encode(outcome.result)
+    if len(data) <= MAX_RESULT_BYTES:
+        return outcome
+    preview = data[:PREVIEW_BYTES].decode("utf-8", errors="replace")
+    return Outcome.success({"truncated": True, "bytes": len(data), "preview": preview})
 
 
 def refuse(ctx: ToolContext, tool: str, error: str, *, retryable: bool = False) -> ToolResult:

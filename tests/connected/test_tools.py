@@ -217,6 +217,35 @@ async def test_same_key_twice_runs_once_and_returns_the_first_outcome(
     assert bank.entered == 2
 
 
+async def test_a_large_result_is_recorded_bounded_and_the_effect_settled(
+    ledger: EffectLedger,
+) -> None:
+    """A side-effecting tool's result over the ledger's value size was refused at
+    every redelivery: the entry stayed an intent, the run waited to its deadline
+    (or ended ambiguous) with the effect certainly done."""
+    applied: list[str] = []
+
+    async def export(args: dict[str, Any], c: ToolContext) -> Any:
+        applied.append(c.key)
+        return {"rows": ["x" * 1000] * 2000}  # ~2 MB
+
+    tool = Tool("export", "Export", {"type": "object"}, InProcess(export),
+                tier=Tier.SIDE_EFFECTING)  # fmt: skip
+    d = dispatcher(ledger, tool)
+    first = as_result(await d.call("export", "{}", ctx(), {"export"}))
+    assert first.ok
+    assert first.result["truncated"] is True
+    assert first.result["bytes"] > 2_000_000
+    assert first.result["preview"].startswith('{"rows":["xxx')
+    entry = await ledger.status(ctx().key)
+    assert entry is not None
+    assert entry.state == "done"  # settled, not an intent left to time out
+    again = as_result(await d.call("export", "{}", ctx(), {"export"}))
+    assert again.source == "ledger"
+    assert again.result == first.result
+    assert applied == [ctx().key]  # the effect once
+
+
 async def test_approval_gate_then_once_through_the_ledger(ledger: EffectLedger) -> None:
     bank = Bank()
     gated = Tool(
