@@ -19,6 +19,7 @@ into a ``msgspec.ValidationError`` with the field path).
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -34,6 +35,11 @@ Adapter = Literal["openai", "tgi", "triton"]
 RETRYABLE_CODES = ("engine_unavailable", "engine_rate_limited")
 # A deployment or route name: also a KV key, so only KV-safe characters.
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_./=-]+$")]
+# What a route name must also be to be applied now (check_new): a KV key (dots only
+# between tokens) and a path below /admin/routes/ (slashes only between tokens).
+_ROUTE_NAME = re.compile(r"[A-Za-z0-9_=-]+(?:[./][A-Za-z0-9_=-]+)*")
+# The admin API's paths below a route (/admin/routes/<name>/<suffix>).
+RESERVED_SUFFIXES = frozenset({"status", "history", "diff", "evidence", "rollback"})
 Term = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
@@ -365,6 +371,18 @@ def check_new(contract: RouteContract) -> RouteContract:
     stored record is never refused by a rule added later: a gateway would stop
     serving it, and nobody could read it to replace it). Raises
     ``msgspec.ValidationError``."""
+    name = contract.name
+    if not _ROUTE_NAME.fullmatch(name):
+        # Taken as it was ("a.", "a..b"), every write of it failed: 503, "unavailable".
+        raise msgspec.ValidationError(
+            f"name: {name!r} must be tokens of [A-Za-z0-9_=-] joined by single '.' or '/'"
+        )
+    _, slash, last = name.rpartition("/")
+    if slash and last in RESERVED_SUFFIXES:
+        # PUT /admin/routes/x/evidence is x's evidence; such a route could not be applied.
+        raise msgspec.ValidationError(
+            f"name: a route name may not end in '/{last}' (an admin path below a route)"
+        )
     pools = len(contract.candidates) * (1 + len(contract.adapters))
     if pools > MAX_POOLS_PER_ROUTE:
         # Each pool is ~132 consumers of the work queue, whose cap (8192) the

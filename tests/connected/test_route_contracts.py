@@ -164,6 +164,16 @@ def test_compare_and_set_conflict_is_409(fleet: Fleet) -> None:
         assert gone.status_code == 409
 
 
+def test_a_route_name_that_is_no_kv_key_or_an_admin_path_is_a_400(fleet: Fleet) -> None:
+    """Taken as it was, a name like ``a..b`` failed every KV write: 503 "route store
+    unavailable"; ``x/evidence`` was routed to route x's evidence."""
+    with admin_http(fleet) as c:
+        for name in ("a..b", "a.", "x/evidence"):
+            r = c.put(f"/admin/routes/{name}", json=contract(name, "dep-a"))
+            assert r.status_code == 400, (name, r.text)
+            assert "name" in r.json()["error"]["message"], r.text
+
+
 def test_admin_routes_need_the_admin_token(fleet: Fleet) -> None:
     with admin_http(fleet, token="wrong") as c:
         assert c.get("/admin/routes").status_code == 401

@@ -81,6 +81,14 @@ def test_defaults_match_the_documented_contract() -> None:
         (raw(routing={"mode": "random"}), "$.routing.mode"),
         (raw(routing={"prefix_chars": 100, "min_prefix_chars": 200}), "min_prefix_chars"),
         (raw(name="has space"), "$.name"),
+        # Not KV keys (taken, then every write failed: 503 "unavailable"), or paths
+        # below another route's in the admin API.
+        (raw(name="a..b"), "single '.' or '/'"),
+        (raw(name="a."), "single '.' or '/'"),
+        (raw(name=".a"), "single '.' or '/'"),
+        (raw(name="org//m"), "single '.' or '/'"),
+        (raw(name="x/evidence"), "may not end in '/evidence'"),
+        (raw(name="x/status"), "may not end in '/status'"),
         (raw(adapters=["a", "a"]), "appears twice"),
         (raw(adapters=["sim-8b"]), "the route's own name"),
         (raw(adapters=["has space"]), "$.adapters"),
