@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,6 @@ from gateway.errors import (
     AuthenticationFailed,
     BadRequest,
     GatewayError,
-    RateLimited,
     Unavailable,
 )
 from gateway.inference.openai_types import Parsed
@@ -45,6 +43,7 @@ from gateway.inference.service import Gate, InferenceService
 from gateway.inference.sessions import Replayed
 from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
 from gateway.ingress.sse import client_events
+from gateway.ingress.tenant_slots import TenantSlots
 from gateway.tenancy.keys import KeyRecord
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
 from streams.wire import Op
@@ -67,10 +66,7 @@ class NatsIngress:
         self._gw = gw
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
-        # Requests in flight per tenant (authenticated): a service's connection is
-        # not a socket of ours, so the bound (WebSocket: per socket) is per tenant.
-        self._inflight: Counter[str] = Counter()
-        self.max_inflight = gw.cfg.nats_max_inflight
+        self.slots = TenantSlots(gw.cfg.nats_max_inflight)  # per tenant, authenticated
 
     async def start(self) -> None:
         for subject in _OPS:
@@ -116,25 +112,12 @@ class NatsIngress:
             self._dropped(msg, "reply subject is not a tenant inbox")
             return
         stream_to = headers.get(STREAM_TO.lower())
-        shown = _Shown(msg.reply, self._enter)
+        shown = _Shown(msg.reply, self.slots.enter)
         try:
             await self._admitted_and_served(msg, op, headers, stream_to, shown)
         finally:
             if shown.tenant is not None:
-                self._inflight[shown.tenant] -= 1
-                if not self._inflight[shown.tenant]:
-                    del self._inflight[shown.tenant]
-
-    def _enter(self, tenant: str) -> None:
-        """Count one more request of ``tenant`` in flight, or refuse it (429)."""
-        if self._inflight[tenant] >= self.max_inflight:
-            raise RateLimited(
-                f"At most {self.max_inflight} requests of a tenant in flight over NATS "
-                "on this gateway; wait for one to finish.",
-                code="too_many_inflight",
-                retry_after=1.0,
-            )
-        self._inflight[tenant] += 1
+                self.slots.leave(shown.tenant)
 
     async def _admitted_and_served(
         self, msg: Msg, op: Op, headers: dict[str, str], stream_to: str | None, shown: _Shown

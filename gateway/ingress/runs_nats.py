@@ -32,6 +32,7 @@ from nats.aio.subscription import Subscription
 from gateway.errors import BadRequest, GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
 from gateway.ingress.nats_targets import inbox_tenant
+from gateway.ingress.tenant_slots import TenantSlots
 from gateway.runs.service import RunsService
 from gateway.runs.views import view
 from streams.subjects import INGRESS_RUNS
@@ -58,6 +59,9 @@ class RunsNatsIngress:
         self._runs = runs
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+        # Per tenant (authenticated), as the inference ingress: a flood of one
+        # tenant's gets grew the gateway's tasks without bound.
+        self.slots = TenantSlots(runs.gw.cfg.nats_max_inflight)
 
     async def start(self) -> None:
         for op in OPS:
@@ -89,7 +93,8 @@ class RunsNatsIngress:
             if inbox_tenant(reply) != key.tenant:
                 log.warning("runs ingress: dropped a request: reply to another tenant's inbox")
                 return
-            status, body = await self._op(op, auth, msg.data, headers)
+            with self.slots.held(key.tenant):
+                status, body = await self._op(op, auth, msg.data, headers)
         except GatewayError as exc:
             status, body = exc.status, exc.body()
         await self._nc.publish(reply, _encoder.encode(body), headers={STATUS: str(status)})
