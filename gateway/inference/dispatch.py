@@ -259,7 +259,7 @@ class Dispatcher:
         queued = None if duplicate else (ack.stream, ack.seq)
         stream = FrameStream(self, req, queue, duplicate=duplicate, queued=queued)
         if hedge is not None and not stream.duplicate:
-            self.hedger.admit(req.cls, hedge)
+            self.hedger.admit(hedge_bank(req), hedge)
             delay = self.hedger.delay(req.cls, hedge)
             if delay is not None:
                 task = asyncio.create_task(
@@ -328,7 +328,7 @@ class Dispatcher:
         req = stream.req
         if stream.started or stream.done or time.time() >= req.deadline:
             return
-        if not await self.hedger.take(req.cls):
+        if not await self.hedger.take(hedge_bank(req)):
             self.on_hedge(req.cls, "capped")
             return
         if stream.attempt is not None or stream.done:
@@ -630,6 +630,14 @@ class FollowedStream(FrameStream):
 
     async def on_first_token(self, attempt: int) -> None:
         await FrameReader.on_first_token(self, attempt)
+
+
+def hedge_bank(req: InferenceRequest) -> str:
+    """Whose hedge budget a request earns and spends: its class's, and its route's
+    within it. One bank per class let a route with ``max_extra_ratio`` 0.05 spend
+    what a route with 0.5 earned in the class: up to every one of its requests
+    hedged, against its contract's 5%."""
+    return f"{req.cls}/{req.route}" if req.route else req.cls
 
 
 def error_from_frame(frame: ErrorFrame) -> GatewayError:

@@ -47,7 +47,8 @@ class Hedger:
         return p95 if samples >= policy.min_samples and p95 > 0 else None
 
     def admit(self, cls: str, policy: HedgePolicy) -> None:
-        """Every hedge-eligible request grows its class's hedge budget."""
+        """Every hedge-eligible request grows its bank's hedge budget (``cls``: its
+        class, or its route within it: dispatch.hedge_bank)."""
         if not policy.enabled:
             return
         if self._shared is not None:

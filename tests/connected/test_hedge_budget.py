@@ -10,11 +10,42 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.inference.dispatch import hedge_bank
 from gateway.inference.hedge_budget import BANK_CAP, SharedHedgeBudget, bank_key
+from gateway.inference.hedging import Hedger
 from jetserve.fleet import Fleet
 from jetserve.services import Service
+from streams.routes import HedgePolicy
+from streams.wire import InferenceRequest
 
 pytestmark = pytest.mark.connected
+
+
+async def test_a_routes_hedges_are_capped_by_its_own_ratio(redis_server: Service) -> None:
+    """One bank per class: a route with max_extra_ratio 0.05 spent what a route with
+    0.5 earned in the same class, up to every one of its requests hedged."""
+    client = aioredis.from_url(redis_server.redis_url("gateway"))
+    hedger = Hedger(SharedHedgeBudget(client, flush_s=60))
+    generous = HedgePolicy(enabled=True, max_extra_ratio=0.5)
+    strict = HedgePolicy(enabled=True, max_extra_ratio=0.05)
+
+    def routed(route: str) -> InferenceRequest:
+        return InferenceRequest(
+            id="r", op="chat", cls="interactive", model=route, body={}, reply="x",
+            deadline=0.0, route=route,
+        )  # fmt: skip
+
+    try:
+        for _ in range(20):
+            hedger.admit(hedge_bank(routed("r-generous")), generous)
+        for _ in range(10):
+            hedger.admit(hedge_bank(routed("r-strict")), strict)
+        strict_taken = [await hedger.take(hedge_bank(routed("r-strict"))) for _ in range(10)]
+        assert sum(strict_taken) == 0  # 10 x 0.05 earns half a hedge: none
+        generous_taken = [await hedger.take(hedge_bank(routed("r-generous"))) for _ in range(20)]
+        assert sum(generous_taken) == 10  # its own 20 x 0.5
+    finally:
+        await client.aclose()
 
 
 async def test_three_replicas_share_one_bank_and_one_cap(redis_server: Service) -> None:
