@@ -14,7 +14,8 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
     ├── ResumeWindowExceeded     410 a stream whose start the frames capture no longer holds
     ├── ClientTooSlow            408 the client read the stream too slowly; it was ended
     ├── Conflict                 409 a run id taken or settled; an approval not pending
-    │   └── IdempotencyConflict  409 the key's run ended or was taken meanwhile (retryable)
+    │   ├── IdempotencyConflict  409 the key's run ended or was taken meanwhile (retryable)
+    │   └── OrgExists            409 an org of that id exists
     ├── RateLimited              429 queue full / rate limit (carries Retry-After;
     │                            a rate limit's exact wait also as retry-after-ms)
     ├── BudgetExceeded           429 ``insufficient_quota``: a budget is spent (not retryable)
@@ -173,6 +174,10 @@ class Conflict(GatewayError):
     status = 409
     type = "invalid_request_error"
     code = "conflict"
+
+
+class OrgExists(Conflict):
+    pass
 
 
 class IdempotencyConflict(Conflict):

@@ -172,7 +172,16 @@ async def list_keys(request: Request) -> Response:
 
 
 async def rotate_key(request: Request) -> Response:
-    key, record = await _tenancy(request).rotate_key(request.path_params["key_id"])
+    accountant = _accountant(request)
+
+    async def carry(old: KeyRecord, new: KeyRecord) -> None:
+        # The key's own limits go with it: they are kept by key id, and a rotated
+        # key had none (a key held at a budget of 0 went on spending). Its spend
+        # this period starts anew; the tenant's and org's go on.
+        limits = await accountant.get_limits("key", old.key_id, org=old.org)
+        await accountant.set_limits("key", new.key_id, limits, org=new.org)
+
+    key, record = await _tenancy(request).rotate_key(request.path_params["key_id"], carry)
     return web.json_response({"api_key": key, "key": _key_view(record)}, 201)
 
 

@@ -24,6 +24,7 @@ code runs on one Redis and on a cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -34,7 +35,14 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError, WatchError
 
-from gateway.errors import AuthenticationFailed, BadRequest, NotFound, PermissionDenied, Unavailable
+from gateway.errors import (
+    AuthenticationFailed,
+    BadRequest,
+    NotFound,
+    OrgExists,
+    PermissionDenied,
+    Unavailable,
+)
 from streams.ids import is_safe_id
 from streams.redis_client import RedisClient
 
@@ -203,7 +211,7 @@ class Tenancy:
     async def create_org(self, ident: str, name: str = "") -> Org:
         org = Org(check_id("org", ident), name, time.time())
         if not await self._redis.set(f"{P}org:{ident}", _enc.encode(org), nx=True):
-            raise BadRequest(f"Org '{ident}' exists.", code="conflict", status=409)
+            raise OrgExists(f"Org '{ident}' exists.")
         await self._redis.sadd(f"{P}orgs", ident)
         return org
 
@@ -216,7 +224,10 @@ class Tenancy:
     async def create_tenant(self, ident: str, org: str, name: str = "") -> Tenant:
         check_id("tenant", ident)
         if not await self._redis.exists(f"{P}org:{org}"):
-            await self.create_org(org)  # an org is implied by its first tenant
+            # An org is implied by its first tenant; two first tenants at once both
+            # imply it (the one that lost the race made it exist all the same).
+            with contextlib.suppress(OrgExists):
+                await self.create_org(org)
         tenant = Tenant(ident, org, name, time.time())
         if not await self._redis.set(f"{P}tenant:{ident}", _enc.encode(tenant), nx=True):
             raise BadRequest(f"Tenant '{ident}' exists.", code="conflict", status=409)
@@ -270,7 +281,16 @@ class Tenancy:
         # Three keys, three slots on a cluster: in this order, a failure half-way
         # leaves a record nobody was given (a retry makes a new one), never a
         # listed key id without its record.
-        await self._redis.set(f"{P}apikey:{digest}", _enc.encode(record))
+        # Create-only: an operator's api_key that is already a key (a migration run
+        # twice, a copied demo key) moved that key to this tenant, silently; its
+        # old id then pointed at the new record (a revoke of it revoked this one).
+        if not await self._redis.set(f"{P}apikey:{digest}", _enc.encode(record), nx=True):
+            raise BadRequest(
+                "This api_key is already a key; choose another (or omit it).",
+                code="conflict",
+                status=409,
+                param="api_key",
+            )
         await self._redis.set(f"{P}keyid:{record.key_id}", digest)
         await self._redis.sadd(f"{P}tenantkeys:{t.id}", record.key_id)
         return key, record
@@ -321,14 +341,22 @@ class Tenancy:
         await _optimistic(self._redis, record_key, write)
         return revoked
 
-    async def rotate_key(self, key_id: str) -> tuple[str, KeyRecord]:
-        """A new key with the same tenant, name and scopes; the old one is revoked."""
+    async def rotate_key(
+        self,
+        key_id: str,
+        carry: Callable[[KeyRecord, KeyRecord], Awaitable[None]] | None = None,
+    ) -> tuple[str, KeyRecord]:
+        """A new key with the same tenant, name and scopes; the old one is revoked.
+        ``carry(old, new)``: what else goes over (the key's limits), before the
+        old key is revoked: a failure there leaves the old key working."""
         _, old = await self._record_by_id(key_id)
         if old.revoked:
             raise BadRequest(f"Key '{key_id}' is revoked.", code="conflict", status=409)
         key, record = await self.create_key(
             old.tenant, name=old.name, scopes=old.scopes, lineage=old.party
         )
+        if carry is not None:
+            await carry(old, record)
         await self.revoke_key(key_id)
         return key, record
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from jetserve.commands.admin_client import AdminError
 from jetserve.fleet import Fleet
 
 pytestmark = pytest.mark.connected
@@ -103,3 +105,45 @@ def test_admin_api_needs_its_own_credential(fleet: Fleet) -> None:
         f"{fleet.base_url}/admin/tenants", headers={"Authorization": f"Bearer {fleet.api_key}"}
     )
     assert r.status_code == 404
+
+
+def test_key_management_keeps_keys_their_own_tenants_and_limits(fleet: Fleet) -> None:
+    """An operator's api_key that was already a key moved that key to another tenant
+    (201, silently: its old id then revoked the new record); a rotated key lost its
+    key-level limits (a key held at a budget of 0 went on spending); two first
+    tenants of one new org at once: one got 409 "Org exists"."""
+    body = {"model": "sim-8b", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    chat = f"{fleet.base_url}/v1/chat/completions"
+    plaintext = "sk-operator-chosen-0123456789abcdef"
+    with fleet.admin() as admin:
+        admin.create_tenant("globex", org="globex")
+        admin.create_tenant("acme", org="acme")
+        first = admin.create_key("globex", api_key=plaintext)
+        with pytest.raises(AdminError) as taken:
+            admin.create_key("acme", api_key=plaintext)
+        assert taken.value.status == 409
+        assert [k["tenant"] for k in admin.list_keys("globex")] == ["globex"]
+        assert admin.list_keys("acme") == []
+
+        key_id = first["key"]["key_id"]
+        admin.set_limits("key", key_id, budget_micros=0, period="total", rpm=1)
+        held = httpx.post(chat, json=body, headers={"Authorization": f"Bearer {plaintext}"})
+        assert held.status_code == 429
+        rotated = admin.rotate_key(key_id)
+        new_id = rotated["key"]["key_id"]
+        old_limits, new_limits = admin.get_limits("key", key_id), admin.get_limits("key", new_id)
+        for field in ("budget_micros", "period", "rpm"):
+            assert new_limits[field] == old_limits[field], (field, new_limits)
+        headers = {"Authorization": f"Bearer {rotated['api_key']}"}
+        assert httpx.post(chat, json=body, headers=headers).status_code == 429
+
+    async def two_first_tenants() -> list[int]:
+        async with httpx.AsyncClient(
+            base_url=fleet.admin_url, headers={"Authorization": f"Bearer {fleet.admin_token}"}
+        ) as c:
+            made = await asyncio.gather(
+                *(c.post("/admin/tenants", json={"id": t, "org": "neworg"}) for t in ("t-1", "t-2"))
+            )
+        return [r.status_code for r in made]
+
+    assert asyncio.run(two_first_tenants()) == [201, 201]
