@@ -27,6 +27,7 @@ from gateway.admin.rollout_status import ROLLOUT_STATUS_ROUTES
 from gateway.admin.route_contracts import ROUTE_CONTRACT_ROUTES, Handler
 from gateway.admin.route_evidence import EVIDENCE_ROUTES
 from gateway.admin.route_rollback import ROLLBACK_ROUTES
+from gateway.decoding import decode_body
 from gateway.errors import AuthenticationFailed, BadRequest, GatewayError, Unavailable
 from gateway.runtime import Runtime
 from gateway.tenancy.accounting import Accountant, LimitSpec
@@ -60,13 +61,6 @@ class Limits(msgspec.Struct):
     rpm: int | None = None
     tpm: int | None = None
     weight: float | None = None
-
-
-def _decode(raw: bytes, kind: type[T]) -> T:
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"Invalid body: {exc}") from exc
 
 
 def _key_view(record: KeyRecord) -> dict[str, Any]:
@@ -121,7 +115,7 @@ def guarded(handler: Handler) -> Handler:
 
 
 async def create_tenant(request: Request) -> Response:
-    body = _decode(await request.body(), NewTenant)
+    body = decode_body(await request.body(), NewTenant)
     if SHADOW_TENANT in (body.id, body.org):
         raise BadRequest(
             f"'{SHADOW_TENANT}' is the operator tenant of shadow copies; it cannot be created.",
@@ -155,7 +149,7 @@ async def show_tenant(request: Request) -> Response:
 
 
 async def create_key(request: Request) -> Response:
-    body = _decode(await request.body(), NewKey)
+    body = decode_body(await request.body(), NewKey)
     # Tenancy.create_key refuses a chosen key under MIN_KEY_CHARS and unknown actions.
     key, record = await _tenancy(request).create_key(
         body.tenant, name=body.name, scopes=body.scopes, plaintext=body.api_key
@@ -219,7 +213,7 @@ async def _org_of(request: Request, level: Level, ident: str, *, writing: bool) 
 async def put_limits(request: Request) -> Response:
     level, ident = _level_of(request)
     org = await _org_of(request, level, ident, writing=True)
-    body = _decode(await request.body(), Limits)
+    body = decode_body(await request.body(), Limits)
     try:
         spec = LimitSpec(body.budget_micros, body.period, body.rpm, body.tpm, body.weight)
     except ValueError as exc:

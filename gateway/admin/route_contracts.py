@@ -38,7 +38,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import web
-from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.decoding import decode_json
+from gateway.errors import BadRequest, GatewayError, NotFound, RequestTooLarge, Unavailable
 from gateway.inference.route_table import RouteTable
 from streams.headers import Header
 from streams.kv_log import KvLog, KvMessage
@@ -162,14 +163,29 @@ def store_of(request: Request) -> RouteStore:
     return RouteStore(table.kv, table)
 
 
+# JetStream's "message size exceeds maximum allowed": the write can never succeed.
+_TOO_BIG = 10054
+
+
 def nats_guarded(handler: Handler) -> Handler:
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
+        except nats.errors.MaxPayloadError as exc:
+            raise _too_big(exc) from exc
+        except APIError as exc:
+            if exc.err_code == _TOO_BIG:
+                raise _too_big(exc) from exc
+            raise Unavailable(f"The route store (NATS KV) is unavailable: {exc}") from exc
         except (nats.errors.Error, TimeoutError) as exc:
             raise Unavailable(f"The route store (NATS KV) is unavailable: {exc}") from exc
 
     return wrapped
+
+
+def _too_big(exc: Exception) -> RequestTooLarge:
+    # A retryable 503 ("unavailable") before: an operator's script retried it for ever.
+    return RequestTooLarge(f"Too large for the route store: {exc}")
 
 
 async def next_revision(s: RouteStore, name: str, head: KvMessage | None) -> int:
@@ -332,10 +348,7 @@ ROUTE_CONTRACT_ROUTES: tuple[tuple[str, str, Handler], ...] = tuple(
 
 
 def _parse_apply(raw: bytes) -> tuple[RouteContract, int | None]:
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"Invalid JSON body: {exc}") from exc
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("The body must be a JSON object (a route contract).")
     expected = body.pop("expected_revision", None)

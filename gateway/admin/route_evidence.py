@@ -41,6 +41,7 @@ from gateway.admin.route_contracts import (
     revision_param,
     store_of,
 )
+from gateway.decoding import decode_body
 from gateway.errors import BadRequest, Conflict
 from gateway.inference.pools import PoolView
 from streams.evidence import (
@@ -223,12 +224,7 @@ async def _revision(s: RouteStore, name: str, revision: int | None) -> RouteReco
 
 async def attach(request: Request) -> Response:
     name = request.path_params["name"]
-    try:
-        update = msgspec.json.decode(await request.body() or b"{}", type=EvidenceUpdate)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"Invalid evidence: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"Invalid JSON body: {exc}") from exc
+    update = decode_body(await request.body() or b"{}", EvidenceUpdate)
     if update.slo is not None:
         raise BadRequest("'slo' is measured by the gateway: ask for measure_slo.", param="slo")
     record = await _revision(store_of(request), name, update.revision)

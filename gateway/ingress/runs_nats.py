@@ -29,7 +29,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from gateway.errors import BadRequest, GatewayError
+from gateway.decoding import decode_body
+from gateway.errors import GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
 from gateway.ingress.nats_targets import inbox_tenant
 from gateway.ingress.tenant_slots import TenantSlots
@@ -105,16 +106,11 @@ class RunsNatsIngress:
         if op == "create":
             run, replayed = await self._runs.create(data, headers)
             return (200 if replayed else 201), view(run)
-        try:
-            if op == "approve":
-                a = msgspec.json.decode(data, type=_Approve)
-                body = _encoder.encode({"approve": a.approve, "reason": a.reason})
-                return 202, await self._runs.decide(auth, a.run_id, a.call_id, body)
-            ref = msgspec.json.decode(data, type=_Ref)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise BadRequest(f"Invalid body: {exc}") from None
-        except RecursionError:
-            raise BadRequest("Invalid body: nested too deeply.") from None
+        if op == "approve":
+            a = decode_body(data, _Approve)
+            body = _encoder.encode({"approve": a.approve, "reason": a.reason})
+            return 202, await self._runs.decide(auth, a.run_id, a.call_id, body)
+        ref = decode_body(data, _Ref)
         if op == "get":
             return 200, view(await self._runs.get(auth, ref.run_id))
         run = await self._runs.cancel(auth, ref.run_id)

@@ -39,17 +39,6 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     reason: str = ""
 
 
-def decode_body(raw: bytes, kind: type[T]) -> T:
-    try:
-        return msgspec.json.decode(raw or b"null", type=kind)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"Invalid body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"Invalid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest("Invalid JSON: nested too deeply.") from None
-
-
 MAX_CALL_ID = 256
 
 

@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
+from gateway.decoding import decode_body
 from gateway.errors import (
     BadRequest,
     BudgetExceeded,
@@ -43,7 +44,6 @@ from gateway.runs.bodies import (
     Decision,
     RunCreate,
     check_messages,
-    decode_body,
     run_budget,
     run_deadline,
 )

@@ -174,6 +174,28 @@ def test_a_route_name_that_is_no_kv_key_or_an_admin_path_is_a_400(fleet: Fleet) 
             assert "name" in r.json()["error"]["message"], r.text
 
 
+def test_admin_bodies_too_deep_or_too_big_are_the_callers_fault(fleet: Fleet) -> None:
+    """A deeply nested admin body got a plain-text 500 (the decoder's recursion
+    bound); evidence over the store's message size a retryable 503 "unavailable"."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+    headers = {"Content-Type": "application/json"}
+    with admin_http(fleet) as c:
+        assert c.put("/admin/routes/r-big", json=contract("r-big", "dep-a")).status_code == 201
+        for method, path, field in (
+            ("POST", "/admin/tenants", b"x"),
+            ("POST", "/admin/keys", b"x"),
+            ("PUT", "/admin/routes/r-deep", b"x"),
+            ("PUT", "/admin/routes/r-big/evidence", b"bench"),  # its fields only
+        ):
+            deep = b'{"' + field + b'": {"x": ' + nested + b"}}"
+            r = c.request(method, path, content=deep, headers=headers)
+            assert r.status_code == 400, (path, r.text[:200])
+            assert "nested too deeply" in r.json()["error"]["message"], (path, r.text[:200])
+        big = {"conformance": {"dep-a": {"blob": "x" * 1_500_000}}}
+        r = c.put("/admin/routes/r-big/evidence", json=big)
+        assert r.status_code == 413, r.text[:300]
+
+
 def test_admin_routes_need_the_admin_token(fleet: Fleet) -> None:
     with admin_http(fleet, token="wrong") as c:
         assert c.get("/admin/routes").status_code == 401
