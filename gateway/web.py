@@ -1,20 +1,25 @@
 """Starlette pieces shared by the public app and the admin app: JSON bodies,
-OpenAI-shaped error responses and handlers, and ledger-window query parsing."""
+OpenAI-shaped error responses and handlers, ledger-window query parsing, and the
+ledger read streamed as JSON lines."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
+import nats.errors
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Scope, Send
 
-from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
 from streams.logs import log_event
+from streams.request_ledger import LedgerRecord, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +90,34 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
         return error_response(NotFound(f"Unknown path {request.url.path}", code="not_found"))
     err = BadRequest(str(exc.detail), code="method_not_allowed", status=exc.status_code)
     return error_response(err)
+
+
+LEDGER_LINES_PER_CHUNK = 256
+
+
+async def ledger_lines(records: AsyncGenerator[LedgerRecord, None]) -> Response:
+    """A ledger read as JSON lines, streamed as it is read: built whole, a read of a
+    tenant's 200,000 records held 470 MB in the gateway (and a tenant makes records
+    at will: every refusal is one). A bus that cannot be read at the start is a 503;
+    one lost mid-read aborts the response (its chunked body never ends), never a
+    short body that looks whole. The read's consumer goes when the body ends or
+    its client leaves."""
+    try:
+        first = await anext(records, None)
+    except (nats.errors.Error, TimeoutError) as exc:
+        await records.aclose()
+        raise Unavailable("The ledger is unavailable.", code="bus_unavailable") from exc
+
+    async def body() -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(records):
+            if first is None:
+                return
+            chunk = [encode_record(first)]
+            async for record in records:
+                chunk.append(encode_record(record))
+                if len(chunk) >= LEDGER_LINES_PER_CHUNK:
+                    yield b"\n".join(chunk) + b"\n"
+                    chunk = []
+            yield b"\n".join(chunk) + b"\n"
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")

@@ -33,7 +33,7 @@ from gateway.runtime import Runtime
 from gateway.tenancy.accounting import Accountant, LimitSpec
 from gateway.tenancy.keys import KeyRecord, Scopes, Tenancy
 from gateway.tenancy.limits import SHADOW_TENANT, Scope
-from streams.request_ledger import InvalidTenantError, encode_record
+from streams.request_ledger import InvalidTenantError
 
 T = TypeVar("T")
 Level = Literal["org", "tenant", "key"]
@@ -242,9 +242,7 @@ async def ledger(request: Request) -> Response:
     rt = _runtime(request)
     reader = rt.ledger_reader
     await rt.gateway.settlements.flush()  # this replica's answered requests are in it
-    lines = [encode_record(r) async for r in reader.query(tenant, since, until, limit)]
-    body = b"\n".join(lines) + (b"\n" if lines else b"")
-    return Response(body, media_type="application/x-ndjson")
+    return await web.ledger_lines(reader.query(tenant, since, until, limit))
 
 
 async def healthz(request: Request) -> Response:

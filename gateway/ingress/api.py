@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import nats.errors
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.errors import BadRequest, GatewayError, NotFound, Unavailable
+from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.inference.dispatch import error_from_frame
 from gateway.inference.service import InferenceService
 from gateway.inference.sessions import Admitted, Replayed
@@ -23,10 +22,9 @@ from gateway.ingress.sse import (
     wait_disconnect,
 )
 from gateway.tenancy.request_ledger import LedgerReader
-from gateway.web import error_response, json_response, ledger_window
+from gateway.web import error_response, json_response, ledger_lines, ledger_window
 from streams.ids import is_safe_id
 from streams.inference.frames import Event
-from streams.request_ledger import encode_record
 from streams.wire import ErrorFrame, Op
 
 
@@ -160,13 +158,7 @@ async def tenant_ledger(request: Request) -> Response:
     since, until, limit = ledger_window(request)
     reader: LedgerReader = request.app.state.ledger_reader
     await gw.settlements.flush()  # this replica's answered requests are in it
-    try:
-        lines = [encode_record(r) async for r in reader.query(key.tenant, since, until, limit)]
-    except (nats.errors.Error, TimeoutError) as exc:
-        raise Unavailable("The ledger is unavailable.", code="bus_unavailable") from exc
-    return Response(
-        b"\n".join(lines) + (b"\n" if lines else b""), media_type="application/x-ndjson"
-    )
+    return await ledger_lines(reader.query(key.tenant, since, until, limit))
 
 
 async def healthz(request: Request) -> Response:
