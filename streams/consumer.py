@@ -30,7 +30,9 @@ was empty asks the consumer's pending count (one API call, no slot) every
 class's empty queue then keeps no slot from interactive work under
 saturation, and its floor goes to the class that has work (issue 15); nor does
 its idle poll (up to a quarter of ``idle_poll_s``) hold a one-slot worker's
-only slot while interactive requests pass it by.
+only slot while interactive requests pass it by. The count leaves out messages
+waiting to be delivered again (handed back, nak'd, their ack_wait run out), so a
+peeking puller with slots to spare pulls for real every ``PEEK_PULL_EVERY_S``.
 
 A source is anything with ``run()`` (pull and start messages until cancelled,
 or until its slots close) and ``hand_back()``: :class:`PullLoop` fetches from
@@ -57,6 +59,8 @@ from nats.js import JetStreamContext
 from streams.tasks import stop_task
 
 log = logging.getLogger(__name__)
+
+PEEK_PULL_EVERY_S = 2.0  # a peeking puller pulls for real at least this often
 
 Handle = Callable[[Msg], Coroutine[None, None, None]]
 _EXPIRY_MARGIN_S = 0.2  # the server's expiry runs a little after our clock's
@@ -220,9 +224,16 @@ class PullLoop:
         if wait:
             if idle and self._peek:
                 # Quiet, with slots to spare: a polling slot keeps no one out.
+                peeking_since = time.monotonic()
                 while not self._quiet() or self._scarce():
                     if await self._pending():
                         idle = False  # work in sight: a waiter like any other
+                        break
+                    if time.monotonic() - peeking_since >= PEEK_PULL_EVERY_S and not self._scarce():
+                        # num_pending leaves out a message waiting to be delivered
+                        # again (handed back, nak'd, its ack_wait run out): a worker
+                        # busy with other classes saw none, and it waited for a new
+                        # message of its class or its deadline, slots free.
                         break
                     await asyncio.sleep(self._poll)
             if not await self._slots.acquire(idle):
