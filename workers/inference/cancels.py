@@ -111,10 +111,17 @@ class CancelWatch:
             self._loaded_at = count
             return True
 
-    async def recall(self, request_id: str) -> None:
-        """Before ``request_id`` starts: while notes that could still matter have
-        been let go (``max_notes``), its mark is read, if it has none here."""
-        if time.monotonic() >= self._spilled_until or request_id in self._notes:
+    async def check(self, request_id: str) -> None:
+        """Before ``request_id`` starts: when the notes here may lack its cancel (the
+        marks not read since the last reconnect, or notes that could still matter
+        let go: ``max_notes``), its own mark is read: one KV get. The full read
+        goes on in the background; a request waiting for it (it took 10 s for
+        300,000 marks, with nothing telling the server the message was still
+        ours) was delivered again to another worker and run twice."""
+        complete = self._loaded_at == self._nc.stats["reconnects"]
+        if not complete:
+            self._reconnected()  # the full read, if none is under way
+        if (complete and time.monotonic() >= self._spilled_until) or request_id in self._notes:
             return
         try:
             kv = await self._marks.open()

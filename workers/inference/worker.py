@@ -558,8 +558,7 @@ class Worker:
             return
         watch = self._cancels
         assert watch is not None
-        await watch.fresh()  # reads the marks again only after a reconnect
-        await watch.recall(req.id)  # reads its mark only when notes were let go
+        await watch.check(req.id)  # its own mark, only after a reconnect or a spill
         with watch.watch(req.id, attempt) as cancelled:
             if cancelled.is_set():
                 # Cancelled before it started: nobody waits, but a reader of the
