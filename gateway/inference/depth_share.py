@@ -11,6 +11,8 @@ others take their numbers from there and look at nothing themselves.
   (a heartbeat), so a follower that hears nothing for the lease's ttl knows the
   reader is gone and tries the lease itself: a dead reader is replaced within
   about ``3 · renew_s``, and meanwhile followers keep its last numbers.
+- A heartbeat is the last look again, its time unchanged: a follower notes the
+  reader alive and takes nothing from it (no new numbers).
 - A follower's own publish may end an idle spell the reader does not know of
   (it looks seldom while idle): the follower nudges it on ``DEPTH_POKE_SUBJECT``,
   at most once a look interval, and only while the numbers it holds say idle.
@@ -70,6 +72,7 @@ class DepthShare:
         self._heard_at = 0.0  # monotonic; the last look heard from another reader
         self._poked_at = 0.0
         self._last: DepthLook | None = None  # the last look this gateway published
+        self._taken_at = 0.0  # the time of the newest look heard and taken
         self._subs: list[Subscription] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -143,6 +146,13 @@ class DepthShare:
         # Heard while leading: a renewal of ours was late and another took the
         # lease; our next renewal fails and settles it. Both are true looks.
         self._heard_at = time.monotonic()
+        if look.at <= self._taken_at:
+            # A heartbeat (the reader's last look again: it is alive, and has not
+            # looked since, maybe because it cannot): no new numbers. Taken as a
+            # look, each one was a spell with no starts, the rate decayed, and
+            # within ~20 s every follower refused every class with a queue.
+            return
+        self._taken_at = look.at
         self._on_look(look)
 
     async def _poked(self, msg: Msg) -> None:

@@ -11,7 +11,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from gateway.inference.depth_share import LEASE_KEY, DepthShare
 from jetserve.fleet import Fleet
+from jetserve.services import Service
+from streams.auth import Role
+from streams.connect import connect
+from streams.depth import DEPTH_SUBJECT, LOOK_ENCODER, ClassDepth, DepthLook
+from streams.leases import KvLease, ensure_leases
 from tests.scrape import metric_sum
 from tests.waits import until
 
@@ -136,3 +142,36 @@ async def test_a_busy_workers_peeks_are_answered_from_the_looks(
         )
         assert r.status_code == 200, r.text
         assert [x.status_code for x in await stalled] == [200] * 3
+
+
+async def test_a_heartbeat_is_not_taken_as_a_new_look(nats_server: Service) -> None:
+    """The reader republishes its last look every renew_s, its time unchanged (and
+    goes on doing so when it cannot look): a follower took each as a look in
+    which nothing started, its start rate decayed, and within ~20 s it refused
+    every class with a queue while the reader admitted."""
+    url = f"nats://127.0.0.1:{nats_server.port}"
+    reader = await connect(url, "reader", nats_server.bus_auth(Role.GATEWAY))
+    follower = await connect(url, "follower", nats_server.bus_auth(Role.GATEWAY))
+    taken: list[DepthLook] = []
+
+    async def lease() -> KvLease:
+        return KvLease(await ensure_leases(follower.jetstream()), LEASE_KEY, "f", ttl_s=180)
+
+    share = DepthShare(follower, "f", lease, taken.append, lambda: None, renew_s=60)
+    try:
+        await share.start()
+        depths = {"interactive": ClassDepth(pending=20, delivered=50, found=True)}
+        look = DepthLook("r", depths, 1000.0)
+        newer = DepthLook("r", depths, 1001.0)
+        for sent in (look, look, look, newer):  # a look, two heartbeats, a new look
+            await reader.publish(DEPTH_SUBJECT, LOOK_ENCODER.encode(sent))
+        await until(lambda: _async(bool(taken) and taken[-1].at == 1001.0), "the new look")
+        assert [t.at for t in taken] == [1000.0, 1001.0]
+    finally:
+        await share.stop()
+        await follower.close()
+        await reader.close()
+
+
+async def _async(value: bool) -> bool:
+    return value
