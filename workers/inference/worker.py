@@ -854,7 +854,11 @@ class Worker:
         attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
         moved = msgspec.structs.replace(req, attempt_base=attempt)
         headers = dict(msg.headers or {})
-        headers[Header.MSG_ID] = f"{req.id}.f{attempt}"  # not the original's dedupe id
+        # Not the original's dedupe id, and one per target pool (not per attempt): an
+        # original run again after a hand-over whose end was lost (this worker
+        # killed between the publish and the term) hands over a copy that is
+        # stored once, not a second one there.
+        headers[Header.MSG_ID] = f"{req.id}.f-{pool_token(later[0])}"
         js = self._js
         assert js is not None
         try:
