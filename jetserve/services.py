@@ -347,11 +347,16 @@ def start_redis_cluster(
             node = start_redis(workdir / f"r{i}", acl=acl, appendfsync=appendfsync, extra=flags)
             node.creds = creds
             nodes.append(node)
-        auth = [] if creds is None else ["--user", "admin", "--pass", creds.redis_password("admin")]
+        # The admin's password through REDISCLI_AUTH, never in the argv (which every
+        # user of the machine reads in /proc while the cluster is made).
+        auth = [] if creds is None else ["--user", "admin"]
+        env = dict(os.environ)
+        if creds is not None:
+            env["REDISCLI_AUTH"] = creds.redis_password("admin")
         create = [shutil.which("redis-cli") or "redis-cli", *auth, "--cluster", "create"]
         create += [f"127.0.0.1:{n.port}" for n in nodes]
         create += ["--cluster-replicas", "0", "--cluster-yes"]
-        done = subprocess.run(create, capture_output=True, timeout=timeout, check=False)
+        done = subprocess.run(create, capture_output=True, timeout=timeout, check=False, env=env)
         if done.returncode != 0:
             raise ServiceError(
                 f"redis-cli --cluster create failed: {done.stdout!r} {done.stderr!r}"

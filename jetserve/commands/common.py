@@ -77,3 +77,15 @@ def redis_password(args: argparse.Namespace, role: str) -> str | None:
             f"(redis://{role}@host:6379/0), or pass --insecure"
         )
     return password
+
+
+ENGINE_API_KEY_ENV = "JETSERVE_ENGINE_API_KEY"
+
+
+def engine_api_key() -> str | None:
+    """The engine's API key (a bearer token it checks), from JETSERVE_ENGINE_API_KEY
+    or the file named by JETSERVE_ENGINE_API_KEY_FILE: never a flag, which every
+    user of the machine reads in the worker's command line for as long as it runs."""
+    from streams.secrets import read_secret
+
+    return read_secret(ENGINE_API_KEY_ENV)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from jetserve.commands.admin import add_admin_options, client
 from jetserve.commands.admin_client import AdminError
+from jetserve.commands.common import engine_api_key
 from jetserve.conformance.publish import document, run_dialects
 from jetserve.conformance.report import Report, matrix_markdown
 from workers.engines.factory import DIALECTS, SIM_DIALECTS
@@ -30,7 +31,11 @@ def register(sub: Subparsers) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", required=True, help="engine base URL")
+    p.add_argument(
+        "--engine",
+        required=True,
+        help="engine base URL (an API key it checks: JETSERVE_ENGINE_API_KEY, or _FILE)",
+    )
     p.add_argument(
         "--dialect",
         choices=[*DIALECTS, "all"],
@@ -39,7 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "dialect (the simulator)",
     )
     p.add_argument("--model", default="sim-8b", help="model name (Triton's URL needs it)")
-    p.add_argument("--engine-api-key", default=None)
     p.add_argument(
         "--no-faults",
         dest="faults",
@@ -73,7 +77,7 @@ async def _run(args: argparse.Namespace) -> list[Report]:
         args.engine,
         dialects,
         model=args.model,
-        api_key=args.engine_api_key,
+        api_key=engine_api_key(),
         faults_supported=args.faults,
     )
 

@@ -17,6 +17,7 @@ from jetserve.commands.common import (
     REPLICAS_HELP,
     add_bus_args,
     bus_auth,
+    engine_api_key,
     split_csv,
 )
 
@@ -43,7 +44,8 @@ def register(sub: Subparsers) -> None:
         metavar="URL",
         help="OpenAI-compatible base URL (default http://127.0.0.1:8100); repeat it to drive "
         "several engines from one process: each is a replica of its own (worker id "
-        "<id>-<n>, admission, lanes; its metrics labelled replica=<id>-<n>)",
+        "<id>-<n>, admission, lanes; its metrics labelled replica=<id>-<n>). An API key "
+        "the engine checks: JETSERVE_ENGINE_API_KEY (or _FILE), never a flag",
     )
     w.add_argument(
         "--kv-events",
@@ -56,7 +58,6 @@ def register(sub: Subparsers) -> None:
         "--engine, in the same order",
     )
     w.add_argument("--kv-events-topic", default="", help="the events' ZMQ topic (prefix)")
-    w.add_argument("--engine-api-key", default=None)
     w.add_argument(
         "--engine-dialect",
         dest="dialect",
@@ -170,9 +171,7 @@ async def _run(args: argparse.Namespace) -> int:
                 kv_events_topic=args.kv_events_topic,
             )
             engine = await stack.enter_async_context(
-                make_adapter(
-                    args.dialect, url, args.engine_api_key, model, args.engine_context_length
-                )
+                make_adapter(args.dialect, url, engine_api_key(), model, args.engine_context_length)
             )
             try:
                 workers.append(Worker(cfg, engine))
