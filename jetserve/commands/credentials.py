@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,9 +92,13 @@ def k8s_secrets(creds: Credentials, namespace: str) -> str:
     the gateway's also its ``key_secret`` and ``admin_token``), and the servers'
     files (no secret in them, but kept beside the rest)."""
 
-    def secret(name: str, files: dict[str, str]) -> dict[str, object]:
+    def secret(
+        name: str, files: dict[str, str], annotations: dict[str, str] | None = None
+    ) -> dict[str, object]:
         data = {k: base64.b64encode(v.encode()).decode() for k, v in files.items()}
-        meta = {"name": name, "namespace": namespace}
+        meta: dict[str, object] = {"name": name, "namespace": namespace}
+        if annotations:
+            meta["annotations"] = annotations
         return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": data}
 
     redis_of = {"gateway": "gateway", "agent": "agent", "admin": "admin"}
@@ -106,9 +112,8 @@ def k8s_secrets(creds: Credentials, namespace: str) -> str:
             files["admin_token"] = creds.admin_token()
         docs.append(secret(f"jetserve-{role.value}", files))
     for tenant in creds.tenants:
-        docs.append(
-            secret(f"jetserve-service-{tenant}", {"nats.nk": creds.seed(Role.SERVICE, tenant)})
-        )
+        seed = {"nats.nk": creds.seed(Role.SERVICE, tenant)}
+        docs.append(secret(service_secret_name(tenant), seed, {"jetserve.dev/tenant": tenant}))
     servers = {
         "nats-auth.conf": creds.nats_conf.read_text(),
         "redis.acl": creds.redis_acl.read_text(),
@@ -116,3 +121,19 @@ def k8s_secrets(creds: Credentials, namespace: str) -> str:
     docs.append(secret("jetserve-bus-auth", servers))
     # JSON is YAML: one document per Secret.
     return "\n---\n".join(json.dumps(d, indent=2) for d in docs)
+
+
+_K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def service_secret_name(tenant: str) -> str:
+    """The Secret of ``tenant``'s service credential: ``jetserve-service-<tenant>``
+    when that is a Kubernetes name (lower case, digits, inner dashes), else the
+    tenant made one (``Acme_EU`` -> ``acme-eu``) and a hash of it, so two tenants
+    never share one (``Acme`` and ``acme``); the tenant is in its annotation.
+    Tenant ids allow upper case and ``_``, which kubectl refused."""
+    if _K8S_NAME.fullmatch(tenant):
+        return f"jetserve-service-{tenant}"
+    slug = re.sub(r"[^a-z0-9-]+", "-", tenant.lower()).strip("-") or "t"
+    digest = hashlib.sha256(tenant.encode()).hexdigest()[:8]
+    return f"jetserve-service-{slug}-{digest}"

@@ -1182,3 +1182,23 @@ def test_scale_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     # Nothing listens on port 1: an error and status 1, not a hang.
     assert jetserve_cli.main(["scale", "--insecure", "--nats", "nats://127.0.0.1:1"]) == 1
     assert "cannot connect to NATS" in capsys.readouterr().err
+
+
+def test_every_tenants_service_secret_has_a_kubernetes_name(tmp_path: Path) -> None:
+    """Tenant ids allow upper case and ``_``; a Secret's name does not: tenant
+    ``Acme_EU``'s Secret was refused by kubectl, its service credential never
+    deployed. Two tenants that differ only in case get two Secrets."""
+    creds = generate(tmp_path / "creds", ("demo", "Acme_EU", "acme-eu", "ACME-EU"))
+    docs = [json.loads(text) for text in k8s_secrets(creds, NAMESPACE).split("\n---\n")]
+    services = {
+        d["metadata"]["annotations"]["jetserve.dev/tenant"]: d["metadata"]["name"]
+        for d in docs
+        if "annotations" in d["metadata"]
+    }
+    assert set(services) == {"demo", "Acme_EU", "acme-eu", "ACME-EU"}
+    assert services["demo"] == "jetserve-service-demo"  # a Kubernetes name: as it was
+    assert services["acme-eu"] == "jetserve-service-acme-eu"
+    assert len(set(services.values())) == 4
+    for name in services.values():
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name), name
+        assert len(name) <= 253
