@@ -106,23 +106,40 @@ async def open_stream(
         await response.aclose()
 
 
+class CappedBody:
+    """A body read chunk by chunk, at most ``cap`` bytes: past it ResponseTooLarge,
+    or (``cut``, for error bodies) the first ``cap`` bytes and no more."""
+
+    def __init__(self, cap: int, cut: bool) -> None:
+        self._cap, self._cut = cap, cut
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, chunk: bytes) -> bool:
+        """Keep ``chunk``; False when the body is full (cut): read no more."""
+        self._size += len(chunk)
+        if self._size <= self._cap:
+            self._parts.append(chunk)
+            return True
+        if not self._cut:
+            raise ResponseTooLarge(f"The engine's answer is over {self._cap} bytes.")
+        self._parts.append(chunk[: self._cap - self._size + len(chunk)])
+        return False
+
+    def bytes(self) -> bytes:
+        return b"".join(self._parts)
+
+
 async def read_body(response: httpx.Response, cap: int, *, cut: bool = False) -> bytes:
-    """A streamed response's body, at most ``cap`` bytes: past it ResponseTooLarge,
-    or (``cut``, for error bodies) the first ``cap`` bytes."""
-    parts: list[bytes] = []
-    size = 0
+    """A streamed httpx response's body (:class:`CappedBody`)."""
+    body = CappedBody(cap, cut)
     try:
         async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > cap:
-                if not cut:
-                    raise ResponseTooLarge(f"The engine's answer is over {cap} bytes.")
-                parts.append(chunk[: cap - size + len(chunk)])
+            if not body.add(chunk):
                 break
-            parts.append(chunk)
     except httpx.TransportError as exc:
         raise EngineConnectionLost(f"engine stream broke: {exc!r}") from exc
-    return b"".join(parts)
+    return body.bytes()
 
 
 def line_too_long() -> ResponseTooLarge:

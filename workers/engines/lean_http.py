@@ -26,12 +26,13 @@ from workers.engines.http import (
     MAX_ERROR_BODY,
     MAX_SSE_LINE,
     PROBE_TIMEOUT_S,
+    CappedBody,
     StatusCheck,
     line_too_long,
     raise_for_status,
 )
 from workers.engines.lean_conn import Conn, Stale
-from workers.errors import EngineError, EngineRejected, EngineUnavailable, ResponseTooLarge
+from workers.errors import EngineError, EngineRejected, EngineUnavailable
 
 POOL_TIMEOUT_S = 30.0  # as engine_client's pool timeout
 _END = b"[DONE]"  # the OpenAI stream's last event
@@ -242,17 +243,11 @@ class LeanResponse:
         """The rest of the body, at most ``cap`` bytes: past it ResponseTooLarge,
         or (``cut``, for error bodies) the first ``cap`` bytes (the connection is
         then closed, not reused: the rest is unread)."""
-        parts = []
-        size = 0
+        body = CappedBody(cap, cut)
         while chunk := await self._conn.read():
-            size += len(chunk)
-            if size > cap:
-                if not cut:
-                    raise ResponseTooLarge(f"The engine's answer is over {cap} bytes.")
-                parts.append(chunk[: cap - size + len(chunk)])
+            if not body.add(chunk):
                 break
-            parts.append(chunk)
-        return b"".join(parts)
+        return body.bytes()
 
     def sse_data(self) -> SSEData:
         return SSEData(self)
