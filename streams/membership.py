@@ -53,7 +53,7 @@ class Adapter(msgspec.Struct, frozen=True, array_like=True):
 
 class MemberInfo(msgspec.Struct, frozen=True, array_like=True):
     """A member's value in the bucket:
-    ``["deployment", load, [models], [adapters], "engine"]``.
+    ``["deployment", load, [models], [adapters], "engine", [classes]]``.
     Fields are only ever added at the end: a reader takes the ones it knows."""
 
     deployment: str = ""
@@ -63,6 +63,11 @@ class MemberInfo(msgspec.Struct, frozen=True, array_like=True):
     models: tuple[str, ...] = ()
     adapters: tuple[Adapter, ...] = ()
     engine: str = ""  # the engine's build as it reports it, e.g. "vllm 0.11.0" ("" unknown)
+    # The request classes it pulls; empty: every class (an older worker).
+    classes: tuple[str, ...] = ()
+
+    def serves(self, cls: str | None) -> bool:
+        return cls is None or not self.classes or cls in self.classes
 
     def pools(self) -> tuple[str, ...]:
         """The pools this member pulls: its deployment's and one per adapter."""
@@ -71,10 +76,11 @@ class MemberInfo(msgspec.Struct, frozen=True, array_like=True):
         return (self.deployment, *(adapter_pool(self.deployment, a.name) for a in self.adapters))
 
     def same_pools(self, other: MemberInfo) -> bool:
-        return (self.deployment, self.models, self.adapters) == (
+        return (self.deployment, self.models, self.adapters, self.classes) == (
             other.deployment,
             other.models,
             other.adapters,
+            other.classes,
         )
 
 
@@ -112,19 +118,20 @@ class Membership:
         models: tuple[str, ...] = (),
         adapters: tuple[Adapter, ...] = (),
         engine: str = "",
+        classes: tuple[str, ...] = (),
     ):
         self._js = js
         self.worker_id = worker_id
         self.deployment = deployment
-        self._mine = MemberInfo(deployment, 0.0, models, adapters, engine)
+        self._mine = MemberInfo(deployment, 0.0, models, adapters, engine, classes)
         self._load = load  # this worker's requests started per second, smoothed
         self.loads: dict[str, float] = {}  # member -> its load as last heard
         self._replicas = replicas
         self._every = every_s
         self.depth = depth  # the workers that pull each lane: owner and backups
         self.load_factor = load_factor
-        # (pool, lane count) -> the order, for the current members.
-        self._orders: dict[tuple[str, int], LaneOrder] = {}
+        # (pool, lane count, class) -> the order, for the current members.
+        self._orders: dict[tuple[str, int, str | None], LaneOrder] = {}
         self._kv: KeyValue | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         # member -> (last heard, what it serves; its load is in ``loads``)
@@ -274,22 +281,30 @@ class Membership:
         """Whether ``pool`` (a deployment's, or its adapter's) has a live worker."""
         return bool(self.pools.get(pool))
 
-    def order(self, lanes: int, pool: str = SHARED) -> LaneOrder:
+    def order(self, lanes: int, pool: str = SHARED, cls: str | None = None) -> LaneOrder:
         """The owners and backups of ``lanes`` lanes of ``pool`` (SHARED: the
-        class subjects' lanes, among every member), as the members stand."""
-        order = self._orders.get((pool, lanes))
+        class subjects' lanes, among every member) of class ``cls``, among the
+        members that pull ``cls`` (None: every member), as they stand. Among every
+        member, a class's lanes went to workers of other classes (deploy/ runs a
+        Deployment per class), which never pull them: a request hashed there
+        waited out its deadline."""
+        order = self._orders.get((pool, lanes, cls))
         if order is None:
             members = self.members if pool == SHARED else self.pools.get(pool, ())
-            order = self._orders[(pool, lanes)] = assign(
+            serving = self.serving
+            members = tuple(m for m in members if m not in serving or serving[m].serves(cls))
+            order = self._orders[(pool, lanes, cls)] = assign(
                 members, lanes, self.depth, self.load_factor
             )
         return order
 
-    def priority(self, lanes: int, lane: int, pool: str = SHARED) -> int | None:
+    def priority(
+        self, lanes: int, lane: int, pool: str = SHARED, cls: str | None = None
+    ) -> int | None:
         """0 for the lane's owner, 1 for its first backup, and so on; None: this
         worker is not among the lane's ``depth`` (it does not pull it)."""
         assert self.worker_id is not None
-        rank = self.order(lanes, pool).rank(self.worker_id, lane)
+        rank = self.order(lanes, pool, cls).rank(self.worker_id, lane)
         return None if rank is None else min(rank, MAX_PRIORITY)
 
 

@@ -53,10 +53,11 @@ class KvRouting:
         self._members: Membership | None = None
         self._sub: Subscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # Lane count -> (the members it was computed for, each member's own lanes):
-        # computed off the request path (a thread), after each change of the members.
-        self._owned: dict[int, tuple[tuple[str, ...], dict[str, list[int]]]] = {
-            topology.lanes_of(cls): ((), {}) for cls in topology.lane_classes
+        # (lane count, class) -> (the members it was computed for, each member's own
+        # lanes of the class: among the members that pull it), computed off the
+        # request path (a thread), after each change of the members.
+        self._owned: dict[tuple[int, str], tuple[tuple[str, ...], dict[str, list[int]]]] = {
+            (topology.lanes_of(cls), cls.value): ((), {}) for cls in topology.lane_classes
         }
         self._stale = asyncio.Event()
 
@@ -126,42 +127,54 @@ class KvRouting:
             if members is None:
                 continue
             now = members.members
-            for lanes in list(self._owned):
-                owned = await asyncio.to_thread(self._owned_lanes, now, lanes, members)
-                self._owned[lanes] = (now, owned)
+            for lanes, cls in list(self._owned):
+                owned = await asyncio.to_thread(self._owned_lanes, now, lanes, cls, members)
+                self._owned[(lanes, cls)] = (now, owned)
 
     @staticmethod
-    def _owned_lanes(now: tuple[str, ...], lanes: int, view: Membership) -> dict[str, list[int]]:
+    def _owned_lanes(
+        now: tuple[str, ...], lanes: int, cls: str, view: Membership
+    ) -> dict[str, list[int]]:
+        serving = dict(view.serving)
+        pulling = [m for m in now if m not in serving or serving[m].serves(cls)]
         owned: dict[str, list[int]] = {}
-        for lane, ranked in enumerate(assign(now, lanes, view.depth, view.load_factor).orders):
+        for lane, ranked in enumerate(assign(pulling, lanes, view.depth, view.load_factor).orders):
             if ranked:
                 owned.setdefault(ranked[0], []).append(lane)
         return owned
 
-    def prepare(self, lanes: int) -> None:
-        """Compute the ownership of ``lanes`` lanes now (tests; the first request
-        of a lane count otherwise asks for it and is hashed meanwhile)."""
+    def prepare(self, lanes: int, cls: str = "interactive") -> None:
+        """Compute the ownership of ``lanes`` lanes of ``cls`` now (tests; the first
+        request of a lane count otherwise asks for it and is hashed meanwhile)."""
         if self._members is not None:
             now = self._members.members
-            self._owned[lanes] = (now, self._owned_lanes(now, lanes, self._members))
+            self._owned[(lanes, cls)] = (
+                now,
+                self._owned_lanes(now, lanes, cls, self._members),
+            )
 
-    def lane(self, lanes: int, keys: Sequence[PrefixKey], hash_lane: int) -> int:
-        """The lane for a request with ``keys`` whose prefix hashes to ``hash_lane``."""
-        lane = self._indexed_lane(lanes, keys, hash_lane)
+    def lane(
+        self, lanes: int, keys: Sequence[PrefixKey], hash_lane: int, cls: str = "interactive"
+    ) -> int:
+        """The lane of class ``cls`` for a request with ``keys`` whose prefix hashes
+        to ``hash_lane``."""
+        lane = self._indexed_lane(lanes, keys, hash_lane, cls)
         self._count("hash" if lane is None else "index")
         return hash_lane if lane is None else lane
 
-    def _indexed_lane(self, lanes: int, keys: Sequence[PrefixKey], hash_lane: int) -> int | None:
+    def _indexed_lane(
+        self, lanes: int, keys: Sequence[PrefixKey], hash_lane: int, cls: str
+    ) -> int | None:
         members = self._members
         if members is None or not keys or not lanes:
             return None
         n, holders = self.index.longest([k.key for k in keys], members.members)
         if not n:
             return None
-        entry = self._owned.get(lanes)
+        entry = self._owned.get((lanes, cls))
         if entry is None or entry[0] != members.members:
             # Not computed for these members yet (_reorder is at it): hashed meanwhile.
-            self._owned.setdefault(lanes, ((), {}))
+            self._owned.setdefault((lanes, cls), ((), {}))
             self._stale.set()
             return None
         owned = entry[1]

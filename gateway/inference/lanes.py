@@ -144,6 +144,6 @@ class LaneRouter:
             if self.kv is not None and not pool:
                 # Pools keep their hash lanes: the index covers the shared lanes.
                 keys = prefix_keys(scope, head, prompt_chars(op, body))
-                lane = self.kv.lane(lanes, keys, lane)
+                lane = self.kv.lane(lanes, keys, lane, cls)
         subject = pool_lane_subject(pool, cls, lane) if pool else lane_subject(cls, lane)
         return subject, keys

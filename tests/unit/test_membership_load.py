@@ -68,7 +68,13 @@ def test_a_members_adapters_make_pools_and_newer_fields_are_left_out() -> None:
     assert info.pools() == ("dep-a", adapter_pool("dep-a", "sql-lora"))
     assert MemberInfo("", 0.0, (), (Adapter("x", "m"),)).pools() == ()  # no deployment
     # A worker newer than this reader: the fields it does not know are skipped.
-    newer = b'["dep-a", 1.0, ["sim-8b"], [["sql-lora", "sim-8b"]], "vllm 0.1", {"later": 1}]'
-    assert member_info(newer) == info
+    newer = (
+        b'["dep-a", 1.0, ["sim-8b"], [["sql-lora", "sim-8b"]], "vllm 0.1", ["interactive"],'
+        b' {"later": 1}]'
+    )
+    assert member_info(newer) == msgspec.structs.replace(info, classes=("interactive",))
+    # One of before classes: it serves every class.
+    assert info.serves("batch")
+    assert not member_info(newer).serves("batch")
     # A worker of before adapters: two fields.
     assert member_info(b'["dep-a", 1.0]') == MemberInfo("dep-a", 1.0)

@@ -212,13 +212,17 @@ class LanePuller:
         """Whether standing pulls may still carry the ranks of before a change."""
         return self._changed or bool(self._to_withdraw)
 
+    def _lane_rank(self, lane: int) -> int | None:
+        """This worker's rank on ``lane`` among the members that pull its class."""
+        return self._members.priority(self._lanes, lane, self._pool, self._cls.value)
+
     def _priority(self, lane: int) -> int | None:
         """This worker's priority for ``lane`` now: None when it is not among the
         lane's owner and backups; else its tier first (a hot worker's lanes go
         to its backups, a cold backup goes first: streams/balance.py), then
         its rank. A tier change reaches a lane at its next pull (within
         ``poll_s`` on a busy lane): the rate it follows moves over a minute."""
-        rank = self._members.priority(self._lanes, lane, self._pool)
+        rank = self._lane_rank(lane)
         if rank is None:
             return None
         return self._members.pull_priority(rank, self._pool)
@@ -245,10 +249,7 @@ class LanePuller:
             if was is not None and self._priority(lane) != was
         }
         for lane, until in enumerate(self._live_until):
-            if (
-                until == math.inf
-                and self._members.priority(self._lanes, lane, self._pool) is not None
-            ):
+            if until == math.inf and self._lane_rank(lane) is not None:
                 self._live_until[lane] = 0.0  # newly ranked: pull it
                 self._empty[lane] = 0
         self._to_withdraw |= {lane % INBOX_GROUPS for lane in moved}
@@ -291,7 +292,7 @@ class LanePuller:
         # The owner takes a burst on its lane (requests sharing a prefix often
         # come together), as many as it has slots for, unless it is hot; the
         # others take one.
-        owner = self._members.priority(self._lanes, lane, self._pool) == 0
+        owner = self._lane_rank(lane) == 0
         batch = max(1, min(self._admission.free_slots(), OWNER_BATCH)) if owner else 1
         if priority >= HOT_PRIORITY:
             batch = 1

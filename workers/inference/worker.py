@@ -223,6 +223,7 @@ class Worker:
                 models=cfg.models,
                 adapters=cfg.adapters,
                 engine=self.engine_version,
+                classes=tuple(c.value for c in cfg.classes),
             )
             await members.start()
             self.lanes = self._lane_pullers(SHARED)
