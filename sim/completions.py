@@ -42,6 +42,7 @@ class Job(msgspec.Struct, kw_only=True):
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     more_choices: list[list[Event]] = []  # choices 1..n-1 (``n`` > 1)
     echo: str = ""  # ``echo``: the prompt, ahead of each choice's text
+    cache_salt: str = ""  # the prefix cache is reused only within one salt
 
     @property
     def choices(self) -> list[list[Event]]:
@@ -90,7 +91,7 @@ def start(sim: Simulator, job: Job) -> GuardedResponse:
     """The response that queues the request in the engine and serves its tokens."""
 
     async def body(send: Send) -> None:
-        seq = sim.engine.add(job.record, job.prompt_ids, job.fault)
+        seq = sim.engine.add(job.record, job.prompt_ids, job.fault, job.cache_salt)
         try:
             if job.stream:
                 await _stream(sim, seq, job, send)
@@ -420,4 +421,5 @@ def new_job(
         logprobs=plan.logprobs,
         more_choices=plan.more_choices,
         echo=plan.echo,
+        cache_salt=plan.cache_salt,
     )

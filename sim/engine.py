@@ -24,7 +24,7 @@ from collections import deque
 
 from sim.clock import Clock, RealClock
 from sim.faults import Fault, FaultKind
-from sim.kv import BlockManager
+from sim.kv import BlockManager, salted_root
 from sim.metrics import SimMetrics
 from sim.profiles import Profile
 from sim.records import Counters, RequestLog, RequestRecord
@@ -76,10 +76,14 @@ class Engine:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def add(self, record: RequestRecord, prompt_ids: list[int], fault: Fault | None) -> Sequence:
-        """Queue a request. Call from the task that will then call next_tokens()."""
+    def add(
+        self, record: RequestRecord, prompt_ids: list[int], fault: Fault | None, salt: str = ""
+    ) -> Sequence:
+        """Queue a request. Call from the task that will then call next_tokens().
+        ``salt``: vLLM's ``cache_salt``, in the first block's hash, so the prefix
+        cache is reused only between requests of one salt."""
         now = self.clock.now()
-        seq = Sequence(record, prompt_ids, now)
+        seq = Sequence(record, prompt_ids, now, salted_root(salt))
         if fault is not None:
             if fault.kind is FaultKind.STALL and fault.arg is not None:
                 seq.first_token_delay = fault.arg / 1000.0

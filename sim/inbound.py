@@ -77,6 +77,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     guided_json: Any = None
     guided_choice: Any = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: the prefix cache reused only between requests of one salt.
+    cache_salt: str | None = None
 
 
 class ChatRequest(_Sampling, frozen=True, kw_only=True):

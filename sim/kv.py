@@ -8,18 +8,30 @@ block is needed. Usage counts only blocks with refcount > 0, so it is 0 when idl
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from sim.kv_events import KvEventSink
 
-_ROOT_HASH = 0x6A09E667F3BCC908  # parent of the first block of every sequence
+ROOT_HASH = 0x6A09E667F3BCC908  # parent of the first block of every sequence
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int]) -> list[int]:
+def salted_root(salt: str) -> int:
+    """The first block's parent: the same for every unsalted sequence; one per salt
+    (vLLM mixes ``cache_salt`` into the first block's hash)."""
+    if not salt:
+        return ROOT_HASH
+    digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    return hash((ROOT_HASH, int.from_bytes(digest, "big")))
+
+
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, hashes: list[int], root: int = ROOT_HASH
+) -> list[int]:
     """Extend `hashes` (chained hashes of full blocks) to cover every full block."""
     full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else _ROOT_HASH
+    parent = hashes[-1] if hashes else root
     for i in range(len(hashes), full):
         # Tuple hashing of ints is not randomised per process: stable across runs.
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))

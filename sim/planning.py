@@ -128,6 +128,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     more_choices: list[list[Event]] = []  # choices 1..n-1
     echo: str = ""  # the prompt, returned ahead of each choice's text (``echo``)
+    cache_salt: str = ""  # vLLM's: its prefix cache is reused only within one salt
 
 
 def _more_choices(
@@ -238,4 +239,5 @@ def _plan(
         include_usage=bool(req.stream and opts is not None and opts.include_usage),
         logprobs=logprobs_top(req),
         more_choices=more_choices,
+        cache_salt=req.cache_salt or "",
     )

@@ -126,7 +126,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, batch: Batch) -> int:
         kv, bs = self.kv, self.kv.block_size
         total = len(seq.token_ids)
-        chain_hashes(seq.token_ids, bs, seq.hashes)
+        chain_hashes(seq.token_ids, bs, seq.hashes, seq.root)
         # Never a full hit: at least the last token is computed.
         hits = kv.cached_prefix(seq.hashes, (total - 1) // bs)
         computed = hits * bs
@@ -162,7 +162,7 @@ class Scheduler:
                 return False
         first, last = seq.num_computed // bs, end // bs
         if last > first:  # blocks this step fills become cacheable (vLLM caches at schedule)
-            chain_hashes(seq.token_ids, bs, seq.hashes)
+            chain_hashes(seq.token_ids, bs, seq.hashes, seq.root)
             for i in range(first, last):
                 parent = seq.hashes[i - 1] if i else None
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from enum import StrEnum
 
+from sim.kv import ROOT_HASH
 from sim.records import RequestRecord
 
 
@@ -44,14 +45,18 @@ class Sequence:
         "pending",
         "queued",
         "record",
+        "root",
         "rounds",
         "stall_after_first",
         "status",
         "token_ids",
     )
 
-    def __init__(self, record: RequestRecord, prompt_ids: list[int], now: float) -> None:
+    def __init__(
+        self, record: RequestRecord, prompt_ids: list[int], now: float, root: int = ROOT_HASH
+    ) -> None:
         self.record = record
+        self.root = root  # the first block's parent: its cache salt's (sim/kv.py)
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
         self.status = SeqStatus.WAITING

@@ -87,6 +87,10 @@ class InferenceRequest(msgspec.Struct, frozen=True, tag="request", omit_defaults
     # The sender reads packed float32 vectors in ``Final.embeddings``
     # (streams/vectors.py); a sender that does not say so gets floats.
     packed_vectors: bool = False
+    # Whose prefix cache the engine may reuse for it: the tenant's ("" : anyone's,
+    # a route that marks prefixes shared, or a gateway of before this field). A
+    # worker whose engine salts its cache (vLLM's ``cache_salt``) salts it by this.
+    cache_scope: str = ""
 
 
 HEDGE_ATTEMPT_BASE = 100

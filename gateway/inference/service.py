@@ -476,7 +476,13 @@ class InferenceService:
             subject, keys = self.lanes.route(
                 req.op, req.cls, req.tenant, req.body, routing, shared, excess, pool, req.adapter
             )
-            sent = msgspec.structs.replace(req, prefix_keys=keys) if keys else req
+            # The engine's prefix cache is the tenant's own unless the route marks
+            # prefixes shared: lanes alone kept a tenant's prefixes apart only in
+            # where they ran, and another tenant's request on the same engine was
+            # told (cached_tokens, its first token's delay) what it had sent.
+            sent = msgspec.structs.replace(
+                req, prefix_keys=keys or req.prefix_keys, cache_scope="" if shared else req.tenant
+            )
             # A group's request (others may join while it is queued) is not its
             # client's alone to cancel: the group ends it when its last member leaves.
             return await self.dispatcher.submit(

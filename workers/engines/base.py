@@ -73,6 +73,9 @@ async def closing(
 
 class EngineAdapter(abc.ABC):
     name = "base"
+    # Whether the engine keys its prefix cache by the request's ``cache_salt``
+    # (vLLM's): the worker then salts it by the request's cache scope.
+    salts_cache = False
 
     @abc.abstractmethod
     def generate(

@@ -174,6 +174,7 @@ def structured_outputs(body: Mapping[str, Any]) -> dict[str, Any]:
 
 class OpenAIAdapter(EngineAdapter):
     name = "openai"
+    salts_cache = True  # vLLM's cache_salt (0.9 on); the simulator's too
     translations: Mapping[str, Translated] = {
         STRUCTURED_OUTPUTS: Translated(
             FieldStatus.TRANSFORMED,

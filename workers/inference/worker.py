@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -685,7 +687,9 @@ class Worker:
                 since = kv.tracker.mark() if kv is not None else 0
                 # Closed on any exit, cancellation included: a stream left open
                 # (or back in the pool) keeps the engine generating.
-                events = self.engine.generate(req.op, req.body, req.id, headers)
+                events = self.engine.generate(
+                    req.op, engine_body(req, self.engine), req.id, headers
+                )
                 async with closing(events):
                     async for event in events:
                         if isinstance(event, Delta):
@@ -892,3 +896,16 @@ class Worker:
                 # ticking: the message would be redelivered mid-prefill and run twice.
                 with contextlib.suppress(nats.errors.Error):
                     await msg.in_progress()
+
+
+def engine_body(req: InferenceRequest, engine: EngineAdapter) -> Mapping[str, Any]:
+    """The body the engine gets: with its prefix cache salted by the request's cache
+    scope (its tenant's, unless the route shares prefixes) where the engine salts
+    by ``cache_salt``; a client's own salt is folded in, never used as it is (one
+    tenant could otherwise name another's)."""
+    if not req.cache_scope or not engine.salts_cache:
+        return req.body
+    own = req.body.get("cache_salt")
+    seed = f"{req.cache_scope}\0{own if isinstance(own, str) else ''}"
+    salt = hashlib.blake2b(seed.encode(), digest_size=16).hexdigest()
+    return {**req.body, "cache_salt": salt}
