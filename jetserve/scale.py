@@ -28,13 +28,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
+import msgspec
 import nats
 import nats.errors
 from nats.js.errors import NotFoundError
 
 from streams.connect import OPEN, BusAuth
 from streams.definitions import Topology
-from streams.depth import ClassDepth, read_depths
+from streams.depth import ClassDepth, queue_key, read_depths
+from streams.pools import pool_token
 from streams.provision import recorded_stream
 
 HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance
@@ -175,9 +177,15 @@ def policies(args: argparse.Namespace, classes: tuple[str, ...]) -> dict[str, Po
 
 
 async def lags_from_nats(
-    url: str, topo: Topology, classes: tuple[str, ...], auth: BusAuth = OPEN
+    url: str,
+    topo: Topology,
+    classes: tuple[str, ...],
+    auth: BusAuth = OPEN,
+    deployment: str = "",
 ) -> list[Lag]:
-    """The consumers' state through the JetStream API (the numbers /jsz shows)."""
+    """The consumers' state through the JetStream API (the numbers /jsz shows).
+    ``deployment``: the workers' own; its pool's backlog of each class counts too
+    (their routed requests: only they take them)."""
 
     async def quiet(_: Exception) -> None:
         pass
@@ -210,6 +218,11 @@ async def lags_from_nats(
         for cls in classes:
             name = topo.consumer_name(cls)
             d = depths.get(cls, ClassDepth())
+            if deployment:
+                own = depths.get(queue_key(cls, pool_token(deployment)), ClassDepth())
+                d = msgspec.structs.replace(
+                    d, pending=d.pending + own.pending, ack_pending=d.ack_pending + own.ack_pending
+                )
             if not d.found:
                 last = stream.state.last_seq or 0
                 out.append(Lag(cls, name, 0, 0, 0, found=False, stream_last_seq=last))

@@ -47,6 +47,12 @@ def register(sub: Subparsers) -> None:
     sc.add_argument("--account", default="$G", help="the NATS account /jsz is asked for")
     sc.add_argument("--classes", default="interactive,embed,batch")
     sc.add_argument(
+        "--deployment",
+        default="",
+        help="the workers' deployment (their engine's model by default): its pool's "
+        "backlog of each class counts too (read through --nats only)",
+    )
+    sc.add_argument(
         "--max-inflight", action="append", default=[], help=f"worker concurrency ({PER_CLASS})"
     )
     sc.add_argument(
@@ -138,7 +144,8 @@ async def _once(args: argparse.Namespace, classes: tuple[str, ...]) -> dict[str,
         lags = await lags_from_monitoring(args.monitoring, args.account, topo, classes)
         source = jsz_url(args.monitoring, args.account)
     else:
-        lags = await lags_from_nats(args.nats, topo, classes, bus_auth(args, Role.ADMIN))
+        auth = bus_auth(args, Role.ADMIN)
+        lags = await lags_from_nats(args.nats, topo, classes, auth, args.deployment)
         source = f"{args.nats} (JetStream consumer info)"
     return report(lags, pols, source, topo.stream)
 

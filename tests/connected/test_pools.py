@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -190,6 +193,21 @@ async def test_a_candidate_without_workers_is_skipped_and_a_cold_pool_waits(
 
         await until(queued, "the cold pool's request in the pool's queue depth")
         assert depths[-1][1] == 0, depths  # the class's shared queue: empty
+        # An operator's reading for dep-cold's workers counts it; the shared one not.
+        assert fleet.creds is not None
+        env = {**os.environ, "JETSERVE_NATS_SEED_FILE": str(fleet.creds.seed_file(Role.ADMIN))}
+
+        def lag(*extra: str) -> int:
+            argv = [sys.executable, "-m", "jetserve", "scale", "--json", "--nats", fleet.nats_url]
+            done = subprocess.run(
+                [*argv, "--classes", "interactive", *extra],
+                capture_output=True, text=True, timeout=30, env=env, check=True,
+            )  # fmt: skip
+            (row,) = json.loads(done.stdout)["classes"]
+            return int(row["lag"])
+
+        assert await asyncio.to_thread(lag, "--deployment", "dep-cold") >= 1
+        assert await asyncio.to_thread(lag) == 0
         assert not waiting.done()
         # ... until one comes.
         await asyncio.to_thread(fleet.start_worker, "--deployment-name", "dep-cold", wait=False)

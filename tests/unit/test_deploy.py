@@ -754,11 +754,19 @@ def _trigger(so: dict[str, Any], kind: str) -> dict[str, Any]:
     return trigger  # type: ignore[no-any-return]
 
 
+# The deployment deploy/'s workers serve (no --deployment-name: the engine's model).
+WORKER_DEPLOYMENT = "sim-8b"
+
+
 def keda_lag_query(cls: str) -> str:
-    """The whole lag of a class, as the ScaledObjects query it (and the dashboard)."""
+    """The whole lag of a class's workers, as the ScaledObjects query it (and the
+    dashboard): the class's shared queue, their deployment's pool of the class
+    (its routed requests: only they take them), and both held for their turn."""
+    dep = WORKER_DEPLOYMENT
     return (
         f'max(jetserve_queue_depth{{cls="{cls}"}}) + '
-        f'(sum(jetserve_gateway_fair_waiting{{cls="{cls}"}}) or vector(0))'
+        f'(max(jetserve_pool_queue_depth{{cls="{cls}",deployment="{dep}"}}) or vector(0)) + '
+        f'(sum(jetserve_gateway_fair_waiting{{cls=~"{cls}|{cls}@{dep}"}}) or vector(0))'
     )
 
 
@@ -784,7 +792,11 @@ def test_one_scaled_object_per_class_on_jetserves_consumers() -> None:
         prom = _trigger(so, "prometheus")["metadata"]
         assert prom["query"] == keda_lag_query(cls.value), name
         names = _metric_names(prom["query"])
-        assert names == {"jetserve_queue_depth", "jetserve_gateway_fair_waiting"}, name
+        assert names == {
+            "jetserve_queue_depth",
+            "jetserve_pool_queue_depth",
+            "jetserve_gateway_fair_waiting",
+        }, name
         for metric in names:
             assert "cls" in KNOWN_SERIES[metric], f"{metric} has no cls label"
         assert prom["threshold"] == meta["lagThreshold"], name
