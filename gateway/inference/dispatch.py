@@ -551,8 +551,10 @@ class FrameStream(FrameReader):
         except DeadlineExceededError:
             # Given up on: a request still queued is removed (with no worker for
             # its queue it stayed there for the stream's hour, counted in the
-            # depth that admission and scaling read), a running one stopped.
-            await self.cancel("deadline_exceeded")
+            # depth that admission and scaling read), a running one stopped. In
+            # the background: the mark and the removals can take seconds on a
+            # sick bus, and the 504 is due now.
+            self._d._own(self.cancel("deadline_exceeded"))
             raise Timeout("The request did not complete before its deadline.") from None
 
     async def last_look(self) -> bool:

@@ -51,7 +51,7 @@ from streams.subjects import RequestClass, class_of, excess_subject, pool_of, po
 from streams.tasks import stop_task
 from streams.tracing import Span, Tracer
 from streams.vectors import floats
-from streams.wire import InferenceRequest, Usage, decode_request, encode
+from streams.wire import HEDGE_ATTEMPT_BASE, InferenceRequest, Usage, decode_request, encode
 from workers.engines.base import Delta, EngineAdapter, EngineLoad, closing
 from workers.errors import (
     DeadlineExceeded,
@@ -859,11 +859,13 @@ class Worker:
         attempt = req.attempt_base + (msg.metadata.num_delivered or 1)
         moved = msgspec.structs.replace(req, attempt_base=attempt)
         headers = dict(msg.headers or {})
-        # Not the original's dedupe id, and one per target pool (not per attempt): an
-        # original run again after a hand-over whose end was lost (this worker
-        # killed between the publish and the term) hands over a copy that is
-        # stored once, not a second one there.
-        headers[Header.MSG_ID] = f"{req.id}.f-{pool_token(later[0])}"
+        # Not the original's dedupe id, and one per target pool and copy (not per
+        # attempt): an original run again after a hand-over whose end was lost
+        # (this worker killed between the publish and the term) hands over a copy
+        # that is stored once, not a second one there; a hedge copy (numbered from
+        # HEDGE_ATTEMPT_BASE) hands over its own.
+        copy = "h" if attempt >= HEDGE_ATTEMPT_BASE else ""
+        headers[Header.MSG_ID] = f"{req.id}.f{copy}-{pool_token(later[0])}"
         js = self._js
         assert js is not None
         try:
