@@ -72,7 +72,8 @@ class DepthShare:
         self._heard_at = 0.0  # monotonic; the last look heard from another reader
         self._poked_at = 0.0
         self._last: DepthLook | None = None  # the last look this gateway published
-        self._taken_at = 0.0  # the time of the newest look heard and taken
+        self._taken_from = ""  # the reader of the newest look heard and taken
+        self._taken_at = 0.0  # its time (that reader's clock)
         self._subs: list[Subscription] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -146,13 +147,15 @@ class DepthShare:
         # Heard while leading: a renewal of ours was late and another took the
         # lease; our next renewal fails and settles it. Both are true looks.
         self._heard_at = time.monotonic()
-        if look.at <= self._taken_at:
+        if look.reader == self._taken_from and look.at <= self._taken_at:
             # A heartbeat (the reader's last look again: it is alive, and has not
             # looked since, maybe because it cannot): no new numbers. Taken as a
             # look, each one was a spell with no starts, the rate decayed, and
             # within ~20 s every follower refused every class with a queue.
             return
-        self._taken_at = look.at
+        # Per reader: another reader's clock may be behind (a new reader's looks
+        # are new whatever their times say against the old one's).
+        self._taken_from, self._taken_at = look.reader, look.at
         self._on_look(look)
 
     async def _poked(self, msg: Msg) -> None:

@@ -163,10 +163,11 @@ async def test_a_heartbeat_is_not_taken_as_a_new_look(nats_server: Service) -> N
         depths = {"interactive": ClassDepth(pending=20, delivered=50, found=True)}
         look = DepthLook("r", depths, 1000.0)
         newer = DepthLook("r", depths, 1001.0)
-        for sent in (look, look, look, newer):  # a look, two heartbeats, a new look
+        behind = DepthLook("r2", depths, 995.0)  # a new reader, its clock behind
+        for sent in (look, look, look, newer, behind, behind):  # heartbeats between
             await reader.publish(DEPTH_SUBJECT, LOOK_ENCODER.encode(sent))
-        await until(lambda: _async(bool(taken) and taken[-1].at == 1001.0), "the new look")
-        assert [t.at for t in taken] == [1000.0, 1001.0]
+        await until(lambda: _async(bool(taken) and taken[-1].reader == "r2"), "r2's look")
+        assert [(t.reader, t.at) for t in taken] == [("r", 1000.0), ("r", 1001.0), ("r2", 995.0)]
     finally:
         await share.stop()
         await follower.close()
