@@ -1,5 +1,5 @@
 """Requests in flight per tenant over NATS (gateway/ingress/tenant_slots.py): the
-bound both NATS ingresses (inference, runs) share."""
+bound each NATS ingress (inference, runs) keeps, of the same size."""
 
 from __future__ import annotations
 
