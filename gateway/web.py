@@ -4,12 +4,12 @@ ledger read streamed as JSON lines."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import anyio
 import msgspec
 import nats.errors
 from starlette.exceptions import HTTPException
@@ -109,7 +109,7 @@ async def ledger_lines(records: AsyncGenerator[LedgerRecord, None]) -> Response:
         raise Unavailable("The ledger is unavailable.", code="bus_unavailable") from exc
 
     async def body() -> AsyncIterator[bytes]:
-        async with contextlib.aclosing(records):
+        try:
             if first is None:
                 return
             chunk = [encode_record(first)]
@@ -119,5 +119,11 @@ async def ledger_lines(records: AsyncGenerator[LedgerRecord, None]) -> Response:
                     yield b"\n".join(chunk) + b"\n"
                     chunk = []
             yield b"\n".join(chunk) + b"\n"
+        finally:
+            # A client that left cancels this body in Starlette's cancel scope, which
+            # cancelled the read's cleanup too: its consumer stayed for the server's
+            # inactivity bound. Shielded, it is deleted now.
+            with anyio.CancelScope(shield=True):
+                await records.aclose()
 
     return StreamingResponse(body(), media_type="application/x-ndjson")

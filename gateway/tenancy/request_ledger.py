@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 # caller stopping early (limit) hasn't pulled much it will drop.
 READ_BATCH = 256
 # An abandoned query's consumer (crashed reader) disappears on its own after this.
-READ_INACTIVE_S = 30.0
+# A read's consumer outlives this much idleness (the server then drops it): long
+# enough for a slow client of a streamed read (gateway/web.py) to take a chunk; a
+# read that ends or is left deletes it at once.
+READ_INACTIVE_S = 300.0
 # A follower (LedgerReader.follow) polled less often than this is dropped by the
 # server; its owner then starts again from its window's start.
 FOLLOW_INACTIVE_S = 120.0
