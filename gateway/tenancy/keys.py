@@ -285,15 +285,29 @@ class Tenancy:
         # twice, a copied demo key) moved that key to this tenant, silently; its
         # old id then pointed at the new record (a revoke of it revoked this one).
         if not await self._redis.set(f"{P}apikey:{digest}", _enc.encode(record), nx=True):
+            record = await self._unfinished(digest, t.id)
+        await self._redis.set(f"{P}keyid:{record.key_id}", digest)
+        await self._redis.sadd(f"{P}tenantkeys:{t.id}", record.key_id)
+        return key, record
+
+    async def _unfinished(self, digest: str, tenant: str) -> KeyRecord:
+        """The record already under ``digest``, when it is a create of ``tenant``'s
+        that failed half-way (its id never pointed at it: unlisted, unrevocable, yet
+        live): the retry finishes it. Anything else: 409."""
+        raw = await self._redis.get(f"{P}apikey:{digest}")
+        found = _key_dec.decode(raw) if raw is not None else None
+        if (
+            found is None
+            or found.tenant != tenant
+            or await self._redis.get(f"{P}keyid:{found.key_id}") is not None
+        ):
             raise BadRequest(
                 "This api_key is already a key; choose another (or omit it).",
                 code="conflict",
                 status=409,
                 param="api_key",
             )
-        await self._redis.set(f"{P}keyid:{record.key_id}", digest)
-        await self._redis.sadd(f"{P}tenantkeys:{t.id}", record.key_id)
-        return key, record
+        return found
 
     async def _record_by_id(self, key_id: str) -> tuple[str, KeyRecord]:
         digest = await self._redis.get(f"{P}keyid:{key_id}")
