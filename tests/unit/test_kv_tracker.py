@@ -4,12 +4,14 @@ into prefix keys held and withdrawn."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from sim.kv import BlockManager
 from sim.kv_events import KvEventSink
-from streams.kv_index import PrefixKey, prefix_keys
+from streams.kv_index import KvIndexDelta, PrefixKey, encode_delta, prefix_keys
+from workers.inference import kv_tracker
 from workers.inference.kv_events import Removed, Stored, decode_batch
-from workers.inference.kv_tracker import LEARN_WAIT_S, KvTracker
+from workers.inference.kv_tracker import LEARN_WAIT_S, MAX_HELD_KEYS, KvTracker
 
 
 def _events_of(sink: KvEventSink) -> list[Stored | Removed]:
@@ -135,3 +137,38 @@ def test_a_known_prefix_or_its_cache_hits_tell_concurrent_look_alikes_apart() ->
     assert set(tracker.held()) == {10, 11}  # B: the chain through block 1
     tracker.learn([PrefixKey(20, 1.0)], since, 4, cached_tokens=0)
     assert 20 not in tracker.held()  # C: either chain could be its own
+
+
+def test_a_key_dropped_learnt_and_dropped_again_before_a_flush_is_withdrawn() -> None:
+    """Dropped (queued for removal), learnt again (the removal undone and queued as
+    an add), dropped again (the add discarded, never said): the gateways kept the
+    first claim for ever."""
+    tracker = KvTracker()
+    tracker._hold(42, (b"a",))
+    assert tracker.take() == ((42,), ())  # the gateways know it
+    tracker._drop(42)
+    tracker._hold(42, (b"b",))
+    tracker._drop(42)
+    assert tracker.take() == ((), (42,))
+    tracker._hold(7, (b"c",))
+    tracker._drop(7)
+    assert tracker.take() == ((), ())  # never said: nothing to take back
+
+
+def test_held_keys_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts with a common head and a varied tail each left a key on the same hot
+    blocks: 60,000 keys on 20 blocks, and a refresh over the bus's 1 MB never went
+    out again. Past the bound the oldest is let go (and withdrawn)."""
+    monkeypatch.setattr(kv_tracker, "MAX_HELD_KEYS", 3)
+    tracker = KvTracker()
+    for key in range(1, 6):
+        tracker._hold(key, (b"hot",))
+    assert set(tracker.held()) == {3, 4, 5}
+    added, removed = tracker.take()
+    assert set(added) == {3, 4, 5}  # 1 and 2 were never said: nothing to withdraw
+    assert removed == ()
+
+
+def test_a_refresh_of_every_held_key_fits_the_bus() -> None:
+    refresh = KvIndexDelta("worker-with-a-long-id-0", tuple(range(2**63 - MAX_HELD_KEYS, 2**63)))
+    assert len(encode_delta(refresh)) < 1 << 20  # nats-server's default max_payload

@@ -26,6 +26,11 @@ from streams.kv_index import PrefixKey
 from workers.inference.kv_events import BlockHash, Cleared, Event, Removed, Stored
 
 MAX_BLOCKS = 1 << 20  # mirrored blocks at most (an engine's cache is far smaller)
+# Keys held at most, the oldest let go first: prompts with a common head and a
+# varied tail each leave a key on the same few hot blocks, so they grew without
+# bound (60,000 on 20 blocks), and a refresh past the bus's 1 MB never went out.
+# A refresh of this many keys is ~0.7 MB.
+MAX_HELD_KEYS = 1 << 15
 # A request's answer can reach the worker before the engine's events about its
 # prefill do (they travel apart: HTTP and ZMQ): its learning waits this long
 # for them, tried again as each batch arrives.
@@ -207,12 +212,18 @@ class KvTracker:
             return
         if old is not None:
             self._unlink(key, old)
-        else:
+        elif key in self.removed:
+            # Dropped and learnt again before the flush: the gateways still have
+            # it (the removal was never sent), so nothing to tell; dropped again,
+            # it must be withdrawn (as "added", it was discarded unsaid).
             self.removed.discard(key)
+        else:
             self.added.add(key)
         self._held[key] = blocks
         for b in blocks:
             self._needed_by.setdefault(b, set()).add(key)
+        while len(self._held) > MAX_HELD_KEYS:
+            self._drop(next(iter(self._held)))  # the oldest learnt
 
     def _unlink(self, key: int, blocks: tuple[BlockHash, ...]) -> None:
         for b in blocks:
