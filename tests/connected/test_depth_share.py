@@ -160,6 +160,7 @@ async def test_a_heartbeat_is_not_taken_as_a_new_look(nats_server: Service) -> N
     share = DepthShare(follower, "f", lease, taken.append, lambda: None, renew_s=60)
     try:
         await share.start()
+        await follower.flush()  # its subscription is at the server before anything is sent
         depths = {"interactive": ClassDepth(pending=20, delivered=50, found=True)}
         look = DepthLook("r", depths, 1000.0)
         newer = DepthLook("r", depths, 1001.0)
