@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from streams.wire import Usage
+from tests.waits import until
 from workers.engines.base import Delta, Done
 from workers.engines.fanout import QUEUED, merged
 
@@ -29,8 +29,11 @@ async def test_a_slow_consumer_holds_the_streams_back_not_the_memory() -> None:
     stream = merged(source, 2)
     first = await anext(stream)
     assert isinstance(first, Delta)
-    for _ in range(1000):  # the streams get the loop while the consumer does not read
-        await asyncio.sleep(0)
+
+    async def filled() -> bool:  # the streams ran while the consumer did not read
+        return sum(produced) >= QUEUED + 2
+
+    await until(filled, "the queue filled")
     assert sum(produced) <= QUEUED + 3  # the bound, each pump's one in hand, the one read
     rest = [first, *[e async for e in stream]]
     done = rest.pop()
