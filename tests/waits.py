@@ -28,3 +28,12 @@ async def until_sync(cond: Callable[[], object], what: str, bound_s: float = 30.
         return await asyncio.to_thread(cond)
 
     return await until(check, what, bound_s)
+
+
+async def until_true(cond: Callable[[], object], what: str, bound_s: float = 30.0) -> float:
+    """:func:`until` for a cheap predicate read on the loop (no thread, no I/O)."""
+
+    async def check() -> object:
+        return cond()
+
+    return await until(check, what, bound_s)

@@ -13,7 +13,7 @@ from streams.inference.client import InferenceClient
 from streams.marks import CancelMarks
 from streams.provision import ensure_topology
 from streams.wire import Cancel, encode
-from tests.waits import until
+from tests.waits import until_true
 from workers.inference.cancels import CancelWatch
 
 
@@ -36,7 +36,7 @@ async def test_notes_are_bounded_and_one_let_go_is_read_from_its_mark(
         ids = [f"req{i}" for i in range(8)]
         for rid in ids:
             assert await client.cancel(rid, "client_disconnected")
-        await until(lambda: _async("req7" in watch._notes), "the last cancel heard")
+        await until_true(lambda: "req7" in watch._notes, "the last cancel heard")
         assert len(watch._notes) == 3  # the bound, not the eight heard
         assert list(watch._notes) == ids[-3:]
         with watch.watch("req0", 1) as before:
@@ -69,7 +69,7 @@ async def test_after_a_reconnect_a_request_reads_its_own_mark_not_all_of_them(
         await watch.start()
         async with watch._lock:  # a full read of the marks under way, and slow
             await wk.force_reconnect()
-            await until(lambda: _async(wk.stats["reconnects"] == 1), "the reconnect")
+            await until_true(lambda: wk.stats["reconnects"] == 1, "the reconnect")
             # A cancel sent while it was away: its live publish missed, its mark kept.
             marks = CancelMarks(gw.jetstream(), DEFAULT_TOPOLOGY)
             assert await marks.mark("req-away", encode(Cancel("req-away", "client_disconnected")))
@@ -83,7 +83,3 @@ async def test_after_a_reconnect_a_request_reads_its_own_mark_not_all_of_them(
         await watch.stop()
         await wk.close()
         await gw.close()
-
-
-async def _async(value: bool) -> bool:
-    return value

@@ -19,7 +19,7 @@ from streams.connect import connect
 from streams.depth import DEPTH_SUBJECT, LOOK_ENCODER, ClassDepth, DepthLook
 from streams.leases import KvLease, ensure_leases
 from tests.scrape import metric_sum
-from tests.waits import until
+from tests.waits import until, until_true
 
 pytestmark = pytest.mark.connected
 
@@ -167,13 +167,9 @@ async def test_a_heartbeat_is_not_taken_as_a_new_look(nats_server: Service) -> N
         behind = DepthLook("r2", depths, 995.0)  # a new reader, its clock behind
         for sent in (look, look, look, newer, behind, behind):  # heartbeats between
             await reader.publish(DEPTH_SUBJECT, LOOK_ENCODER.encode(sent))
-        await until(lambda: _async(bool(taken) and taken[-1].reader == "r2"), "r2's look")
+        await until_true(lambda: bool(taken) and taken[-1].reader == "r2", "r2's look")
         assert [(t.reader, t.at) for t in taken] == [("r", 1000.0), ("r", 1001.0), ("r2", 995.0)]
     finally:
         await share.stop()
         await follower.close()
         await reader.close()
-
-
-async def _async(value: bool) -> bool:
-    return value

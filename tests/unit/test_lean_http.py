@@ -14,7 +14,7 @@ import pytest
 import uvloop
 
 from jetserve.services import free_port
-from tests.waits import until
+from tests.waits import until_true
 from workers.engines import lean_conn
 from workers.engines.base import Delta, Done
 from workers.engines.http import MAX_BODY, MAX_SSE_LINE
@@ -226,7 +226,7 @@ async def test_finished_stream_returns_to_pool_when_the_terminator_comes(start: 
     assert await payloads(client) == [b'{"a":1}', b'{"b":2}']  # does not wait for the end
     assert client._idle == []
     terminator.set()
-    await until(lambda: _async(client._idle != []), "the connection back in the pool")
+    await until_true(lambda: client._idle != [], "the connection back in the pool")
     await payloads(client)
     assert [s.conn for s in srv.seen] == [0, 0]
 
@@ -253,7 +253,7 @@ async def test_terminator_that_never_comes_closes_the_connection(
 async def test_idle_connection_closed_by_server_then_a_fresh_one(start: Start) -> None:
     srv, client = await start(replies(chunked(EVENTS), keep=False))
     await payloads(client)
-    await until(lambda: _async(client._idle == []), "the client noticing the close")
+    await until_true(lambda: client._idle == [], "the client noticing the close")
     assert await payloads(client) == [b'{"a":1}', b'{"b":2}']
     assert [s.conn for s in srv.seen] == [0, 1]
 
@@ -349,7 +349,7 @@ async def test_connections_are_bounded(start: Start) -> None:
 
     srv, client = await start(respond)  # max_connections=4
     calls = [asyncio.create_task(payloads(client)) for _ in range(6)]
-    await until(lambda: _async(len(srv.seen) == 4), "four requests in flight")
+    await until_true(lambda: len(srv.seen) == 4, "four requests in flight")
     assert srv.connections == 4
     gate.set()
     await asyncio.gather(*calls)
@@ -409,10 +409,6 @@ def test_on_uvloop(scenario: Callable[[Start], Awaitable[None]]) -> None:
             await scenario(make)
 
     uvloop.run(run())
-
-
-async def _async(value: object) -> object:
-    return value
 
 
 def test_an_in_band_errors_status_comes_from_its_code_or_its_type() -> None:
