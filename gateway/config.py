@@ -47,6 +47,12 @@ class GatewayConfig:
     outbox_grace_s: float = 10.0
     outbox_scan_s: float = 5.0
     sweep_s: float = 30.0
+    # Refusals before any hold (budget, rate) get a ledger record each at this
+    # rate per tenant after a burst; past it they are counted, and summarised
+    # once per window (gateway/tenancy/refusal_records.py).
+    refusal_records_per_s: float = 2.0
+    refusal_records_burst: int = 100
+    refusal_summary_s: float = 10.0
     # The rollout guard (gateway/admin/rollout_guard.py): how often the gateway
     # holding its lease compares each canary's arms; 0: this gateway never does.
     rollout_guard_every_s: float = 2.0

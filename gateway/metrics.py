@@ -78,6 +78,11 @@ class GatewayMetrics:
         self.rejected = Counter(
             "jetserve_gateway_rejected", "Requests refused before dispatch", ["reason"], registry=r
         )
+        self.refusals_summarised = Counter(
+            "jetserve_gateway_refusals_summarised",
+            "Refusals past a tenant's ledger record rate, counted into a summary record",
+            registry=r,
+        )
         self.ttft = Histogram(
             "jetserve_gateway_time_to_first_token_seconds",
             "Time to first token at the gateway",

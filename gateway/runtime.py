@@ -279,6 +279,6 @@ async def open_runtime(cfg: GatewayConfig) -> AsyncIterator[Runtime]:
         runs = RunsService(gw, run_store)
         await _started(stack, RunsNatsIngress(nc, runs))
         await _started(stack, RunSettler(js, run_store, gw.accountant, gw.ledger, cfg.gateway_id))
-        books = keep_books(settlements, cfg.outbox_scan_s, cfg.sweep_s)
+        books = keep_books(settlements, gw.books.summarise, cfg.outbox_scan_s, cfg.sweep_s)
         stack.push_async_callback(stop_task, asyncio.create_task(books))
         yield Runtime(cfg, nc, js, rds, gw, LedgerReader(js, ledger_topo), runs)

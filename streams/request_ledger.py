@@ -86,6 +86,10 @@ class LedgerRecord(msgspec.Struct, frozen=True, tag="ledger", kw_only=True):
     # On a shadow's record: whether the *served* answer it was compared with
     # was valid JSON (None: not checked, or the served request did not complete).
     shadow_served_json_valid: bool | None = None
+    # How many requests the record stands for: 1, or, for a summary of one
+    # tenant's refusals past its per-tenant record rate, how many it counts
+    # (gateway/tenancy/refusal_records.py).
+    count: int = 1
 
 
 _encoder = msgspec.json.Encoder()

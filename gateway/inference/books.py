@@ -23,6 +23,7 @@ from gateway.tenancy.accounting import Accountant, Scope
 from gateway.tenancy.idempotency import Claim, IdempotencyStore
 from gateway.tenancy.keys import KeyRecord
 from gateway.tenancy.records import RecordHead, Serving
+from gateway.tenancy.refusal_records import RefusalRecords
 from streams.outbox import Settlement
 from streams.request_ledger import LedgerRecord
 from streams.wire import HEDGE_ATTEMPT_BASE, Final, InferenceRequest, Usage
@@ -46,6 +47,9 @@ class Books:
         self.settlements = settlements
         self.metrics = metrics
         self.routes = routes
+        self.refusals = RefusalRecords(
+            cfg.refusal_records_per_s, cfg.refusal_records_burst, cfg.refusal_summary_s
+        )
 
     async def settle(
         self,
@@ -118,6 +122,21 @@ class Books:
         return final.fingerprint or self.routes.fingerprint(
             req.route, req.route_revision, final.deployment
         )
+
+    async def refused(self, record: LedgerRecord) -> None:
+        """A refusal before any hold: its own record while its tenant's record
+        rate allows, else counted into the next summary of its kind
+        (gateway/tenancy/refusal_records.py)."""
+        if self.refusals.take(record):
+            await self.append(record)
+        else:
+            self.metrics.refusals_summarised.inc()
+        await self.summarise()
+
+    async def summarise(self, all_now: bool = False) -> None:
+        """Write the summaries whose window is over (``all_now``: every one)."""
+        for summary in self.refusals.drain() if all_now else self.refusals.due():
+            await self.append(summary)
 
     async def append(self, record: LedgerRecord, release: bool = False) -> None:
         """A refusal's record (``release``: with its hold given back), through the outbox."""

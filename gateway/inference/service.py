@@ -345,7 +345,7 @@ class InferenceService:
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
             self._log_refusal(req, exc)
-            await self.books.append(self.books.refusal(req, key, f"rejected:{kind}", exc))
+            await self.books.refused(self.books.refusal(req, key, f"rejected:{kind}", exc))
             raise
         if reservation.settled:
             if claim is not None:
@@ -820,6 +820,7 @@ class InferenceService:
             await asyncio.wait(self._background, timeout=self.cfg.resume_grace_s + 5)
         await self.coalescer.aclose()
         await self.shadows.aclose()
+        await self.books.summarise(all_now=True)  # the refusals counted so far
         await self.settlements.aclose()
         self.tracer.shutdown()  # flush exported spans
 

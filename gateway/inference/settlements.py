@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -440,12 +440,19 @@ class Settlements:
             await stop_task(task)  # a retry loop around a publish: one cancel may be dropped
 
 
-async def keep_books(settlements: Settlements, scan_s: float = 5.0, sweep_s: float = 30.0) -> None:
-    """The background duty of every gateway: scan the outbox, sweep orphans."""
+async def keep_books(
+    settlements: Settlements,
+    summarise: Callable[[], Awaitable[None]],
+    scan_s: float = 5.0,
+    sweep_s: float = 30.0,
+) -> None:
+    """The background duty of every gateway: write the refusals' summaries
+    that are due, scan the outbox, sweep orphans."""
     next_sweep = time.monotonic() + sweep_s
     while True:
         await asyncio.sleep(scan_s)
         try:
+            await summarise()
             await settlements.scan()
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + sweep_s

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
@@ -52,7 +51,6 @@ from gateway.tenancy.accounting import Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.keys import KeyRecord
 from gateway.tenancy.records import AGENT_RUN_ROUTE, RecordHead
-from gateway.tenancy.request_ledger import LedgerWriteError
 from gateway.tracing import child_traceparent
 from streams.agent import (
     TERMINAL,
@@ -69,7 +67,6 @@ from streams.errors import RunConflictError, RunExistsError, RunStoreError, RunT
 from streams.ids import is_safe_id
 from streams.subjects import RequestClass, run_events_subject
 
-log = logging.getLogger(__name__)
 # The hold on the tenant's budget outlives the deadline by this much: time for
 # the tree to end and the settler to turn the hold into the actual charge.
 SETTLE_GRACE_S = 600.0
@@ -237,11 +234,7 @@ class RunsService:
     async def _refused(
         self, key: KeyRecord, model: str, run_id: str, now: float, policy: str, exc: GatewayError
     ) -> None:
-        record = self._head(key, model, run_id, now).refused(policy, exc)
-        try:
-            await self.gw.ledger.append(record)
-        except LedgerWriteError as exc:
-            log.error("ledger append for run %s failed: %s", run_id, exc.message)
+        await self.gw.books.refused(self._head(key, model, run_id, now).refused(policy, exc))
 
     # -- read, decide, cancel ----------------------------------------------------------
 

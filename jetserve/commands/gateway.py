@@ -289,6 +289,22 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"want a number 0 or above, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"want a whole number 0 or above, got {text!r}")
+    return int(text)
+
+
 def _context_length(text: str) -> tuple[str, int]:
     model, sep, tokens = text.rpartition("=")
     if not sep or not model or not tokens.isdigit() or int(tokens) < 1:
@@ -350,6 +366,22 @@ def _routing(g: argparse.ArgumentParser) -> None:
         help="a settlement its gateway has not applied after this (s) is applied by any replica",
     )
     b.add_argument("--outbox-scan", type=float, default=5.0, help="outbox scan interval (s)")
+    b.add_argument(
+        "--refusal-records-per-s",
+        type=_non_negative,
+        default=2.0,
+        help="refusals before a hold (budget, rate) recorded one by one per tenant and "
+        "second, after a burst; past it they are counted into summary records",
+    )
+    b.add_argument(
+        "--refusal-records-burst", type=_count, default=100, help="the burst of those records"
+    )
+    b.add_argument(
+        "--refusal-summary-every",
+        type=_positive,
+        default=10.0,
+        help="the counted refusals are summarised this often (s)",
+    )
     b.add_argument(
         "--rollout-guard-every",
         type=float,
@@ -462,6 +494,9 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         sweep_s=args.sweep_every,
         outbox_grace_s=args.outbox_grace,
         outbox_scan_s=args.outbox_scan,
+        refusal_records_per_s=args.refusal_records_per_s,
+        refusal_records_burst=args.refusal_records_burst,
+        refusal_summary_s=args.refusal_summary_every,
         rollout_guard_every_s=args.rollout_guard_every,
         depth_reader_renew_s=args.depth_reader_renew,
         evidence_watch_every_s=args.evidence_watch_every,

@@ -27,13 +27,18 @@ def ledger(fleet: Fleet, tenant: str) -> list[dict[str, object]]:
     return [msgspec.json.decode(line) for line in text.splitlines() if line]
 
 
+def counted(records: list[dict[str, object]], policy: str | None = None) -> int:
+    """The requests ``records`` stand for (a summary of refusals counts many)."""
+    return sum(int(r["count"]) for r in records if policy in (None, r["policy"]))  # type: ignore[call-overload]
+
+
 async def until_records(fleet: Fleet, n: int) -> list[dict[str, object]]:
-    """The tenant's ledger once it holds ``n`` records (every outcome is recorded)."""
+    """The tenant's ledger once it counts ``n`` requests (every outcome is recorded)."""
     found: list[dict[str, object]] = []
 
     async def complete() -> bool:
         found[:] = await asyncio.to_thread(ledger, fleet, fleet.spec.tenant)
-        return len(found) >= n
+        return counted(found) >= n
 
     await until(complete, f"{n} ledger records")
     return found
@@ -88,15 +93,15 @@ async def test_budget_holds_for_1000_concurrent_requests_through_3_gateways(
         nonlocal records
         records = await asyncio.to_thread(ledger, fleet, fleet.spec.tenant)
         admitted = sum(1 for r in records if r["policy"] == "admitted")
-        rejected = sum(1 for r in records if r["policy"] == "rejected:budget")
-        return admitted >= len(ok) and rejected >= len(refused)
+        return admitted >= len(ok) and counted(records, "rejected:budget") >= len(refused)
 
     await until(settled, "every request's record", 90.0, every_s=0.5)
     with fleet.admin() as admin:
         limits_now = admin.get_limits("tenant", fleet.spec.tenant)
     admitted = [r for r in records if r["policy"] == "admitted"]
     assert len(admitted) == len(ok)
-    assert sum(1 for r in records if r["policy"] == "rejected:budget") == len(refused)
+    # Refusals past the per-tenant record rate are counted in summaries: each once.
+    assert counted(records, "rejected:budget") == len(refused)
     charges = sum(int(r["charge_micros"]) for r in records)  # type: ignore[call-overload]
     assert limits_now["reserved_micros"] == 0
     assert limits_now["spent_micros"] == charges <= 100 * cost
@@ -339,6 +344,42 @@ async def test_output_is_bounded_when_the_client_sets_no_max_tokens(fleet: Fleet
         )
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 512  # the gateway's default hold
+
+
+async def test_refusals_past_the_record_rate_are_counted_in_a_summary(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # A refusal costs its sender nothing, and its record cost three stored writes
+    # and half a KiB kept 90 days: 4,000 requests into a rate limit made 3,999
+    # records. Past a per-tenant burst they are counted into summary records.
+    fleet = make_fleet(
+        gateways=1,
+        workers=1,
+        gateway_args=[
+            "--refusal-records-burst", "3", "--refusal-records-per-s", "0",
+            "--refusal-summary-every", "0.2", "--outbox-scan", "0.2",
+        ],
+    )  # fmt: skip
+    with fleet.admin() as admin:
+        admin.set_limits("tenant", fleet.spec.tenant, budget_micros=0, period="total")
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30, base_url=fleet.base_url) as c:
+        rs = await asyncio.gather(
+            *(c.post("/v1/chat/completions", json=BODY, headers=headers) for _ in range(40))
+        )
+    assert [r.status_code for r in rs] == [429] * 40
+    assert {r.json()["error"]["code"] for r in rs} == {"budget_exceeded"}
+    records = await until_records(fleet, 40)
+    assert counted(records) == 40  # each refusal once: a record or a count
+    assert {r["policy"] for r in records} == {"rejected:budget"}
+    singles = [r for r in records if r["count"] == 1]
+    summaries = [r for r in records if r["count"] != 1]
+    assert len(singles) == 3  # the burst, one record each
+    assert summaries
+    assert all(str(r["request_id"]).startswith("refusals_") for r in summaries)
+    assert {(r["key_id"], r["model"], r["status"]) for r in summaries} == {
+        (singles[0]["key_id"], "sim-8b", 429)
+    }
 
 
 async def test_admitted_and_refused_records_name_the_same_org(fleet: Fleet) -> None:
