@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 from collections.abc import Iterator
@@ -20,6 +21,23 @@ from gateway.ingress.http_protocol import protocol_class
 from gateway.ingress.limits import RequestLimits
 from gateway.metrics_app import create_metrics_app
 from gateway.runtime import open_runtime
+
+
+class _NoQueryStrings(logging.Filter):
+    """uvicorn logs each WebSocket upgrade at info with its path *and query
+    string*: ``?ticket=wst-...``, or ``?api_key=sk-...`` where allowed, would land
+    in the log. Those lines keep the path only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith('%s - "WebSocket %s"'):
+            args = record.args
+            if isinstance(args, tuple) and len(args) >= 2 and isinstance(args[1], str):
+                path, sep, _ = args[1].partition("?")
+                record.args = (args[0], path + ("?..." if sep else ""), *args[2:])
+        return True
+
+
+_NO_QUERY_STRINGS = _NoQueryStrings()
 
 
 class _Server(uvicorn.Server):
@@ -83,6 +101,9 @@ async def serve(
     grace: float = 30.0,
     reuse_port: bool = False,
 ) -> None:
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _NO_QUERY_STRINGS not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_NO_QUERY_STRINGS)
     # Bound before the runtime opens, so a taken port fails at once.
     public = shared_socket(host, port) if reuse_port else None
     async with open_runtime(cfg) as rt:

@@ -22,6 +22,7 @@ from gateway.ingress.openapi_types import WsTicket
 from jetserve.fleet import Fleet, FleetSpec
 from tests.refusals import checked_fleet
 from tests.security.memory import MIB, Growth
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -47,8 +48,13 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def lenient_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    """``?api_key=`` allowed, and tickets that expire after 1 s."""
-    spec = FleetSpec(workers=0, gateway_args=["--ws-allow-query-key", "--ws-ticket-ttl", "1"])
+    """``?api_key=`` allowed, and tickets that expire after 1 s; logging at info,
+    where uvicorn logs every upgrade."""
+    spec = FleetSpec(
+        workers=0,
+        gateway_args=["--ws-allow-query-key", "--ws-ticket-ttl", "1"],
+        log_level="info",
+    )
     with checked_fleet(request, spec) as f:
         yield f
 
@@ -247,6 +253,34 @@ async def test_an_api_key_in_the_url_when_allowed(lenient_fleet: Fleet) -> None:
 
 
 # -- limits of an open socket --------------------------------------------------------------
+
+
+async def test_credentials_in_upgrade_urls_stay_out_of_the_log(lenient_fleet: Fleet) -> None:
+    # uvicorn logs each upgrade at info with its query string: a ticket, or an
+    # API key where ``?api_key=`` is allowed, landed in the gateway's log.
+    log = lenient_fleet.workdir / "gateway0.log"
+
+    async def upgrades() -> int:  # uvicorn's lines, each with the URL's path
+        text = await asyncio.to_thread(log.read_text)
+        return text.count("WebSocket /v1/ws?") + text.count("WebSocket /v1/ws ")
+
+    before = await upgrades()
+    ticket = (await new_ticket(lenient_fleet)).ticket
+    wrong = "sk-js-" + "W" * 40
+    async with websockets.connect(ws_url(lenient_fleet, f"?api_key={lenient_fleet.api_key}")):
+        pass
+    async with websockets.connect(ws_url(lenient_fleet, f"?ticket={ticket}")):
+        pass
+    status, _ = await refusal(ws_url(lenient_fleet, f"?api_key={wrong}"))
+    assert status == 401
+
+    async def logged() -> bool:  # the refused upgrade's line is the last of the three
+        return await upgrades() >= before + 3
+
+    await until(logged, "the three upgrades logged")
+    text = log.read_text()
+    for secret in (lenient_fleet.api_key, ticket, wrong):
+        assert secret not in text
 
 
 async def test_requests_past_the_inflight_cap_get_429_and_the_socket_stays(fleet: Fleet) -> None:
