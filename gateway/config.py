@@ -23,6 +23,9 @@ class GatewayConfig:
     models: tuple[str, ...] = ("sim-8b",)
     embedding_models: tuple[str, ...] = ()  # listed by /v1/models only when served
     gateway_id: str = field(default_factory=lambda: f"gw{uuid.uuid4().hex[:10]}")
+    # On SIGTERM, how long requests in flight have to end (--grace) before the
+    # gateway ends them itself.
+    shutdown_grace_s: float = 30.0
     default_timeout_s: float = 120.0
     max_timeout_s: float = 600.0
     # After the first token, this long without a frame (tokens or heartbeats)
@@ -134,6 +137,9 @@ class GatewayConfig:
     # connection is no socket of ours to count); past it a 429 ``too_many_inflight``.
     nats_max_inflight: int = 1024
     ws_idle_timeout_s: float = 300.0  # no frame and nothing in flight: closed (1000)
+    # A send that waits this long for the client to read (its window full) aborts
+    # the connection (gateway/ingress/ws_protocol.py).
+    ws_send_timeout_s: float = 30.0
     ws_ticket_ttl_s: int = 30  # POST /v1/ws/tickets: single use, this long
     # ``?api_key=`` on the upgrade puts the key in URLs (proxy logs, history): off.
     ws_allow_query_key: bool = False

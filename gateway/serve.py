@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.ingress.app import create_app
 from gateway.ingress.http_protocol import protocol_class
 from gateway.ingress.limits import RequestLimits
+from gateway.ingress.ws_protocol import ws_protocol_class
 from gateway.metrics_app import create_metrics_app
 from gateway.runtime import open_runtime
 
@@ -62,7 +63,7 @@ def _config(
         http=protocol_class(
             cfg.max_header_bytes, cfg.client_send_buffer_bytes, cfg.request_read_timeout_s
         ),
-        ws="websockets-sansio",
+        ws=ws_protocol_class(cfg.ws_send_timeout_s),
         # The WebSocket protocol's own bound: a longer message closes with 1009
         # before any of it reaches the app (it applies after decompression).
         ws_max_size=cfg.ws_max_message_bytes,

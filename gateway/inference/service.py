@@ -690,12 +690,18 @@ class InferenceService:
             self.metrics.inflight.dec()
 
     async def abandon(
-        self, adm: Session, reason: str = "client_disconnected", *, may_resume: bool = True
+        self,
+        adm: Session,
+        reason: str = "client_disconnected",
+        *,
+        may_resume: bool = True,
+        status: int = 499,
     ) -> None:
         """The client went away. Without a resume grace, cancel upstream so the
         engine stops at once; with one, give the client that long to resume
         (``may_resume`` False: it left before its response began, so it never
-        learnt the request id a resume needs).
+        learnt the request id a resume needs). ``status``: what the record says
+        the client saw (499, or the error it was sent).
         Nothing to do once the request has its outcome (a client that leaves as
         its answer is being recorded)."""
         if adm.outcome is not None:
@@ -722,16 +728,16 @@ class InferenceService:
             # the books) decides about the upstream; we only stop following.
             self._detach(adm)
             return
-        await self._cancel(adm, reason)
+        await self._cancel(adm, reason, status)
 
-    async def _cancel(self, adm: Admitted, reason: str) -> None:
+    async def _cancel(self, adm: Admitted, reason: str, status: int = 499) -> None:
         """Stop the upstream and record the request cancelled; a retry of its
         Idempotency-Key runs again."""
         await adm.stream.cancel(reason)
         claim = adm.claim
         then = None if claim is None else functools.partial(self.books.idem_release, claim)
         outcome = "cancelled" if reason.startswith("client_d") else reason
-        await self.finish(adm, outcome, 499, then=then)
+        await self.finish(adm, outcome, status, then=then)
 
     async def _linger(self, adm: Admitted, reason: str, grace: float) -> None:
         """A streaming client left: for ``grace``, a resume (on any replica) may

@@ -23,11 +23,13 @@ to the tenant inbox named, with no key to check it against.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -40,12 +42,14 @@ from gateway.errors import (
 )
 from gateway.inference.openai_types import Parsed
 from gateway.inference.service import Gate, InferenceService
-from gateway.inference.sessions import Replayed
+from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
 from gateway.ingress.sse import client_events
 from gateway.ingress.tenant_slots import TenantSlots
 from gateway.tenancy.keys import KeyRecord
+from streams.logs import log_event
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
+from streams.tasks import stop_task
 from streams.wire import Op
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,11 @@ _encoder = msgspec.json.Encoder()
 STREAM_TO = "Jetserve-Stream-To"
 STATUS = "Jetserve-Status"
 QUEUE_GROUP = "jetserve-gateway"
+# Outcomes of requests this ingress ends itself.
+SHUTDOWN = "gateway_shutting_down"
+REPLY_FAILED = "reply_failed"
+# After the grace, how long the requests left have to end (abandon, reply).
+ENDING_S = 10.0
 _OPS: dict[str, Op] = {
     INGRESS_CHAT: "chat",
     INGRESS_COMPLETIONS: "completion",
@@ -73,10 +82,21 @@ class NatsIngress:
             self._subs.append(await self._nc.subscribe(subject, QUEUE_GROUP, cb=self._on_msg))
 
     async def stop(self) -> None:
+        """No new requests; those in flight have the shutdown grace to end, and
+        then end now, each with its one outcome and an error reply, while the
+        bus is still up (past the grace, the connection drained under them: a
+        stream's next publish failed, and it ended with no outcome and no reply)."""
         for sub in self._subs:
             await sub.unsubscribe()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=30)
+            await asyncio.wait(self._tasks, timeout=self._gw.cfg.shutdown_grace_s)
+        left = set(self._tasks)
+        for task in left:
+            task.cancel()  # once: its handler ends the request (abandon, reply)
+        if left:
+            await asyncio.wait(left, timeout=ENDING_S)
+        for task in left:
+            await stop_task(task)
 
     async def _on_msg(self, msg: Msg) -> None:
         # Callbacks of one subscription run in sequence; serve each in its own task.
@@ -138,20 +158,48 @@ class NatsIngress:
             await self._reply(msg, adm.response, adm.status)
             return
         try:
+            await self._answer(msg, op, adm, stream_to)
+        except asyncio.CancelledError:
+            # The gateway stops and its grace is over (stop()): the request ends
+            # now, cancelled upstream and recorded, and its caller is told.
+            ending = Unavailable("The gateway is shutting down; retry.", code=SHUTDOWN)
+            await self._gw.abandon(adm, SHUTDOWN, may_resume=False, status=ending.status)
+            with contextlib.suppress(nats.errors.Error):
+                await self._reply(msg, ending.body(), ending.status)
+            raise
+        except Exception as exc:
+            # A send the bus refused (a reconnect's buffer full, a closed or
+            # draining connection, a chunk over its max_payload): the caller
+            # cannot be told, and the request still ends in one recorded outcome,
+            # cancelled upstream. Anything else too, then raised: a bug must not
+            # leave a request without its outcome.
+            await self._gw.abandon(adm, REPLY_FAILED, may_resume=False)
+            if not isinstance(exc, nats.errors.Error | OSError):
+                raise
+            log_event(
+                log, "reply_failed", logging.WARNING, request_id=adm.request_id,
+                tenant=adm.stream.req.tenant, cls=adm.stream.req.cls, error=type(exc).__name__,
+            )  # fmt: skip
+
+    async def _answer(self, msg: Msg, op: Op, adm: Admitted, stream_to: str | None) -> None:
+        """The answer, or its error, to the caller's inboxes."""
+        try:
             if not adm.wants_stream or op == "embedding":
                 body = await self._gw.answer(adm, self._nc.max_payload)
                 await self._gw.complete(adm, body)
                 await self._reply(msg, body)
                 return
             assert stream_to is not None  # the gate refused a stream without one
-            async for kind, payload, status, _ in client_events(self._gw, adm, None):
-                if kind == "chunk":
-                    await self._nc.publish(stream_to, _encoder.encode(payload))
-                elif kind == "error":
-                    await self._reply(msg, payload, status)
-                    return
-                elif kind == "done":
-                    await self._reply(msg, {"done": True, "id": adm.request_id})
+            events = client_events(self._gw, adm, None)
+            async with contextlib.aclosing(events):  # closed on any exit
+                async for kind, payload, status, _ in events:
+                    if kind == "chunk":
+                        await self._nc.publish(stream_to, _encoder.encode(payload))
+                    elif kind == "error":
+                        await self._reply(msg, payload, status)
+                        return
+                    elif kind == "done":
+                        await self._reply(msg, {"done": True, "id": adm.request_id})
         except GatewayError as exc:
             await self._gw.fail(adm, exc)
             await self._reply(msg, exc.body(), exc.status)

@@ -218,6 +218,12 @@ def _edge_limits(g: argparse.ArgumentParser) -> None:
         help="close a WebSocket after this long without a frame and nothing in flight (s)",
     )
     g.add_argument(
+        "--ws-send-timeout",
+        type=_positive,
+        default=30.0,
+        help="abort a WebSocket whose client has not read for this long while a send waits (s)",
+    )
+    g.add_argument(
         "--ws-ticket-ttl",
         type=int,
         default=30,
@@ -494,6 +500,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         sweep_s=args.sweep_every,
         outbox_grace_s=args.outbox_grace,
         outbox_scan_s=args.outbox_scan,
+        shutdown_grace_s=args.grace,
         refusal_records_per_s=args.refusal_records_per_s,
         refusal_records_burst=args.refusal_records_burst,
         refusal_summary_s=args.refusal_summary_every,
@@ -511,6 +518,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         ws_max_inflight=args.ws_max_inflight,
         nats_max_inflight=args.nats_max_inflight,
         ws_idle_timeout_s=args.ws_idle_timeout,
+        ws_send_timeout_s=args.ws_send_timeout,
         ws_ticket_ttl_s=args.ws_ticket_ttl,
         ws_allow_query_key=args.ws_allow_query_key,
     )

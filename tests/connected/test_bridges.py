@@ -122,6 +122,60 @@ async def test_nats_ingress_request_reply_and_stream(fleet: Fleet) -> None:
         await nc.close()
 
 
+async def test_a_nats_stream_in_flight_at_shutdown_is_ended_recorded_and_told(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Past its grace, a stopping gateway drained its NATS connection under a
+    # stream still in flight: the next publish failed, and the request ended with
+    # no reply and no outcome (the orphan sweep recorded it minutes later). Now
+    # the gateway ends it itself: cancelled upstream, recorded, the caller told.
+    import httpx
+
+    fleet = make_fleet(workers=1, gateway_args=["--grace", "1"])
+    gw = fleet.gateway
+    assert gw is not None
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.flush()
+        hdrs = {
+            "Authorization": f"Bearer {fleet.api_key}",
+            "Jetserve-Stream-To": inbox,
+            "X-Sim-Fault": "slow:100",  # 40 s of tokens: in flight when the grace ends
+        }
+        body = {**BODY, "stream": True, "max_tokens": 400, "ignore_eos": True}
+        reply = asyncio.ensure_future(
+            nc.request(INGRESS_CHAT, msgspec.json.encode(body), timeout=60, headers=hdrs)
+        )
+        await sub.next_msg(timeout=30)  # its first chunk: the stream is in flight
+        gw.signal(signal.SIGTERM)
+        answer = await reply
+    finally:
+        await nc.close()
+    assert answer.headers
+    assert answer.headers["Jetserve-Status"] == "503"
+    assert msgspec.json.decode(answer.data)["error"]["code"] == "gateway_shutting_down"
+    assert await asyncio.to_thread(gw.proc.wait, 30) == 0
+
+    async def aborted() -> bool:  # the engine stopped generating it
+        async with httpx.AsyncClient() as c:
+            return int((await c.get(f"{fleet.sim_url}/sim/stats")).json()["aborted"]) == 1
+
+    await until(aborted, "the engine's request aborted")
+    fleet.start_gateway()  # to read the ledger: the stopped one recorded the request
+    records: list[dict[str, Any]] = []
+
+    async def recorded() -> bool:
+        with fleet.admin() as admin:
+            text = await asyncio.to_thread(admin.ledger, fleet.spec.tenant)
+        records[:] = [msgspec.json.decode(line) for line in text.splitlines() if line]
+        return bool(records)
+
+    await until(recorded, "the request's record")
+    assert [(r["outcome"], r["status"]) for r in records] == [("gateway_shutting_down", 503)]
+
+
 async def test_a_tenants_requests_in_flight_over_nats_are_bounded(
     make_fleet: Callable[..., Fleet],
 ) -> None:
@@ -247,6 +301,20 @@ async def test_a_websocket_dropped_mid_stream_ends_each_request_once(
     assert [r["outcome"] for r in rows] == ["client_cancelled"] * 4, rows
 
 
+def _held_by_a_process(local_port: int, remote_port: int) -> bool:
+    """Whether a process still holds the socket of this loopback connection's
+    ``local_port`` end: /proc/net/tcp names its inode, 0 once no file refers to it
+    (closed: what is left is the kernel's, still trying to deliver a FIN to a
+    peer that does not read)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            ports = (int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16))
+            if ports == (local_port, remote_port):
+                return fields[9] != "0"
+    return False
+
+
 def _ws_frame(text: bytes) -> bytes:
     """One masked text frame, as a client sends it."""
     mask = os.urandom(4)
@@ -264,10 +332,16 @@ async def test_a_websocket_client_that_stops_reading_has_its_stream_ended_once(
     relay blocks in a send, the frame buffer overflows and the engine is stopped,
     but nothing read the overflow, so the request had no outcome (no record, its
     hold kept) for as long as the client held its socket open. Now it ends
-    ``client_too_slow``, recorded once, its hold given back."""
+    ``client_too_slow``, recorded once, its hold given back; and the socket, whose
+    every send (the error frame, the idle close) waited on the client for ever, is
+    dropped once a send has waited ``--ws-send-timeout``."""
     fleet = make_fleet(
-        workers=1, gateway_args=["--max-buffered-frames", "64", "--client-send-buffer", "16384"]
-    )
+        workers=1,
+        gateway_args=[
+            "--max-buffered-frames", "64", "--client-send-buffer", "16384",
+            "--ws-send-timeout", "1", "--ws-idle-timeout", "1",
+        ],
+    )  # fmt: skip
     body = {
         "model": "sim-8b", "stream": True, "max_tokens": 6000, "ignore_eos": True,
         "messages": [{"role": "user", "content": "far more than any buffer"}],
@@ -297,6 +371,13 @@ async def test_a_websocket_client_that_stops_reading_has_its_stream_ended_once(
         await until(recorded, "the stuck stream's one record and its hold given back")
         rows, _ = await asyncio.to_thread(_books, fleet)
         assert rows[0]["outcome"] == "client_too_slow", rows
+
+        ends = (fleet.gateway_port, sock.getsockname()[1])
+
+        async def dropped() -> bool:
+            return not await asyncio.to_thread(_held_by_a_process, *ends)
+
+        await until(dropped, "the gateway letting go of the socket")
     finally:
         writer.close()
 
