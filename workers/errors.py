@@ -4,7 +4,9 @@ JetserveError (streams.errors)   base: ``message``, ``code``, ``retryable``
 └── WorkerError                  base: adds ``status``, the HTTP status of the error frame
     ├── EngineError              the engine answered with an error or broke
     │   ├── EngineRateLimited    429 (retryable before the first token)
-    │   ├── EngineUnavailable    503, 5xx or connect failure (retryable before the first token)
+    │   ├── EngineUnavailable    503, 5xx or connect failure (retryable before the first token);
+    │   │   │                    the client is told only that (``client_message``)
+    │   │   └── EngineUnreachable  no connection to the engine (its message is logged)
     │   ├── EngineRejected       4xx: the request itself is bad (never retried)
     │   │   ├── EngineUnsupported  400 ``unsupported_parameter``: the adapter cannot carry a field
     │   │   └── ResponseTooLarge   400 the answer (embeddings) exceeds the bus's message size
@@ -32,6 +34,12 @@ class WorkerError(JetserveError):
         if status is not None:
             self.status = status
 
+    @property
+    def client_message(self) -> str:
+        """What the error frame tells the client: the message, unless it may
+        hold what is not the client's to see (below)."""
+        return self.message
+
 
 class EngineError(WorkerError):
     code = "engine_error"
@@ -45,9 +53,22 @@ class EngineRateLimited(EngineError):
 
 
 class EngineUnavailable(EngineError):
+    """The engine's 5xx, or no engine to talk to. The client is told no more than
+    that: a 5xx body may be a proxy's page or a traceback, and a connect error
+    names the engine's address (the worker's log has the latter: below)."""
+
     code = "engine_unavailable"
     status = 503
     retryable = True
+
+    @property
+    def client_message(self) -> str:
+        return f"The engine is unavailable (HTTP {self.status}); retry later."
+
+
+class EngineUnreachable(EngineUnavailable):
+    """No connection to the engine (refused, reset, timed out, closed): the
+    message is the worker's own, the engine's address in it, and is logged."""
 
 
 class EngineRejected(EngineError):

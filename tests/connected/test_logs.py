@@ -101,6 +101,37 @@ async def test_refusals_errors_cancels_and_dead_letters_are_json_events(
     # Nor the engine's error text (an engine may echo the prompt in it): the
     # dead letter's reason quoted it, and was logged whole.
     assert "Internal server error (simulated)" not in (fleet.workdir / "worker0.log").read_text()
+    # Nor does the client get it: a 5xx body may be a proxy's page or a traceback.
+    assert failing.json()["error"]["message"] == (
+        "The engine is unavailable (HTTP 502); retry later."
+    ), failing.json()
+
+
+async def test_an_unreachable_engine_is_named_in_the_log_not_to_the_client(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # The client got "engine unreachable: ConnectionRefusedError(111, "Connect call
+    # failed ('127.0.0.1', <port>)")": the engine's address. The worker's log has it.
+    fleet = make_fleet(workers=1, log_level="info")
+    assert fleet.sim is not None
+    fleet.sim.stop()
+    port = str(fleet.sim_port)
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(
+            f"{fleet.base_url}/v1/chat/completions",
+            json=body(),
+            headers={"Authorization": f"Bearer {fleet.api_key}"},
+        )
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "engine_unavailable"
+    assert error["message"] == "The engine is unavailable (HTTP 503); retry later."
+    assert port not in r.text
+    rid = r.headers["X-Request-Id"]
+    logged = find(fleet, "worker0", "engine_error", rid)
+    assert logged is not None
+    assert "unreachable" in logged["detail"]
+    assert port in logged["detail"]
 
 
 @pytest.mark.timeout(180)

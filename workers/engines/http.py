@@ -16,6 +16,7 @@ from workers.errors import (
     EngineRateLimited,
     EngineRejected,
     EngineUnavailable,
+    EngineUnreachable,
     ResponseTooLarge,
 )
 
@@ -97,7 +98,7 @@ async def open_stream(
     try:
         response = await client.send(request, stream=True)
     except httpx.TransportError as exc:
-        raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+        raise EngineUnreachable(f"engine unreachable: {exc!r}") from exc
     try:
         if response.status_code >= 400:
             check(response.status_code, await read_body(response, MAX_ERROR_BODY, cut=True))

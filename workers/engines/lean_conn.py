@@ -11,7 +11,7 @@ from typing import cast
 
 import httptools
 
-from workers.errors import EngineConnectionLost, EngineUnavailable
+from workers.errors import EngineConnectionLost, EngineUnreachable
 
 LINGER_S = 2.0  # how long a finished stream may take to send its terminator
 _HIGH_WATER = 256 * 1024  # unread body bytes before the socket stops being read
@@ -116,11 +116,11 @@ class Conn(asyncio.Protocol):
     async def wait_head(self) -> None:
         while not self.head_done:
             if self.broken is not None:
-                raise EngineUnavailable(self.broken)
+                raise EngineUnreachable(self.broken)
             if self.closed:
                 if not self.got_bytes:
                     raise Stale
-                raise EngineUnavailable("engine closed the connection mid-response")
+                raise EngineUnreachable("engine closed the connection mid-response")
             await self._wait()
 
     async def read(self) -> bytes:

@@ -32,7 +32,7 @@ from workers.engines.http import (
     raise_for_status,
 )
 from workers.engines.lean_conn import Conn, Stale
-from workers.errors import EngineError, EngineRejected, EngineUnavailable
+from workers.errors import EngineError, EngineRejected, EngineUnavailable, EngineUnreachable
 
 POOL_TIMEOUT_S = 30.0  # as engine_client's pool timeout
 _END = b"[DONE]"  # the OpenAI stream's last event
@@ -142,7 +142,9 @@ class LeanClient:
                     lambda: Conn(loop, self._forget), self._host, self._port
                 )
         except (OSError, TimeoutError) as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+            raise EngineUnreachable(
+                f"engine unreachable at {self._host}:{self._port}: {exc!r}"
+            ) from exc
         self.connects += 1
         self._all.add(conn)
         return conn, False
@@ -207,7 +209,7 @@ class Exchange:
             conn.close()
             if reused:
                 return None
-            raise EngineUnavailable("engine closed the connection unanswered") from None
+            raise EngineUnreachable("engine closed the connection unanswered") from None
         return conn
 
     async def __aexit__(

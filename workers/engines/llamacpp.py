@@ -40,7 +40,7 @@ from workers.engines.http import error_message, raise_for_status
 from workers.engines.llamacpp_request import LlamaCppRequest
 from workers.engines.openai import OpenAIAdapter
 from workers.engines.translation import FieldStatus, Translated
-from workers.errors import EngineRejected, EngineStreamBroken, EngineUnavailable
+from workers.errors import EngineRejected, EngineStreamBroken, EngineUnreachable
 
 P, T, E, R, NA = (
     FieldStatus.PASSED,
@@ -222,7 +222,7 @@ class LlamaCppAdapter(OpenAIAdapter):
             try:
                 r = await self._client.get("/v1/models", headers=dict(headers))
             except httpx.TransportError as exc:
-                raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+                raise EngineUnreachable(f"engine unreachable: {exc!r}") from exc
             raise_for_status(r.status_code, r.content)
             self._served = (now, frozenset(m.id for m in _models.decode(r.content).data))
         if model not in self._served[1]:
@@ -239,7 +239,7 @@ class LlamaCppAdapter(OpenAIAdapter):
         try:
             r = await self._client.post("/extras/tokenize/count", json=body, headers=dict(headers))
         except httpx.TransportError as exc:
-            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
+            raise EngineUnreachable(f"engine unreachable: {exc!r}") from exc
         raise_for_status(r.status_code, r.content)
         return _count.decode(r.content).count
 

@@ -57,6 +57,7 @@ from workers.errors import (
     DeadlineExceeded,
     EngineConnectionLost,
     EngineStreamBroken,
+    EngineUnreachable,
     ResponseTooLarge,
     WorkerError,
     WorkerStopping,
@@ -787,15 +788,17 @@ class Worker:
     ) -> None:
         cls = class_of(msg.subject)
         delivered = msg.metadata.num_delivered or 1
-        # The code and status, not the engine's message: an engine may echo input in it.
+        # The code and status, not the engine's message: an engine may echo input
+        # in it. A failed connection's own message (the engine's address) helps.
+        detail = {"detail": exc.message} if isinstance(exc, EngineUnreachable) else {}
         self._event("engine_error", req, cls, code=exc.code, status=exc.status,
-                    delivery=delivered, started=sender.started)  # fmt: skip
+                    delivery=delivered, started=sender.started, **detail)  # fmt: skip
         if sender.started:
             # Mid-stream failures are never retried silently (the client saw tokens).
             err = exc
             if not isinstance(exc, EngineStreamBroken | DeadlineExceeded):
-                err = EngineStreamBroken(exc.message)
-            await sender.error(err.code, err.message, status=err.status, retryable=False)
+                err = EngineStreamBroken(exc.client_message)
+            await sender.error(err.code, err.client_message, status=err.status, retryable=False)
             self.metrics.requests.labels(cls, err.code).inc()
             return
         # The route's retry policy narrows the worker's own (never widens it).
@@ -828,7 +831,7 @@ class Worker:
             self.metrics.redeliveries.labels(cls, exc.code).inc()
             self._event("redelivered", req, cls, code=exc.code, failures=failures)
             return
-        await sender.error(exc.code, exc.message, status=exc.status, retryable=exc.retryable)
+        await sender.error(exc.code, exc.client_message, status=exc.status, retryable=exc.retryable)
         if eligible:
             # Every attempt failed: keep the request for inspection, with why.
             js = self._js
