@@ -36,6 +36,7 @@ import msgspec
 from nats.aio.client import Client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from streams.logs import frames_of
 from tools.arguments import parse_arguments
 from tools.effects import Clock, Effect, EffectLedger
 from tools.errors import (
@@ -266,11 +267,11 @@ class ToolDispatcher:
             # The holder is gone without an outcome: did the effect happen?
             reconcile = self._reconciler(tool)
             if reconcile is None:
-                return ambiguous(ctx, tool.name, "no outcome recorded")
+                return ambiguous(ctx, tool.name, "no outcome recorded", "no_outcome")
             try:
                 found = await self._ask(reconcile, key)
             except ToolCallError as exc:
-                return ambiguous(ctx, tool.name, f"reconcile failed: {exc.message}")
+                return ambiguous(ctx, tool.name, f"reconcile failed: {exc.message}", exc.code)
             if found is not None:
                 eff = await ledger.record_outcome(key, found, eff.revision, settled_by="reconciled")
                 if eff.won:
@@ -297,18 +298,22 @@ class ToolDispatcher:
             reason = "timeout" if isinstance(exc, ToolTimeoutError) else exc.message
             reconcile = self._reconciler(tool)
             if reconcile is None:
-                return ambiguous(ctx, tool.name, reason)
+                return ambiguous(ctx, tool.name, reason, exc.code)
             try:
                 found = await self._ask(reconcile, key)
             except ToolCallError as rexc:
-                return ambiguous(ctx, tool.name, f"{reason}; reconcile failed: {rexc.message}")
+                return ambiguous(
+                    ctx, tool.name, f"{reason}; reconcile failed: {rexc.message}", rexc.code
+                )
             if found is None:
                 # Not applied yet, but the call may still be running (a remote
                 # tool goes on to the run's deadline) and land later. The model's
                 # retry would be a new call under a new key, which this intent
                 # cannot guard: as a failure the effect could happen twice. So it
                 # is ambiguous; the intent stays, for a reconcile later.
-                return ambiguous(ctx, tool.name, f"{reason}; not applied yet, and may still be")
+                return ambiguous(
+                    ctx, tool.name, f"{reason}; not applied yet, and may still be", exc.code
+                )
             settled = await self.ledger.record_outcome(
                 key, found, eff.revision, settled_by="reconciled"
             )
@@ -387,8 +392,9 @@ class ToolDispatcher:
                 raise ToolTimeoutError("timeout") from None
             raise ToolCrashedError(f"TimeoutError: {exc}") from exc
         except Exception as exc:  # a crashed tool: effect unknown
+            # Where, not what: its message may quote the call's arguments.
             log.warning("tool %s raised %s", tool.name, type(exc).__name__)
-            log.debug("tool %s traceback", tool.name, exc_info=True)
+            log.debug("tool %s raised %s at\n%s", tool.name, type(exc).__name__, frames_of(exc))
             raise ToolCrashedError(f"tool failed: {type(exc).__name__}: {exc}") from exc
         try:
             return bounded(Outcome.success(to_json_value(result)))

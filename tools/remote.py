@@ -40,6 +40,7 @@ from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from streams.headers import Header
+from streams.logs import frames_of
 from tools.errors import (
     EffectUnknownError,
     NotDeliveredError,
@@ -194,9 +195,10 @@ class ToolServer:
                     return
                 await _respond_error(req, "500", f"TimeoutError: {exc}")
                 return
-            except Exception as exc:  # reported as a 500: effect unknown
+            except Exception as exc:  # noqa: BLE001 -- reported as a 500: effect unknown
+                # Where, not what: its message may quote the call's arguments.
                 log.warning("tool %s raised %s", self.subject, type(exc).__name__)
-                log.debug("tool %s traceback", self.subject, exc_info=True)
+                log.debug("tool %s raised at\n%s", self.subject, frames_of(exc))
                 await _respond_error(req, "500", f"{type(exc).__name__}: {exc}")
                 return
             await _respond(req, encode_reply(out))

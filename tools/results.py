@@ -85,8 +85,10 @@ def from_effect(ctx: ToolContext, tool: str, eff: Effect, source: ResultSource) 
     )
 
 
-def ambiguous(ctx: ToolContext, tool: str, reason: str) -> ToolResult:
-    log.warning("tool %s: ambiguous effect, %s (%s)", tool, kv_key(ctx.key), reason)
+def ambiguous(ctx: ToolContext, tool: str, reason: str, why: str) -> ToolResult:
+    """``reason`` goes to the run (a tool's error text may quote its arguments,
+    the model's output); the log gets ``why``, a fixed code."""
+    log.warning("tool %s: ambiguous effect, %s (%s)", tool, kv_key(ctx.key), why)
     return ToolResult(
         call_id=ctx.call_id,
         tool=tool,

@@ -5,6 +5,7 @@ side-effecting timeouts, and remote tools served by another process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import os
 import signal
@@ -333,6 +334,29 @@ async def test_crash_after_intent_is_reconciled_or_ambiguous(ledger: EffectLedge
     assert (r.source, r.error) == ("ledger", "never happened")
     assert bank.entered == 2
     assert await ledger.pending() == []
+
+
+async def test_a_crashed_tools_error_text_stays_out_of_the_log(
+    ledger: EffectLedger, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tool's exception text may quote its arguments (the model's output): it
+    # was logged at warning through the ambiguous effect's reason, and whole, with
+    # the traceback, at debug. The run still gets it; the log gets the type.
+    secret = "acct-7731-zebra"
+
+    async def leaky(args: dict[str, Any], ctx: ToolContext) -> Any:
+        raise ValueError(f"cannot pay {args['to']} {secret}")
+
+    tool = Tool(
+        "transfer", "Move money", TRANSFER_SCHEMA, InProcess(leaky), tier=Tier.SIDE_EFFECTING
+    )
+    caplog.set_level(logging.DEBUG, logger="tools")
+    r = as_result(await dispatcher(ledger, tool).call("transfer", ARGS, ctx("leak"), {"transfer"}))
+    assert r.status == "ambiguous"
+    assert secret in json.loads(r.content())["error"]  # the run's own view
+    assert "ValueError" in caplog.text  # what and where were logged
+    assert "tool_crashed" in caplog.text
+    assert secret not in caplog.text
 
 
 async def test_side_effecting_timeout_is_reconciled_or_ambiguous(ledger: EffectLedger) -> None:
