@@ -95,9 +95,10 @@ class MaxDeliveriesWatch:
                 status=504 if expired else 503,
                 attempt=adv.deliveries,
             )
-            data = encode(frame)
-            await self._nc.publish(live_subject(req.reply), data)  # a waiting reader
-            await self._nc.publish(req.reply, data)  # the capture (a resume)
+            told = encode(frame)
+            await self._nc.publish(live_subject(req.reply), told)  # a waiting reader
+            await self._nc.publish(req.reply, told)  # the capture (a resume)
+        # The request itself, to inspect or replay (it was the error frame above).
         await dead_letter(self._js, stored.subject or "", data, reason, adv.stream_seq)
         log_event(
             log, "dead_lettered", request_id=req.id if req else None,

@@ -21,7 +21,7 @@ from streams.definitions import DEFAULT_TOPOLOGY, Limits, Topology
 from streams.headers import Header
 from streams.provision import ensure_topology
 from streams.subjects import RequestClass, live_subject, reply_subject
-from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Usage, encode
+from streams.wire import ErrorFrame, Final, InferenceRequest, Meta, Usage, decode_request, encode
 
 pytestmark = pytest.mark.connected
 
@@ -123,6 +123,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
         assert len(dead) == 1
         assert dead[0].headers is not None
         assert "max_deliver reached" in dead[0].headers[Header.DLQ_REASON.value]
+        assert decode_request(dead[0].data) == req  # the request kept, not the error frame
         assert (await js.stream_info("MD")).state.messages == 0  # not left stuck
         assert msg is not None
         await watch.stop()
