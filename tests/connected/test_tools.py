@@ -5,8 +5,8 @@ side-effecting timeouts, and remote tools served by another process."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import json
+import logging
 import os
 import signal
 import subprocess
