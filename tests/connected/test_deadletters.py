@@ -123,7 +123,7 @@ async def test_past_max_deliver_is_reported_and_dead_lettered(nats_server: Servi
         assert len(dead) == 1
         assert dead[0].headers is not None
         assert "max_deliver reached" in dead[0].headers[Header.DLQ_REASON.value]
-        assert decode_request(dead[0].data) == req  # the request kept, not the error frame
+        assert decode_request(dead[0].data or b"") == req  # the request kept, not the error frame
         assert (await js.stream_info("MD")).state.messages == 0  # not left stuck
         assert msg is not None
         await watch.stop()
