@@ -131,6 +131,11 @@ class GatewayConfig:
     # A request's head and body must arrive within this of its first byte (of the
     # connection's, for its first): 408 and closed past it (slowloris).
     request_read_timeout_s: float = 30.0
+    # A connection idle this long between requests is closed. Longer than a load
+    # balancer's or client pool's idle timeout (an ALB's 60 s, httpx's 5 s), so the
+    # other side always gives up first: at uvicorn's 5 s, a client reusing a
+    # connection as the gateway closed it got a reset (an ALB answers that 502).
+    keep_alive_s: float = 75.0
     ws_max_message_bytes: int = 1024 * 1024  # a larger message closes the socket (1009)
     ws_max_inflight: int = 16  # requests per socket; past it that request gets a 429
     # NATS ingress: requests of one tenant in flight on this replica (a service's

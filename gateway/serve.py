@@ -67,6 +67,7 @@ def _config(
         # The WebSocket protocol's own bound: a longer message closes with 1009
         # before any of it reaches the app (it applies after decompression).
         ws_max_size=cfg.ws_max_message_bytes,
+        timeout_keep_alive=round(cfg.keep_alive_s) or 1,
         lifespan="off",
         log_level=log_level,
         log_config=None,  # uvicorn's own lines go through the process's (JSON) handler

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.connected
 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    spec = FleetSpec(workers=0, profile="fast", gateway_args=["--request-read-timeout", "1"])
+    spec = FleetSpec(
+        workers=0,
+        profile="fast",
+        gateway_args=["--request-read-timeout", "1", "--keep-alive", "1"],
+    )
     with checked_fleet(request, spec) as f:
         yield f
 
@@ -69,6 +73,25 @@ async def test_whole_requests_on_a_kept_connection_are_served(fleet: Fleet) -> N
         for _ in range(3):  # one connection, each request whole at once
             r = await c.get("/v1/models", headers={"Authorization": f"Bearer {fleet.api_key}"})
             assert r.status_code == 200, r.text
+
+
+async def test_a_kept_connection_idle_past_keep_alive_is_closed_quietly(fleet: Fleet) -> None:
+    # ``--keep-alive`` bounds an idle connection between requests (uvicorn's own 5 s
+    # was a client pool's too, httpx's: a reuse raced the close and got a reset).
+    reader, writer = await asyncio.open_connection("127.0.0.1", fleet.gateway_port)
+    try:
+        writer.write(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + fleet.api_key.encode() + b"\r\n\r\n"
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        # Then nothing: the gateway closes, without an answer (not a 408).
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+    finally:
+        writer.close()
 
 
 async def test_a_client_that_leaves_mid_body_leaves_no_traceback(fleet: Fleet) -> None:
