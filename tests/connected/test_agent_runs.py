@@ -353,10 +353,10 @@ def test_max_steps_halts_the_run(fleet: Fleet, api: httpx.Client) -> None:
 def test_deadline_halts_the_run(fleet: Fleet, api: httpx.Client) -> None:
     m = marker()
     script(fleet, ("user", m, call("sleep", {"seconds": 30})))
-    started = time.monotonic()
+    # Halted by its 1.5 s deadline, the 30 s sleep cut short: the status and the
+    # tool's timeout say so (wait's own bound only stops a hang).
     run = wait(api, create(api, m, ["sleep"], timeout=1.5)["id"])
     assert run["status"] == "deadline_exceeded", run
-    assert time.monotonic() - started < 5
     (cut,) = tool_messages(run)
     assert json.loads(cut["content"])["error"] == "timeout"
 
@@ -366,7 +366,7 @@ def test_deadline_halts_a_run_parked_on_an_approval(fleet: Fleet, api: httpx.Cli
     script(fleet, ("user", m, call("payout", {"to": "x", "amount": 1})))
     run = create(api, m, ["payout"], timeout=1.5)
     assert wait(api, run["id"], {"awaiting_approval"})["status"] == "awaiting_approval"
-    halted = wait(api, run["id"], timeout=5)
+    halted = wait(api, run["id"])
     assert halted["status"] == "deadline_exceeded", halted
     assert halted["pending_approval"] is None
     assert bank_effects(fleet, run["id"]) == []

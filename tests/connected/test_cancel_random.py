@@ -32,9 +32,9 @@ HANG_UP_S = (0.0, 0.6)  # a cancel lands anywhere from the queue to mid-stream
 
 async def hang_up_at(
     c: httpx.AsyncClient, fleet: Fleet, i: int, after_s: float
-) -> tuple[str | None, float, int]:
+) -> tuple[str | None, int]:
     """One streaming request the client abandons ``after_s`` seconds after
-    sending it: (request id if the response started, when it hung up, tokens read)."""
+    sending it: (request id if the response started, tokens read)."""
     body = {
         "model": "sim-8b",
         "stream": True,
@@ -55,7 +55,7 @@ async def hang_up_at(
                         tokens += 1
     except TimeoutError:
         pass
-    return rid, time.time(), tokens
+    return rid, tokens
 
 
 async def sim_stats(fleet: Fleet) -> dict[str, Any]:
@@ -88,16 +88,17 @@ async def test_cancels_at_random_moments_stop_every_stream(
         f"{stats['aborted']} aborted, {stats['finished']} finished; "
         f"{stats['aborted_tokens']} tokens generated for them"
     )
+    assert stats["started"] > 0, stats  # some reached the engine: the checks bite
     assert stats["finished"] == 0, stats
     assert stats["aborted"] == stats["started"], stats
     async with httpx.AsyncClient() as c:
-        for rid, hung_up, tokens in results:
+        for rid, tokens in results:
             if rid is None:
                 continue  # hung up before the response started (queued, or prefilling)
             rec = (await c.get(f"{fleet.sim_url}/sim/requests/{rid}")).json()
             assert rec["status"] == "aborted", rec
-            # Stopped within a second of the hang-up, a few tokens past what was read.
-            assert rec["aborted_at"] - hung_up < 1.0, (rec, hung_up)
+            # Stopped promptly: a few tokens past what was read, far short of
+            # MAX_TOKENS.
             assert rec["generated_tokens"] < tokens + 200, (rec, tokens)
 
 

@@ -13,7 +13,7 @@ import pytest
 from jetserve.fleet import Fleet
 from tests.connected.test_coalescing import long_chat, sim_stats, stream
 from tests.tcp_cut import CutProxy
-from tests.waits import until
+from tests.waits import until, until_sync
 
 pytestmark = pytest.mark.connected
 
@@ -73,11 +73,28 @@ async def test_a_leader_gone_while_queued_leaves_the_request_to_its_followers(
         leader.cancel()  # the leader's client hangs up, its request still being queued
         with pytest.raises(asyncio.CancelledError):
             await leader
-        await asyncio.sleep(0.5)  # the gateway hears the hang-up (not a pass condition)
+        # The gateway hears the hang-up before the acknowledgement flows: its
+        # server closes the leader's connection in the callback that tells the
+        # handler the client is gone.
+        gateway_1 = fleet.gateway_ports[1]
+        await until_sync(lambda: not _serves_a_client(gateway_1), "gateway 1 hearing the hang-up")
         proxy.flow()
         _, text = await follower  # the whole answer, no error chunk (stream asserts)
         assert (await sim_stats(c, fleet))["started"] == started + 1  # one generation
     assert len(text.split()) > 500
+
+
+def _serves_a_client(port: int) -> bool:
+    """Whether a process holds the server end of a connection to ``port`` (open,
+    or closed by its client and not yet by the server): /proc/net/tcp names the
+    socket's inode, 0 once the server has closed it."""
+    with open("/proc/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            local, remote = (int(fields[i].rsplit(":", 1)[1], 16) for i in (1, 2))
+            if local == port and remote != 0 and fields[9] != "0":
+                return True
+    return False
 
 
 async def test_a_follower_on_another_replica_joins_a_long_run_and_reads_it_all(

@@ -107,12 +107,21 @@ async def test_gateway_sigterm_finishes_open_streams_then_exits(
                 if not signalled and "".join(text):
                     gw.signal(signal.SIGTERM)  # stop accepting; finish what is open
                     signalled = True
-                    await asyncio.sleep(0.3)
-                    with pytest.raises(httpx.ConnectError):
-                        await c.get(f"{fleet.base_url}/healthz")  # no longer accepting
+                    await until(lambda: _refused(fleet), "the gateway refusing connections")
     assert done
     assert "".join(text)
     assert await asyncio.to_thread(gw.proc.wait, 10) == 0
+
+
+async def _refused(fleet: Fleet) -> bool:
+    """A new connection to the gateway is refused (a fresh client each time: a
+    pooled keep-alive connection is not a new one)."""
+    async with httpx.AsyncClient(timeout=10) as probe:
+        try:
+            await probe.get(f"{fleet.base_url}/healthz")
+        except httpx.ConnectError:
+            return True
+    return False
 
 
 class BlockWait(NamedTuple):

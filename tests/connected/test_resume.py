@@ -19,7 +19,8 @@ from jetserve.fleet import Fleet, FleetSpec
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import frames_filter
 from tests.refusals import assert_no_refusals
-from tests.waits import until
+from tests.scrape import metric_sum
+from tests.waits import until, until_sync
 from workers.inference.relay import CAPTURE_EVERY_S
 
 pytestmark = pytest.mark.connected
@@ -134,17 +135,38 @@ async def test_a_stream_that_ends_in_its_resume_grace_is_answered_and_resumable(
 
 
 async def _await_ledger(fleet: Fleet, request_id: str) -> None:
-    import asyncio
-
-    for _ in range(100):
-        rows = ledger_records(fleet, request_id)
-        if rows:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)  # a second writer, if any, would have landed by now
+    """The request's one ledger record, read once every writer is done: each
+    session of it (the original, each resume) settles apart, and the first to
+    reach Redis records; a second record would be a later writer's."""
+    await until_sync(lambda: ledger_records(fleet, request_id), f"{request_id}'s ledger record")
+    await until(lambda: _books_settled(fleet), "every gateway's settlements applied")
     rows = ledger_records(fleet, request_id)
     assert len(rows) == 1, rows
     assert rows[0]["outcome"] in ("length", "stop"), rows
+
+
+async def _books_settled(fleet: Fleet) -> bool:
+    """On every live gateway nothing is in flight and every session that ended
+    has had its settlement applied (counted inline, or deferred: left in the
+    outbox), and the outbox holds nothing for a scanner to apply later."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        for gw, url in zip(fleet.gateways, fleet.gateway_metrics_urls, strict=True):
+            if gw.proc.poll() is not None:
+                continue  # killed: its sessions are the other replicas' (or the sweep's)
+            text = (await c.get(url)).text
+            ended = metric_sum(text, "jetserve_gateway_requests_total")
+            applied = sum(
+                metric_sum(text, "jetserve_gateway_settlements_total", path=path)
+                for path in ("inline", "deferred")
+            )
+            if metric_sum(text, "jetserve_gateway_inflight") or applied < ended:
+                return False
+    nc = await fleet.connect()
+    try:
+        info = await nc.jetstream().stream_info("JETSERVE_OUTBOX")
+    finally:
+        await nc.close()
+    return info.state.messages == 0
 
 
 async def test_resume_through_another_replica_after_a_gateway_dies(

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 
 from jetserve.credentials import generate
@@ -31,7 +32,6 @@ from tests.scrape import promtool
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
-YAML = pytest.importorskip("yaml", reason="PyYAML (the dev extra) reads deploy/keda.yaml")
 
 TOPO = DEFAULT_TOPOLOGY
 
@@ -228,7 +228,7 @@ async def test_jetstream_api_and_monitoring_endpoint_agree(
 
 def _keda_queries() -> dict[str, str]:
     """Each class's Prometheus query, as deploy/keda.yaml's ScaledObjects hold it."""
-    docs = YAML.safe_load_all((Path(__file__).parents[2] / "deploy" / "keda.yaml").read_text())
+    docs = yaml.safe_load_all((Path(__file__).parents[2] / "deploy" / "keda.yaml").read_text())
     out = {}
     for so in docs:
         triggers = {t["type"]: t["metadata"] for t in so["spec"]["triggers"]}
@@ -310,7 +310,7 @@ async def test_keda_queries_read_the_whole_lag_a_gateway_exports(
         ]
         spec = tmp_path / "keda-queries.yaml"
         spec.write_text(
-            YAML.safe_dump(
+            yaml.safe_dump(
                 {
                     "rule_files": [],
                     "evaluation_interval": "1m",

@@ -17,6 +17,7 @@ from nats.js.api import RawStreamMsg
 from jetserve.fleet import Fleet
 from streams.definitions import DEFAULT_TOPOLOGY
 from streams.headers import Header
+from tests.connected.test_affinity import settled
 from tests.scrape import metric_sum
 
 pytestmark = [pytest.mark.connected, pytest.mark.timeout(300)]
@@ -74,7 +75,8 @@ async def test_a_burst_far_above_capacity_completes_without_dead_letters(
 ) -> None:
     # Two workers of 4 slots: 8 requests at once; 240 arrive together.
     fleet = make_fleet(workers=2, worker_args=["--max-inflight", "4"])
-    await asyncio.sleep(1.2)  # the lanes' pulls made before the second worker joined expire
+    # The lanes' pulls made before the second worker joined are withdrawn.
+    await settled(fleet)
     limits = httpx.Limits(max_connections=BURST + 10)
     async with httpx.AsyncClient(timeout=280, limits=limits) as c:
         ends = await asyncio.gather(*(stream(c, fleet, i) for i in range(BURST)))

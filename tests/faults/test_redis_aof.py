@@ -28,6 +28,7 @@ import httpx
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+import yaml  # type: ignore[import-untyped]
 
 from gateway.errors import AccountingUnavailable
 from gateway.tenancy.accounting import Accountant
@@ -38,8 +39,6 @@ from tests.faults.harness import Load, check, outbox_size, references
 from tests.waits import until, until_sync
 
 pytestmark = [pytest.mark.connected, pytest.mark.faults, pytest.mark.timeout(180)]
-
-yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) reads deploy/redis.yaml")
 
 DEPLOY_REDIS = Path(__file__).resolve().parents[2] / "deploy" / "redis.yaml"
 USERS = 10

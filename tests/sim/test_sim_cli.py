@@ -11,6 +11,16 @@ import pytest
 
 from jetserve.services import free_port
 from sim.cli import build_parser, config_from_args, main
+from tests.waits import until
+
+
+async def _healthy(proc: asyncio.subprocess.Process, client: httpx.AsyncClient) -> bool:
+    """The process answers /health (one that exited fails at once, not at the bound)."""
+    assert proc.returncode is None, f"the simulator exited ({proc.returncode})"
+    try:
+        return (await client.get("/health")).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 async def test_cli_serves_until_sigterm() -> None:
@@ -22,12 +32,7 @@ async def test_cli_serves_until_sigterm() -> None:
     )  # fmt: skip
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for _ in range(300):
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.02)
+            await until(lambda: _healthy(proc, client), "the simulator serving")
             models = (await client.get("/v1/models")).json()
             assert models["data"][0]["id"] == "cli-model"
             stats = (await client.get("/sim/stats")).json()
@@ -39,7 +44,7 @@ async def test_cli_serves_until_sigterm() -> None:
             )
             assert r.status_code == 200
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
     finally:
         if proc.returncode is None:
             proc.kill()

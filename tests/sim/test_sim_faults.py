@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -11,6 +10,7 @@ import httpx
 import pytest
 
 from tests.sim.simkit import SimHandle, StartSim, chat_body, sse
+from tests.waits import until
 
 
 @pytest.mark.parametrize(
@@ -94,25 +94,28 @@ async def test_drop_non_stream(fast: SimHandle) -> None:
 async def test_stall_after_first_token_until_client_leaves(fast: SimHandle) -> None:
     rid = uuid.uuid4().hex
     got: list[str] = []
-
-    async def read(r: httpx.Response) -> None:
-        async for line in r.aiter_lines():
-            if line:
-                got.append(line)
-
     async with fast.client.stream(
         "POST", "/v1/chat/completions", json=chat_body(stream=True),
         headers={"X-Sim-Fault": "stall", "X-Request-Id": rid},
     ) as r:  # fmt: skip
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(read(r), timeout=0.3)
-    assert len(got) == 2  # the role chunk and one token, then nothing
-    for _ in range(200):
+        lines = r.aiter_lines()  # held: a dropped iterator would close the stream
+        while len(got) < 2:  # the role chunk and one token
+            if line := await anext(lines):
+                got.append(line)
+        # Then nothing: a request run to its end beside it (engine steps taken
+        # after the stall) leaves it running at its one token.
+        other = await fast.client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+        assert other.status_code == 200
         rec = await fast.record(rid)
-        if rec["status"] == "aborted":
-            break
-        await asyncio.sleep(0.005)
-    assert rec["status"] == "aborted"
+        assert (rec["status"], rec["generated_tokens"]) == ("running", 1), rec
+    # The client left: the engine aborts it, still at one token.
+
+    async def aborted() -> bool:
+        nonlocal rec
+        rec = await fast.record(rid)
+        return bool(rec["status"] == "aborted")
+
+    await until(aborted, "the stalled stream aborted")
     assert rec["generated_tokens"] == 1
 
 

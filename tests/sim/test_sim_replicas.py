@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from functools import partial
 
 import httpx
 
 from jetserve.services import free_ports
 from sim.cli import build_parser, config_from_args
 from sim.replicas import replica_configs
+from tests.waits import until
 
 LONG = " ".join(f"policy{i}" for i in range(400))  # ~400 prompt tokens: 25 full blocks
 
@@ -29,6 +31,15 @@ async def _metric(client: httpx.AsyncClient, name: str) -> float:
     )
 
 
+async def _healthy(proc: asyncio.subprocess.Process, client: httpx.AsyncClient) -> bool:
+    """The process answers /health (one that exited fails at once, not at the bound)."""
+    assert proc.returncode is None, f"the simulator exited ({proc.returncode})"
+    try:
+        return (await client.get("/health")).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 async def test_replicas_serve_independent_engines_on_consecutive_ports() -> None:
     n = 3
     base = free_ports(n)
@@ -39,13 +50,8 @@ async def test_replicas_serve_independent_engines_on_consecutive_ports() -> None
     )  # fmt: skip
     clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{base + i}") for i in range(n)]
     try:
-        for c in clients:
-            for _ in range(300):
-                try:
-                    if (await c.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.02)
+        for i, c in enumerate(clients):
+            await until(partial(_healthy, proc, c), f"replica {i} serving")
             assert (await c.get("/v1/models")).json()["data"][0]["id"] == "sim-8b"
         stats = [(await c.get("/sim/stats")).json() for c in clients]
         assert [s["fault_seed"] for s in stats] == [1, 2, 3]  # the fleet's --fault-seed n+1
@@ -74,7 +80,7 @@ async def test_replicas_serve_independent_engines_on_consecutive_ports() -> None
         assert after[2]["kv_blocks_cached"] == 0
 
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
         assert proc.stdout is not None
         assert f"ports {base}..{base + n - 1}" in (await proc.stdout.read()).decode()
     finally:

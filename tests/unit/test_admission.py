@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.waits import until
+from tests.waits import until, until_true
 from workers.engines.base import EngineLoad
 from workers.engines.vllm_metrics import parse_vllm_metrics
 from workers.errors import WorkerStopping
@@ -21,10 +21,10 @@ async def test_slots_bounded_by_max_inflight() -> None:
     assert await adm.acquire(0)
     assert adm.free_slots() == 0
     third = asyncio.create_task(adm.acquire(0))
-    await asyncio.sleep(0.05)
+    await until_true(lambda: adm.waiters == 1, "the third acquire waiting")
     assert not third.done()
     await adm.release()
-    assert await asyncio.wait_for(third, 1)
+    assert await asyncio.wait_for(third, 10)
 
 
 async def test_kv_blocks_limit_slots() -> None:
@@ -107,9 +107,18 @@ async def test_lower_class_leaves_reserve_until_starved() -> None:
     adm = Admission(AdmissionConfig(max_inflight=2, reserve=1, starve_after=0.3))
     assert await adm.acquire(0)  # one held: one free
     batch = asyncio.create_task(adm.acquire(2))
-    await asyncio.sleep(0.1)
-    assert not batch.done()  # the last slot is kept for interactive ...
-    assert await asyncio.wait_for(batch, 2)  # ... until batch has waited starve_after
+    # One step of the loop runs batch to its wait (nothing before it sleeps); the
+    # checks below do not yield, so batch cannot turn starved meanwhile, however
+    # slow the box.
+    await asyncio.sleep(0)
+    assert adm.in_turn_waiters[2] == 1
+    assert not batch.done()
+    # The last slot is kept for interactive: an unstarved batch puller gets none ...
+    assert not adm.try_acquire(2)
+    assert adm.held == 1
+    # ... until batch has waited starve_after (the timeout is only a hang guard).
+    assert await asyncio.wait_for(batch, 10)
+    assert (adm.held, adm.held_lower) == (2, 1)
 
 
 def test_parse_vllm_metrics() -> None:

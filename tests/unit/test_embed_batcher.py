@@ -4,6 +4,7 @@ merging, exact per-request usage, limits, failures, deadlines, cancellation."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +18,7 @@ import uvicorn
 from sim.app import create_app
 from sim.cli import uvicorn_config
 from sim.config import SimConfig
+from tests.waits import until_true
 from workers.engines.openai import OpenAIAdapter
 from workers.errors import EngineRejected, EngineUnavailable
 from workers.inference.batching import EmbedBatcher, split_inputs, split_total
@@ -177,17 +179,17 @@ async def test_one_bad_input_fails_alone(start: Start) -> None:
 
 async def test_deadlines_expired_never_batched_and_near_ones_flush_early(start: Start) -> None:
     sim, engine = await start()
-    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=5.0)
+    # A batch delay past the hang guard below: only a deadline can make it fire.
+    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=60.0)
     before = await sim.embed_calls()
     with pytest.raises(TimeoutError):
         await batcher.embed(body("late"), "expired", {}, time.time() - 1)
     assert await sim.embed_calls() == before
-    t0 = time.monotonic()
-    waiting = asyncio.ensure_future(batcher.embed(body("patient"), "p", {}, later()))
-    await asyncio.sleep(0.02)
-    hurried = await batcher.embed(body("hurried"), "h", {}, later(0.5))
-    assert time.monotonic() - t0 < 1.0  # not the 5 s batch delay
-    assert len((await waiting).vectors) == 1  # it went with the hurried one
+    waiting = asyncio.ensure_future(batcher.embed(body("patient"), "p", {}, later(120)))
+    await until_true(lambda: batcher._tasks, "the patient request's batch open")
+    async with asyncio.timeout(30):  # returning at all: not the 60 s batch delay
+        hurried = await batcher.embed(body("hurried"), "h", {}, later(10))
+        assert len((await waiting).vectors) == 1  # it went with the hurried one
     assert len(hurried.vectors) == 1
     assert await sim.embed_calls() - before == 1
 
@@ -200,20 +202,40 @@ async def test_members_that_leave_abort_the_batch_and_close_leaves_no_task(start
         asyncio.ensure_future(batcher.embed(body(t), f"r{i}", {}, later()))
         for i, t in enumerate(TEXTS)
     ]
-    await asyncio.sleep(0.02)
+    # One step of the loop puts each in the batch (nothing before that awaits);
+    # they leave before the batch's task has run at all, so before it can fire,
+    # however slow the box.
+    await asyncio.sleep(0)
+    assert sum(len(b.members) for b in batcher._pending.values()) == len(TEXTS)
     for c in calls:
         c.cancel()
     await asyncio.gather(*calls, return_exceptions=True)
-    await asyncio.sleep(0.3)
-    assert await sim.embed_calls() == before  # nobody left waiting: never sent
-    pending = asyncio.ensure_future(batcher.embed(body("x"), "x", {}, later()))
-    await asyncio.sleep(0.01)
+    # The batch's task ends once its delay is up: nobody left waiting, never sent.
+    await until_true(lambda: not batcher._tasks, "the abandoned batch's task ending")
+    assert batcher.engine_calls == 0
+    assert await sim.embed_calls() == before
     await batcher.aclose()
-    assert not batcher._tasks
+
+    # A batch delay past the test's hang guards: only closing ends this one.
+    closing = EmbedBatcher(engine, max_batch=32, max_delay_s=60.0)
+    # (Its deadline is past the delay too: a nearer one would fire the batch.)
+    pending = asyncio.ensure_future(closing.embed(body("x"), "x", {}, later(120)))
+    await until_true(lambda: _batches_waiting(closing), "x's batch waiting to fire")
+    await closing.aclose()
+    assert not closing._tasks
     with pytest.raises(EngineUnavailable):
         await pending  # closed before it fired: a retryable error, never a hang
     with pytest.raises(EngineUnavailable):
-        await batcher.embed(body("y"), "y", {}, later())
+        await closing.embed(body("y"), "y", {}, later())
+    assert closing.engine_calls == 0
+
+
+def _batches_waiting(batcher: EmbedBatcher) -> bool:
+    """A batch is open and its task has started (is suspended in its wait)."""
+    return bool(batcher._tasks) and all(
+        inspect.getcoroutinestate(t.get_coro()) == inspect.CORO_SUSPENDED  # type: ignore[arg-type]
+        for t in batcher._tasks
+    )
 
 
 async def test_batch_of_one_is_the_unchanged_request(start: Start) -> None:

@@ -55,7 +55,7 @@ async def weather(args: dict[str, Any], ctx: ToolContext) -> Any:
 
 
 async def slow(args: dict[str, Any], ctx: ToolContext) -> Any:
-    await asyncio.sleep(5)
+    await asyncio.Event().wait()  # never answers: only a timeout ends the call
     return "late"
 
 
@@ -75,7 +75,9 @@ def registry() -> Registry:
     return Registry(
         [
             Tool("weather", "Weather forecast for a city", WEATHER_SCHEMA, InProcess(weather)),
-            Tool("slow", "Sleeps", {"type": "object"}, InProcess(slow), timeout_s=0.1),
+            Tool("slow", "Hangs", {"type": "object"}, InProcess(slow), timeout_s=0.1),
+            # Its own timeout outlasts the tests' hang guards: only a deadline ends it.
+            Tool("slower", "Hangs", {"type": "object"}, InProcess(slow), timeout_s=30),
             Tool("picky", "Fails", {"type": "object"}, InProcess(picky)),
             Tool("broken", "Crashes", {"type": "object"}, InProcess(broken)),
             Tool(
@@ -90,7 +92,7 @@ def registry() -> Registry:
     )
 
 
-ALL = {"weather", "slow", "picky", "broken", "wire_money", "guarded"}
+ALL = {"weather", "slow", "slower", "picky", "broken", "wire_money", "guarded"}
 
 
 def ctx(**kw: Any) -> ToolContext:
@@ -225,11 +227,10 @@ async def test_approval_tier_pauses_without_running() -> None:
 
 async def test_read_only_timeout_failure_crash_and_deadline() -> None:
     d = ToolDispatcher(registry())
-    t0 = time.monotonic()
-    r = await d.call("slow", "", ctx(), ALL)  # "" means no arguments
+    async with asyncio.timeout(10):  # a hang guard: the tool never answers
+        r = await d.call("slow", "", ctx(), ALL)  # "" means no arguments
     assert isinstance(r, ToolResult)
     assert (r.status, r.error, r.retryable) == ("error", "timeout", True)
-    assert time.monotonic() - t0 < 1.0
     assert msgspec.json.decode(r.content()) == {"error": "timeout", "retryable": True}
 
     r = await d.call("picky", "{}", ctx(), ALL)
@@ -245,12 +246,12 @@ async def test_read_only_timeout_failure_crash_and_deadline() -> None:
     assert isinstance(r, ToolResult)
     assert (r.error, r.retryable) == ("deadline exceeded", False)
 
-    # The run's deadline caps the tool's own timeout.
-    t0 = time.monotonic()
-    r = await d.call("slow", "{}", ctx(deadline=time.time() + 0.05), ALL)
+    # The run's deadline caps the tool's own timeout: "slower" would hang for
+    # 30 s, past this guard, so returning at all shows the deadline ended it.
+    async with asyncio.timeout(10):
+        r = await d.call("slower", "{}", ctx(deadline=time.time() + 0.05), ALL)
     assert isinstance(r, ToolResult)
     assert r.error == "timeout"
-    assert time.monotonic() - t0 < 0.1
 
 
 async def test_metrics_count_outcomes() -> None:
