@@ -230,6 +230,23 @@ async def test_members_that_leave_abort_the_batch_and_close_leaves_no_task(start
     assert closing.engine_calls == 0
 
 
+async def test_closing_before_a_batch_task_first_runs_still_answers(start: Start) -> None:
+    # A batch task cancelled before it first ran never entered its own handler,
+    # and aclose() cleared the batches: its member waited for ever.
+    _, engine = await start()
+    batcher = EmbedBatcher(engine, max_batch=32, max_delay_s=60.0)
+    pending = asyncio.ensure_future(batcher.embed(body("x"), "x", {}, later(120)))
+    # One loop turn: the request joins a new batch, whose task is scheduled after
+    # this test's own turn (FIFO), so aclose() cancels it before it ever ran.
+    await asyncio.sleep(0)
+    assert batcher._pending
+    assert not _batches_waiting(batcher)
+    await batcher.aclose()
+    with pytest.raises(EngineUnavailable):
+        await asyncio.wait_for(pending, 30)  # a hang guard only
+    assert batcher.engine_calls == 0
+
+
 def _batches_waiting(batcher: EmbedBatcher) -> bool:
     """A batch is open and its task has started (is suspended in its wait)."""
     return bool(batcher._tasks) and all(

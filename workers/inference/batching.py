@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -186,6 +187,9 @@ class EmbedBatcher:
             task = loop.create_task(self._run(batch), name=f"embed-batch-{request_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            # A task cancelled before it first ran (aclose() right after this)
+            # never enters _run: whoever it would have served is told here.
+            task.add_done_callback(functools.partial(_unserved, batch))
         batch.members.append(member)
         batch.size += len(items)
         due_in = batch.fire_at - loop.time()
@@ -378,6 +382,11 @@ class EmbedBatcher:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+def _unserved(batch: _Batch, _: asyncio.Task[None]) -> None:
+    """The batch's task ended: a member it left waiting gets a retryable error."""
+    _settle(batch.members, EngineUnavailable("worker stopping: embedding batch aborted"))
 
 
 def _settle(members: list[_Member], outcome: Embeddings | BaseException) -> None:
