@@ -246,6 +246,9 @@ class InferenceService:
                 return await self._reserve_and_submit(op, parsed, key, req, raw, claim, span, gone)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code).inc()
+            # Every refusal once a request id exists (the hold's, the queue's, the
+            # Idempotency-Key's: a key reused, still running, its store down).
+            self._log_refusal(req, exc)
             span.end(exc.code)
             if claim is not None:
                 await self.books.idem_fail(claim, raw, exc)
@@ -344,7 +347,6 @@ class InferenceService:
             )
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
-            self._log_refusal(req, exc)
             await self.books.refused(self.books.refusal(req, key, f"rejected:{kind}", exc))
             raise
         if reservation.settled:
@@ -384,7 +386,6 @@ class InferenceService:
             stream = await self._submit(req, meta, claim is not None, excess, gone, pool)
             span.event("queued")
         except GatewayError as exc:
-            self._log_refusal(req, exc)
             refusal = self.books.refusal(req, key, f"rejected:{exc.code}", exc)
             await self.books.append(refusal, release=True)
             raise

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from typing import Any, Literal
 
 import msgspec
@@ -44,10 +45,12 @@ from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.sse import client_events
 from gateway.ingress.ws_auth import authenticate_socket
 from gateway.web import refuse
+from streams.logs import log_event
 from streams.tasks import stop_task
 from streams.wire import Op
 
 TOO_SLOW = "The client read the stream too slowly; it was ended."
+log = logging.getLogger(__name__)
 
 
 class WsRequest(msgspec.Struct, tag="request"):
@@ -69,10 +72,13 @@ Kind = Literal["chunk", "response", "done", "error"]
 
 
 class _Connection:
-    def __init__(self, ws: WebSocket, gw: InferenceService, headers: dict[str, str]) -> None:
+    def __init__(
+        self, ws: WebSocket, gw: InferenceService, headers: dict[str, str], tenant: str
+    ) -> None:
         self.ws = ws
         self.gw = gw
         self.headers = headers
+        self.tenant = tenant
         self.tasks: dict[str, asyncio.Task[None]] = {}
         # Being admitted (a hold, the fair gate, the publish): set when cancelled.
         # Cancelling the task there would leave a hold or a queued copy behind;
@@ -90,6 +96,12 @@ class _Connection:
 
     async def error(self, rid: str, exc: GatewayError) -> None:
         await self.send("error", rid, status=exc.status, error=exc.body()["error"])
+
+    async def refuse(self, rid: str, exc: GatewayError) -> None:
+        """A message the socket refuses (before any request exists): counted,
+        logged with the socket's tenant, and answered with an error frame."""
+        _refused(self.gw, exc, self.tenant)
+        await self.error(rid, exc)
 
     async def run_request(self, msg: WsRequest) -> None:
         gone = asyncio.Event()
@@ -219,21 +231,21 @@ class _Connection:
                 try:
                     msg = _decoder.decode(raw)
                 except msgspec.DecodeError as exc:
-                    await self.error("", BadRequest(f"Bad message: {exc}"))
+                    await self.refuse("", BadRequest(f"Bad message: {exc}"))
                     continue
                 except RecursionError:  # the socket and its requests go on
-                    await self.error("", BadRequest("Bad message: nested too deeply."))
+                    await self.refuse("", BadRequest("Bad message: nested too deeply."))
                     continue
                 if isinstance(msg, WsCancel):
                     await self.cancel(msg.id)
                     continue
                 if msg.id in self.tasks:
-                    await self.error(msg.id, BadRequest("Request id already in flight."))
+                    await self.refuse(msg.id, BadRequest("Request id already in flight."))
                     continue
                 if len(self.tasks) >= cfg.ws_max_inflight:
                     # That request only: the socket and the ones in flight go on.
                     limit = cfg.ws_max_inflight
-                    await self.error(
+                    await self.refuse(
                         msg.id,
                         RateLimited(
                             f"At most {limit} requests in flight per socket; wait for one "
@@ -266,19 +278,30 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         # Every request of the socket would carry it: the second, another body,
         # was refused as the key reused. Before accept (and before a ticket is
         # spent): the upgrade gets the 400.
-        await refuse(ws.scope, ws.send, BadRequest(
+        exc: GatewayError = BadRequest(
             "Idempotency-Key is per request: send it as 'idempotency_key' in each "
             "request message, not in the WebSocket's upgrade.",
             param="Idempotency-Key",
-        ))  # fmt: skip
+        )
+        _refused(gw, exc, None)
+        await refuse(ws.scope, ws.send, exc)
         return
     try:
         auth = await authenticate_socket(ws, gw.cfg.ws_allow_query_key)
     except GatewayError as exc:
         # Before accept: the upgrade is answered with the status and an error body.
+        _refused(gw, exc, None)
         await refuse(ws.scope, ws.send, exc)
         return
     headers.pop("sec-websocket-protocol", None)  # may hold a secret; nothing reads it
     headers["authorization"] = auth.authorization
     await ws.accept(subprotocol=auth.subprotocol)
-    await _Connection(ws, gw, headers).serve(gw.cfg)
+    await _Connection(ws, gw, headers, auth.tenant).serve(gw.cfg)
+
+
+def _refused(gw: InferenceService, exc: GatewayError, tenant: str | None) -> None:
+    gw.metrics.rejected.labels(exc.code).inc()
+    log_event(
+        log, "refused", request_id=None, tenant=tenant, cls=None, code=exc.code,
+        status=exc.status, gateway=gw.cfg.gateway_id, ingress="websocket",
+    )  # fmt: skip

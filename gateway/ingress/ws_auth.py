@@ -36,6 +36,7 @@ BEARER_PROTOCOL = "jetserve.bearer."
 class SocketAuth(NamedTuple):
     authorization: str  # "Bearer <key>": every request on the socket is authorised with it
     subprotocol: str | None  # what the accept names (never a secret)
+    tenant: str  # the key's, for the socket's log lines
 
 
 async def issue_ticket(request: Request) -> Response:
@@ -73,8 +74,8 @@ async def authenticate_socket(ws: WebSocket, allow_query_key: bool) -> SocketAut
         query_key = query.get("api_key") if allow_query_key else None
         key = await _key(tickets, bearer, query.get("ticket"), query_key)
         authorization = f"Bearer {key}"
-    await gw.tenancy.authenticate(authorization)
-    return SocketAuth(authorization, subprotocol)
+    record = await gw.tenancy.authenticate(authorization)
+    return SocketAuth(authorization, subprotocol, record.tenant)
 
 
 async def _key(

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -65,6 +66,7 @@ from streams.agent import (
 from streams.agent_store import RunStore
 from streams.errors import RunConflictError, RunExistsError, RunStoreError, RunTooLargeError
 from streams.ids import is_safe_id
+from streams.logs import log_event
 from streams.subjects import RequestClass, run_events_subject
 
 # The hold on the tenant's budget outlives the deadline by this much: time for
@@ -72,6 +74,9 @@ from streams.subjects import RequestClass, run_events_subject
 SETTLE_GRACE_S = 600.0
 # Compare-and-set rounds to record a decision on a run an executor is also writing.
 _RECORD_ATTEMPTS = 5
+
+
+log = logging.getLogger(__name__)
 
 
 class RunsService:
@@ -98,6 +103,26 @@ class RunsService:
     async def create(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Run, bool]:
         """The new run, or (``Idempotency-Key`` retry) the run it made first: (run, replayed)."""
         key = await self._key(headers.get("authorization"))
+        with self._refusals("create", key, None):
+            return await self._create(key, raw, headers)
+
+    @contextlib.contextmanager
+    def _refusals(self, action: str, key: KeyRecord, run_id: str | None) -> Iterator[None]:
+        """A refusal of an authenticated caller, logged (the ingress answers it):
+        over HTTP it was an ``http_error`` line without tenant or run, over NATS
+        nothing at all."""
+        try:
+            yield
+        except GatewayError as exc:
+            log_event(
+                log, "refused", request_id=None, run_id=run_id, tenant=key.tenant, cls="agent",
+                action=action, code=exc.code, status=exc.status, gateway=self.gw.cfg.gateway_id,
+            )  # fmt: skip
+            raise
+
+    async def _create(
+        self, key: KeyRecord, raw: bytes, headers: Mapping[str, str]
+    ) -> tuple[Run, bool]:
         body = decode_body(raw, RunCreate)
         cfg = self.gw.cfg
         if body.model not in cfg.models:
@@ -239,7 +264,9 @@ class RunsService:
     # -- read, decide, cancel ----------------------------------------------------------
 
     async def get(self, authorization: str | None, run_id: str) -> Run:
-        return await self._run(await self._key(authorization), run_id)
+        key = await self._key(authorization)
+        with self._refusals("get", key, run_id):
+            return await self._run(key, run_id)
 
     async def decide(
         self, authorization: str | None, run_id: str, call_id: str, raw: bytes
@@ -249,6 +276,12 @@ class RunsService:
         unless the gateway allows self-approval. The decision, with the deciding
         key, is recorded on the run before the run is nudged."""
         key = await self._key(authorization)
+        with self._refusals("decide", key, run_id):
+            return await self._decide(key, run_id, call_id, raw)
+
+    async def _decide(
+        self, key: KeyRecord, run_id: str, call_id: str, raw: bytes
+    ) -> dict[str, Any]:
         body = decode_body(raw, Decision)
         # Before the run is looked up: a key that may not decide learns nothing
         # about which runs exist.
@@ -323,6 +356,10 @@ class RunsService:
 
     async def cancel(self, authorization: str | None, run_id: str) -> Run:
         key = await self._key(authorization)
+        with self._refusals("cancel", key, run_id):
+            return await self._cancel(key, run_id)
+
+    async def _cancel(self, key: KeyRecord, run_id: str) -> Run:
         run = await self._run(key, run_id)
         if run.status in TERMINAL:
             return run
@@ -368,7 +405,8 @@ class RunsService:
         ``keepalive_s`` without one. Checked (key, run, subscription) before the
         first item, so a refusal is an error, not an empty stream."""
         key = await self._key(authorization)
-        run = await self._run(key, run_id)
+        with self._refusals("events", key, run_id):
+            run = await self._run(key, run_id)
         subject = run_events_subject(run.tenant, run.id)
         js = self.store.js
         stream = self.store.topo.events_stream

@@ -5,14 +5,20 @@ completion text."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import signal
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import websockets
 
 from jetserve.fleet import Fleet
+from streams.auth import Role
+from streams.subjects import INGRESS_CHAT
 from tests.fleet_logs import events
 from tests.scrape import metric_sum
 from tests.waits import until
@@ -165,3 +171,85 @@ async def test_a_worker_held_at_its_cap_while_the_engine_has_room_says_so(
     assert said[0]["worker"]
     assert "max_num_seqs" in said[0]["hint"]
     assert SECRET not in (fleet.workdir / "worker0.log").read_text()
+
+
+async def test_refusals_on_every_ingress_are_logged_with_the_tenant(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # Refusals past authentication that left no line with the caller's tenant:
+    # an Idempotency-Key's (over NATS: nothing at all), the agent runs API's (an
+    # ``http_error`` line, no tenant, no run), and a WebSocket's messages (none).
+    fleet = make_fleet(workers=1, log_level="info")
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
+    try:
+        reply = await nc.request(
+            INGRESS_CHAT,
+            msgspec.json.encode(body()),
+            timeout=30,
+            headers={**auth, "Idempotency-Key": "k" * 300},
+        )
+    finally:
+        await nc.close()
+    assert reply.headers is not None
+    assert reply.headers["Jetserve-Status"] == "400"
+    async with httpx.AsyncClient(timeout=30, base_url=fleet.base_url) as c:
+        missing = await c.get(f"/v1/runs/{'0' * 32}", headers=auth)
+    assert missing.status_code == 404
+    url = f"ws://127.0.0.1:{fleet.gateway_port}/v1/ws"
+    async with websockets.connect(url, additional_headers=auth) as ws:
+        await ws.send("{not json")
+        frame = msgspec.json.decode(await asyncio.wait_for(ws.recv(), 30))
+    assert frame["type"] == "error"
+
+    def refused() -> list[dict[str, Any]]:
+        return [e for e in events(fleet, "gateway0") if e.get("event") == "refused"]
+
+    async def all_three() -> bool:
+        return len(await asyncio.to_thread(refused)) >= 3
+
+    await until(all_three, "the three refusals logged")
+    lines = refused()
+    assert all(e["tenant"] == fleet.spec.tenant for e in lines), lines
+    (key,) = [e for e in lines if e.get("request_id")]  # refused after its id was made
+    assert (key["code"], key["cls"]) == ("invalid_request", "interactive")
+    (run,) = [e for e in lines if e["code"] == "run_not_found"]
+    assert (run["run_id"], run["action"]) == ("0" * 32, "get")
+    (socket_line,) = [e for e in lines if e.get("ingress") == "websocket"]
+    assert socket_line["code"] == "invalid_request"
+    assert SECRET not in (fleet.workdir / "gateway0.log").read_text()
+
+
+async def test_a_request_handed_back_at_the_end_of_a_drain_is_logged(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # A stopping worker's drain ends with a request that has emitted nothing: it
+    # is handed back (nak) for another worker, and that was counted, not logged.
+    fleet = make_fleet(workers=1, log_level="info", worker_args=["--grace", "1"])
+    auth = {"Authorization": f"Bearer {fleet.api_key}", "X-Sim-Fault": "stall:60000"}
+    async with httpx.AsyncClient(timeout=120, base_url=fleet.base_url) as c:
+        waiting = asyncio.ensure_future(c.post("/v1/chat/completions", json=body(), headers=auth))
+
+        async def engine_has_it() -> bool:
+            return int((await c.get(f"{fleet.sim_url}/sim/stats")).json()["records"]) >= 1
+
+        await until(engine_has_it, "the engine holding the request")
+        fleet.workers[0].signal(signal.SIGTERM)
+
+        def handed_back() -> list[dict[str, Any]]:
+            return [
+                e
+                for e in events(fleet, "worker0")
+                if e.get("event") == "redelivered" and e.get("code") == "shutdown"
+            ]
+
+        async def logged() -> bool:
+            return bool(await asyncio.to_thread(handed_back))
+
+        await until(logged, "the hand-back logged")
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    (line,) = handed_back()
+    assert (line["tenant"], line["cls"]) == (fleet.spec.tenant, "interactive")
+    assert line["request_id"]

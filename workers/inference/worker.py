@@ -622,9 +622,11 @@ class Worker:
                     "stream_interrupted", "worker shut down mid-stream", status=502, retryable=False
                 )
                 await _end(msg)  # its first token's ack may never have gone
+                self._event("interrupted", req, req.cls, code="shutdown", started=True)
             else:
                 await msg.nak()  # nothing emitted: another worker takes it now
                 self.metrics.redeliveries.labels(req.cls, "shutdown").inc()
+                self._event("redelivered", req, req.cls, code="shutdown")
             raise
         finally:
             waiter.cancel()
