@@ -831,9 +831,6 @@ class InferenceService:
         await self.settlements.aclose()
         self.tracer.shutdown()  # flush exported spans
 
-    async def complete(self, adm: Admitted, response: dict[str, Any]) -> None:
-        await self.books.complete(adm, response)
-
     # -- results -----------------------------------------------------------------
     async def answer(self, adm: Admitted, limit: int | None = None) -> dict[str, Any]:
         """Wait for the whole result (non-streaming clients): the response body,
@@ -851,7 +848,12 @@ class InferenceService:
                     "send fewer inputs, or ask for base64.",
                     code="response_too_large",
                 )
-            await self.finish(adm, "ok", 200, result.final)
+            # The Idempotency-Key's answer is stored with the books, in their owned
+            # and shielded task: a caller cancelled meanwhile (a WebSocket's cancel
+            # frame) cut the store, and left the key's claim neither done nor released.
+            await self.finish(
+                adm, "ok", 200, result.final, then=functools.partial(self.books.complete, adm, body)
+            )
         except GatewayError as exc:
             await self.fail(adm, exc)
             raise

@@ -74,7 +74,6 @@ async def _serve(request: Request, op: Op) -> Response:
             raise ClientGone
         if not adm.wants_stream or op == "embedding":
             body = await race_disconnect(request.receive, gw.answer(adm))
-            await gw.complete(adm, body)
             return json_response(body, headers=headers)
         first = await race_disconnect(request.receive, _first_event(gw, adm))
         if isinstance(first, ErrorFrame):

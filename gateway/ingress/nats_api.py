@@ -186,7 +186,6 @@ class NatsIngress:
         try:
             if not adm.wants_stream or op == "embedding":
                 body = await self._gw.answer(adm, self._nc.max_payload)
-                await self._gw.complete(adm, body)
                 await self._reply(msg, body)
                 return
             assert stream_to is not None  # the gate refused a stream without one

@@ -172,7 +172,6 @@ class _Connection:
             except GatewayError as exc:
                 await self.error(msg.id, exc)
                 return
-            await self.gw.complete(adm, body)
             await self.send("response", msg.id, data=body)
             return
         # Closed on any exit: a send that fails leaves no reader suspended.
