@@ -34,6 +34,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from streams.balance import BALANCE, BalanceRule
 from streams.pools import adapter_pool
+from streams.provision import ensure_bucket
 from streams.rendezvous import DEFAULT_DEPTH, DEFAULT_LOAD_FACTOR, LaneOrder, assign
 from streams.tasks import stop_task
 
@@ -149,10 +150,15 @@ class Membership:
         if self.worker_id is None:
             self._kv = await self._js.key_value(MEMBERS_BUCKET)  # BucketNotFoundError: none yet
         else:
-            self._kv = await self._js.create_key_value(
+            # Bound if it is there, whatever its settings: created by a worker of
+            # another --replicas or nats-py (which sets allow_msg_ttl or not), a
+            # create with ours was refused ("already in use with a different
+            # configuration") and every new worker of the fleet crashed at start.
+            self._kv = await ensure_bucket(
+                self._js,
                 KeyValueConfig(
                     bucket=MEMBERS_BUCKET, history=1, ttl=self._every * 4, replicas=self._replicas
-                )
+                ),
             )
             # A bucket just created on a cluster has no leader for a moment: retry.
             for attempt in range(50):

@@ -13,7 +13,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import BudgetExceeded, GatewayError, RateLimited
 from gateway.inference.coalesce import MemberStream
 from gateway.inference.route_table import RouteTable
 from gateway.inference.sessions import Admitted, Session
@@ -173,13 +173,24 @@ class Books:
     ) -> None:
         """The run failed (``exc.from_run``; ``run_over``: its deadline passed, so
         it is over whatever this session heard) or this session did: the store
-        decides whose claim it is to release (gateway/tenancy/idempotency.py)."""
+        decides whose claim it is to release (gateway/tenancy/idempotency.py).
+        Refused by the accountant (a rate limit, a spent budget: nothing held or
+        queued), a fresh claim is forgotten instead."""
         try:
+            if _refused_by_accountant(exc) and await self.idempotency.forget(claim):
+                return
             await self.idempotency.fail(claim, raw, exc, run_failed=exc.from_run or run_over)
         except GatewayError as err:
             log.error("idempotency release failed: %s", err.message)
         except (RedisError, OSError) as err:
             log.error("idempotency release failed: %r", err)
+
+
+def _refused_by_accountant(exc: GatewayError) -> bool:
+    """A hold the accountant refused (only it raises these two so: a limit named)."""
+    return isinstance(exc, BudgetExceeded) or (
+        isinstance(exc, RateLimited) and exc.limit is not None
+    )
 
 
 def _attempts(attempt: int) -> int:

@@ -93,6 +93,7 @@ from streams.wire import (
 # How long a gateway waits for the frames capture to hand back tokens that core
 # NATS lost on their way here (a server died between worker and gateway).
 log = logging.getLogger(__name__)
+BUS_DOWN = "The message bus is unavailable."
 
 GAP_RECOVERY_S = 3.0
 WITHDRAW_RETRY_S = 1.0  # between tries to store an unconfirmed request's cancel
@@ -114,7 +115,7 @@ def publish_failure(exc: PublishError) -> GatewayError:
     if isinstance(exc, RequestTooLargeError):
         return RequestTooLarge(exc.message)
     if isinstance(exc, BusUnavailableError):
-        return Unavailable("The message bus is unavailable.", code="bus_unavailable")
+        return Unavailable(BUS_DOWN, code="bus_unavailable")
     return Unavailable(f"Could not enqueue the request: {exc.message}")
 
 
@@ -423,9 +424,17 @@ class Dispatcher:
                     "its capture is no longer held."
                 )
             live = await self._nc.subscribe(live_filter(tenant, request_id, partitions), cb=on_msg)
-            sub = await self.client.follow(tenant, request_id, on_msg)
         except (nats.errors.Error, TimeoutError, APIError) as exc:
-            raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
+            raise Unavailable(BUS_DOWN, code="bus_unavailable") from exc
+        try:
+            sub = await self.client.follow(tenant, request_id, on_msg)
+        except BaseException as exc:
+            # The live subscription goes too: left, it fed a buffer nobody read
+            # until the process ended, one more at each failed resume.
+            await _unsubscribe((live,))
+            if isinstance(exc, nats.errors.Error | TimeoutError | APIError):
+                raise Unavailable(BUS_DOWN, code="bus_unavailable") from exc
+            raise
         subs = (sub, live)
         try:
             first = await asyncio.wait_for(queue.get(), 5.0)

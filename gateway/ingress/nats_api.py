@@ -161,11 +161,13 @@ class NatsIngress:
             await self._answer(msg, op, adm, stream_to)
         except asyncio.CancelledError:
             # The gateway stops and its grace is over (stop()): the request ends
-            # now, cancelled upstream and recorded, and its caller is told.
-            ending = Unavailable("The gateway is shutting down; retry.", code=SHUTDOWN)
-            await self._gw.abandon(adm, SHUTDOWN, may_resume=False, status=ending.status)
-            with contextlib.suppress(nats.errors.Error):
-                await self._reply(msg, ending.body(), ending.status)
+            # now, cancelled upstream and recorded, and its caller is told (unless
+            # it had its outcome already: then its answer is on its way).
+            if adm.outcome is None:
+                ending = Unavailable("The gateway is shutting down; retry.", code=SHUTDOWN)
+                await self._gw.abandon(adm, SHUTDOWN, may_resume=False, status=ending.status)
+                with contextlib.suppress(nats.errors.Error):
+                    await self._reply(msg, ending.body(), ending.status)
             raise
         except Exception as exc:
             # A send the bus refused (a reconnect's buffer full, a closed or

@@ -74,6 +74,7 @@ class Claim:
     created: float = 0.0
     owner: str = ""  # this session's token when it owns the claim; "": it follows
     seen: str = ""  # a follower's: the owner's token when it found the claim
+    fresh: bool = False  # made by this session's claim() (not found, not taken over)
 
 
 # Release or complete a claim only while it is the one the caller holds (the
@@ -101,6 +102,19 @@ return 1
 """
 
 
+# A forgotten claim's generation goes back one (the key goes at 0), only while it
+# is still that claim's: a claim made since keeps its own.
+_GEN_BACK_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+end
+return 1
+"""
+
+
 def key_hash(tenant: str, idempotency_key: str) -> str:
     return hashlib.sha256(f"{tenant}\0{idempotency_key}".encode()).hexdigest()
 
@@ -111,6 +125,7 @@ class IdempotencyStore:
         self.ttl_s = ttl_s
         self._poll = poll_s
         self._guard = client.register_script(_GUARDED_LUA)  # EVALSHA, loaded on NOSCRIPT
+        self._gen_back = client.register_script(_GEN_BACK_LUA)
 
     async def claim(self, tenant: str, idem_key: str, body: bytes, deadline: float) -> Claim:
         if not idem_key or len(idem_key) > 255:
@@ -132,7 +147,7 @@ class IdempotencyStore:
                 )
                 if await self._redis.set(rkey, pending, nx=True, ex=max(1, int(self.ttl_s))):
                     await self._redis.set(gen_key, generation, ex=int(self.ttl_s) + 86_400)
-                    return Claim(request_id, kh, created=now, owner=owner)
+                    return Claim(request_id, kh, created=now, owner=owner, fresh=True)
                 raw = await self._redis.get(rkey)
                 if raw is None:
                     continue  # released between our SET and GET: claim again
@@ -219,6 +234,24 @@ class IdempotencyStore:
             return False
         gen_key = PREFIX + "gen:" + claim.key_hash
         await self._redis.set(gen_key, int(claim.request_id[24:], 16), ex=int(self.ttl_s) + 86_400)
+        return True
+
+    async def forget(self, claim: Claim) -> bool:
+        """Undo a fresh claim whose request was refused before anything was held
+        or queued under its id (a rate limit, a spent budget): its key and its
+        generation go, as if never claimed, and a retry is judged anew. Released
+        or completed instead, each such refusal left a key for a day (the
+        generation) or the window (the refusal, replayed even after the budget
+        was raised): a tenant refused for free, one new Idempotency-Key per
+        request, filled the Redis everyone's books are in. False: not forgotten
+        (not fresh, or the claim changed meanwhile)."""
+        if not claim.fresh or not await self._guarded("release", claim, claim.owner, b""):
+            return False
+        await self._redis.delete(_ALIVE + claim.key_hash)  # (its admission is over)
+        generation = int(claim.request_id[24:], 16)
+        await self._gen_back(
+            keys=[PREFIX + "gen:" + claim.key_hash], args=[str(generation), str(generation - 1)]
+        )
         return True
 
     async def fail(

@@ -14,6 +14,7 @@ import pytest
 from gateway.config import GatewayConfig
 from gateway.tenancy.pricing import Price
 from jetserve.fleet import Fleet
+from streams.redis_client import open_redis
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -380,6 +381,43 @@ async def test_refusals_past_the_record_rate_are_counted_in_a_summary(
     assert {(r["key_id"], r["model"], r["status"]) for r in summaries} == {
         (singles[0]["key_id"], "sim-8b", 429)
     }
+
+
+async def test_refused_requests_leave_no_idempotency_keys_and_a_retry_is_judged_anew(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    # The Idempotency-Key is claimed before the hold: a request the accountant
+    # refused left its generation for a day and (a spent budget) its refusal for
+    # the window, replayed even after the budget was raised. A tenant refused for
+    # free, one new key per request, filled the Redis everyone's books are in.
+    fleet = make_fleet(workers=1)
+    with fleet.admin() as admin:
+        admin.set_limits("tenant", fleet.spec.tenant, budget_micros=0, period="total")
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    async with httpx.AsyncClient(timeout=30, base_url=fleet.base_url) as c:
+        for i in range(20):
+            r = await c.post(
+                "/v1/chat/completions", json=BODY, headers={**headers, "Idempotency-Key": f"k{i}"}
+            )
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "budget_exceeded"
+        redis = open_redis(fleet.redis_url)
+        try:
+            left = [k async for k in redis.scan_iter(match="jetserve:idem:*")]
+        finally:
+            await redis.aclose()
+        assert left == []
+        with fleet.admin() as admin:
+            admin.set_limits("tenant", fleet.spec.tenant, budget_micros=10**9, period="total")
+        again = await c.post(
+            "/v1/chat/completions", json=BODY, headers={**headers, "Idempotency-Key": "k3"}
+        )
+        assert again.status_code == 200, again.text  # judged anew, not the refusal replayed
+        replay = await c.post(
+            "/v1/chat/completions", json=BODY, headers={**headers, "Idempotency-Key": "k3"}
+        )
+        assert replay.headers.get("Idempotent-Replayed") == "true"
+        assert replay.json() == again.json()
 
 
 async def test_admitted_and_refused_records_name_the_same_org(fleet: Fleet) -> None:
