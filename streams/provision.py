@@ -101,18 +101,41 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: boo
 
 async def ensure_bucket(js: JetStreamContext, want: KeyValueConfig) -> KeyValue:
     """Bind the key-value bucket ``want`` names, creating it if absent
-    (concurrent-safe)."""
+    (concurrent-safe). One that exists is bound as it is; where its replicas,
+    history or TTL differ from ``want`` (a migration to R3, another version's
+    defaults), that is logged: it was bound in silence, and a fleet "moved to R3"
+    kept every bucket at R1."""
     bucket, what = want.bucket, f"bucket {want.bucket}"
     try:
-        return await patiently(what, js.key_value, bucket)
+        kv = await patiently(what, js.key_value, bucket)
     except BucketNotFoundError:
+        pass
+    else:
+        _differs(bucket, (await patiently(what, kv.status)).stream_info.config, want)
+        return kv
+    try:
+        return await patiently(what, js.create_key_value, want)
+    except (APIError, nats.errors.Error) as exc:  # a concurrent creator may have won
         try:
-            return await patiently(what, js.create_key_value, want)
-        except (APIError, nats.errors.Error) as exc:  # a concurrent creator may have won
-            try:
-                return await patiently(what, js.key_value, bucket)
-            except BucketNotFoundError:
-                raise ProvisioningError(f"cannot create bucket {bucket}: {exc}") from exc
+            return await patiently(what, js.key_value, bucket)
+        except BucketNotFoundError:
+            raise ProvisioningError(f"cannot create bucket {bucket}: {exc}") from exc
+
+
+def _differs(bucket: str, have: StreamConfig, want: KeyValueConfig) -> None:
+    """Log where a bound bucket's settings are not the ones asked for."""
+    pairs = {
+        "replicas": (have.num_replicas or 1, want.replicas or 1),
+        "history": (have.max_msgs_per_subject, want.history),
+        "ttl_s": (have.max_age or None, want.ttl or None),
+    }
+    for name, (is_, asked) in pairs.items():
+        if is_ != asked:
+            log.warning(
+                "bucket %s has %s %s, not the %s asked for: bound as it is "
+                "(change it with the nats CLI, or delete it to have it made anew)",
+                bucket, name, is_, asked,
+            )  # fmt: skip
 
 
 async def ensure_routes(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOGY) -> KeyValue:
@@ -125,7 +148,10 @@ async def recorded_stream(js: JetStreamContext, topo: Topology) -> Any:
     (one stream, or one per class); NotFoundError when there is none yet."""
     for layout in (topo, topo.split(not topo.class_streams)):
         try:
-            return await js.stream_info(layout.request_streams[0])
+            name = layout.request_streams[0]
+            # Patiently, as every other provisioning call: a slow JetStream API at
+            # start-up (a leader election) killed the process here.
+            return await patiently(f"stream {name}", js.stream_info, name)
         except NotFoundError:
             continue
     raise NotFoundError(description=f"no {topo.stream} stream, in either layout")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.connected
 
 
 async def test_a_worker_joins_a_members_bucket_made_with_other_settings(
-    nats_server: Service,
+    nats_server: Service, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Made by a worker of another --replicas or another nats-py (allow_msg_ttl set
     # or not), the bucket's config differed from this worker's: its create was
@@ -36,6 +36,8 @@ async def test_a_worker_joins_a_members_bucket_made_with_other_settings(
         runner = asyncio.create_task(members.run())
         try:
             assert "w-new" in members.members
+            # Bound as it is, and said so (a fleet "moved to R3" kept R1 buckets unseen).
+            assert "bucket jetserve_workers has ttl_s 60.0, not the 4.0 asked for" in caplog.text
             entry = await (await admin.jetstream().key_value(MEMBERS_BUCKET)).get("w-new")
             assert entry.value
         finally:

@@ -19,6 +19,9 @@ from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
+# Refusals past the record rate are summarised every 10 s, on a 5 s tick: soon,
+# for tests that count every refusal's record.
+SUMMARIES_SOON = ["--refusal-summary-every", "0.5", "--outbox-scan", "0.5"]
 BODY = {"model": "sim-8b", "max_tokens": 8, "messages": [{"role": "user", "content": "budget me"}]}
 
 
@@ -57,7 +60,9 @@ async def test_budget_holds_for_1000_concurrent_requests_through_3_gateways(
 ) -> None:
     # Output tokens only are priced, and the simulator generates exactly max_tokens
     # here: every request costs exactly its worst case, so the budget admits 100.
-    fleet = make_fleet(gateways=3, workers=2, gateway_args=["--price", "sim-8b=0/1000"])
+    fleet = make_fleet(
+        gateways=3, workers=2, gateway_args=["--price", "sim-8b=0/1000", *SUMMARIES_SOON]
+    )
     cost = Price(0, 1000).worst_case(0, int(BODY["max_tokens"]))  # type: ignore[call-overload]
     with fleet.admin() as admin:
         admin.set_limits("tenant", fleet.spec.tenant, budget_micros=100 * cost, period="total")
@@ -112,7 +117,7 @@ async def test_budget_holds_for_1000_concurrent_requests_through_3_gateways(
 async def test_rate_limit_holds_within_5_percent_across_3_gateways(
     make_fleet: Callable[..., Fleet],
 ) -> None:
-    fleet = make_fleet(gateways=3, workers=2)
+    fleet = make_fleet(gateways=3, workers=2, gateway_args=SUMMARIES_SOON)
     rpm = 1200  # 20/s; GCRA burst: 6 s worth (gateway/tenancy/accounting.py)
     with fleet.admin() as admin:
         admin.set_limits("tenant", fleet.spec.tenant, rpm=rpm)
