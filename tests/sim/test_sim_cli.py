@@ -11,16 +11,8 @@ import pytest
 
 from jetserve.services import free_port
 from sim.cli import build_parser, config_from_args, main
+from tests.sim.processes import healthy
 from tests.waits import until
-
-
-async def _healthy(proc: asyncio.subprocess.Process, client: httpx.AsyncClient) -> bool:
-    """The process answers /health (one that exited fails at once, not at the bound)."""
-    assert proc.returncode is None, f"the simulator exited ({proc.returncode})"
-    try:
-        return (await client.get("/health")).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 async def test_cli_serves_until_sigterm() -> None:
@@ -32,7 +24,7 @@ async def test_cli_serves_until_sigterm() -> None:
     )  # fmt: skip
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            await until(lambda: _healthy(proc, client), "the simulator serving")
+            await until(lambda: healthy(proc, client), "the simulator serving")
             models = (await client.get("/v1/models")).json()
             assert models["data"][0]["id"] == "cli-model"
             stats = (await client.get("/sim/stats")).json()

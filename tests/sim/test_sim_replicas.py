@@ -13,6 +13,7 @@ import httpx
 from jetserve.services import free_ports
 from sim.cli import build_parser, config_from_args
 from sim.replicas import replica_configs
+from tests.sim.processes import healthy
 from tests.waits import until
 
 LONG = " ".join(f"policy{i}" for i in range(400))  # ~400 prompt tokens: 25 full blocks
@@ -31,15 +32,6 @@ async def _metric(client: httpx.AsyncClient, name: str) -> float:
     )
 
 
-async def _healthy(proc: asyncio.subprocess.Process, client: httpx.AsyncClient) -> bool:
-    """The process answers /health (one that exited fails at once, not at the bound)."""
-    assert proc.returncode is None, f"the simulator exited ({proc.returncode})"
-    try:
-        return (await client.get("/health")).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 async def test_replicas_serve_independent_engines_on_consecutive_ports() -> None:
     n = 3
     base = free_ports(n)
@@ -51,7 +43,7 @@ async def test_replicas_serve_independent_engines_on_consecutive_ports() -> None
     clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{base + i}") for i in range(n)]
     try:
         for i, c in enumerate(clients):
-            await until(partial(_healthy, proc, c), f"replica {i} serving")
+            await until(partial(healthy, proc, c), f"replica {i} serving")
             assert (await c.get("/v1/models")).json()["data"][0]["id"] == "sim-8b"
         stats = [(await c.get("/sim/stats")).json() for c in clients]
         assert [s["fault_seed"] for s in stats] == [1, 2, 3]  # the fleet's --fault-seed n+1
