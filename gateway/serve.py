@@ -27,9 +27,14 @@ from gateway.runtime import open_runtime
 class _NoQueryStrings(logging.Filter):
     """uvicorn logs each WebSocket upgrade at info with its path *and query
     string*: ``?ticket=wst-...``, or ``?api_key=sk-...`` where allowed, would land
-    in the log. Those lines keep the path only."""
+    in the log. Those lines keep the path only; the handshake's dump at debug
+    (its headers too) is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg[:2] in ("< ", "> "):
+            # The websockets library's handshake dump at debug: the request line
+            # and every header (Authorization, the bearer subprotocol).
+            return False
         if isinstance(record.msg, str) and record.msg.startswith('%s - "WebSocket %s"'):
             args = record.args
             if isinstance(args, tuple) and len(args) >= 2 and isinstance(args[1], str):

@@ -7,6 +7,7 @@ whose outcome is already decided."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -134,9 +135,16 @@ class Books:
         await self.summarise()
 
     async def summarise(self, all_now: bool = False) -> None:
-        """Write the summaries whose window is over (``all_now``: every one)."""
-        for summary in self.refusals.drain() if all_now else self.refusals.due():
-            await self.append(summary)
+        """Write the summaries whose window is over (``all_now``: every one). All
+        are handed to the outbox before the first await: taken out of the counts
+        and then cancelled between two writes, the rest were lost."""
+        summaries = self.refusals.drain() if all_now else self.refusals.due()
+        stored = [
+            self.settlements.submit(Settlement(record=r, writer=self.cfg.gateway_id))
+            for r in summaries
+        ]
+        for done in stored:
+            await asyncio.shield(done)
 
     async def append(self, record: LedgerRecord, release: bool = False) -> None:
         """A refusal's record (``release``: with its hold given back), through the outbox."""

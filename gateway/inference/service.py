@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -347,7 +348,12 @@ class InferenceService:
             )
         except (BudgetExceeded, RateLimited) as exc:
             kind = "budget" if isinstance(exc, BudgetExceeded) else "rate"
-            await self.books.refused(self.books.refusal(req, key, f"rejected:{kind}", exc))
+            # Under an Idempotency-Key the request id is the key's, given back
+            # when the refused claim is forgotten (books.idem_fail): the record
+            # takes an id of its own, or the retry's, under the same id, would be
+            # dropped as its duplicate (the ledger's and the outbox's dedupe).
+            refused = req if claim is None else msgspec.structs.replace(req, id=uuid.uuid4().hex)
+            await self.books.refused(self.books.refusal(refused, key, f"rejected:{kind}", exc))
             raise
         if reservation.settled:
             if claim is not None:

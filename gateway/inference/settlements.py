@@ -108,12 +108,17 @@ class Settlements:
         Group commit: while one batch is being stored, the settlements that
         arrive wait and go together in the next, as one outbox message and one
         delete. Alone, a settlement goes at once, as itself."""
+        # Shielded: a caller that goes away does not take its books with it.
+        await asyncio.shield(self.submit(s))
+
+    def submit(self, s: Settlement) -> asyncio.Future[None]:
+        """Hand ``s`` to the next group commit, at once (no await: a caller
+        cancelled after this leaves it handed over); done once it is stored."""
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((s, done))
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit(), name="settlements")
-        # Shielded: a caller that goes away does not take its books with it.
-        await asyncio.shield(done)
+        return done
 
     async def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
         """Wait until every settlement stored so far has been applied (or left

@@ -83,9 +83,10 @@ class NatsIngress:
 
     async def stop(self) -> None:
         """No new requests; those in flight have the shutdown grace to end, and
-        then end now, each with its one outcome and an error reply, while the
-        bus is still up (past the grace, the connection drained under them: a
-        stream's next publish failed, and it ended with no outcome and no reply)."""
+        then end now, each with its one outcome and (its outcome not yet
+        decided) an error reply, while the bus is still up (past the grace, the
+        connection drained under them: a stream's next publish failed, and it
+        ended with no outcome and no reply)."""
         for sub in self._subs:
             await sub.unsubscribe()
         if self._tasks:
@@ -144,6 +145,13 @@ class NatsIngress:
     ) -> None:
         try:
             adm = await self._gw.admit(op, msg.data, headers, _gate(stream_to), caller=shown.check)
+        except asyncio.CancelledError:
+            # Stopped while admitting (past the grace): told, if it is the caller's
+            # own inbox; what admission had held the orphan sweep settles.
+            if shown.own:
+                with contextlib.suppress(nats.errors.Error):
+                    await self._reply(msg, _ending().body(), _ending().status)
+            raise
         except ForeignReply:  # the reply inbox is another tenant's: answer nobody
             self._dropped(msg, "reply subject is another tenant's inbox", counted=True)
             return
@@ -161,10 +169,11 @@ class NatsIngress:
             await self._answer(msg, op, adm, stream_to)
         except asyncio.CancelledError:
             # The gateway stops and its grace is over (stop()): the request ends
-            # now, cancelled upstream and recorded, and its caller is told (unless
-            # it had its outcome already: then its answer is on its way).
+            # now, cancelled upstream and recorded, and its caller is told. One
+            # that had its outcome already (its books being written) keeps it:
+            # its reply may be lost; a retry under an Idempotency-Key replays it.
             if adm.outcome is None:
-                ending = Unavailable("The gateway is shutting down; retry.", code=SHUTDOWN)
+                ending = _ending()
                 await self._gw.abandon(adm, SHUTDOWN, may_resume=False, status=ending.status)
                 with contextlib.suppress(nats.errors.Error):
                     await self._reply(msg, ending.body(), ending.status)
@@ -204,6 +213,10 @@ class NatsIngress:
         except GatewayError as exc:
             await self._gw.fail(adm, exc)
             await self._reply(msg, exc.body(), exc.status)
+
+
+def _ending() -> Unavailable:
+    return Unavailable("The gateway is shutting down; retry.", code=SHUTDOWN)
 
 
 class ForeignReply(NotOwnInbox):

@@ -33,8 +33,9 @@ class _BoundedClose:
         self.abort_timer: asyncio.TimerHandle | None = None
 
     def close(self) -> None:
+        closing = self._transport.is_closing()  # (closed: connection_lost's own close)
         self._transport.close()
-        if self.abort_timer is None:
+        if self.abort_timer is None and not closing:
             loop = asyncio.get_running_loop()
             self.abort_timer = loop.call_later(self._bound_s, self._transport.abort)
 

@@ -193,7 +193,7 @@ def _edge_limits(g: argparse.ArgumentParser) -> None:
         "(a new connection's, for its first): 408 and closed past it (default 30)",
     )
     g.add_argument(
-        "--keep-alive",
+        "--keep-alive-timeout",
         type=_positive,
         default=75.0,
         help="close a client connection idle this long between requests (s, default 75: "
@@ -522,7 +522,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         max_headers=args.max_headers,
         client_send_buffer_bytes=args.client_send_buffer,
         request_read_timeout_s=args.request_read_timeout,
-        keep_alive_s=args.keep_alive,
+        keep_alive_s=args.keep_alive_timeout,
         ws_max_message_bytes=args.ws_max_message_bytes,
         ws_max_inflight=args.ws_max_inflight,
         nats_max_inflight=args.nats_max_inflight,

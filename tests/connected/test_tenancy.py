@@ -423,6 +423,17 @@ async def test_refused_requests_leave_no_idempotency_keys_and_a_retry_is_judged_
         )
         assert replay.headers.get("Idempotent-Replayed") == "true"
         assert replay.json() == again.json()
+    # The retry's record is there under its id (the key's: that of its refused first
+    # try, whose record took one of its own, else the retry's was a duplicate).
+    rid = again.headers["X-Request-Id"]
+
+    async def recorded() -> bool:
+        rows = await asyncio.to_thread(ledger, fleet, fleet.spec.tenant)
+        return any(r["request_id"] == rid and r["policy"] == "admitted" for r in rows)
+
+    await until(recorded, "the retry's record")
+    rows = await asyncio.to_thread(ledger, fleet, fleet.spec.tenant)
+    assert counted(rows, "rejected:budget") == 20
 
 
 async def test_admitted_and_refused_records_name_the_same_org(fleet: Fleet) -> None:

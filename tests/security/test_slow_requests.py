@@ -23,7 +23,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     spec = FleetSpec(
         workers=0,
         profile="fast",
-        gateway_args=["--request-read-timeout", "1", "--keep-alive", "1"],
+        gateway_args=["--request-read-timeout", "1", "--keep-alive-timeout", "1"],
     )
     with checked_fleet(request, spec) as f:
         yield f
@@ -76,7 +76,7 @@ async def test_whole_requests_on_a_kept_connection_are_served(fleet: Fleet) -> N
 
 
 async def test_a_kept_connection_idle_past_keep_alive_is_closed_quietly(fleet: Fleet) -> None:
-    # ``--keep-alive`` bounds an idle connection between requests (uvicorn's own 5 s
+    # ``--keep-alive-timeout`` bounds an idle connection between requests (uvicorn's own 5 s
     # was a client pool's too, httpx's: a reuse raced the close and got a reset).
     reader, writer = await asyncio.open_connection("127.0.0.1", fleet.gateway_port)
     try:

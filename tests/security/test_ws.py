@@ -48,12 +48,12 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def lenient_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    """``?api_key=`` allowed, and tickets that expire after 1 s; logging at info,
-    where uvicorn logs every upgrade."""
+    """``?api_key=`` allowed, and tickets that expire after 1 s; logging at debug,
+    where uvicorn logs every upgrade and the websockets library its handshake."""
     spec = FleetSpec(
         workers=0,
         gateway_args=["--ws-allow-query-key", "--ws-ticket-ttl", "1"],
-        log_level="info",
+        log_level="debug",
     )
     with checked_fleet(request, spec) as f:
         yield f
