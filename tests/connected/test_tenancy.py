@@ -134,7 +134,12 @@ async def test_rate_limit_holds_within_5_percent_across_3_gateways(
             )
             return r.status_code, sent
 
-        results = await asyncio.gather(*(one(i) for i in range(int(duration * offered_per_s))))
+        # A task group, not gather: one request's failure cancels the rest, so
+        # none is left running on a closed client (its sockets then failed the
+        # next test on this worker as "unclosed transport").
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(i)) for i in range(int(duration * offered_per_s))]
+        results = [t.result() for t in tasks]
     admitted = sum(1 for s, _ in results if s == 200)
     limited = sum(1 for s, _ in results if s == 429)
     assert admitted + limited == len(results)
