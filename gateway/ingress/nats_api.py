@@ -149,8 +149,9 @@ class NatsIngress:
             # Stopped while admitting (past the grace): told, if it is the caller's
             # own inbox; what admission had held the orphan sweep settles.
             if shown.own:
+                ending = _ending()
                 with contextlib.suppress(nats.errors.Error):
-                    await self._reply(msg, _ending().body(), _ending().status)
+                    await self._reply(msg, ending.body(), ending.status)
             raise
         except ForeignReply:  # the reply inbox is another tenant's: answer nobody
             self._dropped(msg, "reply subject is another tenant's inbox", counted=True)
