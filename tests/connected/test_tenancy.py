@@ -114,6 +114,16 @@ async def test_budget_holds_for_1000_concurrent_requests_through_3_gateways(
     print(f"\nbudget race: admitted {len(ok)}/1000, spent {charges} of {100 * cost} micro-USD")
 
 
+def causes(exc: BaseException) -> str:
+    """``exc`` and the exceptions under it, outermost first."""
+    chain: list[str] = []
+    at: BaseException | None = exc
+    while at is not None and len(chain) < 8:
+        chain.append(repr(at))
+        at = at.__cause__ or at.__context__
+    return " <- ".join(chain)
+
+
 def gcra_admits(arrivals: list[float], rpm: int, burst_s: float) -> int:
     """How many of ``arrivals`` (seconds, any order) GCRA admits at ``rpm`` with a
     ``burst_s`` tolerance: the rule of gateway/tenancy/accounting.py, run here."""
@@ -143,9 +153,17 @@ async def test_rate_limit_holds_within_5_percent_across_3_gateways(
         async def one(i: int) -> tuple[int, float]:
             await asyncio.sleep(i / offered_per_s)  # open loop: a fixed schedule
             sent = time.monotonic() - start
-            r = await c.post(
-                f"{fleet.base_urls[i % 3]}/v1/chat/completions", json=BODY, headers=headers
-            )
+            try:
+                r = await c.post(
+                    f"{fleet.base_urls[i % 3]}/v1/chat/completions", json=BODY, headers=headers
+                )
+            except httpx.TransportError as exc:
+                # Seen rarely on a loaded box (a ReadError awaiting the headers),
+                # cause unknown: the summary line keeps which socket error it was.
+                raise AssertionError(
+                    f"request {i} to gateway {i % 3} (sent at {sent:.2f} s, failed at "
+                    f"{time.monotonic() - start:.2f} s): {causes(exc)}"
+                ) from exc
             return r.status_code, sent
 
         # A task group, not gather: one request's failure cancels the rest, so
