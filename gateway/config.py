@@ -141,6 +141,9 @@ class GatewayConfig:
     # NATS ingress: requests of one tenant in flight on this replica (a service's
     # connection is no socket of ours to count); past it a 429 ``too_many_inflight``.
     nats_max_inflight: int = 1024
+    # NATS ingress: requests whose key is not yet authenticated, on this replica;
+    # past it the subscriptions wait (gateway/ingress/nats_tasks.py).
+    nats_max_unauthenticated: int = 256
     ws_idle_timeout_s: float = 300.0  # no frame and nothing in flight: closed (1000)
     # A send that waits this long for the client to read (its window full) aborts
     # the connection (gateway/ingress/ws_protocol.py).

@@ -101,6 +101,13 @@ class GatewayMetrics:
             "jetserve_gateway_tokens", "Tokens by direction", ["cls", "direction"], registry=r
         )
         self.inflight = Gauge("jetserve_gateway_inflight", "Requests in flight", registry=r)
+        self.nats_unauthenticated = Gauge(
+            "jetserve_gateway_nats_unauthenticated",
+            "NATS ingress requests whose key is being checked (at most "
+            "--nats-max-unauthenticated; the rest wait in the subscription)",
+            ["ingress"],
+            registry=r,
+        )
         self.coalesced = Counter(
             "jetserve_gateway_coalesced",
             "Requests that followed an identical in-flight T=0 request (one shared execution)",

@@ -44,6 +44,7 @@ from gateway.inference.openai_types import Parsed
 from gateway.inference.service import Gate, InferenceService
 from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
+from gateway.ingress.nats_tasks import PENDING_BYTES, IngressTasks, Known
 from gateway.ingress.sse import client_events
 from gateway.ingress.tenant_slots import TenantSlots
 from gateway.tenancy.keys import KeyRecord
@@ -74,12 +75,17 @@ class NatsIngress:
         self._nc = nc
         self._gw = gw
         self._subs: list[Subscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+        unknown = gw.metrics.nats_unauthenticated.labels("inference")
+        self.work = IngressTasks(gw.cfg.nats_max_unauthenticated, unknown)  # owned: see stop()
         self.slots = TenantSlots(gw.cfg.nats_max_inflight)  # per tenant, authenticated
 
     async def start(self) -> None:
         for subject in _OPS:
-            self._subs.append(await self._nc.subscribe(subject, QUEUE_GROUP, cb=self._on_msg))
+            self._subs.append(
+                await self._nc.subscribe(
+                    subject, QUEUE_GROUP, cb=self._on_msg, pending_bytes_limit=PENDING_BYTES
+                )
+            )
 
     async def stop(self) -> None:
         """No new requests; those in flight have the shutdown grace to end, and
@@ -89,9 +95,9 @@ class NatsIngress:
         ended with no outcome and no reply)."""
         for sub in self._subs:
             await sub.unsubscribe()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=self._gw.cfg.shutdown_grace_s)
-        left = set(self._tasks)
+        if self.work.tasks:
+            await asyncio.wait(self.work.tasks, timeout=self._gw.cfg.shutdown_grace_s)
+        left = set(self.work.tasks)
         for task in left:
             task.cancel()  # once: its handler ends the request (abandon, reply)
         if left:
@@ -100,10 +106,9 @@ class NatsIngress:
             await stop_task(task)
 
     async def _on_msg(self, msg: Msg) -> None:
-        # Callbacks of one subscription run in sequence; serve each in its own task.
-        task = asyncio.create_task(self._serve(msg))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # Callbacks of one subscription run in sequence; serve each in its own
+        # task (this waits while too many are unauthenticated: nats_tasks.py).
+        await self.work.spawn(lambda known: self._serve(msg, known))
 
     def _dropped(self, msg: Msg, why: str, *, counted: bool = False) -> None:
         if not counted:  # admission counts what it refused
@@ -126,14 +131,14 @@ class NatsIngress:
             data, status = _encoder.encode(too_big.body()), too_big.status
         await self._nc.publish(msg.reply, data, headers={STATUS: str(status)})
 
-    async def _serve(self, msg: Msg) -> None:
+    async def _serve(self, msg: Msg, known: Known) -> None:
         headers = {k.lower(): v for k, v in (msg.headers or {}).items()}
         op = _OPS[msg.subject]
         if inbox_tenant(msg.reply) is None:
             self._dropped(msg, "reply subject is not a tenant inbox")
             return
         stream_to = headers.get(STREAM_TO.lower())
-        shown = _Shown(msg.reply, self.slots.enter)
+        shown = _Shown(msg.reply, self.slots.enter, known)
         try:
             await self._admitted_and_served(msg, op, headers, stream_to, shown)
         finally:
@@ -233,13 +238,15 @@ class _Shown:
     """Whether the authenticated caller's tenant owns the reply inbox; then the
     request counts against its tenant's requests in flight (``tenant`` set)."""
 
-    def __init__(self, reply: str, enter: Callable[[str], None]) -> None:
+    def __init__(self, reply: str, enter: Callable[[str], None], known: Known) -> None:
         self._reply = reply
         self._enter = enter
+        self._known = known
         self.own = False
         self.tenant: str | None = None
 
     def check(self, key: KeyRecord) -> None:
+        self._known()  # authenticated: no longer counted as unknown (nats_tasks.py)
         if inbox_tenant(self._reply) != key.tenant:
             raise ForeignReply("The reply subject is another tenant's inbox.")
         self.own = True

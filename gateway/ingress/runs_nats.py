@@ -33,6 +33,7 @@ from gateway.decoding import decode_body
 from gateway.errors import GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
 from gateway.ingress.nats_targets import inbox_tenant
+from gateway.ingress.nats_tasks import PENDING_BYTES, IngressTasks, Known
 from gateway.ingress.tenant_slots import TenantSlots
 from gateway.runs.service import RunsService
 from gateway.runs.views import view
@@ -59,7 +60,8 @@ class RunsNatsIngress:
         self._nc = nc
         self._runs = runs
         self._subs: list[Subscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()  # owned: awaited in stop()
+        unknown = runs.gw.metrics.nats_unauthenticated.labels("runs")
+        self.work = IngressTasks(runs.gw.cfg.nats_max_unauthenticated, unknown)  # owned: see stop()
         # Per tenant (authenticated), as the inference ingress: a flood of one
         # tenant's gets grew the gateway's tasks without bound.
         self.slots = TenantSlots(runs.gw.cfg.nats_max_inflight)
@@ -67,21 +69,24 @@ class RunsNatsIngress:
     async def start(self) -> None:
         for op in OPS:
             self._subs.append(
-                await self._nc.subscribe(f"{INGRESS_RUNS}.{op}", QUEUE_GROUP, cb=self._on_msg)
+                await self._nc.subscribe(
+                    f"{INGRESS_RUNS}.{op}",
+                    QUEUE_GROUP,
+                    cb=self._on_msg,
+                    pending_bytes_limit=PENDING_BYTES,
+                )
             )
 
     async def stop(self) -> None:
         for sub in self._subs:
             await sub.unsubscribe()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=10)
+        if self.work.tasks:
+            await asyncio.wait(self.work.tasks, timeout=10)
 
     async def _on_msg(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._serve(msg))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        await self.work.spawn(lambda known: self._serve(msg, known))
 
-    async def _serve(self, msg: Msg) -> None:
+    async def _serve(self, msg: Msg, known: Known) -> None:
         headers = {k.lower(): v for k, v in (msg.headers or {}).items()}
         auth = headers.get("authorization")
         op = msg.subject.rsplit(".", 1)[-1]
@@ -91,6 +96,7 @@ class RunsNatsIngress:
             return
         try:
             key = await self._runs.gw.tenancy.authenticate(auth)
+            known()
             if inbox_tenant(reply) != key.tenant:
                 log.warning("runs ingress: dropped a request: reply to another tenant's inbox")
                 return

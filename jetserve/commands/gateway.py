@@ -220,6 +220,14 @@ def _edge_limits(g: argparse.ArgumentParser) -> None:
         "past it a request gets a 429 reply (too_many_inflight)",
     )
     g.add_argument(
+        "--nats-max-unauthenticated",
+        type=_at_least_one,
+        default=256,
+        help="NATS ingress requests waiting for their key's check at once on this replica; "
+        "past it the ingress stops taking messages until one is checked (a flood of "
+        "made-up keys while Redis is slow costs bounded memory)",
+    )
+    g.add_argument(
         "--ws-idle-timeout",
         type=float,
         default=300.0,
@@ -316,6 +324,12 @@ def _non_negative(text: str) -> float:
 def _count(text: str) -> int:
     if not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(f"want a whole number 0 or above, got {text!r}")
+    return int(text)
+
+
+def _at_least_one(text: str) -> int:
+    if _count(text) < 1:
+        raise argparse.ArgumentTypeError(f"want a whole number 1 or above, got {text!r}")
     return int(text)
 
 
@@ -526,6 +540,7 @@ def config(args: argparse.Namespace) -> GatewayConfig:
         ws_max_message_bytes=args.ws_max_message_bytes,
         ws_max_inflight=args.ws_max_inflight,
         nats_max_inflight=args.nats_max_inflight,
+        nats_max_unauthenticated=args.nats_max_unauthenticated,
         ws_idle_timeout_s=args.ws_idle_timeout,
         ws_send_timeout_s=args.ws_send_timeout,
         ws_ticket_ttl_s=args.ws_ticket_ttl,

@@ -8,9 +8,10 @@ import os
 import signal
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import websockets
@@ -19,6 +20,7 @@ import websockets.exceptions
 from jetserve.fleet import Fleet
 from streams.auth import Role
 from streams.subjects import INGRESS_CHAT, INGRESS_EMBEDDINGS
+from tests.scrape import metric_sum
 from tests.waits import until
 
 pytestmark = pytest.mark.connected
@@ -444,3 +446,50 @@ async def test_an_answer_over_the_bus_limit_gets_an_error_reply_over_nats(fleet:
         assert len(msgspec.json.decode(reply.data)["data"]) == 400
     finally:
         await nc.close()
+
+
+async def test_made_up_keys_while_redis_is_stuck_are_checked_a_bounded_few_at_once(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Each NATS request was a task from its arrival, before its key was checked: a
+    flood of made-up keys while the key store was slow (a lookup waits up to the
+    Redis timeout) grew the gateway by bandwidth x that wait. At most
+    ``--nats-max-unauthenticated`` are checked at once; the rest wait in the
+    subscription, and every caller is answered."""
+    fleet = make_fleet(workers=1, gateway_args=["--nats-max-unauthenticated", "3"])
+    assert fleet.redis is not None
+    nc = await fleet.connect(Role.SERVICE, fleet.spec.tenant, "service")
+    body = msgspec.json.encode(BODY)
+
+    async def ask(i: int) -> str:
+        hdrs = {"Authorization": f"Bearer sk-made-up-{i:04d}"}
+        r = await nc.request(INGRESS_CHAT, body, timeout=120, headers=hdrs)
+        assert r.headers is not None
+        return r.headers["Jetserve-Status"]
+
+    async def checking() -> float:
+        async with httpx.AsyncClient(timeout=10) as c:
+            text = (await c.get(fleet.gateway_metrics_urls[0])).text
+        return metric_sum(text, "jetserve_gateway_nats_unauthenticated", ingress="inference")
+
+    try:
+        os.kill(fleet.redis.proc.pid, signal.SIGSTOP)
+        try:
+            asks = [asyncio.create_task(ask(i)) for i in range(30)]
+            # The first lookups time out against the frozen store (a 503 each):
+            # by then all 30 have reached the gateway, and 3 are being checked.
+            await asyncio.wait(asks, return_when=asyncio.FIRST_COMPLETED)
+            await until(lambda: _equals(checking(), 3.0), "3 keys being checked")
+            assert sum(t.done() for t in asks) < 30
+        finally:
+            os.kill(fleet.redis.proc.pid, signal.SIGCONT)
+        statuses = await asyncio.gather(*asks)
+        assert set(statuses) <= {"401", "503"}, statuses
+        assert "401" in statuses  # the keys checked once the store was back
+        await until(lambda: _equals(checking(), 0.0), "no key being checked")
+    finally:
+        await nc.close()
+
+
+async def _equals(value: Awaitable[float], want: float) -> bool:
+    return await value == want
