@@ -102,6 +102,14 @@ return 1
 """
 
 
+# A marker deleted only while it is still the caller's: another session's, set
+# since, stays.
+_DEL_IF_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
 # A forgotten claim's generation goes back one (the key goes at 0), only while it
 # is still that claim's: a claim made since keeps its own.
 _GEN_BACK_LUA = """
@@ -126,6 +134,7 @@ class IdempotencyStore:
         self._poll = poll_s
         self._guard = client.register_script(_GUARDED_LUA)  # EVALSHA, loaded on NOSCRIPT
         self._gen_back = client.register_script(_GEN_BACK_LUA)
+        self._del_if = client.register_script(_DEL_IF_LUA)
 
     async def claim(self, tenant: str, idem_key: str, body: bytes, deadline: float) -> Claim:
         if not idem_key or len(idem_key) > 255:
@@ -247,7 +256,11 @@ class IdempotencyStore:
         (not fresh, or the claim changed meanwhile)."""
         if not claim.fresh or not await self._guarded("release", claim, claim.owner, b""):
             return False
-        await self._redis.delete(_ALIVE + claim.key_hash)  # (its admission is over)
+        # Its admission is over. Only its own marker: once the claim is released a
+        # retry may claim the key anew and say it admits; deleting that retry's
+        # marker let a third retry take over a run that was only slow to queue,
+        # and run it twice.
+        await self._del_if(keys=[_ALIVE + claim.key_hash], args=[claim.owner])
         generation = int(claim.request_id[24:], 16)
         await self._gen_back(
             keys=[PREFIX + "gen:" + claim.key_hash], args=[str(generation), str(generation - 1)]

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from gateway.tenancy.accounting import Accountant, Scope
 from gateway.tenancy.idempotency import PREFIX, Claim, IdempotencyStore, Stored, key_hash
 from jetserve.fleet import Fleet
+from jetserve.services import Service
 from tests.connected.test_resume import BODY, ledger_records, read_events, reference
 from tests.scrape import metric_sum
 from tests.tcp_cut import CutProxy
@@ -451,3 +452,32 @@ async def test_a_retry_that_loses_its_own_link_leaves_the_run_and_its_claim(
     usage = rows[0]["usage"]
     assert isinstance(usage, dict)
     assert usage["completion_tokens"] == 400  # all of it, not the retry's view
+
+
+async def test_forgetting_a_refused_claim_leaves_a_later_claims_admitting_mark(
+    redis_server: Service,
+) -> None:
+    """A claim refused before anything was held is forgotten: its key, its "still
+    admitting" mark and its generation go. Its own mark only: once the key is
+    released, a retry may claim it anew and mark itself admitting before the mark
+    is deleted. Deleting that retry's mark let a third retry take over a run that
+    was only slow to be queued, and run it twice."""
+    rds = aioredis.Redis.from_url(redis_server.redis_url("gateway"))
+    try:
+        store = IdempotencyStore(rds, ttl_s=600)
+        first = await store.claim("acme", "refused", b"{}", time.time() + 60)
+        assert first.fresh
+        await store.admitting(first, 5.0)
+        alive = PREFIX + "alive:" + first.key_hash
+        await rds.set(alive, "a-retrys-owner", px=5000)  # as the retry's admission does
+        assert await store.forget(first)
+        assert await rds.get(alive) == b"a-retrys-owner"
+        # A claim's own mark goes with it, and the generation is given back.
+        second = await store.claim("acme", "refused", b"{}", time.time() + 60)
+        assert second.fresh
+        assert second.request_id == first.request_id
+        await store.admitting(second, 5.0)
+        assert await store.forget(second)
+        assert not await store.alive(second)
+    finally:
+        await rds.aclose()
