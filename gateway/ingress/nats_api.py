@@ -46,8 +46,8 @@ from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
 from gateway.ingress.nats_tasks import PENDING_BYTES, IngressTasks, Known
 from gateway.ingress.sse import client_events
-from gateway.ingress.tenant_slots import TenantSlots
 from gateway.tenancy.keys import KeyRecord
+from gateway.tenancy.tenant_slots import TenantSlots
 from streams.logs import log_event
 from streams.subjects import INGRESS_CHAT, INGRESS_COMPLETIONS, INGRESS_EMBEDDINGS
 from streams.tasks import stop_task

@@ -10,7 +10,7 @@ for one of them to be authenticated or to end, and what arrives meanwhile waits 
 the subscription's pending buffer, which nats-py bounds (:data:`PENDING_BYTES`;
 past it the message is dropped as a slow consumer's, logged, and its caller's
 request times out). Once authenticated, a request counts against its tenant's
-bound instead (gateway/ingress/tenant_slots.py).
+bound instead (gateway/tenancy/tenant_slots.py).
 """
 
 from __future__ import annotations

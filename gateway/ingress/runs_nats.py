@@ -34,9 +34,9 @@ from gateway.errors import GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
 from gateway.ingress.nats_targets import inbox_tenant
 from gateway.ingress.nats_tasks import PENDING_BYTES, IngressTasks, Known
-from gateway.ingress.tenant_slots import TenantSlots
 from gateway.runs.service import RunsService
 from gateway.runs.views import view
+from gateway.tenancy.tenant_slots import TenantSlots
 from streams.subjects import INGRESS_RUNS
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -52,6 +53,7 @@ from gateway.tenancy.accounting import Scope
 from gateway.tenancy.idempotency import HEADER as IDEM_HEADER
 from gateway.tenancy.keys import KeyRecord
 from gateway.tenancy.records import AGENT_RUN_ROUTE, RecordHead
+from gateway.tenancy.tenant_slots import TenantSlots
 from gateway.tracing import child_traceparent
 from streams.agent import (
     TERMINAL,
@@ -72,6 +74,8 @@ from streams.subjects import RequestClass, run_events_subject
 # The hold on the tenant's budget outlives the deadline by this much: time for
 # the tree to end and the settler to turn the hold into the actual charge.
 SETTLE_GRACE_S = 600.0
+# Run event streams a tenant may follow at once on one replica (429 past it).
+MAX_EVENT_FOLLOWERS = 64
 # Compare-and-set rounds to record a decision on a run an executor is also writing.
 _RECORD_ATTEMPTS = 5
 
@@ -83,6 +87,11 @@ class RunsService:
     def __init__(self, gw: InferenceService, store: RunStore) -> None:
         self.gw = gw
         self.store = store
+        # Each followed event stream is an ordered consumer on the bus and a
+        # queue here, free of charge: bounded per tenant, as resumes are.
+        self.followers = TenantSlots(
+            MAX_EVENT_FOLLOWERS, "run event streams of a tenant open", "too_many_followers"
+        )
 
     async def _key(self, authorization: str | None) -> KeyRecord:
         return await self.gw.tenancy.authenticate(authorization)
@@ -417,6 +426,7 @@ class RunsService:
                 last = None
             if last is None or (last.seq or 0) <= last_event_id:
                 return _ended()
+        self.followers.enter(run.tenant)  # 429 past the bound (refused before anything)
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def on_msg(msg: Msg) -> None:
@@ -432,8 +442,13 @@ class RunsService:
                 subject, stream=stream, cb=on_msg, ordered_consumer=True, config=config
             )
         except (nats.errors.Error, APIError, TimeoutError) as exc:
+            self.followers.leave(run.tenant)
             raise Unavailable("The message bus is unavailable.", code="bus_unavailable") from exc
-        return _follow(queue, sub, self.gw.cfg.keepalive_s)
+        except BaseException:
+            self.followers.leave(run.tenant)
+            raise
+        left = functools.partial(self.followers.leave, run.tenant)
+        return _follow(queue, sub, self.gw.cfg.keepalive_s, left)
 
 
 async def _ended() -> AsyncGenerator[RunStreamItem, None]:
@@ -441,7 +456,7 @@ async def _ended() -> AsyncGenerator[RunStreamItem, None]:
 
 
 async def _follow(
-    queue: asyncio.Queue[Msg], sub: Any, keepalive_s: float
+    queue: asyncio.Queue[Msg], sub: Any, keepalive_s: float, left: Callable[[], None]
 ) -> AsyncGenerator[RunStreamItem, None]:
     try:
         while True:
@@ -459,6 +474,7 @@ async def _follow(
             if event.kind == "status" and event.status in TERMINAL:
                 return
     finally:
+        left()
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
 

@@ -9,6 +9,7 @@ tenant isolation and the NATS API. The simulator's scripted tool calls drive it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -19,10 +20,12 @@ import httpx
 import pytest
 import redis
 
+from gateway.runs.service import MAX_EVENT_FOLLOWERS
 from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role
 from streams.subjects import INGRESS_RUNS
 from tests.refusals import checked_fleet
+from tests.waits import until
 
 pytestmark = pytest.mark.connected
 
@@ -630,3 +633,35 @@ def test_run_routes_need_a_valid_key(
     r = httpx.request(method, f"{fleet.base_url}{path}", json={}, headers=headers, timeout=10)
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_a_tenant_follows_a_bounded_number_of_run_event_streams(
+    fleet: Fleet, api: httpx.Client
+) -> None:
+    """Each followed run event stream is an ordered consumer on the bus and a queue
+    in the gateway, free of charge: a tenant opened any number. It holds at most
+    MAX_EVENT_FOLLOWERS on a replica; the next is a 429 until one ends."""
+    m = marker()
+    script(fleet, ("user", m, call("payout", {"to": "x", "amount": 1})))
+    run = wait(api, create(api, m, ["payout"])["id"], {"awaiting_approval"})  # parked: live
+    url = f"{fleet.base_url}/v1/runs/{run['id']}/events"
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}
+    limits = httpx.Limits(max_connections=MAX_EVENT_FOLLOWERS + 4)
+    try:
+        async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+            async with contextlib.AsyncExitStack() as held:
+                for _ in range(MAX_EVENT_FOLLOWERS):
+                    followed = await held.enter_async_context(c.stream("GET", url, headers=auth))
+                    assert followed.status_code == 200
+                over = await c.get(url, headers=auth)
+                assert over.status_code == 429, over.text
+                assert over.json()["error"]["code"] == "too_many_followers"
+
+            # All of them closed: followed again once the gateway saw them end.
+            async def followed_again() -> bool:
+                async with c.stream("GET", url, headers=auth) as again:
+                    return again.status_code == 200
+
+            await until(followed_again, "the closed event streams counted out")
+    finally:
+        await asyncio.to_thread(api.post, f"/v1/runs/{run['id']}/cancel")

@@ -1,4 +1,4 @@
-"""Requests in flight per tenant over NATS (gateway/ingress/tenant_slots.py): the
+"""Requests in flight per tenant over NATS (gateway/tenancy/tenant_slots.py): the
 bound each NATS ingress (inference, runs) keeps, of the same size."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import RateLimited
-from gateway.ingress.tenant_slots import TenantSlots
+from gateway.tenancy.tenant_slots import TenantSlots
 
 
 def test_a_tenant_past_its_bound_is_refused_and_its_slots_come_back() -> None:

@@ -1,5 +1,7 @@
-"""Requests in flight per tenant over NATS: a service's connection is not a socket
-of ours, so the bound (a WebSocket's is per socket) is per tenant and replica."""
+"""Things a tenant holds at once on one gateway replica, bounded: requests in
+flight over NATS (a service's connection is not a socket of ours, so the bound,
+a WebSocket's per socket, is per tenant and replica), and agent-run event streams
+followed (each an ordered consumer on the bus, free of charge)."""
 
 from __future__ import annotations
 
@@ -9,19 +11,24 @@ from collections.abc import Iterator
 
 from gateway.errors import RateLimited
 
+NATS_INFLIGHT = "requests of a tenant in flight over NATS"
+
 
 class TenantSlots:
-    def __init__(self, limit: int) -> None:
+    def __init__(
+        self, limit: int, what: str = NATS_INFLIGHT, code: str = "too_many_inflight"
+    ) -> None:
         self.limit = limit
+        self._what = what
+        self._code = code
         self._inflight: Counter[str] = Counter()
 
     def enter(self, tenant: str) -> None:
-        """Count one more request of ``tenant`` in flight, or refuse it (429)."""
+        """Count one more for ``tenant``, or refuse it (429)."""
         if self._inflight[tenant] >= self.limit:
             raise RateLimited(
-                f"At most {self.limit} requests of a tenant in flight over NATS "
-                "on this gateway; wait for one to finish.",
-                code="too_many_inflight",
+                f"At most {self.limit} {self._what} on this gateway; wait for one to finish.",
+                code=self._code,
                 retry_after=1.0,
             )
         self._inflight[tenant] += 1
