@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 
 from streams.auth import Role, inbox_prefix
@@ -112,8 +114,38 @@ class _Client(Client):
             self._pings_outstanding = 0
 
 
+class _SlowConsumers:
+    """nats-py reports each message a full subscription drops, from the connection's
+    read loop: under a flood a warning per message slowed the loop every
+    subscription shares. Counted, and said at most once per :data:`EVERY_S`."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._dropped: dict[str, int] = {}
+        self._said = float("-inf")
+
+    def dropped(self, subject: str) -> None:
+        self._dropped[subject] = self._dropped.get(subject, 0) + 1
+        now = time.monotonic()
+        if now - self._said >= self.EVERY_S:
+            self._said = now
+            counts, self._dropped = self._dropped, {}
+            log.warning(
+                "nats %s: a full subscription dropped messages (slow consumer): %s",
+                self._name,
+                ", ".join(f"{n} on {s}" for s, n in sorted(counts.items())),
+            )
+
+
 async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
+    slow = _SlowConsumers(name)
+
     async def on_error(exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            slow.dropped(exc.subject)
+            return
         log.warning("nats %s: %s", name, exc)
 
     async def on_disconnect() -> None:

@@ -223,9 +223,12 @@ class Topology:
         every gateway, worker and executor reads them there
         (:meth:`with_stream_lanes`), so none can disagree."""
         counts = {f"{LANE_METADATA}{c.value}": str(self.lanes_of(c)) for c in LANE_CLASSES}
-        split = {CLASS_STREAMS_METADATA: "1"} if self.class_streams else {}
-        if self.lane_shards > 1:
-            split[LANE_SHARDS_METADATA] = str(self.lane_shards)
+        # Written when off too: an update keeps the keys it does not set
+        # (streams/provision.py), so an absent key would not turn one off.
+        split = {
+            CLASS_STREAMS_METADATA: "1" if self.class_streams else "0",
+            LANE_SHARDS_METADATA: str(self.lane_shards),
+        }
         return {
             **counts,
             POOL_LANES_METADATA: str(self.pool_lanes),

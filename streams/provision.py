@@ -6,6 +6,7 @@ NATS credentials forbid it): they ``await_topology`` until it is there."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -67,18 +68,17 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: boo
     assert name is not None
     what = f"stream {name}"
     try:
-        await patiently(what, js.stream_info, name)
+        info = await patiently(what, js.stream_info, name)
     except NotFoundError:
         try:
             await patiently(what, js.add_stream, want)
             return
         except APIError as exc:  # a concurrent creator may have won the race
             try:
-                await patiently(what, js.stream_info, name)
+                info = await patiently(what, js.stream_info, name)
             except NotFoundError:
                 raise ProvisioningError(f"cannot create stream {name}: {exc}") from exc
     if not update:
-        info = await patiently(what, js.stream_info, name)
         differ = [
             f for f in _COMPARED
             if getattr(want, f) is not None and getattr(want, f) != getattr(info.config, f)
@@ -94,9 +94,22 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: boo
             )
         return
     try:
-        await patiently(what, js.update_stream, want)
+        await patiently(what, js.update_stream, _keeping_metadata(want, info.config))
     except APIError as exc:  # a change the server refuses (storage type, deny_delete)
         raise ProvisioningError(f"cannot update stream {name}: {exc}") from exc
+
+
+def _keeping_metadata(want: StreamConfig, have: StreamConfig) -> StreamConfig:
+    """``want`` with the metadata keys it does not set kept from ``have``: an update
+    writes the stream's metadata whole, so a gateway of an older version (a rolling
+    upgrade) stripped the keys a newer one had recorded. The server's own
+    (``_nats.``) are the server's to set."""
+    kept = {
+        k: v for k, v in (have.metadata or {}).items() if not k.startswith("_nats.")
+    }  # fmt: skip
+    if not kept:
+        return want
+    return dataclasses.replace(want, metadata={**kept, **(want.metadata or {})})
 
 
 async def ensure_bucket(js: JetStreamContext, want: KeyValueConfig) -> KeyValue:

@@ -44,7 +44,7 @@ from gateway.inference.openai_types import Parsed
 from gateway.inference.service import Gate, InferenceService
 from gateway.inference.sessions import Admitted, Replayed
 from gateway.ingress.nats_targets import NotOwnInbox, check_target, inbox_tenant
-from gateway.ingress.nats_tasks import PENDING_BYTES, IngressTasks, Known
+from gateway.ingress.nats_tasks import PENDING_BYTES, PENDING_MSGS, IngressTasks, Known
 from gateway.ingress.sse import client_events
 from gateway.tenancy.keys import KeyRecord
 from gateway.tenancy.tenant_slots import TenantSlots
@@ -83,7 +83,11 @@ class NatsIngress:
         for subject in _OPS:
             self._subs.append(
                 await self._nc.subscribe(
-                    subject, QUEUE_GROUP, cb=self._on_msg, pending_bytes_limit=PENDING_BYTES
+                    subject,
+                    QUEUE_GROUP,
+                    cb=self._on_msg,
+                    pending_bytes_limit=PENDING_BYTES,
+                    pending_msgs_limit=PENDING_MSGS,
                 )
             )
 

@@ -7,9 +7,10 @@ a flood of made-up keys, while the key store was slow (a lookup may wait for the
 Redis timeout), cost memory of bandwidth x lookup time. Now at most ``limit``
 messages are unauthenticated at once; past it the subscription's callback waits
 for one of them to be authenticated or to end, and what arrives meanwhile waits in
-the subscription's pending buffer, which nats-py bounds (:data:`PENDING_BYTES`;
-past it the message is dropped as a slow consumer's, logged, and its caller's
-request times out). Once authenticated, a request counts against its tenant's
+the subscription's pending buffer, which nats-py bounds (:data:`PENDING_MSGS`,
+:data:`PENDING_BYTES`; past it the message is dropped as a slow consumer's,
+counted in the log, and its caller's request times out). At shutdown what still
+waits there is dropped the same way. Once authenticated, a request counts against its tenant's
 bound instead (gateway/tenancy/tenant_slots.py).
 """
 
@@ -19,8 +20,12 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-# Of each ingress subscription (nats-py's default is 128 MiB a subscription).
+# What each ingress subscription buffers while the ingress waits: nats-py's
+# defaults are 128 MiB of bodies and 524,288 messages a subscription, and it
+# counts bodies only (headers and each message's own cost, ~1 KB, not at all):
+# a flood of tiny messages queued gigabytes under the byte bound alone.
 PENDING_BYTES = 32 * 1024 * 1024
+PENDING_MSGS = 512
 
 Known = Callable[[], None]  # called once the message's caller is authenticated
 

@@ -14,15 +14,15 @@ Deciding needs a key with the ``approve`` scope that did not create the run
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import BadRequest, Unavailable
 from gateway.ingress.sse import EventStreamResponse
-from gateway.runs.service import RunsService
-from gateway.runs.views import Ended, Idle, RunStreamItem, view
+from gateway.runs.service import EventFeed, RunsService
+from gateway.runs.views import Ended, Idle, view
 from gateway.web import json_response
 from streams.agent import TERMINAL
 
@@ -78,13 +78,15 @@ async def run_events(request: Request) -> Response:
         request.headers.get("authorization"), request.path_params["run_id"], last
     )
 
-    async def nothing(reason: str) -> None:  # the subscription ends with the stream
-        return None
+    async def gone(reason: str) -> None:
+        # The client left: what following holds goes now, read or not (the
+        # stream's own end gives it back too, via sse's aclosing).
+        await items.aclose()
 
-    return EventStreamResponse(sse(items), nothing, {"X-Run-Id": request.path_params["run_id"]})
+    return EventStreamResponse(sse(items), gone, {"X-Run-Id": request.path_params["run_id"]})
 
 
-async def sse(items: AsyncGenerator[RunStreamItem, None]) -> AsyncIterator[bytes]:
+async def sse(items: EventFeed) -> AsyncIterator[bytes]:
     """The run's event stream as SSE: each event with its sequence as ``id``
     (what Last-Event-ID resumes from)."""
     # aclosing: a client gone closes this, and so the run's subscription at once.

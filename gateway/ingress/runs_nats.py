@@ -33,7 +33,7 @@ from gateway.decoding import decode_body
 from gateway.errors import GatewayError
 from gateway.ingress.nats_api import QUEUE_GROUP, STATUS
 from gateway.ingress.nats_targets import inbox_tenant
-from gateway.ingress.nats_tasks import PENDING_BYTES, IngressTasks, Known
+from gateway.ingress.nats_tasks import PENDING_BYTES, PENDING_MSGS, IngressTasks, Known
 from gateway.runs.service import RunsService
 from gateway.runs.views import view
 from gateway.tenancy.tenant_slots import TenantSlots
@@ -74,6 +74,7 @@ class RunsNatsIngress:
                     QUEUE_GROUP,
                     cb=self._on_msg,
                     pending_bytes_limit=PENDING_BYTES,
+                    pending_msgs_limit=PENDING_MSGS,
                 )
             )
 

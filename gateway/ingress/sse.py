@@ -83,7 +83,12 @@ class EventStreamResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        except BaseException:
+            # Never started: the body was not read, so only this ends what it holds.
+            await self._on_disconnect("client_disconnected")
+            raise
         pump = asyncio.ensure_future(self._pump(send))
         listener = asyncio.ensure_future(wait_disconnect(receive))
         watchers: set[asyncio.Future[Any]] = {pump, listener}

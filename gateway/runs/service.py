@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -406,9 +406,7 @@ class RunsService:
 
     # -- events -----------------------------------------------------------------------
 
-    async def events(
-        self, authorization: str | None, run_id: str, last_event_id: int
-    ) -> AsyncGenerator[RunStreamItem, None]:
+    async def events(self, authorization: str | None, run_id: str, last_event_id: int) -> EventFeed:
         """The run's events after ``last_event_id`` (their stream sequence), then
         live ones, until a terminal status event; :class:`Idle` after each
         ``keepalive_s`` without one. Checked (key, run, subscription) before the
@@ -425,8 +423,9 @@ class RunsService:
             except NotFoundError:
                 last = None
             if last is None or (last.seq or 0) <= last_event_id:
-                return _ended()
-        self.followers.enter(run.tenant)  # 429 past the bound (refused before anything)
+                return EventFeed(_ended())
+        with self._refusals("events", key, run_id):
+            self.followers.enter(run.tenant)  # 429 past the bound, before anything is held
         queue: asyncio.Queue[Msg] = asyncio.Queue()
 
         async def on_msg(msg: Msg) -> None:
@@ -448,7 +447,52 @@ class RunsService:
             self.followers.leave(run.tenant)
             raise
         left = functools.partial(self.followers.leave, run.tenant)
-        return _follow(queue, sub, self.gw.cfg.keepalive_s, left)
+        held = _Held(sub, left)
+        return EventFeed(_follow(queue, held, self.gw.cfg.keepalive_s), held.release)
+
+
+class EventFeed:
+    """A run's events as :meth:`RunsService.events` hands them over. ``aclose()``
+    gives back what following them holds (the tenant's slot, the subscription)
+    whether or not they were ever read: an async generator closed before its
+    first step runs none of its body, so its ``finally`` never freed them."""
+
+    def __init__(
+        self,
+        items: AsyncGenerator[RunStreamItem, None],
+        release: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._items = items
+        self._release = release
+
+    def __aiter__(self) -> EventFeed:
+        return self
+
+    async def __anext__(self) -> RunStreamItem:
+        return await self._items.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._items.aclose()
+        finally:
+            if self._release is not None:
+                await self._release()
+
+
+class _Held:
+    """A follower's slot and subscription, given back once."""
+
+    def __init__(self, sub: Any, left: Callable[[], None]) -> None:
+        self._sub = sub
+        self._left: Callable[[], None] | None = left
+
+    async def release(self) -> None:
+        left, self._left = self._left, None
+        if left is None:
+            return
+        left()
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
 
 
 async def _ended() -> AsyncGenerator[RunStreamItem, None]:
@@ -456,7 +500,7 @@ async def _ended() -> AsyncGenerator[RunStreamItem, None]:
 
 
 async def _follow(
-    queue: asyncio.Queue[Msg], sub: Any, keepalive_s: float, left: Callable[[], None]
+    queue: asyncio.Queue[Msg], held: _Held, keepalive_s: float
 ) -> AsyncGenerator[RunStreamItem, None]:
     try:
         while True:
@@ -474,9 +518,7 @@ async def _follow(
             if event.kind == "status" and event.status in TERMINAL:
                 return
     finally:
-        left()
-        with contextlib.suppress(nats.errors.Error):
-            await sub.unsubscribe()
+        await held.release()
 
 
 def _too_large(exc: RunTooLargeError) -> BadRequest:

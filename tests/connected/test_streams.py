@@ -14,7 +14,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import PubAck
+from nats.js.api import PubAck, StreamConfig
 from nats.js.client import JetStreamContext
 
 from gateway.errors import RateLimited, StreamInterrupted
@@ -26,7 +26,7 @@ from streams.definitions import Limits, Topology
 from streams.errors import RequestTooLargeError
 from streams.inference.frames import FrameBuffer
 from streams.marks import CancelMarks
-from streams.provision import ensure_topology
+from streams.provision import ensure_stream, ensure_topology
 from streams.routes import HedgePolicy
 from streams.subjects import (
     RequestClass,
@@ -111,6 +111,28 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
     finally:
         for nc in conns:
             await nc.close()
+
+
+async def test_an_update_keeps_the_metadata_another_version_recorded(
+    nats_server: Service,
+) -> None:
+    """An update writes a stream's metadata whole: a gateway of an older version (a
+    rolling upgrade) stripped the keys a newer one had recorded. Keys it does not
+    set are kept; those it sets are its own."""
+    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "p", nats_server.bus_auth())
+    try:
+        js = nc.jetstream()
+        newer = {"jetserve.lanes.batch": "16", "jetserve.from_a_newer_version": "yes"}
+        await js.add_stream(name="META", subjects=["meta.>"], metadata=newer)
+        older = StreamConfig(
+            name="META", subjects=["meta.>"], metadata={"jetserve.lanes.batch": "8"}
+        )
+        await ensure_stream(js, older)
+        kept = (await js.stream_info("META")).config.metadata or {}
+        assert kept["jetserve.lanes.batch"] == "8"
+        assert kept["jetserve.from_a_newer_version"] == "yes"
+    finally:
+        await nc.close()
 
 
 async def test_msg_id_dedupes_and_full_queue_refuses(nats_server: Service) -> None:

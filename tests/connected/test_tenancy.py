@@ -126,11 +126,13 @@ def causes(exc: BaseException) -> str:
 
 def gcra_admits(arrivals: list[float], rpm: int, burst_s: float) -> int:
     """How many of ``arrivals`` (seconds, any order) GCRA admits at ``rpm`` with a
-    ``burst_s`` tolerance: the rule of gateway/tenancy/accounting.py, run here."""
-    interval, tat, admitted = 60.0 / rpm, float("-inf"), 0
-    for now in sorted(arrivals):
-        new_tat = max(tat, now) + interval
-        if new_tat - now <= max(burst_s, interval):
+    ``burst_s`` tolerance: the rule of gateway/tenancy/accounting_lua.py, run here
+    in the script's whole microseconds."""
+    interval, burst = 60_000_000 / rpm, int(burst_s * 1_000_000)
+    tat, admitted = None, 0
+    for now in sorted(int(t * 1_000_000) for t in arrivals):
+        new_tat = max(now if tat is None else tat, now) + interval
+        if new_tat - now <= max(burst, interval):
             tat, admitted = new_tat, admitted + 1
     return admitted
 
@@ -182,6 +184,7 @@ async def test_rate_limit_holds_within_5_percent_across_3_gateways(
     # count then falls below rate x (window + burst) without any limiter error).
     records = await until_records(fleet, len(results))
     assert all(int(r["count"]) == 1 for r in records)  # type: ignore[call-overload]
+    assert counted(records, "rejected:rate") == limited  # every 429 the limiter's
     created = [float(r["created"]) for r in records]  # type: ignore[arg-type]
     window = max(created) - min(created)
     bound = rpm / 60 * (window + burst_s)  # GCRA's ceiling: rate x (window + burst)
