@@ -60,6 +60,22 @@ _COMPARED = (
 )  # fmt: skip
 
 
+async def _created(js: JetStreamContext, want: StreamConfig) -> bool:
+    """Create ``want`` if no stream has its name; whether this call created it."""
+    name = want.name
+    assert name is not None
+    try:
+        await patiently(f"stream {name}", js.stream_info, name)
+        return False
+    except NotFoundError:
+        pass
+    try:
+        await patiently(f"stream {name}", js.add_stream, want)
+        return True
+    except APIError:  # a concurrent creator won (ensure_stream says if it did not)
+        return False
+
+
 async def ensure_stream(js: JetStreamContext, want: StreamConfig, *, update: bool = True) -> None:
     """Create the stream, or update it in place (``update`` False: leave one that
     exists as it is: the caller's credential may create it, never change it,
@@ -233,6 +249,13 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     """Create or update the request path's streams and consumers; returns the
     topology as provisioned (an existing stream's lane counts and layout kept)."""
     topo = await recorded_lanes(js, topo)
+    if not await _created(js, topo.stream_config(topo.request_streams[0])):
+        # Someone else made it since we looked (gateways starting together): its
+        # lane counts, partitions and layout win, as for any stream found. Taken
+        # from this process's own configuration instead, an update rewrote them,
+        # and gateways configured with other frames partitions then made capture
+        # streams whose subjects overlapped: every later start failed.
+        topo = await recorded_lanes(js, topo)
     for name in topo.request_streams:
         await ensure_stream(js, topo.stream_config(name))
     for frames in topo.frames_configs():

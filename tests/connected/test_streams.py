@@ -113,6 +113,30 @@ async def test_provisioning_is_idempotent_and_concurrent(nats_server: Service) -
             await nc.close()
 
 
+async def test_gateways_starting_together_with_other_partitions_agree(
+    nats_server: Service,
+) -> None:
+    """Two gateways on a new bus, configured with 1 and 4 frames partitions, start
+    at once. The one that lost the race to create the work-queue stream took its
+    own configuration on: it rewrote the recorded partitions, then one of them made
+    capture streams whose subjects overlapped the other's, and every later start
+    failed. The stream's creator wins; both, and a third, provision its layout."""
+    url = f"nats://127.0.0.1:{nats_server.port}"
+    conns = [await connect(url, f"g{i}", nats_server.bus_auth(Role.GATEWAY)) for i in range(3)]
+    try:
+        one, four = Topology(frames_partitions=1), Topology(frames_partitions=4)
+        got = await asyncio.gather(
+            ensure_topology(conns[0].jetstream(), one),
+            ensure_topology(conns[1].jetstream(), four),
+        )
+        assert got[0].frames_partitions == got[1].frames_partitions
+        later = await ensure_topology(conns[2].jetstream(), Topology(frames_partitions=2))
+        assert later.frames_partitions == got[0].frames_partitions
+    finally:
+        for nc in conns:
+            await nc.close()
+
+
 async def test_an_update_keeps_the_metadata_another_version_recorded(
     nats_server: Service,
 ) -> None:
