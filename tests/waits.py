@@ -8,6 +8,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
+
 
 async def until(
     check: Callable[[], Awaitable[object]], what: str, bound_s: float = 30.0, every_s: float = 0.05
@@ -37,3 +39,16 @@ async def until_true(cond: Callable[[], object], what: str, bound_s: float = 30.
         return cond()
 
     return await until(check, what, bound_s)
+
+
+async def until_streamed(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], what: str
+) -> float:
+    """Until a GET of the stream at ``url`` is served (200) again: a bound on
+    open streams counts one out once the gateway saw it end."""
+
+    async def served() -> bool:
+        async with client.stream("GET", url, headers=headers) as again:
+            return again.status_code == 200
+
+    return await until(served, what)

@@ -25,7 +25,7 @@ from jetserve.fleet import Fleet, FleetSpec
 from streams.auth import Role
 from streams.subjects import INGRESS_RUNS
 from tests.refusals import checked_fleet
-from tests.waits import until
+from tests.waits import until_streamed
 
 pytestmark = pytest.mark.connected
 
@@ -658,10 +658,6 @@ async def test_a_tenant_follows_a_bounded_number_of_run_event_streams(
                 assert over.json()["error"]["code"] == "too_many_followers"
 
             # All of them closed: followed again once the gateway saw them end.
-            async def followed_again() -> bool:
-                async with c.stream("GET", url, headers=auth) as again:
-                    return again.status_code == 200
-
-            await until(followed_again, "the closed event streams counted out")
+            await until_streamed(c, url, auth, "the closed event streams counted out")
     finally:
         await asyncio.to_thread(api.post, f"/v1/runs/{run['id']}/cancel")

@@ -20,7 +20,7 @@ from streams.definitions import DEFAULT_TOPOLOGY
 from streams.subjects import frames_filter
 from tests.refusals import assert_no_refusals
 from tests.scrape import metric_sum
-from tests.waits import until, until_sync
+from tests.waits import until, until_streamed, until_sync
 from workers.inference.relay import CAPTURE_EVERY_S
 
 pytestmark = pytest.mark.connected
@@ -439,9 +439,4 @@ async def test_a_tenant_holds_a_bounded_number_of_resumes_open(fleet: Fleet) -> 
                 assert over.status_code == 429, over.text
                 assert over.json()["error"]["code"] == "too_many_resumes"
         # All of them closed: resumes are served again once the gateway saw them end.
-
-        async def served_again() -> bool:
-            async with c.stream("GET", url, headers=auth) as again:
-                return again.status_code == 200
-
-        await until(served_again, "the closed resumes counted out")
+        await until_streamed(c, url, auth, "the closed resumes counted out")
