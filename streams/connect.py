@@ -8,6 +8,7 @@ told ``insecure``: then it connects without a credential and says so loudly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 import time
@@ -117,26 +118,35 @@ class _Client(Client):
 class _SlowConsumers:
     """nats-py reports each message a full subscription drops, from the connection's
     read loop: under a flood a warning per message slowed the loop every
-    subscription shares. Counted, and said at most once per :data:`EVERY_S`."""
+    subscription shares. Counted per subscription, and said at most once per
+    ``every_s`` (what is counted after a line, at the end of that interval)."""
 
-    EVERY_S = 5.0
-
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, every_s: float = 5.0) -> None:
         self._name = name
+        self._every_s = every_s
         self._dropped: dict[str, int] = {}
         self._said = float("-inf")
+        self._flush: asyncio.TimerHandle | None = None
 
     def dropped(self, subject: str) -> None:
         self._dropped[subject] = self._dropped.get(subject, 0) + 1
-        now = time.monotonic()
-        if now - self._said >= self.EVERY_S:
-            self._said = now
-            counts, self._dropped = self._dropped, {}
-            log.warning(
-                "nats %s: a full subscription dropped messages (slow consumer): %s",
-                self._name,
-                ", ".join(f"{n} on {s}" for s, n in sorted(counts.items())),
-            )
+        wait = self._said + self._every_s - time.monotonic()
+        if wait <= 0:
+            self._say()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(wait, self._say)
+
+    def _say(self) -> None:
+        self._flush = None
+        if not self._dropped:
+            return
+        self._said = time.monotonic()
+        counts, self._dropped = self._dropped, {}
+        log.warning(
+            "nats %s: a full subscription dropped messages (slow consumer): %s",
+            self._name,
+            ", ".join(f"{n} on {s}" for s, n in sorted(counts.items())),
+        )
 
 
 async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
@@ -144,7 +154,8 @@ async def connect(url: str, name: str, auth: BusAuth = OPEN) -> Client:
 
     async def on_error(exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
-            slow.dropped(exc.subject)
+            # The subscription's subject: a wildcard's messages each have their own.
+            slow.dropped(exc.sub.subject if exc.sub is not None else exc.subject)
             return
         log.warning("nats %s: %s", name, exc)
 

@@ -60,19 +60,28 @@ _COMPARED = (
 )  # fmt: skip
 
 
-async def _created(js: JetStreamContext, want: StreamConfig) -> bool:
-    """Create ``want`` if no stream has its name; whether this call created it."""
-    name = want.name
-    assert name is not None
+async def _created(js: JetStreamContext, topo: Topology) -> bool:
+    """Create ``topo``'s first work-queue stream if the fleet has none (in either
+    layout); whether this call created it."""
+    want = topo.stream_config(topo.request_streams[0])
+    what = f"stream {want.name}"
     try:
-        await patiently(f"stream {name}", js.stream_info, name)
+        await recorded_stream(js, topo)
         return False
     except NotFoundError:
         pass
     try:
-        await patiently(f"stream {name}", js.add_stream, want)
+        await patiently(what, js.add_stream, want)
         return True
-    except APIError:  # a concurrent creator won (ensure_stream says if it did not)
+    except APIError as exc:
+        # Lost the race (the other layout's winner makes this add overlap), or
+        # refused: JetStream not ready yet (a cluster electing its leader). Only
+        # a stream that is there now says which; without one, going on with this
+        # process's own layout could rewrite the winner's a moment later.
+        try:
+            await recorded_stream(js, topo)
+        except NotFoundError:
+            raise ProvisioningError(f"cannot create {what}: {exc}") from exc
         return False
 
 
@@ -249,7 +258,7 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     """Create or update the request path's streams and consumers; returns the
     topology as provisioned (an existing stream's lane counts and layout kept)."""
     topo = await recorded_lanes(js, topo)
-    if not await _created(js, topo.stream_config(topo.request_streams[0])):
+    if not await _created(js, topo):
         # Someone else made it since we looked (gateways starting together): its
         # lane counts, partitions and layout win, as for any stream found. Taken
         # from this process's own configuration instead, an update rewrote them,

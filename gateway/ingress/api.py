@@ -17,6 +17,7 @@ from gateway.ingress.sse import (
     ClientGone,
     EventStreamResponse,
     client_events,
+    ender,
     race_disconnect,
     sse_body,
     wait_disconnect,
@@ -89,9 +90,7 @@ async def _serve(request: Request, op: Op) -> Response:
         response.headers["X-Request-Id"] = adm.request_id
         return response
     stream = sse_body(client_events(gw, adm, first))
-    return EventStreamResponse(
-        stream, lambda reason: gw.abandon(adm, reason), headers, adm.stream.overflowed
-    )
+    return EventStreamResponse(stream, ender(gw, adm), headers, adm.stream.overflowed)
 
 
 async def resume_stream(request: Request) -> Response:
@@ -116,9 +115,7 @@ async def resume_stream(request: Request) -> Response:
     )
     headers = {"X-Request-Id": session.request_id}
     stream = sse_body(client_events(gw, session, None))
-    return EventStreamResponse(
-        stream, lambda reason: gw.abandon(session, reason), headers, session.stream.overflowed
-    )
+    return EventStreamResponse(stream, ender(gw, session), headers, session.stream.overflowed)
 
 
 async def chat_completions(request: Request) -> Response:

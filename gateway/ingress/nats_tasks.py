@@ -25,7 +25,7 @@ from typing import Any, Protocol
 # counts bodies only (headers and each message's own cost, ~1 KB, not at all):
 # a flood of tiny messages queued gigabytes under the byte bound alone.
 PENDING_BYTES = 32 * 1024 * 1024
-PENDING_MSGS = 512
+PENDING_MSGS = 2048
 
 Known = Callable[[], None]  # called once the message's caller is authenticated
 

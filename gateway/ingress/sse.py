@@ -60,6 +60,11 @@ async def race_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
+# What ``on_disconnect`` hears when the response never started: the client has no
+# X-Request-Id, so there is nothing it could resume.
+NOT_STARTED = "not_started"
+
+
 class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
@@ -87,7 +92,7 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         except BaseException:
             # Never started: the body was not read, so only this ends what it holds.
-            await self._on_disconnect("client_disconnected")
+            await self._on_disconnect(NOT_STARTED)
             raise
         pump = asyncio.ensure_future(self._pump(send))
         listener = asyncio.ensure_future(wait_disconnect(receive))
@@ -119,6 +124,19 @@ class EventStreamResponse(Response):
             if isinstance(exc, OSError):
                 return
             raise exc
+
+
+def ender(gw: InferenceService, session: Session) -> Callable[[str], Awaitable[None]]:
+    """An inference stream's ``on_disconnect``: the session abandoned, resumable
+    unless its response never started."""
+
+    async def end(reason: str) -> None:
+        if reason == NOT_STARTED:
+            await gw.abandon(session, "client_disconnected", may_resume=False)
+        else:
+            await gw.abandon(session, reason)
+
+    return end
 
 
 class ClientEvent(NamedTuple):
