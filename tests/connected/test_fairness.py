@@ -79,10 +79,10 @@ async def test_a_second_tenant_is_served_ahead_of_a_flood(
     # Flood requests served while the other tenant's one waited: the queue ahead of
     # it. First come, first served, that is the whole flood (~24); in turn, at most
     # the one running in the engine (one sequence at a time, and the excess may run
-    # beside the in-turn puller's slot: the engine queues one). Told by the
-    # gateway's clock (each record's created + first_token_ms), not the client's:
-    # on a loaded box this client's loop took in answers late, and flood answers
-    # that came before the other tenant's request were counted after it.
+    # beside the in-turn puller's slot: the engine queues one). Told by when the
+    # gateway took the request in and the engine began each answer, not by when
+    # this client's loop took answers in: loaded, it took them late, and flood
+    # answers that came before the other tenant's request were counted after it.
     other_id = r.headers["x-request-id"]
     other, floods_served = await _served(fleet, other_id, len(flood_done))
     ahead = sum(1 for t in floods_served if other[0] < t < other[1])
@@ -104,15 +104,14 @@ def _ledger(fleet: Fleet, tenant: str) -> list[dict[str, object]]:
     return [msgspec.json.decode(line) for line in text.splitlines() if line]
 
 
-def _first_token_at(record: dict[str, object]) -> float:
-    return float(record["created"]) + float(record["first_token_ms"] or 0) / 1000  # type: ignore[arg-type]
-
-
 async def _served(
     fleet: Fleet, other_id: str, floods: int
 ) -> tuple[tuple[float, float], list[float]]:
-    """The other tenant's request (created, first token) and when each flood request
-    got its first token, by the gateway's clock, once the books hold them all."""
+    """The other tenant's request (arrived at the gateway, first token) and each
+    flood request's first token, by this machine's wall clock: the arrival is the
+    ledger record's ``created``, a first token the engine's own record (the
+    ledger's ``first_token_ms`` counts from after the fair gate's hold, so a held
+    flood request would look served before it was)."""
     other: list[dict[str, object]] = []
     flood: list[dict[str, object]] = []
 
@@ -125,8 +124,20 @@ async def _served(
         return bool(other) and len(flood) >= floods
 
     await until(recorded, "the other tenant's and the flood's records")
-    (one,) = other
-    return (float(one["created"]), _first_token_at(one)), [_first_token_at(f) for f in flood]  # type: ignore[arg-type]
+    async with httpx.AsyncClient(timeout=30) as c:
+
+        async def first_token(request_id: object) -> float:
+            r = await c.get(f"{fleet.sim_url}/sim/requests/{request_id}")
+            assert r.status_code == 200, r.text
+            at = r.json()["first_token_at"]
+            assert at is not None, request_id
+            return float(at)
+
+        (one,) = other
+        arrived = float(one["created"])  # type: ignore[arg-type]
+        return (arrived, await first_token(one["request_id"])), [
+            await first_token(f["request_id"]) for f in flood
+        ]
 
 
 async def test_a_client_that_leaves_while_held_for_its_turn_is_never_published(
