@@ -27,7 +27,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from streams.provision import ensure_bucket, ensure_consumer, ensure_stream
+from streams.provision import ensure_bucket, ensure_stream, patiently
 from streams.subjects import AGENT_SETTLE, AGENT_STEP, RUN_EVENTS_WILDCARD
 
 DAY_S = 86_400.0
@@ -137,5 +137,5 @@ async def ensure_agent(
     await ensure_stream(js, topo.stream_config(), update=not executor)
     await ensure_stream(js, topo.events_config(), update=not executor)
     consumer = topo.step_consumer_config() if executor else topo.settle_consumer_config()
-    await ensure_consumer(js, topo.stream, consumer)
+    await patiently(f"consumer {consumer.durable_name}", js.add_consumer, topo.stream, consumer)
     return await ensure_bucket(js, topo.kv_config())

@@ -14,7 +14,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, ConsumerInfo, KeyValueConfig, StreamConfig
+from nats.js.api import ConsumerInfo, KeyValueConfig, StreamConfig
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -273,9 +273,11 @@ async def ensure_topology(js: JetStreamContext, topo: Topology = DEFAULT_TOPOLOG
     await ensure_routes(js, topo)
     for cls in topo.classes:
         # Creating a durable with a config is create-or-update on nats-server >= 2.10.
-        await ensure_consumer(js, topo.stream_of(cls), topo.consumer_config(cls))
+        plain = topo.consumer_config(cls)
+        await patiently(f"{cls} consumer", js.add_consumer, topo.stream_of(cls), plain)
     for cls in topo.excess_classes:
-        await ensure_consumer(js, topo.stream_of(cls), topo.consumer_config(cls, excess=True))
+        excess = topo.consumer_config(cls, excess=True)
+        await patiently(f"{cls} excess", js.add_consumer, topo.stream_of(cls), excess)
     # Hundreds of lane consumers: create only those missing or changed, a few
     # requests at a time.
     wants = [
@@ -321,60 +323,15 @@ async def _create_missing(
     wants = [w for w in wants if not _current(have.get(w["durable_name"]), w)]
     gate = asyncio.Semaphore(CREATE_CONCURRENCY)
 
-    kept: dict[str, list[str]] = {}  # refused change -> consumers left as they are
-
     async def create(want: dict[str, Any]) -> None:
         async with gate:
-            refused = await ensure_raw_consumer(js, stream, want)
-        if refused is not None:
-            kept.setdefault(refused, []).append(want["durable_name"])
+            await ensure_raw_consumer(js, stream, want)
 
     await asyncio.gather(*(create(w) for w in wants))
-    for description, names in kept.items():  # one line, not one per lane
-        _say_kept(sorted(names), description)
 
 
-# nats-server's refusal of a change to a consumer setting it cannot change
-# (max_waiting, ack or replay policy, start position): "... can not be updated".
-_IMMUTABLE = ("can not be updated", "can not update")
-
-
-def _immutable(description: str) -> bool:
-    """Whether a refused consumer update is one to live with (logged by the
-    caller): a setting this version changed that the server cannot change in
-    place. Raised, every gateway of the new version failed to start while the
-    old consumer stood."""
-    return any(text in description for text in _IMMUTABLE)
-
-
-def _say_kept(names: list[str], description: str) -> None:
-    log.warning(
-        "%d consumer(s) (%s) keep a setting the server cannot change (%s); delete them "
-        "(they are made anew at the next start) to apply this version's",
-        len(names),
-        ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
-        description,
-    )
-
-
-async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
-    """Create-or-update a durable (nats-server >= 2.10), living with a setting it
-    cannot change (:func:`_immutable`)."""
-    name = str(config.durable_name)
-    try:
-        await patiently(f"consumer {name}", js.add_consumer, stream, config)
-    except APIError as exc:
-        if not _immutable(exc.description or ""):
-            raise
-        _say_kept([name], exc.description or "")
-
-
-async def ensure_raw_consumer(
-    js: JetStreamContext, stream: str, config: dict[str, Any]
-) -> str | None:
-    """Create-or-update a durable from a raw JSON config (fields nats-py lacks).
-    None: done; else the server's refusal of a setting it cannot change (the
-    consumer is left as it is: :func:`_immutable`)."""
+async def ensure_raw_consumer(js: JetStreamContext, stream: str, config: dict[str, Any]) -> None:
+    """Create-or-update a durable from a raw JSON config (fields nats-py lacks)."""
     name = config["durable_name"]
     # The extended form names the filter too, so a role may be allowed to
     # create only consumers of some subjects (workers: their pool's).
@@ -386,11 +343,7 @@ async def ensure_raw_consumer(
         raise ProvisioningError(f"cannot create consumer {name}: {exc}") from exc
     answer = json.loads(reply.data)
     if "error" in answer:
-        description = str(answer["error"].get("description", ""))
-        if _immutable(description):
-            return description
         raise ProvisioningError(f"cannot create consumer {name}: {answer['error']}")
-    return None
 
 
 async def await_topology(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -136,28 +135,6 @@ async def test_gateways_starting_together_with_other_partitions_agree(
     finally:
         for nc in conns:
             await nc.close()
-
-
-async def test_a_consumer_setting_the_server_cannot_change_is_kept_and_said(
-    nats_server: Service, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A version that changes a consumer setting nats-server cannot change in place
-    (max_waiting: "max waiting can not be updated") failed every gateway start
-    while the older consumers stood. They are kept as they are, and that is logged,
-    once for the lanes (hundreds), not once a consumer."""
-    nc = await connect(f"nats://127.0.0.1:{nats_server.port}", "p", nats_server.bus_auth())
-    try:
-        js = nc.jetstream()
-        await ensure_topology(js, Topology(limits=Limits(max_waiting=64)))  # the older one
-        with caplog.at_level(logging.WARNING, logger="streams.provision"):
-            await ensure_topology(js)  # this version's 512
-        ci = await js.consumer_info("JETSERVE_REQ", "workers-interactive")
-        assert ci.config.max_waiting == 64
-        kept = [r.getMessage() for r in caplog.records if "cannot change" in r.getMessage()]
-        assert any("512 consumer(s) (workers-batch-l00" in line for line in kept)  # the lanes
-        assert len(kept) < 20, kept  # a line per kind of consumer, not per lane
-    finally:
-        await nc.close()
 
 
 async def test_an_update_keeps_the_metadata_another_version_recorded(
