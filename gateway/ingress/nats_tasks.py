@@ -39,7 +39,6 @@ class IngressTasks:
     def __init__(self, limit: int, gauge: Counted | None = None) -> None:
         if limit < 1:
             raise ValueError("the unauthenticated limit must be at least 1")
-        self.limit = limit
         self.tasks: set[asyncio.Task[None]] = set()
         self.unauthenticated = 0
         self._gauge = gauge
